@@ -1,0 +1,5 @@
+import sys
+
+from fq.cli import main
+
+sys.exit(main())

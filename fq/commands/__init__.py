@@ -1,0 +1,1 @@
+"""Subcommands of ``fq``: one module per group, each exposing ``register(subparsers)``."""
