@@ -1,0 +1,266 @@
+"""Assemblies: the signed plan of one product, and the consumer's checks of it.
+
+A product is a chain base -> stage -> ...; its plan (predicate ``fq-assembly/1``, schema
+``fq/schemas/fq-assembly.schema.json``) names the campaign identity, the base (node, directory,
+manifest name + digest), the runtime constants of every chain node (K, codebook), and every fragment
+with its sha256, attestation digest, header digest, parent edge and per-expert byte ranges — so a
+consumer can narrow to chosen experts before reading any payload. ``version`` is monotonic per
+(campaign, product); ``expires`` is an explicit UTC timestamp (``YYYY-MM-DDTHH:MM:SSZ``). The plan is
+an in-toto Statement (subjects: every fragment and the base manifest) in the same DSSE envelope as
+fragments, stored at ``ROOT/assemblies/PRODUCT.assembly.intoto.jsonl``; fragment names are relative
+to ROOT.
+
+    build_assembly(root, product=, chain=, fragments=, base_dir=, campaign=, version=, expires=, public_key=) -> dict
+    write_assembly(root, plan, key) -> Path
+    read_assembly(path, public_key, now=, state=None, min_version=None) -> Plan
+    PlanState(path)   # highest version seen per (campaign, product): refuses rollback and same-version swaps
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from fq import atomic
+from fq.attest import dsse
+from fq.attest.campaign import campaign_digest
+from fq.attest.fragment import verify_shard
+from fq.attest.keys import fingerprint
+from fq.attest.statement import ASSEMBLY, parse_statement, statement, validate_predicate
+from fq.canonical import dumps, load, pretty, sha256_hex
+from fq.errors import FqError
+from fq.fragments import check_node
+from fq.manifest import MANIFEST_NAME, read_base_manifest
+from fq.safepath import check_name, read_regular, split_path
+
+FORMAT = "fq-assembly/1"
+SUFFIX = ".assembly.intoto.jsonl"
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def assembly_name(product: str) -> str:
+    return f"assemblies/{check_node(product, 'product')}{SUFFIX}"
+
+
+def format_time(t: dt.datetime | str) -> str:
+    if isinstance(t, str):
+        parse_time(t, "expires")
+        return t
+    if t.tzinfo is None:
+        raise FqError("expires: give a timezone-aware datetime (UTC)")
+    return t.astimezone(dt.timezone.utc).strftime(TIME_FORMAT)
+
+
+def parse_time(text: str, where: str) -> dt.datetime:
+    try:
+        return dt.datetime.strptime(text, TIME_FORMAT).replace(tzinfo=dt.timezone.utc)
+    except (TypeError, ValueError):
+        raise FqError(f"{where}: {text!r} is not a UTC time YYYY-MM-DDTHH:MM:SSZ") from None
+
+
+def check_chain(chain: list[dict], where: str) -> None:
+    """A chain is one base then stages, each stage's parent the node before it; node names unique."""
+    if not chain or chain[0]["role"] != "base" or chain[0]["parent"] is not None:
+        raise FqError(f"{where}: chain must start with a base node that has no parent")
+    seen = set()
+    for i, n in enumerate(chain):
+        if n["node"] in seen:
+            raise FqError(f"{where}: node {n['node']!r} appears twice in the chain")
+        seen.add(n["node"])
+        if i and (n["role"] != "stage" or n["parent"] != chain[i - 1]["node"]):
+            raise FqError(f"{where}: chain[{i}] {n['node']!r} must be a stage whose parent is {chain[i - 1]['node']!r}")
+
+
+def check_fragments(plan: dict, where: str) -> None:
+    """Internal consistency of a plan: unique (node, layer, block), constants from the chain, every stage
+    fragment's parent edge names the parent node's fragment of the same block, experts nested."""
+    chain = {n["node"]: n for n in plan["chain"]}
+    base_dir = plan["base"]["dir"]
+    by_key = {}
+    for f in plan["fragments"]:
+        check_name(f["name"], f"{where}: fragment name")
+        if f["node"] not in chain:
+            raise FqError(f"{where}: fragment {f['name']} belongs to node {f['node']!r}, which is not in the chain")
+        k = (f["node"], f["layer"], f["block"])
+        if k in by_key:
+            raise FqError(f"{where}: two fragments for node {k[0]} layer {k[1]} block {k[2]}")
+        by_key[k] = f
+        if (chain[f["node"]]["role"] == "base") != f["name"].startswith(base_dir + "/"):
+            raise FqError(f"{where}: fragment {f['name']}: base fragments live under {base_dir}/, stage fragments not")
+        ranges = [(e["offset"], e["offset"] + e["length"]) for e in f["experts"]]
+        if [e["expert"] for e in f["experts"]] != sorted({e["expert"] for e in f["experts"]}) or \
+                any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+            raise FqError(f"{where}: fragment {f['name']}: experts must be ascending with disjoint ranges")
+    for (node, layer, block), f in by_key.items():
+        parent = chain[node]["parent"]
+        if parent is None:
+            if f["parent"] is not None:
+                raise FqError(f"{where}: base fragment {f['name']} names a parent")
+            continue
+        pf = by_key.get((parent, layer, block))
+        if pf is None:
+            raise FqError(f"{where}: stage fragment {f['name']} has no {parent} fragment for layer {layer} block {block}")
+        edge = {"name": pf["name"].rsplit("/", 1)[-1], "sha256": pf["sha256"]}
+        if f["parent"] != edge:
+            raise FqError(f"{where}: stage fragment {f['name']} records parent {f['parent']}, but the plan's "
+                          f"{parent} fragment is {edge} (chain edge broken)")
+        missing = {e["expert"] for e in f["experts"]} - {e["expert"] for e in pf["experts"]}
+        if missing:
+            raise FqError(f"{where}: stage fragment {f['name']} corrects experts {sorted(missing)} its parent lacks")
+
+
+def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], fragments: list[str],
+                   base_dir: str, campaign: dict, version: int, expires: dt.datetime | str,
+                   public_key: Ed25519PublicKey) -> dict:
+    """The plan of ``product``: verifies every named fragment (signature and bytes) and the base manifest
+    under ``public_key``, re-derives K/codebook per node from the fragments, and checks the chain."""
+    check_name(base_dir, "base_dir")
+    for i, n in enumerate(chain):
+        if not isinstance(n, dict) or set(n) != {"node", "role", "K", "codebook", "parent"}:
+            raise FqError(f"plan {product}: chain[{i}] must be {{node, role, K, codebook, parent}}, got {n!r}")
+    check_chain(chain, f"plan {product}")
+    manifest = read_base_manifest(Path(root) / base_dir, public_key, campaign)
+    nodes = {n["node"]: n for n in chain}
+    entries, predicates = [], []
+    for name in sorted(fragments):
+        att = verify_shard(root, name, public_key, campaign)
+        p = att.predicate
+        predicates.append(p)
+        if p["kind"] != "expert":
+            raise FqError(f"{name}: a {p['kind']} shard is not a fragment of a chain node")
+        node = nodes.get(p["node"])
+        if node is None:
+            raise FqError(f"{name}: fragment of node {p['node']!r}, which is not in {product}'s chain")
+        derived = {(lin.K, lin.codebook) for lin in att.info.linears.values()}
+        if derived != {(node["K"], node["codebook"])}:
+            raise FqError(f"{name}: tensors are {sorted(derived)}, the chain says K={node['K']} {node['codebook']}")
+        if p["role"] != node["role"]:
+            raise FqError(f"{name}: fragment role {p['role']}, the chain says {node['role']}")
+        entries.append({"name": name, "sha256": att.sha256, "attestation_sha256": att.attestation_sha256,
+                        "node": p["node"], "layer": p["layer"], "block": p["block"], "size": p["shard"]["size"],
+                        "header_sha256": p["shard"]["header_sha256"], "parent": p["parent"],
+                        "experts": p["experts"]})
+    order = {n["node"]: i for i, n in enumerate(chain)}
+    entries.sort(key=lambda f: (order[f["node"]], f["layer"], f["block"]))
+    layouts = {dumps(p["layout"]) for p in predicates}
+    if len(layouts) > 1:
+        raise FqError(f"plan {product}: fragments use {len(layouts)} different expert layouts; a product has one")
+    plan = {"format": FORMAT, "product": product, "version": version, "expires": format_time(expires),
+            "campaign": campaign, "layout": predicates[0]["layout"] if predicates else {},
+            "base": {"node": chain[0]["node"] if chain else "", "dir": base_dir,
+                     "manifest": {"name": f"{base_dir}/{MANIFEST_NAME}", "sha256": manifest.sha256}},
+            "chain": chain, "fragments": entries}
+    validate_predicate(ASSEMBLY, plan, f"plan {product}")
+    check_chain(chain, f"plan {product}")
+    check_fragments(plan, f"plan {product}")
+    if manifest.node != chain[0]["node"]:
+        raise FqError(f"plan {product}: {base_dir} is the base of {manifest.node!r}, the chain starts at {chain[0]['node']!r}")
+    for f in entries:
+        if f["node"] == chain[0]["node"] and f["name"][len(base_dir) + 1:] not in manifest.files:
+            raise FqError(f"plan {product}: base fragment {f['name']} is not listed in the base manifest")
+    return plan
+
+
+def sign_assembly(plan: dict, key: Ed25519PrivateKey) -> bytes:
+    subjects = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
+               [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
+    return dsse.envelope_line(dsse.sign(statement(subjects, ASSEMBLY, plan), key))
+
+
+def write_assembly(root: str | os.PathLike, plan: dict, key: Ed25519PrivateKey) -> Path:
+    if plan["campaign"]["signer"] != fingerprint(key):
+        raise FqError(f"plan {plan['product']}: campaign names another signer than this key")
+    path = Path(root) / assembly_name(plan["product"])
+    atomic.write_bytes(path, sign_assembly(plan, key))
+    return path
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str
+    sha256: str  # of the envelope line: what state files and adapters record
+    predicate: dict
+
+    @property
+    def campaign_digest(self) -> str:
+        return campaign_digest(self.predicate["campaign"])
+
+
+class PlanState:
+    """Highest plan version seen per (campaign digest, product), kept in a small JSON file.
+
+    Refuses an older version (rollback) and a different plan under an already-seen version.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def _load(self) -> dict:
+        if not self.path.exists():
+            return {}
+        obj = load(self.path)
+        if not isinstance(obj, dict) or not all(isinstance(v, dict) and set(v) == {"version", "sha256"}
+                                                 for v in obj.values()):
+            raise FqError(f"{self.path}: plan state must map campaign/product to {{version, sha256}}")
+        return obj
+
+    def check(self, plan: Plan) -> None:
+        p = plan.predicate
+        seen = self._load().get(f"{plan.campaign_digest}/{p['product']}")
+        if seen is None:
+            return
+        if p["version"] < seen["version"]:
+            raise FqError(f"{plan.path}: plan version {p['version']} is older than version {seen['version']} already "
+                          f"seen for {p['product']} (rollback refused)")
+        if p["version"] == seen["version"] and plan.sha256 != seen["sha256"]:
+            raise FqError(f"{plan.path}: a different plan with the same version {p['version']} was already seen "
+                          f"for {p['product']}; a changed plan needs a higher version")
+
+    def record(self, plan: Plan) -> None:
+        state = self._load()
+        key = f"{plan.campaign_digest}/{plan.predicate['product']}"
+        if state.get(key, {}).get("version", 0) <= plan.predicate["version"]:
+            state[key] = {"version": plan.predicate["version"], "sha256": plan.sha256}
+            atomic.write_text(self.path, pretty(state))
+
+
+def read_assembly(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
+                  state: PlanState | None = None, min_version: int | None = None) -> Plan:
+    """Verify a plan: signature first, then statement and schema, signer, chain, expiry, version."""
+    directory, name = split_path(path)
+    where = str(path)
+    data = read_regular(directory, name, where)
+    subjects, plan = parse_statement(dsse.open_envelope(data, public_key, where), where, ASSEMBLY)
+    if plan["campaign"]["signer"] != fingerprint(public_key):
+        raise FqError(f"{where}: campaign identity names signer {plan['campaign']['signer'][:16]}…, not the pinned key")
+    want = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
+           [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
+    if subjects != want:
+        raise FqError(f"{where}: statement subjects differ from the plan's fragments and manifest")
+    check_chain(plan["chain"], where)
+    check_fragments(plan, where)
+    now = now or dt.datetime.now(dt.timezone.utc)
+    expires = parse_time(plan["expires"], f"{where}: expires")
+    if now >= expires:
+        raise FqError(f"{where}: plan expired at {plan['expires']} (now {now.strftime(TIME_FORMAT)})")
+    if min_version is not None and plan["version"] < min_version:
+        raise FqError(f"{where}: plan version {plan['version']} is older than the required minimum {min_version}")
+    result = Plan(where, sha256_hex(data), plan)
+    if state is not None:
+        state.check(result)
+    return result
+
+
+PRODUCT_FILE = re.compile(r"(.+)" + re.escape(SUFFIX))
+
+
+def campaign_root(plan_path: str | os.PathLike) -> Path:
+    """ROOT of ``ROOT/assemblies/X.assembly.intoto.jsonl``; anything else needs an explicit root."""
+    p = Path(plan_path)
+    if p.parent.name != "assemblies":
+        raise FqError(f"{plan_path}: not inside an assemblies/ directory; pass the campaign root explicitly (--root)")
+    return p.parent.parent

@@ -1,0 +1,208 @@
+"""``fq combine``: one verified adapter for one product and a chosen set of experts.
+
+Order of trust (nothing is read before what vouches for it has been verified):
+
+1. the plan: signature under the pinned key, schema, chain, edges, expiry, version (``read_assembly``);
+2. narrowing: from the signed plan alone, the fragments and byte ranges holding the chosen experts —
+   fragments without chosen experts are never opened;
+3. per fragment used: its attestation (digest named by the plan, signature, same campaign identity,
+   same node/layer/block/parent/ranges as the plan), then its safetensors header (digest attested,
+   exact key set, geometry), then only the chosen experts' byte ranges, each hashed against the plan;
+4. runtime constants (K, codebook) re-derived from the tensors (shapes, marker values), never copied;
+   per (layer, expert, projection) every chain node has the same (in, out);
+5. with ``base_dir``: the base manifest digest and the base fragments' chosen byte ranges on disk
+   must be the ones the plan pins (the parent byte ranges the first stage corrects).
+
+Output: ``out`` (see ``fq.adapter``) and ``out.intoto.jsonl``: an in-toto Statement (predicate
+``fq-adapter/1``) in a DSSE envelope, signed when ``sign_key`` is given, else with no signatures
+(a record of exactly which plan and bytes it was built from).
+
+    combine(plan_path, public_key, out, experts="all", base_dir=None, root=None, now=None,
+            state=None, min_version=None, sign_key=None) -> Combined
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from fq import atomic
+from fq.adapter import FORMAT as ADAPTER_FORMAT, adapter_key, write_adapter
+from fq.assembly import PlanState, campaign_root, read_assembly
+from fq.attest import dsse
+from fq.attest.fragment import check_header, range_mismatch, read_attestation
+from fq.attest.statement import ADAPTER, statement
+from fq.canonical import sha256_hex
+from fq.errors import FqError
+from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
+from fq.fragments import expert_structure, fragment_meta
+from fq.manifest import read_base_manifest
+from fq.safepath import open_regular
+from fq.selection import Selection, parse_selection
+from fq.shards import RawTensor, read_header, read_range
+
+
+@dataclass
+class Combined:
+    path: Path
+    sha256: str
+    attestation: Path
+    experts: list[tuple[int, int]]
+    stages: list[dict]
+    fragments_opened: list[str] = field(default_factory=list)
+    payload_bytes_read: int = 0
+
+
+def _narrow(plan: dict, sel: Selection) -> tuple[list[tuple[dict, list[dict]]], list[tuple[int, int]]]:
+    """(fragment, chosen expert ranges) for every fragment holding a chosen expert; from the plan alone."""
+    base = plan["chain"][0]["node"]
+    in_base: dict[int, set[int]] = {}
+    for f in plan["fragments"]:
+        if f["node"] == base:
+            in_base.setdefault(f["layer"], set()).update(e["expert"] for e in f["experts"])
+    every, per_layer = sel.named()
+    for layer, experts in sorted(per_layer.items()):
+        if layer not in in_base:
+            raise FqError(f"--experts: layer {layer} is not in product {plan['product']} (layers {sorted(in_base)})")
+        missing = sorted(experts - in_base[layer])
+        if missing:
+            raise FqError(f"--experts: experts {missing} of layer {layer} are not in product {plan['product']}")
+    if every is not None:
+        for layer, have in sorted(in_base.items()):
+            if every - have:
+                raise FqError(f"--experts: experts {sorted(every - have)} are not in layer {layer} of {plan['product']}")
+    chosen = sorted((layer, e) for layer, ex in in_base.items() for e in ex if sel.chosen(layer, e))
+    keep = set(chosen)
+    work = []
+    for f in plan["fragments"]:
+        rs = [e for e in f["experts"] if (f["layer"], e["expert"]) in keep]
+        if rs:
+            work.append((f, rs))
+    return work, chosen
+
+
+def _check_attestation(att, f: dict, node: dict, where: str) -> None:
+    p = att.predicate
+    if att.attestation_sha256 != f["attestation_sha256"]:
+        raise FqError(f"{where}: attestation is not the one the plan names (digest differs)")
+    if att.sha256 != f["sha256"]:
+        raise FqError(f"{where}: attested sha256 differs from the plan's")
+    for k in ("node", "layer", "block", "parent", "experts"):
+        if p[k] != f[k]:
+            raise FqError(f"{where}: attestation and plan disagree on {k}")
+    if (p["shard"]["size"], p["shard"]["header_sha256"]) != (f["size"], f["header_sha256"]):
+        raise FqError(f"{where}: attestation and plan disagree on the shard's size or header")
+    if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
+        raise FqError(f"{where}: attested {p['role']} K={p['K']} {p['codebook']}, the plan's chain says "
+                      f"{node['role']} K={node['K']} {node['codebook']}")
+
+
+def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *,
+            experts: str | Selection = "all", base_dir: str | os.PathLike | None = None,
+            root: str | os.PathLike | None = None, now: dt.datetime | None = None, state: PlanState | None = None,
+            min_version: int | None = None, sign_key: Ed25519PrivateKey | None = None) -> Combined:
+    plan_obj = read_assembly(plan_path, public_key, now=now, state=state, min_version=min_version)
+    plan = plan_obj.predicate
+    root = Path(root) if root is not None else campaign_root(plan_path)
+    layout = ExpertLayout.from_json(plan["layout"], f"{plan_path}: layout")
+    chain = plan["chain"]
+    index = {n["node"]: i for i, n in enumerate(chain)}
+    if len(chain) < 2:
+        raise FqError(f"{plan_path}: product {plan['product']} is a bare base; it has no residual to combine")
+    sel = parse_selection(experts) if isinstance(experts, str) else experts
+    work, chosen = _narrow(plan, sel)
+    if not any(index[f["node"]] > 0 for f, _ in work):
+        raise FqError(f"--experts {sel.describe()}: no stage of {plan['product']} corrects any chosen expert")
+
+    base_rel = plan["base"]["dir"] + "/"
+    if base_dir is not None:
+        manifest = read_base_manifest(base_dir, public_key, plan["campaign"])
+        if manifest.sha256 != plan["base"]["manifest"]["sha256"]:
+            raise FqError(f"--base {base_dir}: manifest sha256 {manifest.sha256[:16]}… is not the base this plan "
+                          f"was built on ({plan['base']['manifest']['sha256'][:16]}…)")
+
+    result = Combined(Path(out), "", Path(str(out) + ".intoto.jsonl"), chosen, [])
+    geometry: dict[tuple[int, int, str], tuple[int, int]] = {}
+    residual: dict[tuple[int, int, int, str, str], RawTensor] = {}
+    for f, ranges in work:
+        i = index[f["node"]]
+        node = chain[i]
+        src_root, src_name = root, f["name"]
+        if i == 0 and base_dir is not None:
+            src_root, src_name = Path(base_dir), f["name"][len(base_rel):]
+            if manifest.files.get(src_name, (None,))[0] != f["sha256"]:
+                raise FqError(f"--base {base_dir}: {src_name} is not listed in its manifest with the plan's sha256")
+        where = f"{src_root}/{src_name}"
+        att = read_attestation(src_root, src_name, public_key, plan["campaign"])
+        _check_attestation(att, f, node, where)
+        result.fragments_opened.append(where)
+        with open_regular(src_root, src_name, where) as fh:
+            header = read_header(fh, where)
+            check_header(att, header, where)
+            meta = fragment_meta(header)
+            _, linears = expert_structure(header, meta)
+            if header.file_size != f["size"]:
+                raise FqError(f"{where}: {header.file_size} bytes, the plan says {f['size']}")
+            for e in ranges:
+                ex = e["expert"]
+                keys = expert_keys(layout, f["layer"], ex, meta["codebook"])
+                if header.span(keys, f"expert {ex}") != (e["offset"], e["length"]):
+                    raise FqError(f"{where}: expert {ex} is not at the byte range the plan names")
+                for proj in layout.projections:
+                    lin = linears[(ex, proj)]
+                    g = geometry.setdefault((f["layer"], ex, proj), (lin.in_features, lin.out_features))
+                    if g != (lin.in_features, lin.out_features):
+                        raise FqError(f"{where}: expert {ex} {proj} is {lin.in_features}x{lin.out_features}, "
+                                      f"its parent chain has {g[0]}x{g[1]}")
+                if i == 0 and base_dir is None:
+                    continue  # the base's payload is the consumer's own; only --base compares it
+                data = read_range(fh, e["offset"], e["length"], where)
+                result.payload_bytes_read += len(data)
+                if sha256_hex(data) != e["sha256"]:
+                    raise range_mismatch(att, ex, sha256_hex(data), where)
+                if i == 0:
+                    continue
+                for proj in layout.projections:
+                    specs, raws = {}, {}
+                    for s in suffixes(meta["codebook"]):
+                        ent = header.entry(layout.key(f["layer"], ex, proj, s))
+                        lo = ent.start - e["offset"]
+                        raws[s] = RawTensor(adapter_key(layout, f["layer"], ex, proj, i, s), ent.dtype, ent.shape,
+                                            data[lo: lo + ent.length])
+                        specs[s] = (ent.dtype, ent.shape)
+                    m = raws.get(meta["codebook"])
+                    value = int.from_bytes(m.data, "little", signed=True) if m is not None else None
+                    lin = derive_linear(specs, f"{where}: expert {ex} {proj}", value)
+                    if (lin.K, lin.codebook) != (node["K"], node["codebook"]):
+                        raise FqError(f"{where}: expert {ex} {proj} tensors are K={lin.K} {lin.codebook}, "
+                                      f"the plan says K={node['K']} {node['codebook']}")
+                    for s, r in raws.items():
+                        residual[(f["layer"], ex, i, proj, s)] = r
+
+    order = {p: n for n, p in enumerate(layout.projections)}
+    sfx = {s: n for n, s in enumerate(("trellis", "suh", "svh", "mcg", "mul1"))}
+    tensors = [residual[k] for k in sorted(residual, key=lambda k: (k[0], k[1], k[2], order[k[3]], sfx[k[4]]))]
+    used = sorted({i for (_, _, i, _, _) in residual})
+    stages = [{"index": i, "node": chain[i]["node"], "K": chain[i]["K"], "codebook": chain[i]["codebook"]} for i in used]
+    meta = {"format": ADAPTER_FORMAT, "product": plan["product"], "version": str(plan["version"]),
+            "plan_sha256": plan_obj.sha256, "stages": json.dumps(stages, separators=(",", ":")),
+            "layout": json.dumps(layout.to_json(), separators=(",", ":"))}
+    sha, spans = write_adapter(out, tensors=tensors, meta=meta, layout=layout)
+    predicate = {"format": ADAPTER_FORMAT, "product": plan["product"], "version": plan["version"],
+                 "plan_sha256": plan_obj.sha256, "campaign": plan["campaign"],
+                 "base_manifest_sha256": plan["base"]["manifest"]["sha256"], "layout": layout.to_json(),
+                 "stages": stages,
+                 "experts": [{"layer": L, "expert": E, "offset": o, "length": n, "sha256": d} for L, E, o, n, d in spans],
+                 "fragments": [{"name": f["name"], "sha256": f["sha256"]} for f, _ in work]}
+    payload = statement([(Path(out).name, sha)], ADAPTER, predicate)
+    envelope = dsse.sign(payload, sign_key) if sign_key is not None else dsse.unsigned(payload)
+    atomic.write_bytes(result.attestation, dsse.envelope_line(envelope))
+    if state is not None:
+        state.record(plan_obj)
+    result.sha256, result.stages = sha, stages
+    return result
+

@@ -1,0 +1,48 @@
+"""``fq combine --key PUBKEY --plan PLAN [--experts SELECTION] [--base DIR] --out FILE``.
+
+Verifies the signed plan, narrows to the chosen experts before reading any payload, and writes one
+adapter (the residual tensors of the chosen experts) plus its attestation ``FILE.intoto.jsonl``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fq.assembly import PlanState
+from fq.attest import keys
+from fq.combine import combine
+from fq.commands.verify import load_pinned
+
+
+def default_state() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "fq" / "plan-versions.json"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("combine", help="build one verified adapter for a product and chosen experts")
+    p.add_argument("--key", required=True, metavar="PUBKEY", help="the signer's public key (PEM)")
+    p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
+    p.add_argument("--plan", required=True, metavar="PLAN", help="ROOT/assemblies/PRODUCT.assembly.intoto.jsonl")
+    p.add_argument("--experts", default="all", metavar="SELECTION",
+                   help="'all' (default), '0-7,12' (every layer) or '3:0-7;5:1' (per layer)")
+    p.add_argument("--base", metavar="DIR", help="the base checkpoint that will be loaded; compared with the plan")
+    p.add_argument("--root", metavar="DIR", help="campaign root (default: the directory above assemblies/)")
+    p.add_argument("--out", required=True, metavar="FILE", help="adapter to write (safetensors)")
+    p.add_argument("--sign-key", metavar="KEY", help="sign the adapter's attestation with this private key")
+    p.add_argument("--min-version", type=int, metavar="N", help="refuse plans with a version below N")
+    p.add_argument("--state", metavar="FILE", help=f"plan-version state (default {default_state()})")
+    p.add_argument("--no-state", action="store_true", help="do not read or record plan versions")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    key, fp = load_pinned(args)
+    state = None if args.no_state else PlanState(args.state or default_state())
+    sign_key = keys.load_private(args.sign_key) if args.sign_key else None
+    result = combine(args.plan, key, args.out, experts=args.experts, base_dir=args.base, root=args.root,
+                     state=state, min_version=args.min_version, sign_key=sign_key)
+    stages = ", ".join(f"{s['node']} (K={s['K']} {s['codebook']})" for s in result.stages)
+    print(f"wrote {result.path} ({len(result.experts)} experts, stages: {stages}; sha256 {result.sha256})")
+    print(f"attestation: {result.attestation}")
+    return 0

@@ -1,0 +1,20 @@
+"""``fq keygen --out PREFIX``: a new Ed25519 signer key pair (PREFIX.key mode 0600, PREFIX.pub)."""
+from __future__ import annotations
+
+from fq.attest import keys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("keygen", help="write a new Ed25519 signer key pair",
+                       description="Write PREFIX.key (PKCS#8 PEM, mode 0600) and PREFIX.pub; print the fingerprint "
+                                   "(sha256 of the raw public key) that campaigns and consumers pin.")
+    p.add_argument("--out", required=True, metavar="PREFIX", help="path prefix of the two key files")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    priv, pub, fp = keys.generate(args.out)
+    print(f"private key: {priv}")
+    print(f"public key:  {pub}")
+    print(f"fingerprint: {fp}")
+    return 0

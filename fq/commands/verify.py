@@ -1,0 +1,43 @@
+"""``fq verify PATH --key PUBKEY``: check shards, a directory of them, or a published campaign.
+
+Exit 0 only if everything holds; otherwise one line per problem on stderr and exit 1.
+"""
+from __future__ import annotations
+
+import sys
+
+from fq.assembly import PlanState
+from fq.attest import keys
+from fq.verify import verify_path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("verify", help="verify fragments, attestations, manifests and plans against a pinned key",
+                       description="PATH: a shard, its attestation, a base manifest, a plan, or a directory "
+                                   "(every file in it must be accounted for).")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--key", required=True, metavar="PUBKEY", help="the signer's public key (PEM)")
+    p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
+    p.add_argument("--state", metavar="FILE", help="plan-version state file: refuse plans older than seen ones")
+    p.set_defaults(func=run)
+
+
+def load_pinned(args):
+    from fq.errors import FqError
+    key = keys.load_public(args.key)
+    fp = keys.fingerprint(key)
+    if args.fingerprint is not None and args.fingerprint.lower() != fp:
+        raise FqError(f"--key {args.key}: fingerprint {fp} is not the pinned {args.fingerprint}")
+    return key, fp
+
+
+def run(args) -> int:
+    key, fp = load_pinned(args)
+    report = verify_path(args.path, key, state=PlanState(args.state) if args.state else None)
+    for problem in report.problems:
+        print(f"fq verify: {problem}", file=sys.stderr)
+    if not report.ok:
+        return 1
+    print(f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans "
+          f"verified under key {fp}")
+    return 0

@@ -1,0 +1,186 @@
+"""``fq verify``: check a shard, a directory of shards, or a published campaign against a pinned key.
+
+Every file in a verified tree must be accounted for:
+
+- ``*.safetensors``: a fragment or skeleton shard with its ``.intoto.jsonl`` beside it (signature
+  first, then the shard re-hashed in one pass and compared with every attested range);
+- ``*.safetensors.intoto.jsonl``: must have its shard;
+- ``fq-manifest.intoto.jsonl``: a base manifest; every file under its directory is listed and re-hashed;
+- ``assemblies/*.assembly.intoto.jsonl``: a plan; verified (signature, chain, expiry, version), and each
+  fragment it names must be present under the campaign root with the named digests;
+- any other file must be listed by a base manifest above it. Symlinks, FIFOs, devices and leftover
+  ``.tmp-*`` files are problems. All documents must carry one campaign identity.
+
+Problems are collected, one line each; nothing raises past ``verify_path`` except usage errors.
+
+    verify_path(path, public_key, now=None, state=None) -> Report
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from fq.assembly import PRODUCT_FILE, SUFFIX, PlanState, read_assembly
+from fq.attest.campaign import campaign_digest
+from fq.attest.fragment import Attested, verify_shard
+from fq.errors import FqError
+from fq.manifest import MANIFEST_NAME, check_base_files, read_base_manifest
+
+ATT_SUFFIX = ".safetensors.intoto.jsonl"
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    shards: int = 0
+    manifests: int = 0
+    assemblies: int = 0
+    campaigns: dict = field(default_factory=dict)  # campaign digest -> first document naming it
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def campaign(self, ident: dict, where: str) -> None:
+        d = campaign_digest(ident)
+        if self.campaigns and d not in self.campaigns:
+            first = next(iter(self.campaigns.values()))
+            self.problems.append(f"{where}: campaign identity differs from {first}'s (two campaigns in one tree)")
+        self.campaigns.setdefault(d, where)
+
+
+def _kind(path: Path) -> str:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "a symlink"
+    if stat.S_ISDIR(st.st_mode):
+        return "dir"
+    if stat.S_ISREG(st.st_mode):
+        return "file"
+    return "not a regular file"
+
+
+def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, verified: dict[str, Attested]) -> None:
+    plan = read_assembly(path, public_key, now=now, state=state).predicate
+    m = PRODUCT_FILE.fullmatch(path.name)
+    if not m or m[1] != plan["product"]:
+        raise FqError(f"{path}: file name does not match its product {plan['product']!r}")
+    report.campaign(plan["campaign"], str(path))
+    manifest_name = plan["base"]["manifest"]["name"]
+    manifest = read_base_manifest(root / plan["base"]["dir"], public_key, plan["campaign"])
+    if manifest.sha256 != plan["base"]["manifest"]["sha256"]:
+        raise FqError(f"{path}: {manifest_name} is not the base manifest the plan pins")
+    for f in plan["fragments"]:
+        att = verified.get(f["name"]) or verify_shard(root, f["name"], public_key, plan["campaign"])
+        if (att.sha256, att.attestation_sha256) != (f["sha256"], f["attestation_sha256"]):
+            raise FqError(f"{path}: fragment {f['name']} or its attestation is not the one the plan names")
+        p = att.predicate
+        if any(p[k] != f[k] for k in ("node", "layer", "block", "parent", "experts")):
+            raise FqError(f"{path}: fragment {f['name']} differs from the plan's entry")
+
+
+def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
+                state: PlanState | None = None) -> Report:
+    path = Path(path)
+    report = Report()
+    if not os.path.lexists(path):
+        raise FqError(f"{path}: does not exist")
+    kind = _kind(path)
+    if kind == "dir":
+        _verify_tree(report, path, public_key, now, state)
+        return report
+    if kind != "file":
+        report.problems.append(f"{path}: is {kind}, expected a shard, attestation, manifest or assembly")
+        return report
+    name = path.name
+    try:
+        if name.endswith(".safetensors") or name.endswith(ATT_SUFFIX):
+            shard = name[: -len(".intoto.jsonl")] if name.endswith(ATT_SUFFIX) else name
+            att = verify_shard(path.parent, shard, public_key)
+            report.campaign(att.predicate["campaign"], shard)
+            report.shards += 1
+        elif name == MANIFEST_NAME:
+            manifest = read_base_manifest(path.parent, public_key)
+            report.problems += check_base_files(path.parent, manifest)
+            report.manifests += 1
+        elif name.endswith(SUFFIX):
+            if path.parent.name != "assemblies":
+                raise FqError(f"{path}: a plan is verified from ROOT/assemblies/, where its fragment names resolve")
+            _check_plan(report, path, path.parent.parent, public_key, now, state, {})
+            report.assemblies += 1
+        else:
+            report.problems.append(f"{path}: not an fq shard, attestation, manifest or assembly")
+    except FqError as e:
+        report.problems.append(str(e))
+    return report
+
+
+def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
+    files: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in list(dirnames):
+            if os.path.islink(os.path.join(dirpath, d)):
+                report.problems.append(f"{Path(dirpath, d)}: is a symlink; a published tree holds only real files")
+                dirnames.remove(d)
+        dirnames.sort()
+        for f in sorted(filenames):
+            rel = Path(dirpath, f).relative_to(root).as_posix()
+            kind = _kind(root / rel)
+            if kind != "file":
+                report.problems.append(f"{root / rel}: is {kind}, expected a regular file")
+            elif f.startswith(".tmp-"):
+                report.problems.append(f"{root / rel}: leftover temporary file of an interrupted write")
+            else:
+                files.append(rel)
+    present = set(files)
+    covered: set[str] = set()
+    verified: dict[str, Attested] = {}
+    for rel in files:
+        p = root / rel
+        if rel.endswith(".safetensors"):
+            covered.add(rel)
+            try:
+                att = verify_shard(root, rel, public_key)
+                report.campaign(att.predicate["campaign"], rel)
+                verified[rel] = att
+                report.shards += 1
+            except FqError as e:
+                report.problems.append(str(e))
+        elif rel.endswith(ATT_SUFFIX):
+            covered.add(rel)
+            if rel[: -len(".intoto.jsonl")] not in present:
+                report.problems.append(f"{p}: attestation without its shard {rel[: -len('.intoto.jsonl')]}")
+        elif p.name == MANIFEST_NAME:
+            covered.add(rel)
+            base = p.parent
+            try:
+                manifest = read_base_manifest(base, public_key)
+                report.campaign(manifest.campaign, rel)
+                report.problems += check_base_files(base, manifest)
+                prefix = base.relative_to(root).as_posix()
+                covered.update(n if prefix == "." else f"{prefix}/{n}" for n in manifest.files)
+                report.manifests += 1
+            except FqError as e:
+                report.problems.append(str(e))
+    for rel in files:
+        if rel.endswith(SUFFIX) and Path(rel).parent.name == "assemblies":
+            covered.add(rel)
+            plan_root = (root / rel).parent.parent
+            try:
+                prefix = plan_root.relative_to(root).as_posix()
+                scoped = {k[len(prefix) + 1:] if prefix != "." else k: v for k, v in verified.items()
+                          if prefix == "." or k.startswith(prefix + "/")}
+                _check_plan(report, root / rel, plan_root, public_key, now, state, scoped)
+                report.assemblies += 1
+            except FqError as e:
+                report.problems.append(str(e))
+    for rel in files:
+        if rel not in covered:
+            report.problems.append(f"{root / rel}: not covered by any attestation or base manifest")
+    if not files and not report.problems:
+        report.problems.append(f"{root}: no files to verify")

@@ -1,0 +1,152 @@
+"""A small published campaign built with fq's real writers, signers and planners, for provenance tests.
+
+Layers 1 and 3, 8 experts each, blocks of 4. Nodes: base ``k2`` (K=2 mul1), stage ``r1`` on k2
+(K=1 mcg, every expert), stage ``r2`` on r1 (K=2 3inst, hot experts 1, 2, 5 only). Products
+``k2r1`` and ``k2r1r2``. Tensor sets are random but valid EXL3 sets (the codec's quality is irrelevant
+to provenance); ``codec_sets`` substitutes real encoder output where a test needs it.
+
+    ROOT/base/k2/{model-00001-of-00001.safetensors (skeleton), config.json, k2-layer001-block000.safetensors, ...,
+                  fq-manifest.intoto.jsonl}
+    ROOT/stages/r1/..., ROOT/stages/r2/...
+    ROOT/assemblies/{k2r1,k2r1r2}.assembly.intoto.jsonl
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fq.assembly import build_assembly, write_assembly
+from fq.attest import keys
+from fq.attest.campaign import campaign_identity
+from fq.attest.fragment import attest_fragment, attest_skeleton
+from fq.codec.codebook import marker_value
+from fq.experts import STANDARD
+from fq.fragments import fragment_filename, write_fragment, write_skeleton
+from fq.identity import encoder_identity
+from fq.manifest import write_base_manifest
+
+LAYERS = (1, 3)
+N_EXPERTS = 8
+BLOCK = 4
+DIMS = {"gate_proj": (128, 256), "up_proj": (128, 256), "down_proj": (256, 128)}  # torch (out, in)
+NODES = {
+    "k2": {"node": "k2", "role": "base", "K": 2, "codebook": "mul1", "parent": None},
+    "r1": {"node": "r1", "role": "stage", "K": 1, "codebook": "mcg", "parent": "k2"},
+    "r2": {"node": "r2", "role": "stage", "K": 2, "codebook": "3inst", "parent": "r1"},
+}
+HOT = {1, 2, 5}
+PRODUCTS = {"k2r1": ["k2", "r1"], "k2r1r2": ["k2", "r1", "r2"]}
+NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
+EXPIRES = dt.datetime(2030, 6, 1, tzinfo=dt.timezone.utc)
+SOURCE_SHARD = "model-00001-of-00001.safetensors"
+
+_ENCODER = None
+
+
+def encoder():
+    global _ENCODER
+    if _ENCODER is None:
+        _ENCODER = encoder_identity()
+    return _ENCODER
+
+
+def random_set(out_f: int, in_f: int, K: int, codebook: str, gen: torch.Generator) -> dict:
+    t = {"trellis": torch.randint(-32768, 32768, (in_f // 16, out_f // 16, 16 * K), dtype=torch.int16, generator=gen),
+         "suh": ((torch.rand(in_f, generator=gen) < 0.5).float() * 2 - 1).mul(0.05).half(),
+         "svh": ((torch.rand(out_f, generator=gen) < 0.5).float() * 2 - 1).mul(0.05).half()}
+    if marker_value(codebook) is not None:
+        t[codebook] = torch.tensor(marker_value(codebook), dtype=torch.int32)
+    return t
+
+
+def node_dir(node: str) -> str:
+    return f"base/{node}" if NODES[node]["role"] == "base" else f"stages/{node}"
+
+
+def experts_of(node: str, block: int) -> list[int]:
+    ex = range(block * BLOCK, (block + 1) * BLOCK)
+    return [e for e in ex if node != "r2" or e in HOT]
+
+
+@dataclass
+class Campaign:
+    root: Path
+    key_path: Path
+    pub_path: Path
+    priv: object
+    pub: object
+    campaign: dict
+    source: dict
+    sets: dict = field(default_factory=dict)  # (node, layer, expert, proj) -> tensor set
+    plans: dict = field(default_factory=dict)  # product -> plan path
+
+    def frag(self, node: str, layer: int, block: int) -> str:
+        return f"{node_dir(node)}/{fragment_filename(node, layer, block)}"
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def replan(self, product: str, version: int, expires=EXPIRES, key=None) -> Path:
+        return _plan(self, product, version, expires, key or self.priv)
+
+
+def _plan(c: Campaign, product: str, version: int, expires, key) -> Path:
+    chain = [NODES[n] for n in PRODUCTS[product]]
+    names = [c.frag(n, layer, b) for n in PRODUCTS[product] for layer in LAYERS
+             for b in range(N_EXPERTS // BLOCK) if experts_of(n, b)]
+    plan = build_assembly(c.root, product=product, chain=chain, fragments=names, base_dir="base/k2",
+                          campaign=c.campaign, version=version, expires=expires, public_key=c.pub)
+    return write_assembly(c.root, plan, key)
+
+
+def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None) -> Campaign:
+    """``codec_sets[(node, layer, expert, proj)]`` overrides the random set of that linear."""
+    tmp = Path(tmp)
+    key_path, pub_path, fp = keys.generate(tmp / "signer")
+    priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
+    enc = encoder()
+    camp = campaign_identity(name="test", source_repo="fq-test/tiny-moe", source_revision="0" * 40,
+                             recipe_sha256="1" * 64, block_size=BLOCK, signer=fp, encoder=enc["digest"])
+    root = tmp / "campaign"
+    source = {"repo": "fq-test/tiny-moe", "revision": "0" * 40, "shards": [{"name": SOURCE_SHARD, "sha256": "2" * 64}]}
+    c = Campaign(root, key_path, pub_path, priv, pub, camp, source)
+    gen = torch.Generator().manual_seed(seed)
+    base = root / "base/k2"
+    skel = [("model.embed_tokens.weight", torch.randn(64, 128, generator=gen).bfloat16()),
+            ("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
+    skel += [(f"model.layers.{layer}.mlp.gate.weight", torch.randn(N_EXPERTS, 128, generator=gen).bfloat16())
+             for layer in LAYERS]
+    write_skeleton(base / SOURCE_SHARD, tensors=skel, source_shard=SOURCE_SHARD)
+    attest_skeleton(base / SOURCE_SHARD, key=priv, campaign=camp, source=source, encoder=enc)
+    (base / "config.json").write_text(json.dumps({"model_type": "tiny_moe", "num_experts": N_EXPERTS}))
+    for node in ("k2", "r1", "r2"):
+        spec = NODES[node]
+        for layer in LAYERS:
+            for b in range(N_EXPERTS // BLOCK):
+                experts = {}
+                for e in experts_of(node, b):
+                    experts[e] = {}
+                    for proj, (o, i) in DIMS.items():
+                        k = (node, layer, e, proj)
+                        s = (codec_sets or {}).get(k) or random_set(o, i, spec["K"], spec["codebook"], gen)
+                        c.sets[k] = experts[e][proj] = s
+                if not experts:
+                    continue
+                path = root / c.frag(node, layer, b)
+                write_fragment(path, layout=STANDARD, node=node, role=spec["role"], layer=layer, block=b,
+                               K=spec["K"], codebook=spec["codebook"], experts=experts)
+                parent = None
+                if spec["parent"]:
+                    pp = root / c.frag(spec["parent"], layer, b)
+                    from fq.canonical import sha256_hex
+                    parent = {"name": pp.name, "sha256": sha256_hex(pp.read_bytes())}
+                attest_fragment(path, key=priv, campaign=camp, source=source, encoder=enc,
+                                quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]}, parent=parent)
+    write_base_manifest(base, node="k2", campaign=camp, key=priv)
+    for product in PRODUCTS:
+        c.plans[product] = _plan(c, product, 1, EXPIRES, priv)
+    return c
