@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fq.codec import validate_tensors
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear
 from fq.safepath import open_regular, sha256_stream, split_path
@@ -64,6 +65,10 @@ class Adapter:
     layout: ExpertLayout
     linears: dict  # (layer, expert, proj) -> [(stage index, {suffix: tensor})], stages ascending
 
+    def chain(self, layer: int, expert: int, proj: str, base: dict) -> list[dict]:
+        """The tensor sets whose reconstructions sum to the product's weight: the base's set, then the stages'."""
+        return [base] + [tset for _, tset in self.linears.get((layer, expert, proj), [])]
+
 
 def read_adapter(path: str | os.PathLike) -> Adapter:
     """Load an adapter, checking its keys and that every linear's tensors imply its stage's K/codebook."""
@@ -99,5 +104,6 @@ def read_adapter(path: str | os.PathLike) -> Adapter:
         lin = derive_linear(specs, where, int(marker.item()) if marker is not None else None)
         if (lin.K, lin.codebook) != (by_index[stage]["K"], by_index[stage]["codebook"]):
             raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, metadata says otherwise")
+        validate_tensors(tset, where, K=lin.K, codebook=lin.codebook)
         linears.setdefault((layer, expert, proj), []).append((stage, tset))
     return Adapter(dict(meta), stages, layout, linears)

@@ -41,7 +41,7 @@ NODES = {
 HOT = {1, 2, 5}
 PRODUCTS = {"k2r1": ["k2", "r1"], "k2r1r2": ["k2", "r1", "r2"]}
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
-EXPIRES = dt.datetime(2030, 6, 1, tzinfo=dt.timezone.utc)
+EXPIRES = dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc)  # CLI tests run on the real clock
 SOURCE_SHARD = "model-00001-of-00001.safetensors"
 
 _ENCODER = None
@@ -103,8 +103,10 @@ def _plan(c: Campaign, product: str, version: int, expires, key) -> Path:
     return write_assembly(c.root, plan, key)
 
 
-def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None) -> Campaign:
-    """``codec_sets[(node, layer, expert, proj)]`` overrides the random set of that linear."""
+def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dims: dict | None = None) -> Campaign:
+    """``codec_sets[(node, layer, expert, proj)]`` overrides the random set of that linear; ``dims``
+    overrides DIMS (torch (out, in) per projection)."""
+    dims = dims or DIMS
     tmp = Path(tmp)
     key_path, pub_path, fp = keys.generate(tmp / "signer")
     priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
@@ -130,7 +132,7 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None) -> 
                 experts = {}
                 for e in experts_of(node, b):
                     experts[e] = {}
-                    for proj, (o, i) in DIMS.items():
+                    for proj, (o, i) in dims.items():
                         k = (node, layer, e, proj)
                         s = (codec_sets or {}).get(k) or random_set(o, i, spec["K"], spec["codebook"], gen)
                         c.sets[k] = experts[e][proj] = s

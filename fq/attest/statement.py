@@ -18,6 +18,7 @@ from referencing import Registry, Resource
 
 from fq.canonical import dumps, loads
 from fq.errors import FqError
+from fq.safepath import check_name
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 FRAGMENT = "https://fq.dev/attestation/v1"  # fq-attestation/1, profiles "expert" and "skeleton"
@@ -57,10 +58,12 @@ def validate_predicate(predicate_type: str, predicate: object, source: str) -> d
     if schema is None:
         what = f"kind {kind!r}" if predicate_type == FRAGMENT else f"predicateType {predicate_type!r}"
         raise FqError(f"{source}: unknown predicate {what}")
-    errors = sorted(_validator(schema).iter_errors(predicate), key=lambda e: list(e.absolute_path))
+    errors = list(_validator(schema).iter_errors(predicate))
     if errors:
-        e = errors[0]
+        e = jsonschema.exceptions.best_match(errors)  # descends into oneOf to the error that says most
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path) or "(top)"
+        if e.validator == "pattern" and isinstance(e.instance, str):
+            check_name(e.instance, f"{source}: predicate{path}")  # say '..' or 'absolute', not just 'pattern'
         raise FqError(f"{source}: predicate{path}: {e.message} (schema {schema})")
     return predicate  # type: ignore[return-value]
 

@@ -1,0 +1,200 @@
+"""Codec -> fragments -> attestations -> assembly -> verify -> combine -> reconstruct, and the CLI."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import provkit
+from fq.adapter import read_adapter
+from fq.assembly import PlanState, read_assembly
+from fq.attest import dsse, keys
+from fq.attest.statement import ADAPTER, parse_statement
+from fq.cli import main
+from fq.codec import quantize, quantize_residual, reconstruct, reconstruct_chain
+from fq.combine import combine
+from fq.experts import STANDARD
+from fq.fragments import fragment_filename
+from fq.verify import verify_path
+
+NOW = provkit.NOW
+
+
+def base_set(c, layer, expert, proj):
+    """The base's tensor set of one linear, as the consumer loads it from the base fragment."""
+    path = c.root / "base/k2" / fragment_filename("k2", layer, expert // provkit.BLOCK)
+    with safe_open(path, "pt") as f:
+        return {s: f.get_tensor(STANDARD.key(layer, expert, proj, s)) for s in ("trellis", "suh", "svh", "mul1")}
+
+
+@pytest.fixture(scope="module")
+def codec_campaign(tmp_path_factory):
+    """Layer 1 expert 1 gate_proj encoded by the real codec along the whole chain k2 -> r1 -> r2."""
+    dims = {p: (128, 128) for p in provkit.DIMS}
+    W = torch.randn(128, 128, generator=torch.Generator().manual_seed(7)) * 0.02
+    k2 = quantize(W, 2, "mul1", seed=0)
+    r1 = quantize_residual(W, [k2], 1, "mcg", seed=1)
+    r2 = quantize_residual(W, [k2, r1], 2, "3inst", seed=2)
+    sets = {("k2", 1, 1, "gate_proj"): k2, ("r1", 1, 1, "gate_proj"): r1, ("r2", 1, 1, "gate_proj"): r2}
+    c = provkit.build_campaign(tmp_path_factory.mktemp("codec"), codec_sets=sets, dims=dims)
+    return c, W, sets
+
+
+def test_round_trip_with_the_real_codec(codec_campaign, tmp_path):
+    c, W, sets = codec_campaign
+    report = verify_path(c.root, c.pub, now=NOW)
+    assert report.ok, report.problems
+    assert (report.shards, report.manifests, report.assemblies) == (13, 1, 2)
+    out = tmp_path / "k2r1r2-e1.safetensors"
+    res = combine(c.plans["k2r1r2"], c.pub, out, experts="1:1", now=NOW)
+    assert res.experts == [(1, 1)]
+    adapter = read_adapter(out)
+    chain = adapter.chain(1, 1, "gate_proj", base_set(c, 1, 1, "gate_proj"))
+    direct = reconstruct_chain([sets["k2", 1, 1, "gate_proj"], sets["r1", 1, 1, "gate_proj"],
+                                sets["r2", 1, 1, "gate_proj"]])
+    assert torch.equal(reconstruct_chain(chain), direct)
+    assert torch.equal(sum(reconstruct(t) for t in chain), direct)
+    # and the chain does what residual stages are for
+    errs = [float((reconstruct_chain(chain[:n]) - W).square().sum() / W.square().sum()) for n in (1, 2, 3)]
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_combine_equals_the_chain_for_every_chosen_expert(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    out = tmp_path / "a.safetensors"
+    res = combine(c.plans["k2r1r2"], c.pub, out, experts="0-2,5", now=NOW)
+    assert res.experts == [(layer, e) for layer in provkit.LAYERS for e in (0, 1, 2, 5)]
+    adapter = read_adapter(out)
+    assert [s["node"] for s in adapter.stages] == ["r1", "r2"]
+    for layer in provkit.LAYERS:
+        for e in (0, 1, 2, 5):
+            for proj in STANDARD.projections:
+                chain = adapter.chain(layer, e, proj, base_set(c, layer, e, proj))
+                want = [c.sets["k2", layer, e, proj], c.sets["r1", layer, e, proj]]
+                if e in provkit.HOT:
+                    want.append(c.sets["r2", layer, e, proj])
+                assert len(chain) == len(want)
+                for got, exp in zip(chain, want):
+                    assert got.keys() == exp.keys() and all(torch.equal(got[k], exp[k]) for k in got)
+                assert torch.equal(reconstruct_chain(chain), reconstruct_chain(want))
+    with safe_open(out, "pt") as f:
+        keys_ = set(f.keys())
+        assert "model.layers.1.mlp.experts.0.gate_proj.stage1.mcg" in keys_
+        assert "model.layers.1.mlp.experts.0.gate_proj.stage2.trellis" not in keys_  # 0 is not hot
+        assert "model.layers.3.mlp.experts.5.down_proj.stage2.svh" in keys_
+        assert f.metadata()["product"] == "k2r1r2"
+
+
+def test_adapter_attestation_names_plan_and_bytes(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    out = tmp_path / "a.safetensors"
+    res = combine(c.plans["k2r1"], c.pub, out, experts="3:4-7", now=NOW, sign_key=c.priv)
+    line = res.attestation.read_bytes()
+    subjects, pred = parse_statement(dsse.open_envelope(line, c.pub, "adapter"), "adapter", ADAPTER)
+    import hashlib
+    assert subjects == [(out.name, hashlib.sha256(out.read_bytes()).hexdigest())]
+    plan = read_assembly(c.plans["k2r1"], c.pub, now=NOW)
+    assert pred["plan_sha256"] == plan.sha256 and pred["product"] == "k2r1"
+    assert [(e["layer"], e["expert"]) for e in pred["experts"]] == [(3, 4), (3, 5), (3, 6), (3, 7)]
+    assert pred["stages"] == [{"index": 1, "node": "r1", "K": 1, "codebook": "mcg"}]
+
+
+def test_combine_is_deterministic(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    combine(c.plans["k2r1r2"], c.pub, a, now=NOW)
+    combine(c.plans["k2r1r2"], c.pub, b, now=NOW)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_campaign_rebuild_is_byte_identical(tmp_path):
+    """Shards carry no timestamps: the same inputs give the same fragment bytes (keys differ, so the
+    attestations do not, but the signed payload about the fragment does only in the signer)."""
+    a = provkit.build_campaign(tmp_path / "a", seed=3)
+    b = provkit.build_campaign(tmp_path / "b", seed=3)
+    for p in sorted(a.root.rglob("*.safetensors")):
+        assert p.read_bytes() == (b.root / p.relative_to(a.root)).read_bytes(), p
+
+
+def test_narrowing_never_reads_unchosen_payload(tmp_path):
+    """Corrupt expert 7's bytes in every fragment: a selection without it still combines, reading only
+    the chosen ranges; a selection with it is refused."""
+    c = provkit.build_campaign(tmp_path)
+    plan = read_assembly(c.plans["k2r1r2"], c.pub, now=NOW).predicate
+    for f in plan["fragments"]:
+        for e in f["experts"]:
+            if e["expert"] == 7:
+                p = c.root / f["name"]
+                data = bytearray(p.read_bytes())
+                data[e["offset"] + 10] ^= 0xFF
+                p.write_bytes(bytes(data))
+    res = combine(c.plans["k2r1r2"], c.pub, tmp_path / "ok.safetensors", experts="1:1,2", now=NOW)
+    chosen = [e for f in plan["fragments"] if f["node"] != "k2" and f["layer"] == 1 for e in f["experts"]
+              if e["expert"] in (1, 2)]
+    assert res.payload_bytes_read == sum(e["length"] for e in chosen)
+    assert not any("block001" in p for p in res.fragments_opened)  # block 1 holds no chosen expert
+    with pytest.raises(Exception, match="bytes of expert 7 do not match"):
+        combine(c.plans["k2r1r2"], c.pub, tmp_path / "bad.safetensors", experts="7", now=NOW)
+
+
+def test_combine_with_base_compares_the_checkpoint_on_disk(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    res = combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", experts="0", base_dir=c.root / "base/k2", now=NOW)
+    base_ranges = [e for f in read_assembly(c.plans["k2r1"], c.pub, now=NOW).predicate["fragments"]
+                   for e in f["experts"] if e["expert"] == 0]
+    assert res.payload_bytes_read == sum(e["length"] for e in base_ranges)  # base + stage ranges of expert 0
+
+
+def test_plan_state_records_and_accepts_newer(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    state = PlanState(tmp_path / "state.json")
+    combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=NOW, state=state)
+    combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=NOW, state=state)  # same plan again: fine
+    c.replan("k2r1", 2)
+    combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=NOW, state=state)
+    assert '"version": 2' in (tmp_path / "state.json").read_text()
+
+
+# --- CLI ---
+def test_cli_keygen_verify_combine(tmp_path, capsys):
+    assert main(["keygen", "--out", str(tmp_path / "k")]) == 0
+    assert "fingerprint:" in capsys.readouterr().out
+    assert main(["keygen", "--out", str(tmp_path / "k")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists" in err
+
+    c = provkit.build_campaign(tmp_path / "c")
+    fp = keys.fingerprint(c.pub)
+    assert main(["verify", str(c.root), "--key", str(c.pub_path), "--fingerprint", fp]) == 0
+    assert "13 shards, 1 base manifests, 2 plans" in capsys.readouterr().out
+    frag = c.root / c.frag("r1", 1, 0)
+    assert main(["verify", str(frag), "--key", str(c.pub_path)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "adapter.safetensors"
+    rc = main(["combine", "--key", str(c.pub_path), "--plan", str(c.plans["k2r1r2"]), "--experts", "1,2",
+               "--base", str(c.root / "base/k2"), "--out", str(out), "--state", str(tmp_path / "st.json")])
+    assert rc == 0 and out.exists() and "stages: r1 (K=1 mcg), r2 (K=2 3inst)" in capsys.readouterr().out
+
+    # wrong key: one line per problem, exit 1
+    assert main(["keygen", "--out", str(tmp_path / "other")]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(c.root), "--key", str(tmp_path / "other.pub")]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 16 and all(line.startswith("fq verify: ") for line in lines)
+    assert main(["verify", str(c.root), "--key", str(c.pub_path), "--fingerprint", "ab" * 32]) == 2
+    assert main(["combine", "--key", str(c.pub_path), "--plan", str(c.plans["k2r1"]), "--experts", "1-",
+                 "--out", str(out), "--no-state"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("fq combine: --experts: '1-' is not a list")
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    frag = c.root / c.frag("r1", 1, 0)
+    frag.write_bytes(frag.read_bytes()[:-5])
+    r = subprocess.run([sys.executable, "-m", "fq", "combine", "--key", str(c.pub_path), "--plan",
+                        str(c.plans["k2r1"]), "--out", str(tmp_path / "x.safetensors"), "--no-state"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "truncated" in r.stderr
