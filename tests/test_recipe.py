@@ -1,0 +1,237 @@
+"""fq-cartridge/2 recipes: shipped graphs, derived numbers, and every validation refusal."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from fq.errors import FqError
+from fq.recipe import load_recipe, parse_recipe, resolve_selections, selection_counts
+from fq.usage import parse_usage
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def doc(nodes, products=None, **extra):
+    """A recipe document; products default to every node's chain."""
+    if products is None:
+        parent = {n["name"]: n.get("parent") for n in nodes}
+        products = []
+        for n in nodes:
+            chain = [n["name"]]
+            while parent.get(chain[-1]) is not None and len(chain) < 20:
+                chain.append(parent[chain[-1]])
+            products.append({"name": n["name"], "chain": chain[::-1]})
+    return {"format": "fq-cartridge/2", "name": "t", "nodes": nodes, "products": products, **extra}
+
+
+def base(name, K=2, cb="mul1"):
+    return {"name": name, "kind": "base", "K": K, "codebook": cb}
+
+
+def stage(name, parent, K=1, experts="all", cb="mul1"):
+    return {"name": name, "kind": "stage", "parent": parent, "K": K, "codebook": cb, "experts": experts}
+
+
+def refuse(d, *needles):
+    with pytest.raises(FqError) as e:
+        parse_recipe(d, "r.json")
+    msg = str(e.value)
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
+# -- shipped recipes -------------------------------------------------------------------------
+
+
+def test_dag_and_lean_numbers():
+    dag = load_recipe(RECIPES / "glm52-k2k3-dag.json")
+    lean = load_recipe(RECIPES / "glm52-k2k3-lean.json")
+    assert (dag.passes, dag.encoded_bpw, len(dag.products), dag.nominal_bpw) == (9, 14, 9, 35)
+    assert (lean.passes, lean.encoded_bpw, len(lean.products), lean.nominal_bpw) == (7, 12, 7, 26)
+    # lean is dag without the two K1-on-K1 stages, and nothing else
+    assert set(dag.node_names) - set(lean.node_names) == {"k2.r1.r1", "k3.r1.r1"}
+    for n in lean.nodes:
+        assert n == dag.node(n.name)
+
+
+def test_dag_graph_shape():
+    dag = load_recipe(RECIPES / "glm52-k2k3-dag.json")
+    assert [n.name for n in dag.bases] == ["k2", "k3"]
+    assert set(dag.edges) == {("k2", "k2.r1"), ("k2", "k2.r2"), ("k2.r1", "k2.r1.r1"), ("k2.r2", "k2.r2.r1"),
+                              ("k3", "k3.r1"), ("k3", "k3.r2"), ("k3.r1", "k3.r1.r1")}
+    order = dag.node_names
+    for parent, child in dag.edges:
+        assert order.index(parent) < order.index(child)
+    assert dag.chain("k2.r2.r1") == ("k2", "k2.r2", "k2.r2.r1")
+    assert set(dag.descendants("k2")) == {"k2.r1", "k2.r2", "k2.r1.r1", "k2.r2.r1"}
+    assert {(p.name, dag.product_bpw(p)) for p in dag.products} >= {("k2", 2), ("k3.r1.r1", 5), ("k2.r2.r1", 5)}
+
+
+def test_hot_and_demo_recipes():
+    hot = load_recipe(RECIPES / "glm52-k2-hot96.json")
+    assert [(n.name, n.K, n.experts.to_json()) for n in hot.stages] == [("k2.r1", 1, "all"), ("k2.r1.h96", 2, {"hot": 96})]
+    assert hot.uses_hot
+    demo = load_recipe(RECIPES / "demo.json")
+    assert len(demo.bases) == 2 and {n.codebook for n in demo.nodes} == {"mul1"}
+    assert any(n.experts.mode == "hot" and n.experts.hot <= 16 for n in demo.stages)
+    assert any(n.experts.mode == "all" for n in demo.stages)
+    # works with any model of >= 16 experts per layer
+    counts = selection_counts(demo, [1, 2, 3, 4], 16)
+    assert all(v == 16 for sel in counts.values() for v in sel.values())
+
+
+def test_recipe_sha256_ignores_formatting(tmp_path):
+    d = json.loads((RECIPES / "glm52-k2k3-lean.json").read_text())
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(d, indent=4))
+    b.write_text(json.dumps(d, separators=(",", ":")))
+    assert load_recipe(a).sha256 == load_recipe(b).sha256
+    d["nodes"][0]["K"] = 3
+    b.write_text(json.dumps(d))
+    assert load_recipe(a).sha256 != load_recipe(b).sha256
+
+
+def test_node_digest_changes_for_node_and_descendants_only():
+    d = json.loads((RECIPES / "glm52-k2k3-dag.json").read_text())
+    before = parse_recipe(d)
+    changed = copy.deepcopy(d)
+    next(n for n in changed["nodes"] if n["name"] == "k2.r2")["K"] = 3
+    after = parse_recipe(changed)
+    moved = {n for n in before.node_names if before.node_digest(n) != after.node_digest(n)}
+    assert moved == {"k2.r2", "k2.r2.r1"}
+
+
+def test_topological_order_even_when_file_lists_children_first():
+    r = parse_recipe(doc([stage("a.r1", "a"), base("a")]))
+    assert r.node_names == ("a", "a.r1")
+
+
+# -- schema refusals --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("K", [0, 9, 2.5, "2"])
+def test_K_outside_1_to_8(K):
+    d = doc([base("a"), stage("a.r1", "a", K=K)])
+    refuse(d, "r.json", "nodes[1].K", "'a.r1'")
+
+
+def test_schema_errors_name_the_field():
+    refuse(doc([base("a", cb="int4")]), "nodes[0].codebook", "'int4'", "mul1")
+    refuse({**doc([base("a")]), "format": "fq-cartridge/1"}, "format", "fq-cartridge/2")
+    refuse(doc([{**base("a"), "colour": 1}]), "nodes[0]", "colour")
+    refuse(doc([base("a"), stage("a.r1", "a", experts="al")]), "nodes[1].experts", "all", "hot")
+    refuse(doc([base("a"), stage("a.r1", "a", experts={"hot": 0})]), "nodes[1].experts")
+    refuse(doc([base("a"), {k: v for k, v in stage("a.r1", "a").items() if k != "parent"}]), "nodes[1]", "parent")
+    refuse(doc([base("a/b")]), "nodes[0].name")
+
+
+# -- graph refusals ---------------------------------------------------------------------------
+
+
+def test_duplicate_node_name():
+    refuse(doc([base("a"), base("a", K=3)], products=[{"name": "p", "chain": ["a"]}]),
+           "'a' is used twice", "nodes[0]", "nodes[1]")
+
+
+def test_unknown_parent():
+    refuse(doc([base("a"), stage("b.r1", "b")], products=[{"name": "a", "chain": ["a"]}]),
+           "'b.r1'", "parent 'b'", "not a node")
+
+
+def test_cycle():
+    d = doc([base("a"), stage("x", "y"), stage("y", "x")], products=[{"name": "a", "chain": ["a"]}])
+    refuse(d, "cycle", "x -> y -> x")
+    refuse(doc([base("a"), stage("x", "x")], products=[{"name": "a", "chain": ["a"]}]), "cycle", "x -> x")
+
+
+def test_product_not_a_chain():
+    nodes = [base("a"), stage("a.r1", "a"), stage("a.r2", "a"), stage("a.r1.r1", "a.r1")]
+    prods = [{"name": n["name"], "chain": c} for n, c in zip(nodes, [["a"], ["a", "a.r1"], ["a", "a.r2"], ["a", "a.r1", "a.r1.r1"]])]
+    parse_recipe(doc(nodes, prods))
+    bad = prods + [{"name": "skip", "chain": ["a", "a.r1.r1"]}]
+    refuse(doc(nodes, bad), "product 'skip' is not a chain", "'a.r1.r1' has parent 'a.r1'", "'a'")
+    refuse(doc(nodes, prods + [{"name": "mix", "chain": ["a", "a.r2", "a.r1.r1"]}]), "product 'mix' is not a chain")
+    refuse(doc(nodes, prods + [{"name": "s", "chain": ["a.r1"]}]), "product 's'", "starts with 'a.r1', a stage")
+    refuse(doc(nodes, prods + [{"name": "u", "chain": ["a", "zz"]}]), "product 'u'", "'zz' is not a node")
+    refuse(doc(nodes, prods + [{"name": "a", "chain": ["a"]}]), "product name 'a' is used twice")
+    refuse(doc(nodes, prods + [{"name": "again", "chain": ["a", "a.r1"]}]), "'again' repeats the chain of product 'a.r1'")
+
+
+def test_node_in_no_product():
+    refuse(doc([base("a"), stage("a.r1", "a")], products=[{"name": "a", "chain": ["a"]}]),
+           "'a.r1'", "no product")
+
+
+def test_stage_experts_not_subset_of_parent_static():
+    lay = lambda m: {"layers": {str(k): v for k, v in m.items()}}  # noqa: E731
+    refuse(doc([base("a"), stage("h", "a", experts={"hot": 8}), stage("h.all", "h", experts="all")]),
+           "'h.all' selects all experts", "parent 'h'", "8 hottest")
+    refuse(doc([base("a"), stage("h", "a", experts={"hot": 8}), stage("h.h", "h", experts={"hot": 9})]),
+           "'h.h'", "only the 8 hottest", "hot <= 8")
+    parse_recipe(doc([base("a"), stage("h", "a", experts={"hot": 8}), stage("h.h", "h", experts={"hot": 8})]))
+    refuse(doc([base("a"), stage("l", "a", experts=lay({3: [0, 1]})), stage("l.l", "l", experts=lay({3: [1, 2]}))]),
+           "'l.l'", "layer 3 experts 2", "parent 'l'")
+    refuse(doc([base("a"), stage("l", "a", experts=lay({3: [0, 1]})), stage("l.l", "l", experts=lay({4: [0]}))]),
+           "'l.l'", "layer 4", "no experts")
+
+
+# -- selections against a model ---------------------------------------------------------------
+
+
+def usage_doc(layers, n, hot_first=()):
+    """Counts where ``hot_first`` experts are hottest (descending), the rest by index."""
+    counts = {}
+    for layer in layers:
+        c = [float(n - e) for e in range(n)]
+        for rank, e in enumerate(hot_first):
+            c[e] = 1000.0 - rank
+        counts[str(layer)] = c
+    return {"format": "fq-expert-usage/1", "layers": counts}
+
+
+def test_hot_selection_needs_statistics():
+    r = load_recipe(RECIPES / "glm52-k2-hot96.json")
+    with pytest.raises(FqError, match=r"'k2.r1.h96' selects the 96 hottest.*no expert-usage statistics.*--usage"):
+        resolve_selections(r, range(3, 6), 256)
+    sel = resolve_selections(r, range(3, 6), 256, parse_usage(usage_doc(range(3, 6), 256, hot_first=[200, 201])))
+    assert len(sel["k2.r1.h96"][3]) == 96 and {200, 201} <= set(sel["k2.r1.h96"][3])
+    assert sel["k2"][4] == tuple(range(256))
+
+
+def test_hot_more_than_experts_refused():
+    r = load_recipe(RECIPES / "glm52-k2-hot96.json")
+    with pytest.raises(FqError, match="96 hottest.*64 experts per layer"):
+        selection_counts(r, [1], 64)
+
+
+def test_hot_ranking_deterministic_and_ties_by_index():
+    u = parse_usage({"format": "fq-expert-usage/1", "layers": {"0": [5, 7, 7, 1, 7]}})
+    assert u.hottest(0, 2, 5) == (1, 2)
+    assert u.hottest(0, 3, 5) == (1, 2, 4)
+    with pytest.raises(FqError, match="layers.0 has 5 counts; expected one per expert \\(6\\)"):
+        u.hottest(0, 2, 6)
+    with pytest.raises(FqError, match="no counts for layer 1"):
+        u.hottest(1, 2, 5)
+    with pytest.raises(FqError, match="layers.0"):
+        parse_usage({"format": "fq-expert-usage/1", "layers": {"0": [1, -2]}})
+
+
+def test_listed_experts_checked_against_model_and_hot_parent():
+    lay = {"layers": {"3": [0, 5]}}
+    r = parse_recipe(doc([base("a"), stage("l", "a", experts=lay)]))
+    assert resolve_selections(r, [3, 4], 8)["l"] == {3: (0, 5)}
+    with pytest.raises(FqError, match="lists expert\\(s\\) 5; the model has experts 0..3"):
+        resolve_selections(r, [3, 4], 4)
+    with pytest.raises(FqError, match="lists layer\\(s\\) 3, which are not MoE layers"):
+        resolve_selections(r, [4, 5], 8)
+    # listed under hot: only decidable with usage data
+    r2 = parse_recipe(doc([base("a"), stage("h", "a", experts={"hot": 2}), stage("h.l", "h", experts=lay)]))
+    ok = parse_usage(usage_doc([3, 4], 8, hot_first=[0, 5]))
+    resolve_selections(r2, [3, 4], 8, ok)
+    bad = parse_usage(usage_doc([3, 4], 8, hot_first=[0, 6]))
+    with pytest.raises(FqError, match="'h.l' selects layer 3 experts 5, which its parent 'h' does not encode"):
+        resolve_selections(r2, [3, 4], 8, bad)
