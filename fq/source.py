@@ -101,7 +101,10 @@ class SourceModel:
         return tuple(sorted(names))
 
     def layer_shards(self, layer: int) -> tuple[str, ...]:
-        return self.block_shards(layer, 0, self.n_experts)
+        memo = self.__dict__.setdefault("_layer_shards", {})  # frozen dataclass: a private memo is fine
+        if layer not in memo:
+            memo[layer] = self.block_shards(layer, 0, self.n_experts)
+        return memo[layer]
 
     @property
     def expert_shards(self) -> tuple[str, ...]:

@@ -1,0 +1,31 @@
+"""``fq plan``: blocks, windows, staging/retirement and peak disk of a campaign, written as a plan file."""
+from __future__ import annotations
+
+from fq.cli_args import add_source_args, add_window_args, source_from_args, window_kwargs
+from fq.plan import DEFAULT_BLOCK_SIZE, make_plan, plan_table, write_plan
+from fq.recipe import load_recipe
+from fq.usage import load_usage
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="plan a campaign (blocks, windows, staging, peak disk) and write the plan file",
+                       description=__doc__)
+    p.add_argument("recipe", help="fq-cartridge/2 recipe JSON")
+    add_source_args(p)
+    p.add_argument("--usage", metavar="FILE", help="expert-usage statistics (fq-expert-usage/1) for hot stages")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=f"experts per block (default {DEFAULT_BLOCK_SIZE})")
+    add_window_args(p)
+    p.add_argument("--out", metavar="PLAN.json", help="write the plan here (canonical JSON, atomic); omit to only print")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    recipe = load_recipe(args.recipe)
+    source = source_from_args(args)
+    usage = load_usage(args.usage) if args.usage else None
+    plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **window_kwargs(args))
+    print(plan_table(plan))
+    if args.out:
+        digest = write_plan(args.out, plan)
+        print(f"\nwrote {args.out} (plan sha256 {digest})")
+    return 0

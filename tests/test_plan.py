@@ -1,0 +1,223 @@
+"""Campaign plans on a GLM-5-shaped index: windows, staging/retirement, peak disk, identity, purity."""
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fq import canonical
+from fq.cli import main
+from fq.errors import FqError
+from fq.plan import load_plan, make_plan, write_plan
+from fq.recipe import load_recipe
+from fq.source import parse_source
+from fq.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
+from fq.usage import parse_usage
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TB = 10**12
+
+
+@pytest.fixture(scope="module")
+def glm5():
+    c, i, s = glm5_like()
+    return parse_source(c, i, s, origin="glm5")
+
+
+@pytest.fixture(scope="module")
+def lean():
+    return load_recipe(RECIPES / "glm52-k2k3-lean.json")
+
+
+@pytest.fixture(scope="module")
+def dag():
+    return load_recipe(RECIPES / "glm52-k2k3-dag.json")
+
+
+def replay(plan, source):
+    """Walk the plan as the workflow would, checking every staging/retirement rule independently."""
+    W = plan.windows_on_disk
+    on_disk, staged, retired = set(), set(), set()
+    for w in plan.windows:
+        if w.index - W >= 0:
+            on_disk -= set(plan.windows[w.index - W].retire)
+        assert not set(w.stage) & staged, "a shard is fetched twice"
+        on_disk |= set(w.stage)
+        staged |= set(w.stage)
+        assert set(w.keep) <= on_disk and not set(w.keep) & set(w.stage)
+        for b in plan.blocks:
+            if b.window == w.index:
+                assert set(b.shards) <= on_disk, f"block {b.name} runs without its shards"
+        assert sum(source.shard_sizes[s] for s in on_disk) == w.source_bytes
+        assert not set(w.retire) & retired, "a shard is retired twice"
+        retired |= set(w.retire)
+        later = {s for b in plan.blocks if b.window > w.index for s in b.shards}
+        assert not set(w.retire) & later, "a shard is retired before its last use"
+    assert staged == retired == set(source.shards)
+
+
+def test_glm5_lean_operator_windows(glm5, lean):
+    plan = make_plan(lean, glm5, windows="3-20,21-50,51-77", windows_on_disk=1)
+    assert [w.layers for w in plan.windows] == [tuple(range(3, 21)), tuple(range(21, 51)), tuple(range(51, 78))]
+    assert len(plan.blocks) == 75 * 8 and all(b.count == 32 for b in plan.blocks)
+    assert len(plan.fragments()) == 7 * 600
+    # skeleton-only shards are staged with window 0 although no block needs them
+    assert plan.skeleton_only_shards and set(plan.skeleton_only_shards) <= set(plan.windows[0].stage)
+    assert set(plan.windows[0].skeleton_only) == set(plan.skeleton_only_shards)
+    assert not set(plan.skeleton_only_shards) & {s for b in plan.blocks for s in b.shards}
+    # shards straddling a window boundary are kept, not fetched again
+    assert plan.straddling, "the GLM-5 index has shards straddling these boundaries"
+    for shard, (first, last) in plan.straddling.items():
+        assert first < last
+        assert shard in plan.windows[first].stage and shard in plan.windows[last].retire
+        assert all(shard in plan.windows[w].keep and shard not in plan.windows[w].stage for w in range(first + 1, last + 1))
+    replay(plan, glm5)
+    # W = 1: on disk is one window's shards plus straddlers still needed, never two windows
+    for w in plan.windows:
+        assert w.source_bytes == sum(glm5.shard_sizes[s] for s in set(w.stage) | set(w.keep))
+    assert plan.bytes["peak_source"] == max(w.source_bytes for w in plan.windows)
+    assert plan.bytes["peak_local"] == plan.windows[-1].local_bytes  # outputs accumulate until finalize
+
+
+def test_two_windows_on_disk(glm5, lean):
+    one = make_plan(lean, glm5, windows="3-20,21-50,51-77", windows_on_disk=1)
+    two = make_plan(lean, glm5, windows="3-20,21-50,51-77", windows_on_disk=2)
+    replay(two, glm5)
+    assert two.bytes["peak_source"] > one.bytes["peak_source"]
+    assert two.identity == one.identity  # W changes disk, not what is encoded
+
+
+@pytest.mark.parametrize("spec,needles", [
+    ("3-12,14-77", ["layer(s) 13 in no window"]),
+    ("3-13,13-77", ["layer(s) 13 named twice", "3-13 and 13-77"]),
+    ("3-40,41-78", ["layer(s) 78 not encoded by the recipe", "3-77"]),
+    ("0-40,41-77", ["layer(s) 0-2 not encoded"]),
+    ("3-8 8-13 15-80", ["14 in no window", "78-80 not encoded", "8 named twice"]),
+    ("41-77,3-40", ["ascending"]),
+    ("3-40,x", ["'x' is not a layer range"]),
+    ("40-3", ["runs backwards"]),
+    ("", ["empty"]),
+])
+def test_window_partition_refusals_name_layers(glm5, lean, spec, needles):
+    with pytest.raises(FqError) as e:
+        make_plan(lean, glm5, windows=spec)
+    for n in needles:
+        assert n in str(e.value), str(e.value)
+
+
+def test_windows_from_disk_budget(glm5, dag, lean):
+    plan = make_plan(dag, glm5, disk_budget=int(1.6 * TB))
+    assert plan.bytes["peak_local"] <= 1.6 * TB
+    assert [l for w in plan.windows for l in w.layers] == list(range(3, 78))
+    replay(plan, glm5)
+    tighter = make_plan(dag, glm5, disk_budget=int(1.45 * TB))
+    assert len(tighter.windows) > len(plan.windows) and tighter.bytes["peak_local"] <= 1.45 * TB
+    # the dag writes more than the lean graph, so it needs more windows on the same disk
+    assert len(make_plan(lean, glm5, disk_budget=int(1.6 * TB)).windows) < len(plan.windows)
+    with pytest.raises(FqError, match="below the peak of even one-layer windows.*outputs and skeleton alone"):
+        make_plan(dag, glm5, disk_budget=1 * TB)
+    with pytest.raises(FqError, match="alternatives"):
+        make_plan(dag, glm5, disk_budget=2 * TB, windows="3-77")
+
+
+def test_default_is_one_window(glm5, lean):
+    plan = make_plan(lean, glm5)
+    assert len(plan.windows) == 1 and not plan.straddling
+    assert plan.bytes["peak_source"] == glm5.total_bytes
+
+
+def test_block_size_and_partial_blocks(glm5, lean):
+    plan = make_plan(lean, glm5, block_size=48)
+    per_layer = [(b.first_expert, b.count) for b in plan.blocks if b.layer == 3]
+    assert per_layer == [(0, 48), (48, 48), (96, 48), (144, 48), (192, 48), (240, 16)]
+    for bad in (0, -1, True, "32", 2.0):
+        with pytest.raises(FqError, match="block_size: expected a positive integer"):
+            make_plan(lean, glm5, block_size=bad)
+    with pytest.raises(FqError, match="windows_on_disk"):
+        make_plan(lean, glm5, windows_on_disk=0)
+
+
+def test_hot_stage_fragments_only_where_hot_experts_are():
+    c, i, s = synthetic_checkpoint("deepseek", hidden=256, inter=128, n_experts=64, n_layers=5, first_dense=1,
+                                   vocab=1024, shard_bytes=3_000_000)
+    src = parse_source(c, i, s, origin="demo-like")
+    demo = load_recipe(RECIPES / "demo.json")
+    with pytest.raises(FqError, match="16 hottest.*--usage"):
+        make_plan(demo, src)
+    # the 16 hottest experts of every layer sit in experts 0..15 except one at 40
+    counts = {str(l): [100.0 if (e < 15 or e == 40) else 1.0 for e in range(64)] for l in src.moe_layers}
+    usage = parse_usage({"format": "fq-expert-usage/1", "layers": counts})
+    plan = make_plan(demo, src, usage=usage, block_size=16)
+    hot = [f for f in plan.fragments() if f.node == "k2.r1.h16"]
+    assert {(f.block.first_expert, f.experts) for f in hot} == {(0, tuple(range(15))), (32, (40,))}
+    assert len(hot) == 2 * 4
+    assert plan.identity["usage_sha256"] == usage.sha256
+    assert plan.selections["k2"] is None and plan.selections["k2.r1.h16"][1] == tuple(range(15)) + (40,)
+    replay(plan, src)
+
+
+def test_plan_file_round_trip_deterministic_and_tamper_evident(tmp_path, glm5, lean):
+    plan = make_plan(lean, glm5, windows="3-30,31-77")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    da = write_plan(a, plan)
+    db = write_plan(b, make_plan(lean, glm5, windows="3-30,31-77"))
+    assert da == db and a.read_bytes() == b.read_bytes()
+    back = load_plan(a)
+    assert back.to_json() == plan.to_json()
+    assert back.identity_sha256 == plan.identity_sha256
+    assert [f.experts for f in back.fragments()] == [f.experts for f in plan.fragments()]
+    doc = canonical.load(a)
+    doc["windows"][0]["retire"] = []
+    b.write_bytes(canonical.dumps(doc))
+    with pytest.raises(FqError, match="plan_sha256 .* does not match the content"):
+        load_plan(b)
+
+
+def test_run_identity(glm5, lean, dag):
+    ident = lambda **kw: make_plan(kw.pop("recipe", lean), glm5, **kw).identity_sha256  # noqa: E731
+    base = ident(windows="3-30,31-77")
+    assert base == ident(windows="3-30 31-77")  # same partition, other spelling
+    assert base != ident(windows="3-31,32-77")
+    assert base != ident(windows="3-30,31-77", block_size=16)
+    assert base != ident(windows="3-30,31-77", recipe=dag)
+    plan = make_plan(lean, glm5, windows="3-30,31-77")
+    assert plan.identity["recipe_sha256"] == lean.sha256 and plan.identity["source_revision"] == glm5.revision
+    assert plan.identity["block_size"] == 32 and plan.identity["windows"][1][0] == 31
+
+
+def test_planning_is_pure(monkeypatch, glm5, dag):
+    """make_plan reads no file and writes none: it works on the data it is given."""
+    def forbidden(*a, **k):
+        raise AssertionError("file I/O inside the planner")
+
+    monkeypatch.setattr(builtins, "open", forbidden)
+    monkeypatch.setattr(io, "open", forbidden)
+    monkeypatch.setattr(os, "open", forbidden)
+    monkeypatch.setattr(os, "stat", forbidden)
+    plan = make_plan(dag, glm5, disk_budget=int(1.6 * TB))
+    assert plan.recipe["passes"] == 9
+
+
+def test_fq_plan_cli(tmp_path, capsys):
+    src = write_synthetic(tmp_path / "glm5", *glm5_like())
+    out = tmp_path / "campaign" / "plan.json"
+    rc = main(["plan", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(src), "--sizes", str(src / "sizes.json"),
+               "--disk-budget", "1.6TB", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and out.exists()
+    assert "7 passes emitting 12 bpw" in text and "skeleton-only" in text and "straddle" in text
+    assert f"wrote {out}" in text
+    assert load_plan(out).bytes["peak_local"] <= 1.6 * TB
+    rc = main(["plan", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(src), "--sizes", str(src / "sizes.json"),
+               "--windows", "3-12,14-78"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("fq plan: windows '3-12,14-78': layer(s) 13 in no window")
+    assert "78 not encoded" in err and err.count("\n") == 1
+    rc = main(["plan", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(src), "--sizes", str(src / "sizes.json"),
+               "--disk-budget", "lots"])
+    assert rc == 2 and "--disk-budget: 'lots' is not a byte quantity" in capsys.readouterr().err
+    assert json.loads(out.read_text())["format"] == "fq-plan/1"
