@@ -106,11 +106,25 @@ def check_fragments(plan: dict, where: str) -> None:
             raise FqError(f"{where}: stage fragment {f['name']} has no {parent} fragment for layer {layer} block {block}")
         edge = {"name": pf["name"].rsplit("/", 1)[-1], "sha256": pf["sha256"]}
         if f["parent"] != edge:
-            raise FqError(f"{where}: stage fragment {f['name']} records parent {f['parent']}, but the plan's "
-                          f"{parent} fragment is {edge} (chain edge broken)")
+            got = f["parent"] or {"name": None, "sha256": "-"}
+            raise FqError(f"{where}: stage fragment {f['name']} records parent {got['name']} sha256 "
+                          f"{got['sha256'][:16]}…, but the plan's {parent} fragment is {edge['name']} sha256 "
+                          f"{edge['sha256'][:16]}… (chain edge broken)")
         missing = {e["expert"] for e in f["experts"]} - {e["expert"] for e in pf["experts"]}
         if missing:
             raise FqError(f"{where}: stage fragment {f['name']} corrects experts {sorted(missing)} its parent lacks")
+
+
+def check_geometry(predicates: list[dict], infos: list, where: str) -> None:
+    """Every node of a chain must have the same (in, out) for each (layer, expert, projection)."""
+    seen: dict[tuple, tuple[int, int, str]] = {}
+    for p, info in zip(predicates, infos):
+        for (expert, proj), lin in info.linears.items():
+            g = (lin.in_features, lin.out_features)
+            first = seen.setdefault((p["layer"], expert, proj), (*g, info.name))
+            if first[:2] != g:
+                raise FqError(f"{where}: {info.name} expert {expert} {proj} is {g[0]}x{g[1]} (in x out), "
+                              f"{first[2]} has {first[0]}x{first[1]}; a chain must keep the geometry")
 
 
 def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], fragments: list[str],
@@ -125,11 +139,12 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
     check_chain(chain, f"plan {product}")
     manifest = read_base_manifest(Path(root) / base_dir, public_key, campaign)
     nodes = {n["node"]: n for n in chain}
-    entries, predicates = [], []
+    entries, predicates, verified = [], [], []
     for name in sorted(fragments):
         att = verify_shard(root, name, public_key, campaign)
         p = att.predicate
         predicates.append(p)
+        verified.append(att)
         if p["kind"] != "expert":
             raise FqError(f"{name}: a {p['kind']} shard is not a fragment of a chain node")
         node = nodes.get(p["node"])
@@ -144,6 +159,7 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
                         "node": p["node"], "layer": p["layer"], "block": p["block"], "size": p["shard"]["size"],
                         "header_sha256": p["shard"]["header_sha256"], "parent": p["parent"],
                         "experts": p["experts"]})
+    check_geometry(predicates, [verify.info for verify in verified], f"plan {product}")
     order = {n["node"]: i for i, n in enumerate(chain)}
     entries.sort(key=lambda f: (order[f["node"]], f["layer"], f["block"]))
     layouts = {dumps(p["layout"]) for p in predicates}

@@ -39,7 +39,7 @@ def check_name(name: object, what: str = "name") -> str:
     return name
 
 
-def _describe(mode: int) -> str:
+def describe_mode(mode: int) -> str:
     for test, label in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                         (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
                         (stat.S_ISBLK, "a block device")):
@@ -66,7 +66,7 @@ def open_regular(root: str | os.PathLike, name: str, what: str | None = None) ->
             last = i == len(parts) - 1
             if last and not stat.S_ISREG(st.st_mode) or not last and not stat.S_ISDIR(st.st_mode):
                 where = "/".join(parts[: i + 1])
-                raise FqError(f"{label}: {where} is {_describe(st.st_mode)}, expected "
+                raise FqError(f"{label}: {where} is {describe_mode(st.st_mode)}, expected "
                               f"{'a regular file' if last else 'a directory'}")
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
             flags |= os.O_NONBLOCK if last else os.O_DIRECTORY

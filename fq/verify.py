@@ -25,11 +25,12 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fq.assembly import PRODUCT_FILE, SUFFIX, PlanState, read_assembly
+from fq.assembly import PRODUCT_FILE, SUFFIX, PlanState, check_geometry, read_assembly
 from fq.attest.campaign import campaign_digest
 from fq.attest.fragment import Attested, verify_shard
 from fq.errors import FqError
 from fq.manifest import MANIFEST_NAME, check_base_files, read_base_manifest
+from fq.safepath import describe_mode
 
 ATT_SUFFIX = ".safetensors.intoto.jsonl"
 
@@ -40,7 +41,7 @@ class Report:
     shards: int = 0
     manifests: int = 0
     assemblies: int = 0
-    campaigns: dict = field(default_factory=dict)  # campaign digest -> first document naming it
+    campaigns: dict = field(default_factory=dict)  # campaign digest -> (first document naming it, identity)
 
     @property
     def ok(self) -> bool:
@@ -49,23 +50,20 @@ class Report:
     def campaign(self, ident: dict, where: str) -> None:
         d = campaign_digest(ident)
         if self.campaigns and d not in self.campaigns:
-            first = next(iter(self.campaigns.values()))
-            self.problems.append(f"{where}: campaign identity differs from {first}'s (two campaigns in one tree)")
-        self.campaigns.setdefault(d, where)
+            first_where, first = next(iter(self.campaigns.values()))
+            field = next(k for k in sorted(set(ident) | set(first)) if ident.get(k) != first.get(k))
+            self.problems.append(f"{where}: campaign identity differs in {field!r} from {first_where}'s "
+                                 "(two campaigns in one tree)")
+        self.campaigns.setdefault(d, (where, ident))
 
 
 def _kind(path: Path) -> str:
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        return "a symlink"
-    if stat.S_ISDIR(st.st_mode):
-        return "dir"
-    if stat.S_ISREG(st.st_mode):
-        return "file"
-    return "not a regular file"
+    mode = os.lstat(path).st_mode
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else describe_mode(mode)
 
 
-def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, verified: dict[str, Attested]) -> None:
+def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, verified: dict[str, Attested],
+                failed: frozenset[str] = frozenset()) -> None:
     plan = read_assembly(path, public_key, now=now, state=state).predicate
     m = PRODUCT_FILE.fullmatch(path.name)
     if not m or m[1] != plan["product"]:
@@ -75,13 +73,22 @@ def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, 
     manifest = read_base_manifest(root / plan["base"]["dir"], public_key, plan["campaign"])
     if manifest.sha256 != plan["base"]["manifest"]["sha256"]:
         raise FqError(f"{path}: {manifest_name} is not the base manifest the plan pins")
+    atts = []
     for f in plan["fragments"]:
+        if f["name"] in failed:
+            continue  # already reported as its own problem
         att = verified.get(f["name"]) or verify_shard(root, f["name"], public_key, plan["campaign"])
+        atts.append(att)
         if (att.sha256, att.attestation_sha256) != (f["sha256"], f["attestation_sha256"]):
             raise FqError(f"{path}: fragment {f['name']} or its attestation is not the one the plan names")
         p = att.predicate
         if any(p[k] != f[k] for k in ("node", "layer", "block", "parent", "experts")):
             raise FqError(f"{path}: fragment {f['name']} differs from the plan's entry")
+        node = next(n for n in plan["chain"] if n["node"] == f["node"])
+        if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
+            raise FqError(f"{path}: {f['name']} is attested {p['role']} K={p['K']} {p['codebook']}, the plan's "
+                          f"chain says {node['role']} K={node['K']} {node['codebook']}")
+    check_geometry([a.predicate for a in atts], [a.info for a in atts], str(path))
 
 
 def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
@@ -122,6 +129,7 @@ def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: d
 
 def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
     files: list[str] = []
+    unusable: set[str] = set()  # symlinks and special files: reported once, not again as missing
     for dirpath, dirnames, filenames in os.walk(root):
         for d in list(dirnames):
             if os.path.islink(os.path.join(dirpath, d)):
@@ -133,6 +141,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
             kind = _kind(root / rel)
             if kind != "file":
                 report.problems.append(f"{root / rel}: is {kind}, expected a regular file")
+                unusable.add(rel)
             elif f.startswith(".tmp-"):
                 report.problems.append(f"{root / rel}: leftover temporary file of an interrupted write")
             else:
@@ -140,6 +149,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
     present = set(files)
     covered: set[str] = set()
     verified: dict[str, Attested] = {}
+    failed: set[str] = set(unusable)
     for rel in files:
         p = root / rel
         if rel.endswith(".safetensors"):
@@ -151,9 +161,10 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
                 report.shards += 1
             except FqError as e:
                 report.problems.append(str(e))
+                failed.add(rel)
         elif rel.endswith(ATT_SUFFIX):
             covered.add(rel)
-            if rel[: -len(".intoto.jsonl")] not in present:
+            if rel[: -len(".intoto.jsonl")] not in present | unusable:
                 report.problems.append(f"{p}: attestation without its shard {rel[: -len('.intoto.jsonl')]}")
         elif p.name == MANIFEST_NAME:
             covered.add(rel)
@@ -167,15 +178,18 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
                 report.manifests += 1
             except FqError as e:
                 report.problems.append(str(e))
+    _check_edges(report, verified)
     for rel in files:
         if rel.endswith(SUFFIX) and Path(rel).parent.name == "assemblies":
             covered.add(rel)
             plan_root = (root / rel).parent.parent
             try:
                 prefix = plan_root.relative_to(root).as_posix()
-                scoped = {k[len(prefix) + 1:] if prefix != "." else k: v for k, v in verified.items()
-                          if prefix == "." or k.startswith(prefix + "/")}
-                _check_plan(report, root / rel, plan_root, public_key, now, state, scoped)
+                def scope(names):
+                    return {k[len(prefix) + 1:] if prefix != "." else k for k in names
+                            if prefix == "." or k.startswith(prefix + "/")}
+                scoped = {k: verified[(prefix + "/" + k) if prefix != "." else k] for k in scope(verified)}
+                _check_plan(report, root / rel, plan_root, public_key, now, state, scoped, frozenset(scope(failed)))
                 report.assemblies += 1
             except FqError as e:
                 report.problems.append(str(e))
@@ -184,3 +198,18 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
             report.problems.append(f"{root / rel}: not covered by any attestation or base manifest")
     if not files and not report.problems:
         report.problems.append(f"{root}: no files to verify")
+
+
+def _check_edges(report: Report, verified: dict[str, Attested]) -> None:
+    """A stage's recorded parent digest must be the parent fragment's, wherever that is in the tree."""
+    by_base = {}
+    for rel, att in verified.items():
+        by_base.setdefault(rel.rsplit("/", 1)[-1], []).append(att)
+    for rel, att in sorted(verified.items()):
+        parent = att.predicate.get("parent")
+        if not parent:
+            continue
+        for cand in by_base.get(parent["name"], []):
+            if cand.sha256 != parent["sha256"]:
+                report.problems.append(f"{rel}: records parent {parent['name']} sha256 {parent['sha256'][:16]}…, "
+                                       f"but {cand.name} is {cand.sha256[:16]}… (chain edge broken)")

@@ -33,6 +33,7 @@ from fq.errors import FqError
 from fq.fragments import ShardInfo, attestation_name, describe, fragment_filename
 from fq.identity import check_identity, determinism_scope
 from fq.safepath import open_regular, read_regular
+from fq.shards import read_header
 
 FORMAT = "fq-attestation/1"
 
@@ -196,6 +197,7 @@ def verify_shard(root: str | os.PathLike, name: str, public_key: Ed25519PublicKe
     """Attestation first (signature, then parse), then one read of the shard checked against it."""
     att = read_attestation(root, name, public_key, campaign)
     with open_regular(root, name, name) as fh:
+        check_header(att, read_header(fh, name), name)  # a header altered after signing, named as such
         info = describe(fh, name)
     compare(att, info, name)
     return Attested(att.name, att.sha256, att.attestation_sha256, att.predicate, info)
