@@ -348,7 +348,7 @@ def plan_table(plan: Plan) -> str:
         f"windows (kept, not fetched twice); {len(plan.skeleton_only_shards)} skeleton-only shard(s) staged with window 0",
         "",
         f"{'window':>6}  {'layers':<9} {'blocks':>6} {'fetch':>5} {'fetch bytes':>12} {'kept':>4} {'retire':>6} "
-        f"{'skel-only':>9} {'source on disk':>14} {'local peak':>12}",
+        f"{'skel-only':>9} {'source on disk':>14} {'local bytes':>12}",
     ]
     for w in plan.windows:
         nblocks = sum(1 for blk in plan.blocks if blk.window == w.index)

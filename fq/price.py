@@ -94,7 +94,9 @@ def parse_cost_table(doc, source: str = "<cost table>", gpu_model: str | None = 
 
 
 def load_cost_table(path: str | Path | None = None, gpu_model: str | None = None) -> CostTable:
-    path = Path(path) if path is not None else default_cost_table_path()
+    """A cost table file, or the packaged H200 reference table when ``path`` is None."""
+    if path is None:
+        return parse_cost_table(canonical.load(default_cost_table_path()), "fq/data/cost_table.json (packaged)", gpu_model)
     return parse_cost_table(canonical.load(path), str(path), gpu_model)
 
 
@@ -248,6 +250,14 @@ def table_line(table: CostTable) -> str:
     return (f"cost table {table.source} (sha256 {table.sha256[:16]})\n"
             f"  GPU {table.gpu}: {table.encoder}\n"
             f"  {measured} of {total} entries measured, the rest derived (see the table's 'basis' fields)")
+
+
+def cost_table_entries(table: CostTable) -> str:
+    """Every entry: codebook, K, shape, seconds per matrix pass, measured or derived."""
+    lines = [f"{'codebook':<8} {'K':>2} {'shape (out x in)':>17} {'s/matrix':>9}  origin"]
+    for (cb, K, o, i), secs in sorted(table.seconds_by_key.items()):
+        lines.append(f"{cb:<8} {K:>2} {f'{o}x{i}':>17} {secs:>9.4f}  {table.origin_by_key[(cb, K, o, i)]}")
+    return "\n".join(lines)
 
 
 def assumptions_line(a: Mapping) -> str:

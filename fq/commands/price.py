@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fq.cli_args import add_source_args, add_window_args, source_from_args, window_kwargs
 from fq.price import (DEFAULT_DOWNLOAD_MB_S, DEFAULT_GPUS, DEFAULT_USD_PER_GPU_HOUR, DEFAULT_VERIFY_MB_S,
-                      assumptions_line, comparison_table, load_cost_table, price_recipe, price_table, source_line,
+                      assumptions_line, comparison_table, cost_table_entries, load_cost_table, price_recipe, price_table, source_line,
                       table_line)
 from fq.recipe import load_recipe
 
@@ -23,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--verify-mb-s", type=float, default=DEFAULT_VERIFY_MB_S,
                    help=f"finalize re-hash rate in MB/s (default {DEFAULT_VERIFY_MB_S:g}, measured in the seed)")
     add_window_args(p)
+    p.add_argument("--show-cost-table", action="store_true", help="also print every entry of the cost table used")
     p.set_defaults(func=run)
 
 
@@ -35,6 +36,8 @@ def run(args) -> int:
                            **window_kwargs(args)) for r in recipes]
     print(source_line(source))
     print(table_line(table))
+    if args.show_cost_table:
+        print(cost_table_entries(table))
     print(assumptions_line(prices[0].assumptions))
     for p in prices:
         print()
