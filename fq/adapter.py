@@ -16,7 +16,6 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -85,6 +84,9 @@ def read_adapter(path: str | os.PathLike) -> Adapter:
         layout = ExpertLayout.from_json(json.loads(meta["layout"]), f"{path}: layout")
     except (KeyError, json.JSONDecodeError):
         raise FqError(f"{path}: header metadata needs JSON 'stages' and 'layout'") from None
+    if not isinstance(stages, list) or not all(isinstance(s, dict) and {"index", "K", "codebook"} <= set(s)
+                                               for s in stages):
+        raise FqError(f"{path}: header metadata 'stages' must be a list of {{index, node, K, codebook}}")
     by_index = {s["index"]: s for s in stages}
     rx = _adapter_re(layout)
     tensors = tensors_in_range(header, [e.name for e in header.entries], 0, data)

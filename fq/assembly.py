@@ -220,6 +220,7 @@ class PlanState:
             return {}
         obj = load(self.path)
         if not isinstance(obj, dict) or not all(isinstance(v, dict) and set(v) == {"version", "sha256"}
+                                                 and type(v["version"]) is int and isinstance(v["sha256"], str)
                                                  for v in obj.values()):
             raise FqError(f"{self.path}: plan state must map campaign/product to {{version, sha256}}")
         return obj

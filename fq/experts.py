@@ -77,6 +77,15 @@ class ExpertLayout:
 
 STANDARD = ExpertLayout()
 MIXTRAL = ExpertLayout("model.layers.{layer}.block_sparse_moe.experts.{expert}", ("w1", "w3", "w2"))
+# Naming family of fq.source.SourceModel.family -> layout of its routed experts.
+LAYOUTS = {"deepseek": STANDARD, "qwen3_moe": STANDARD, "mixtral": MIXTRAL}
+
+
+def layout_for(family: str) -> ExpertLayout:
+    try:
+        return LAYOUTS[family]
+    except KeyError:
+        raise FqError(f"expert layout: unknown naming family {family!r}; expected one of {', '.join(LAYOUTS)}") from None
 
 
 def suffixes(codebook: str) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from typing import BinaryIO, Iterable, Mapping
 import torch
 
 from fq.errors import FqError
-from fq.experts import ExpertLayout, Linear, derive_linear, expert_keys, suffixes
+from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.safepath import sha256_stream
 from fq.shards import Header, RawTensor, read_header, write_shard
 
@@ -241,7 +241,3 @@ def _describe_path(path) -> ShardInfo:
 def skeleton_keys(source_keys: Iterable[str], layout: ExpertLayout) -> list[str]:
     """Keys a skeleton shard of a source shard holds: everything but routed-expert weights, sorted."""
     return sorted(k for k in source_keys if not layout.is_routed_weight(k))
-
-
-def linear_of(info: ShardInfo, expert: int, proj: str) -> Linear:
-    return info.linears[(expert, proj)]

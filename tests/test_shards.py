@@ -122,7 +122,7 @@ def test_pinned_key_set_skeleton(tmp_path):
 def test_mixtral_layout_uses_the_checkpoint_prefix(tmp_path):
     path, _, _ = _write(tmp_path, ids=(0,), layout=MIXTRAL)
     with safe_open(path, "pt") as f:
-        assert f"model.layers.7.block_sparse_moe.experts.0.w3.trellis" in f.keys()
+        assert "model.layers.7.block_sparse_moe.experts.0.w3.trellis" in f.keys()
     assert MIXTRAL.parse("model.layers.7.block_sparse_moe.experts.3.w2.weight") == (7, 3, "w2", "weight")
     assert MIXTRAL.is_routed_weight("model.layers.7.block_sparse_moe.experts.3.w2.weight")
     assert not MIXTRAL.is_routed_weight("model.layers.7.block_sparse_moe.gate.weight")
@@ -234,3 +234,12 @@ def test_describe_refuses_non_contiguous_expert(tmp_path):
 def test_write_shard_refuses_non_string_metadata(tmp_path):
     with pytest.raises(FqError, match="keys and values must be strings"):
         write_shard(tmp_path / "x.safetensors", [RawTensor.of("a", torch.zeros(1))], {"K": 2})
+
+
+def test_layout_for_source_families():
+    from fq.experts import LAYOUTS, layout_for
+    from fq.source import FAMILIES
+    assert set(FAMILIES) == set(LAYOUTS), "every source naming family needs an expert layout"
+    assert layout_for("mixtral") is MIXTRAL and layout_for("deepseek") is STANDARD
+    with pytest.raises(FqError, match="unknown naming family"):
+        layout_for("llama")

@@ -1,0 +1,101 @@
+"""Operator and file input to the provenance tools: names, selections, state files, keys, CLI usage."""
+import os
+
+import pytest
+
+import provkit
+from fq.assembly import PlanState
+from fq.cli import main
+from fq.combine import combine
+from fq.errors import FqError
+from fq.safepath import check_name, open_regular
+from fq.selection import parse_selection
+
+
+@pytest.mark.parametrize("name,msg", [
+    ("../x.safetensors", "contains '..'"), ("a/../../b", "contains '..'"), ("/etc/passwd", "absolute path"),
+    ("C:/x", "absolute path"), ("a//b", "invalid component ''"), ("a/./b", "invalid component '.'"),
+    (".hidden", "invalid component '.hidden'"), ("a\\b", "invalid component"), ("", "non-empty"),
+    ("a/b\n", "invalid component"),
+])
+def test_check_name_refuses(name, msg):
+    with pytest.raises(FqError, match=msg):
+        check_name(name, "name")
+
+
+def test_open_regular_accepts_real_files_only(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"x")
+    with open_regular(tmp_path, "d/f") as fh:
+        assert fh.read() == b"x"
+    with pytest.raises(FqError, match="d is a directory, expected a regular file"):
+        open_regular(tmp_path, "d")
+    with pytest.raises(FqError, match="missing"):
+        open_regular(tmp_path, "d/g")
+    os.symlink(tmp_path / "d" / "f", tmp_path / "link")
+    with pytest.raises(FqError, match="link is a symlink"):
+        open_regular(tmp_path, "link")
+
+
+@pytest.mark.parametrize("text", ["", "1-", "a", "3-1", "1,,2", "3:", ":1", "3:1;3:2", "1 ,2", "01"])
+def test_selection_refusals(text):
+    with pytest.raises(FqError, match="--experts"):
+        parse_selection(text)
+
+
+def test_selection_forms():
+    assert parse_selection("all").chosen(9, 99)
+    s = parse_selection("0-2,7")
+    assert [e for e in range(9) if s.chosen(4, e)] == [0, 1, 2, 7]
+    s = parse_selection("3:1-2;5:0")
+    assert s.chosen(3, 2) and s.chosen(5, 0) and not s.chosen(5, 1) and not s.chosen(4, 1)
+    assert s.describe() == "3:1,2;5:0"
+
+
+def test_selection_must_exist_in_the_product(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    for sel, msg in (("8", r"experts \[8\] are not in layer 1"), ("2:0", "layer 2 is not in product"),
+                     ("3:6-9", r"experts \[8, 9\] of layer 3 are not in product")):
+        with pytest.raises(FqError, match=msg):
+            combine(c.plans["k2r1r2"], c.pub, tmp_path / "o.safetensors", experts=sel, now=provkit.NOW)
+
+
+def test_malformed_state_file_is_refused(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    st = tmp_path / "state.json"
+    st.write_text('{"x/k2r1": {"version": "2", "sha256": "ab"}}')
+    with pytest.raises(FqError, match="plan state must map"):
+        combine(c.plans["k2r1"], c.pub, tmp_path / "o.safetensors", now=provkit.NOW, state=PlanState(st))
+    st.write_text('{"a": 1, "a": 2}')
+    with pytest.raises(FqError, match="duplicate JSON key 'a'"):
+        combine(c.plans["k2r1"], c.pub, tmp_path / "o.safetensors", now=provkit.NOW, state=PlanState(st))
+
+
+def test_bare_base_product_has_nothing_to_combine(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    provkit.PRODUCTS["k2only"] = ["k2"]
+    try:
+        plan = c.replan("k2only", 1)
+    finally:
+        del provkit.PRODUCTS["k2only"]
+    with pytest.raises(FqError, match="is a bare base; it has no residual to combine"):
+        combine(plan, c.pub, tmp_path / "o.safetensors", now=provkit.NOW)
+
+
+def test_cli_usage_errors_are_one_line(tmp_path, capsys):
+    c = provkit.build_campaign(tmp_path)
+    cases = [
+        (["verify", str(tmp_path / "nope"), "--key", str(c.pub_path)], "does not exist"),
+        (["verify", str(c.root), "--key", str(tmp_path / "nope.pub")], "cannot read public key"),
+        (["verify", str(c.root), "--key", str(c.key_path)], "not a PEM public key"),
+        (["combine", "--key", str(c.pub_path), "--plan", str(c.root / "base/k2/config.json"), "--out",
+          str(tmp_path / "o"), "--no-state"], "expected exactly one envelope line|invalid JSON|DSSE envelope"),
+        (["combine", "--key", str(c.pub_path), "--plan", str(c.plans["k2r1"]), "--out", str(tmp_path / "o"),
+          "--no-state", "--base", str(tmp_path)], "fq-manifest.intoto.jsonl: missing"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        import re
+        assert re.search(msg, err), err
