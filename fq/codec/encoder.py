@@ -9,13 +9,21 @@ import torch
 from fq.codec.codebook import CODEBOOKS, marker_value, values_torch
 from fq.codec.hadamard import HAD
 from fq.codec.packing import TILE, TILE_LEN, matrix_to_tiles, pack, tiles_to_matrix
-from fq.codec.regularize import regularize, seq_sum
+from fq.codec.regularize import CODEBOOK_SCALE, regularize, seq_sum
 from fq.codec.tensors import reconstruct_chain, unrotate
 from fq.codec.viterbi import viterbi
 from fq.errors import FqError
 
-COARSE_SCALES = tuple(0.1 + 0.2 * i for i in range(10))
-FINE_STEP = 0.075
+# Best scale for coding N(0,1) tiles, per codebook and K (benchmarks/codec_quality.py on 1024 tiles for
+# K 1..4; K 5, 6, 8 from the reference anchors; K 7 interpolated). Regularized tiles have RMS
+# CODEBOOK_SCALE, so best / CODEBOOK_SCALE is where the global scale search starts.
+GAUSSIAN_BEST_SCALE = {
+    "3inst": (1.425, 1.225, 1.175, 1.125, 1.1, 1.0, 0.975, 0.95),
+    "mcg": (1.425, 1.225, 1.175, 1.125, 1.1, 1.0, 0.95, 0.9),
+    "mul1": (1.125, 1.0, 0.925, 0.925, 0.9, 0.85, 0.8, 0.75),
+}
+SEARCH_STEP = 0.06  # relative spacing of the scale candidates
+SEARCH_MAX_EVALS = 8
 
 
 @dataclass
@@ -79,20 +87,33 @@ def _tile_mse(tiles: torch.Tensor, scales, K, codebook, device) -> list[float]:
 
 
 def search_scale(x: torch.Tensor, K: int, codebook: str, device) -> float:
-    """Global scale: a coarse grid on a third of the sample, a fine grid around its best on all of it,
-    refined by a parabola through the best fine point and its neighbours."""
+    """Global scale: candidates c*(1 +- SEARCH_STEP) around the Gaussian optimum c, walked outward while the
+    best is at an edge, then a parabola (in log scale) through the best and its neighbours. Matches the
+    reference's 15-point grid on the golden matrices with 3 evaluations of the sample instead of 8.3."""
+    c = GAUSSIAN_BEST_SCALE[codebook][K - 1] / CODEBOOK_SCALE
+    if not torch.any(x):
+        return c  # an all-zero residual: every scale codes it equally (its scales are zero anyway)
     sample = sample_tiles(x)
-    coarse = _tile_mse(sample[::3], COARSE_SCALES, K, codebook, device)
-    c = COARSE_SCALES[int(np.argmin(coarse))]
-    fine_scales = [c + FINE_STEP * (i - 2) for i in range(5)]
-    fine = _tile_mse(sample, fine_scales, K, codebook, device)
-    b = int(np.argmin(fine))
+    r = 1.0 + SEARCH_STEP
+    scales = [c / r, c, c * r]
+    mses = _tile_mse(sample, scales, K, codebook, device)
+    while len(scales) < SEARCH_MAX_EVALS:
+        b = int(np.argmin(mses))
+        if b == 0:
+            scales.insert(0, scales[0] / r)
+            mses.insert(0, _tile_mse(sample, scales[:1], K, codebook, device)[0])
+        elif b == len(scales) - 1:
+            scales.append(scales[-1] * r)
+            mses.append(_tile_mse(sample, scales[-1:], K, codebook, device)[0])
+        else:
+            break
+    b = int(np.argmin(mses))
     offset = 0.0
-    if 0 < b < 4:
-        y0, y1, y2 = fine[b - 1], fine[b], fine[b + 1]
+    if 0 < b < len(scales) - 1:
+        y0, y1, y2 = mses[b - 1], mses[b], mses[b + 1]
         denom = y0 - 2.0 * y1 + y2
         offset = max(-0.5, min(0.5, 0.5 * (y0 - y2) / denom)) if denom > 0 else 0.0
-    return max(fine_scales[b] + offset * FINE_STEP, 0.01)
+    return scales[b] * r**offset
 
 
 def encode(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None) -> Encoded:
