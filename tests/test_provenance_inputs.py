@@ -99,3 +99,14 @@ def test_cli_usage_errors_are_one_line(tmp_path, capsys):
         assert err.count("\n") == 1, err
         import re
         assert re.search(msg, err), err
+
+
+def test_attest_refuses_a_parent_from_another_block(tmp_path):
+    from fq.attest.fragment import attest_fragment
+    c = provkit.build_campaign(tmp_path)
+    p = c.root / c.frag("r1", 1, 0)
+    for parent, msg in (({"name": "k2-layer001-block001.safetensors", "sha256": "0" * 64}, "of the same block"),
+                        (None, "a stage fragment needs parent digest")):
+        with pytest.raises(FqError, match=msg):
+            attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
+                            quant_args={}, parent=parent)

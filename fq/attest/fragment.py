@@ -88,6 +88,10 @@ def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
                       f"{fragment_filename(m['node'], m['layer'], m['block'])}")
     if (m["role"] == "stage") != (parent is not None):
         raise FqError(f"{p}: a {m['role']} fragment {'needs' if m['role'] == 'stage' else 'has no'} parent digest")
+    suffix = f"-layer{m['layer']:03d}-block{m['block']:03d}.safetensors"
+    if parent is not None and not (isinstance(parent.get("name"), str) and parent["name"].endswith(suffix)):
+        raise FqError(f"{p}: parent {parent.get('name')!r} must be the file name of the parent node's fragment "
+                      f"of the same block (NODE{suffix})")
     predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
     predicate.update({"kind": "expert", "node": m["node"], "role": m["role"], "layer": m["layer"], "block": m["block"],
                       "K": m["K"], "codebook": m["codebook"], "layout": m["layout"].to_json(),
