@@ -21,12 +21,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator:
-    """Open a temp file beside ``path``; on clean exit fsync and rename it over ``path``."""
+    """Open a temp file beside ``path``; on clean exit fsync and rename it over ``path``.
+
+    The file gets the permissions a plain ``open`` would give (0666 less the umask), not mkstemp's 0600:
+    published products must be readable by others. Callers wanting less (private keys) fchmod it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())
     try:
         with os.fdopen(fd, mode) as fh:
             yield fh
