@@ -1,16 +1,19 @@
 """Assemblies: the signed plan of one product, and the consumer's checks of it.
 
 A product is a chain base -> stage -> ...; its plan (predicate ``fq-assembly/1``, schema
-``fq/schemas/fq-assembly.schema.json``) names the campaign identity, the base (node, directory,
-manifest name + digest), the runtime constants of every chain node (K, codebook), and every fragment
-with its sha256, attestation digest, header digest, parent edge and per-expert byte ranges — so a
+``fq/schemas/fq-assembly.schema.json``) names the campaign identity, the recipe it was built from
+(``recipe_sha256``), the base (node, directory, manifest name + digest), the runtime constants and the
+recipe's node digest of every chain node (K, codebook, digest: every fragment of the node must attest
+that ``node_digest``, so a fragment encoded for an older definition of its node is refused), and
+every fragment with its sha256, attestation digest, header digest, parent edge and per-expert byte ranges — so a
 consumer can narrow to chosen experts before reading any payload. ``version`` is monotonic per
 (campaign, product); ``expires`` is an explicit UTC timestamp (``YYYY-MM-DDTHH:MM:SSZ``). The plan is
 an in-toto Statement (subjects: every fragment and the base manifest) in the same DSSE envelope as
 fragments, stored at ``ROOT/assemblies/PRODUCT.assembly.intoto.jsonl``; fragment names are relative
 to ROOT.
 
-    build_assembly(root, product=, chain=, fragments=, base_dir=, campaign=, version=, expires=, public_key=) -> dict
+    build_assembly(root, product=, chain=, fragments=, base_dir=, campaign=, recipe_sha256=, version=, expires=,
+                   public_key=) -> dict
     write_assembly(root, plan, key) -> Path
     read_assembly(path, public_key, now=, state=None, min_version=None) -> Plan
     PlanState(path)   # highest version seen per (campaign, product): refuses rollback and same-version swaps
@@ -28,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from fq import atomic
 from fq.attest import dsse
 from fq.attest.campaign import campaign_digest
-from fq.attest.fragment import verify_shard
+from fq.attest.fragment import SHA256_HEX, check_node_digest, verify_shard
 from fq.attest.keys import fingerprint
 from fq.attest.statement import ASSEMBLY, parse_statement, statement, validate_predicate
 from fq.canonical import dumps, load, pretty, sha256_hex
@@ -128,14 +131,20 @@ def check_geometry(predicates: list[dict], infos: list, where: str) -> None:
 
 
 def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], fragments: list[str],
-                   base_dir: str, campaign: dict, version: int, expires: dt.datetime | str,
+                   base_dir: str, campaign: dict, recipe_sha256: str, version: int, expires: dt.datetime | str,
                    public_key: Ed25519PublicKey) -> dict:
     """The plan of ``product``: verifies every named fragment (signature and bytes) and the base manifest
-    under ``public_key``, re-derives K/codebook per node from the fragments, and checks the chain."""
+    under ``public_key``, requires each fragment's attested node_digest to be its chain entry's ``digest``
+    (``Recipe.node_digest``), re-derives K/codebook per node from the fragments, and checks the chain."""
     check_name(base_dir, "base_dir")
+    if not (isinstance(recipe_sha256, str) and SHA256_HEX.fullmatch(recipe_sha256)):
+        raise FqError(f"plan {product}: recipe_sha256 {recipe_sha256!r} is not a sha256 hex digest")
     for i, n in enumerate(chain):
-        if not isinstance(n, dict) or set(n) != {"node", "role", "K", "codebook", "parent"}:
-            raise FqError(f"plan {product}: chain[{i}] must be {{node, role, K, codebook, parent}}, got {n!r}")
+        if not isinstance(n, dict) or set(n) != {"node", "role", "K", "codebook", "parent", "digest"}:
+            raise FqError(f"plan {product}: chain[{i}] must be {{node, role, K, codebook, parent, digest}}, got {n!r}")
+        if not (isinstance(n["digest"], str) and SHA256_HEX.fullmatch(n["digest"])):
+            raise FqError(f"plan {product}: chain[{i}] digest {n['digest']!r} is not a sha256 hex digest "
+                          "(Recipe.node_digest)")
     check_chain(chain, f"plan {product}")
     manifest = read_base_manifest(Path(root) / base_dir, public_key, campaign)
     nodes = {n["node"]: n for n in chain}
@@ -150,6 +159,7 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
         node = nodes.get(p["node"])
         if node is None:
             raise FqError(f"{name}: fragment of node {p['node']!r}, which is not in {product}'s chain")
+        check_node_digest(att, node["digest"], f"plan {product}")
         derived = {(lin.K, lin.codebook) for lin in att.info.linears.values()}
         if derived != {(node["K"], node["codebook"])}:
             raise FqError(f"{name}: tensors are {sorted(derived)}, the chain says K={node['K']} {node['codebook']}")
@@ -166,7 +176,8 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
     if len(layouts) > 1:
         raise FqError(f"plan {product}: fragments use {len(layouts)} different expert layouts; a product has one")
     plan = {"format": FORMAT, "product": product, "version": version, "expires": format_time(expires),
-            "campaign": campaign, "layout": predicates[0]["layout"] if predicates else {},
+            "campaign": campaign, "recipe_sha256": recipe_sha256,
+            "layout": predicates[0]["layout"] if predicates else {},
             "base": {"node": chain[0]["node"] if chain else "", "dir": base_dir,
                      "manifest": {"name": f"{base_dir}/{MANIFEST_NAME}", "sha256": manifest.sha256}},
             "chain": chain, "fragments": entries}

@@ -6,8 +6,9 @@ Order of trust (nothing is read before what vouches for it has been verified):
 2. narrowing: from the signed plan alone, the fragments and byte ranges holding the chosen experts —
    fragments without chosen experts are never opened;
 3. per fragment used: its attestation (digest named by the plan, signature, same campaign identity,
-   same node/layer/block/parent/ranges as the plan), then its safetensors header (digest attested,
-   exact key set, geometry), then only the chosen experts' byte ranges, each hashed against the plan;
+   same node/layer/block/parent/ranges as the plan, node_digest equal to its chain entry's digest),
+   then its safetensors header (digest attested, exact key set, geometry), then only the chosen
+   experts' byte ranges, each hashed against the plan;
 4. runtime constants (K, codebook) re-derived from the tensors (shapes, marker values), never copied;
    per (layer, expert, projection) every chain node has the same (in, out);
 5. with ``base_dir``: the base manifest digest and the base fragments' chosen byte ranges on disk
@@ -34,7 +35,7 @@ from fq import atomic
 from fq.adapter import FORMAT as ADAPTER_FORMAT, adapter_key, write_adapter
 from fq.assembly import PlanState, campaign_root, read_assembly
 from fq.attest import dsse
-from fq.attest.fragment import check_header, range_mismatch, read_attestation
+from fq.attest.fragment import check_header, check_node_digest, range_mismatch, read_attestation
 from fq.attest.statement import ADAPTER, statement
 from fq.canonical import sha256_hex
 from fq.errors import FqError
@@ -96,6 +97,7 @@ def _check_attestation(att, f: dict, node: dict, where: str) -> None:
             raise FqError(f"{where}: attestation and plan disagree on {k}")
     if (p["shard"]["size"], p["shard"]["header_sha256"]) != (f["size"], f["header_sha256"]):
         raise FqError(f"{where}: attestation and plan disagree on the shard's size or header")
+    check_node_digest(att, node["digest"], where)
     if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
         raise FqError(f"{where}: attested {p['role']} K={p['K']} {p['codebook']}, the plan's chain says "
                       f"{node['role']} K={node['K']} {node['codebook']}")

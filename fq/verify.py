@@ -7,9 +7,11 @@ Every file in a verified tree must be accounted for:
 - ``*.safetensors.intoto.jsonl``: must have its shard;
 - ``fq-manifest.intoto.jsonl``: a base manifest; every file under its directory is listed and re-hashed;
 - ``assemblies/*.assembly.intoto.jsonl``: a plan; verified (signature, chain, expiry, version), and each
-  fragment it names must be present under the campaign root with the named digests;
+  fragment it names must be present under the campaign root with the named digests and attest its
+  chain entry's node digest;
 - any other file must be listed by a base manifest above it. Symlinks, FIFOs, devices and leftover
-  ``.tmp-*`` files are problems. All documents must carry one campaign identity.
+  ``.tmp-*`` files are problems. All documents must carry one campaign identity, and all fragments of
+  one node one node_digest (a fragment left over from an older definition of its node is stale).
 
 Problems are collected, one line each; nothing raises past ``verify_path`` except usage errors.
 
@@ -27,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fq.assembly import PRODUCT_FILE, SUFFIX, PlanState, check_geometry, read_assembly
 from fq.attest.campaign import campaign_digest
-from fq.attest.fragment import Attested, verify_shard
+from fq.attest.fragment import Attested, check_node_digest, verify_shard
 from fq.errors import FqError
 from fq.manifest import MANIFEST_NAME, check_base_files, read_base_manifest
 from fq.safepath import describe_mode
@@ -85,6 +87,7 @@ def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, 
         if any(p[k] != f[k] for k in ("node", "layer", "block", "parent", "experts")):
             raise FqError(f"{path}: fragment {f['name']} differs from the plan's entry")
         node = next(n for n in plan["chain"] if n["node"] == f["node"])
+        check_node_digest(att, node["digest"], str(path))
         if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
             raise FqError(f"{path}: {f['name']} is attested {p['role']} K={p['K']} {p['codebook']}, the plan's "
                           f"chain says {node['role']} K={node['K']} {node['codebook']}")
@@ -179,6 +182,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
             except FqError as e:
                 report.problems.append(str(e))
     _check_edges(report, verified)
+    _check_node_digests(report, verified)
     for rel in files:
         if rel.endswith(SUFFIX) and Path(rel).parent.name == "assemblies":
             covered.add(rel)
@@ -198,6 +202,22 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
             report.problems.append(f"{root / rel}: not covered by any attestation or base manifest")
     if not files and not report.problems:
         report.problems.append(f"{root}: no files to verify")
+
+
+def _check_node_digests(report: Report, verified: dict[str, Attested]) -> None:
+    """One node, one definition: every fragment of a node in a tree must attest the same node_digest."""
+    by_node: dict[str, dict[str, list[str]]] = {}
+    for rel, att in sorted(verified.items()):
+        p = att.predicate
+        if p["kind"] == "expert":
+            by_node.setdefault(p["node"], {}).setdefault(p["node_digest"], []).append(rel)
+    for node, digests in sorted(by_node.items()):
+        if len(digests) > 1:
+            groups = sorted(digests.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+            listed = "; ".join(f"{d[:16]}…: {len(rels)} ({rels[0]}{', …' if len(rels) > 1 else ''})"
+                               for d, rels in groups)
+            report.problems.append(f"node {node}: its fragments were encoded for {len(digests)} different "
+                                   f"definitions (node_digest {listed}); re-encode the stale ones")
 
 
 def _check_edges(report: Report, verified: dict[str, Attested]) -> None:

@@ -1,7 +1,9 @@
 """A small published campaign built with fq's real writers, signers and planners, for provenance tests.
 
 Layers 1 and 3, 8 experts each, blocks of 4. Nodes: base ``k2`` (K=2 mul1), stage ``r1`` on k2
-(K=1 mcg, every expert), stage ``r2`` on r1 (K=2 3inst, hot experts 1, 2, 5 only). Products
+(K=1 mcg, every expert), stage ``r2`` on r1 (K=2 3inst, hot experts 1, 2, 5 only); each chain entry
+carries its node digest (``node_digest``: like ``Recipe.node_digest``, over the node and its ancestors),
+which every fragment of the node attests; plans record ``RECIPE_SHA256``. Products
 ``k2r1`` and ``k2r1r2``. Tensor sets are random but valid EXL3 sets (the codec's quality is irrelevant
 to provenance); ``codec_sets`` substitutes real encoder output where a test needs it.
 
@@ -23,6 +25,7 @@ from fq.assembly import build_assembly, write_assembly
 from fq.attest import keys
 from fq.attest.campaign import campaign_identity
 from fq.attest.fragment import attest_fragment, attest_skeleton
+from fq.canonical import dumps, sha256_hex
 from fq.codec.codebook import marker_value
 from fq.experts import STANDARD
 from fq.fragments import fragment_filename, write_fragment, write_skeleton
@@ -33,11 +36,26 @@ LAYERS = (1, 3)
 N_EXPERTS = 8
 BLOCK = 4
 DIMS = {"gate_proj": (128, 256), "up_proj": (128, 256), "down_proj": (256, 128)}  # torch (out, in)
-NODES = {
+DEFINITIONS = {  # each node's definition in the test recipe
     "k2": {"node": "k2", "role": "base", "K": 2, "codebook": "mul1", "parent": None},
     "r1": {"node": "r1", "role": "stage", "K": 1, "codebook": "mcg", "parent": "k2"},
     "r2": {"node": "r2", "role": "stage", "K": 2, "codebook": "3inst", "parent": "r1"},
 }
+
+
+def node_digest(node: str, definitions: dict | None = None) -> str:
+    """Digest of a node's definition and its ancestors' (the shape of ``Recipe.node_digest``);
+    ``definitions`` overrides some nodes' definitions (a changed recipe)."""
+    defs = {**DEFINITIONS, **(definitions or {})}
+    chain = []
+    while node is not None:
+        chain.insert(0, defs[node])
+        node = defs[node]["parent"]
+    return sha256_hex(dumps({"format": "provkit-node/1", "chain": chain}))
+
+
+NODES = {n: {**d, "digest": node_digest(n)} for n, d in DEFINITIONS.items()}  # the plans' chain entries
+RECIPE_SHA256 = sha256_hex(dumps({"format": "provkit-recipe/1", "nodes": DEFINITIONS}))
 HOT = {1, 2, 5}
 PRODUCTS = {"k2r1": ["k2", "r1"], "k2r1r2": ["k2", "r1", "r2"]}
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
@@ -99,7 +117,8 @@ def _plan(c: Campaign, product: str, version: int, expires, key) -> Path:
     names = [c.frag(n, layer, b) for n in PRODUCTS[product] for layer in LAYERS
              for b in range(N_EXPERTS // BLOCK) if experts_of(n, b)]
     plan = build_assembly(c.root, product=product, chain=chain, fragments=names, base_dir="base/k2",
-                          campaign=c.campaign, version=version, expires=expires, public_key=c.pub)
+                          campaign=c.campaign, recipe_sha256=RECIPE_SHA256, version=version, expires=expires,
+                          public_key=c.pub)
     return write_assembly(c.root, plan, key)
 
 
@@ -112,7 +131,7 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
     priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
     enc = encoder()
     camp = campaign_identity(name="test", source_repo="fq-test/tiny-moe", source_revision="0" * 40,
-                             recipe_sha256="1" * 64, block_size=BLOCK, signer=fp, encoder=enc["digest"])
+                             block_size=BLOCK, signer=fp, encoder=enc["digest"])
     root = tmp / "campaign"
     source = {"repo": "fq-test/tiny-moe", "revision": "0" * 40, "shards": [{"name": SOURCE_SHARD, "sha256": "2" * 64}]}
     c = Campaign(root, key_path, pub_path, priv, pub, camp, source)
@@ -144,10 +163,10 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
                 parent = None
                 if spec["parent"]:
                     pp = root / c.frag(spec["parent"], layer, b)
-                    from fq.canonical import sha256_hex
                     parent = {"name": pp.name, "sha256": sha256_hex(pp.read_bytes())}
                 attest_fragment(path, key=priv, campaign=camp, source=source, encoder=enc,
-                                quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]}, parent=parent)
+                                quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
+                                node_digest=spec["digest"], parent=parent)
     write_base_manifest(base, node="k2", campaign=camp, key=priv)
     for product in PRODUCTS:
         c.plans[product] = _plan(c, product, 1, EXPIRES, priv)

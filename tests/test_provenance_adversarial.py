@@ -186,7 +186,7 @@ def _(c, tmp):
     p = shard(c, "k2", 1, 0)
     write_fragment(p, layout=STANDARD, node="k2", role="base", layer=1, block=0, K=2, codebook="mul1", experts=experts)
     attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
-                    quant_args={"seed": 0, "K": 2, "codebook": "mul1"})
+                    quant_args={"seed": 0, "K": 2, "codebook": "mul1"}, node_digest=provkit.NODES["k2"]["digest"])
     write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv)
     with pytest.raises(FqError, match="chain edge broken"):  # the producer refuses to plan it
         c.replan("k2r1r2", 2)
@@ -354,16 +354,16 @@ def _(c, tmp):
     write_signed_plan(c, plan_of(c), key=Ed25519PrivateKey.generate())
 
 
-@case("fragment from another campaign under the same key", r"campaign identity differs in 'recipe_sha256'")
+@case("fragment from another campaign under the same key", r"campaign identity differs in 'name'")
 def _(c, tmp):
-    other = campaign_identity(**{**{k: c.campaign[k] for k in ("name", "recipe_sha256", "block_size", "signer",
-                                                                 "encoder")},
-                                 "recipe_sha256": "9" * 64, "source_repo": c.campaign["source"]["repo"],
+    other = campaign_identity(**{**{k: c.campaign[k] for k in ("name", "block_size", "signer", "encoder")},
+                                 "name": "another-campaign", "source_repo": c.campaign["source"]["repo"],
                                  "source_revision": c.campaign["source"]["revision"]})
     p = shard(c)
     parent = attested(c, p)["predicate"]["parent"]
     attest_fragment(p, key=c.priv, campaign=other, source=c.source, encoder=provkit.encoder(),
-                    quant_args={"seed": 0, "K": 1, "codebook": "mcg"}, parent=parent)
+                    quant_args={"seed": 0, "K": 1, "codebook": "mcg"}, node_digest=provkit.NODES["r1"]["digest"],
+                    parent=parent)
 
 
 @case("plan that states a wrong runtime constant (K) for a stage",
@@ -459,3 +459,37 @@ def test_the_untampered_campaign_passes(tmp_path):
     c = provkit.build_campaign(tmp_path)
     assert verify_path(c.root, c.pub, now=NOW).ok
     combine(c.plans["k2r1r2"], c.pub, tmp_path / "out.safetensors", now=NOW)
+
+
+def test_fragment_encoded_for_another_node_definition_is_refused(tmp_path):
+    """A recipe change reruns a node and its descendants; a fragment of that node left from the older
+    definition (validly signed, same campaign, same bytes, intact chain edges) carries the older
+    node_digest. The producer refuses to plan it; a plan naming the current digest anyway (a buggy
+    pipeline signed it) is refused by combine and verify."""
+    c = provkit.build_campaign(tmp_path)
+    p = shard(c)
+    current = provkit.NODES["r1"]["digest"]
+    stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "quant_args": {"seed": 7}}})
+    assert stale != current
+    attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
+                    quant_args={"seed": 7, "K": 1, "codebook": "mcg"}, node_digest=stale,
+                    parent=attested(c, p)["predicate"]["parent"])
+    msg = (rf"fragment stages/r1/r1-layer001-block000\.safetensors attests node_digest {stale[:16]}…, the chain's "
+           rf"digest of node r1 is {current[:16]}…: encoded for another definition of node r1; re-encode it")
+    with pytest.raises(FqError, match=r"plan k2r1r2: " + msg):
+        c.replan("k2r1r2", 2)
+
+    plan = plan_of(c)  # names the current digest; make it name the re-attested line so only the digest differs
+    assert plan["chain"][1]["digest"] == current and plan["recipe_sha256"] == provkit.RECIPE_SHA256
+    for f in plan["fragments"]:
+        if f["name"] == c.frag("r1", 1, 0):
+            f["attestation_sha256"] = sha256_hex(att_path(p).read_bytes())
+    write_signed_plan(c, plan)
+    with pytest.raises(FqError, match=msg):
+        combine(c.plans["k2r1r2"], c.pub, tmp_path / "out.safetensors", now=NOW)
+    assert not (tmp_path / "out.safetensors").exists()
+    problems = verify_path(c.root, c.pub, now=NOW).problems
+    assert any(re.search(r"k2r1r2\.assembly\.intoto\.jsonl: " + msg, m) for m in problems), problems
+    mixed = (rf"node r1: its fragments were encoded for 2 different definitions \(node_digest {current[:16]}…: 3 \(.*\); "
+             rf"{stale[:16]}…: 1 \(stages/r1/r1-layer001-block000\.safetensors\)\); re-encode the stale ones")
+    assert any(re.fullmatch(mixed, m) for m in problems), problems

@@ -109,4 +109,27 @@ def test_attest_refuses_a_parent_from_another_block(tmp_path):
                         (None, "a stage fragment needs parent digest")):
         with pytest.raises(FqError, match=msg):
             attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
-                            quant_args={}, parent=parent)
+                            quant_args={}, node_digest=provkit.NODES["r1"]["digest"], parent=parent)
+
+
+def test_node_digest_and_recipe_digest_inputs(tmp_path):
+    from fq.assembly import build_assembly
+    from fq.attest.fragment import attest_fragment
+    c = provkit.build_campaign(tmp_path)
+    p = c.root / c.frag("k2", 1, 0)
+    for bad in ("", "AB" * 32, "0" * 63, None):
+        with pytest.raises(FqError, match="node_digest .* is not a sha256 hex digest"):
+            attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
+                            quant_args={}, node_digest=bad)
+    with pytest.raises(TypeError, match="node_digest"):  # required: a fragment always names its definition
+        attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(), quant_args={})
+    chain = [provkit.NODES["k2"], provkit.NODES["r1"]]
+    kw = dict(product="k2r1", fragments=[c.frag("k2", 1, 0)], base_dir="base/k2", campaign=c.campaign, version=9,
+              expires=provkit.EXPIRES, public_key=c.pub)
+    old_chain = [{k: v for k, v in n.items() if k != "digest"} for n in chain]
+    with pytest.raises(FqError, match=r"chain\[0\] must be \{node, role, K, codebook, parent, digest\}"):
+        build_assembly(c.root, chain=old_chain, recipe_sha256=provkit.RECIPE_SHA256, **kw)
+    with pytest.raises(FqError, match=r"chain\[1\] digest 'r1' is not a sha256 hex digest"):
+        build_assembly(c.root, chain=[chain[0], dict(chain[1], digest="r1")], recipe_sha256=provkit.RECIPE_SHA256, **kw)
+    with pytest.raises(FqError, match="recipe_sha256 'x' is not a sha256 hex digest"):
+        build_assembly(c.root, chain=chain, recipe_sha256="x", **kw)

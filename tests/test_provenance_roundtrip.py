@@ -198,3 +198,51 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and "truncated" in r.stderr
+
+
+def test_changing_one_stage_reencodes_only_that_node(tmp_path):
+    """The recipe changes r2 (K=2 -> K=3): r2's node digest changes, k2's and r1's do not, and the campaign
+    identity does not name the recipe, so only r2 is re-encoded; every untouched fragment, the base
+    manifest and the k2r1 plan stay valid next to a k2r1r2 plan of the new recipe."""
+    from fq.assembly import build_assembly, write_assembly
+    from fq.attest.fragment import attest_fragment
+    from fq.canonical import dumps, sha256_hex
+    from fq.fragments import write_fragment
+    c = provkit.build_campaign(tmp_path)
+    assert set(c.campaign) == {"name", "source", "block_size", "signer", "encoder"}
+    untouched = {p: p.read_bytes() for p in c.root.rglob("*") if p.is_file() and "stages/r2" not in p.as_posix()
+                 and "assemblies/k2r1r2" not in p.as_posix()}
+    new_def = {**provkit.DEFINITIONS["r2"], "K": 3}
+    digests = {n: provkit.node_digest(n, {"r2": new_def}) for n in provkit.NODES}
+    assert digests["k2"] == provkit.NODES["k2"]["digest"] and digests["r1"] == provkit.NODES["r1"]["digest"]
+    assert digests["r2"] != provkit.NODES["r2"]["digest"]
+    gen = torch.Generator().manual_seed(11)
+    for layer in provkit.LAYERS:
+        for b in range(provkit.N_EXPERTS // provkit.BLOCK):
+            experts = {e: {pr: provkit.random_set(o, i, 3, "3inst", gen) for pr, (o, i) in provkit.DIMS.items()}
+                       for e in provkit.experts_of("r2", b)}
+            if not experts:
+                continue
+            path = c.root / c.frag("r2", layer, b)
+            write_fragment(path, layout=STANDARD, node="r2", role="stage", layer=layer, block=b, K=3,
+                           codebook="3inst", experts=experts)
+            parent = c.root / c.frag("r1", layer, b)
+            attest_fragment(path, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
+                            quant_args={"seed": 0, "K": 3, "codebook": "3inst"}, node_digest=digests["r2"],
+                            parent={"name": parent.name, "sha256": sha256_hex(parent.read_bytes())})
+    recipe = sha256_hex(dumps({"format": "provkit-recipe/1", "nodes": {**provkit.DEFINITIONS, "r2": new_def}}))
+    chain = [{**provkit.NODES["k2"]}, {**provkit.NODES["r1"]}, {**new_def, "digest": digests["r2"]}]
+    names = [n.relative_to(c.root).as_posix() for d in ("base/k2", "stages/r1", "stages/r2")
+             for n in sorted((c.root / d).glob("*-layer*.safetensors"))]
+    plan = build_assembly(c.root, product="k2r1r2", chain=chain, fragments=names, base_dir="base/k2",
+                          campaign=c.campaign, recipe_sha256=recipe, version=2, expires=provkit.EXPIRES,
+                          public_key=c.pub)
+    write_assembly(c.root, plan, c.priv)
+    assert all(p.read_bytes() == data for p, data in untouched.items())
+    report = verify_path(c.root, c.pub, now=NOW)
+    assert report.ok, report.problems
+    assert (report.shards, report.assemblies) == (13, 2)
+    res = combine(c.plans["k2r1r2"], c.pub, tmp_path / "a.safetensors", experts="1", now=NOW)
+    assert [s["K"] for s in res.stages] == [1, 3]
+    assert read_assembly(c.plans["k2r1"], c.pub, now=NOW).predicate["recipe_sha256"] == provkit.RECIPE_SHA256
+    assert read_assembly(c.plans["k2r1r2"], c.pub, now=NOW).predicate["recipe_sha256"] == recipe

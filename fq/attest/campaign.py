@@ -1,7 +1,12 @@
 """The campaign identity: what one run is, carried inside every attestation and every plan.
 
-    {"name", "source": {"repo", "revision"}, "recipe_sha256", "block_size",
+    {"name", "source": {"repo", "revision"}, "block_size",
      "signer": <key fingerprint>, "encoder": <encoder identity digest>}
+
+The recipe is deliberately not part of it: changing one node of the recipe must leave every fragment
+of the untouched nodes valid. What a fragment was encoded for is its own ``node_digest`` (the recipe's
+digest of that node and its ancestors, ``fq.recipe.Recipe.node_digest``), which a plan's chain pins
+per node; the plan also records the whole recipe's ``recipe_sha256``.
 
 Its digest (``campaign_digest``) is the sha256 of its canonical JSON. A consumer requires the same
 identity in every fragment it uses and the signer to be the key it pinned.
@@ -12,10 +17,10 @@ from fq.canonical import dumps, sha256_hex
 from fq.errors import FqError
 
 
-def campaign_identity(*, name: str, source_repo: str, source_revision: str, recipe_sha256: str,
-                      block_size: int, signer: str, encoder: str) -> dict:
+def campaign_identity(*, name: str, source_repo: str, source_revision: str, block_size: int, signer: str,
+                      encoder: str) -> dict:
     ident = {"name": name, "source": {"repo": source_repo, "revision": source_revision},
-             "recipe_sha256": recipe_sha256, "block_size": block_size, "signer": signer, "encoder": encoder}
+             "block_size": block_size, "signer": signer, "encoder": encoder}
     # Same schema the signed documents are checked against, so a bad identity fails here, not at verify.
     from fq.attest.statement import _validator
     errors = list(_validator("fq-common.schema.json").evolve(

@@ -7,7 +7,7 @@ tensor). The attestation digest named by plans is the sha256 of the line's bytes
 
 Producer side (reads the committed file back, never trusts the caller's digests)::
 
-    attest_fragment(path, key=, campaign=, source=, encoder=, quant_args=, parent=None) -> Attested
+    attest_fragment(path, key=, campaign=, source=, encoder=, quant_args=, node_digest=, parent=None) -> Attested
     attest_skeleton(path, key=, campaign=, source=, encoder=) -> Attested
 
 Consumer side::
@@ -18,6 +18,7 @@ Consumer side::
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from fq.safepath import open_regular, read_regular
 from fq.shards import read_header
 
 FORMAT = "fq-attestation/1"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,15 @@ def _describe(path: str | os.PathLike) -> tuple[Path, ShardInfo]:
 
 
 def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
-                    encoder: dict, quant_args: dict, parent: dict | None = None,
+                    encoder: dict, quant_args: dict, node_digest: str, parent: dict | None = None,
                     determinism: dict | None = None) -> Attested:
-    """Sign the expert fragment at ``path``; ``parent`` = {name, sha256} of the parent's committed
-    fragment, required for a stage and refused for a base."""
+    """Sign the expert fragment at ``path``; ``node_digest`` = the recipe's digest of the fragment's node
+    (``Recipe.node_digest``: its definition and its ancestors'), which a plan's chain entry must name;
+    ``parent`` = {name, sha256} of the parent's committed fragment, required for a stage and refused
+    for a base."""
     p, info = _describe(path)
+    if not (isinstance(node_digest, str) and SHA256_HEX.fullmatch(node_digest)):
+        raise FqError(f"{p}: node_digest {node_digest!r} is not a sha256 hex digest (Recipe.node_digest)")
     if info.kind != "expert":
         raise FqError(f"{p}: is a {info.kind} shard; use attest_skeleton")
     m = info.meta
@@ -93,9 +99,10 @@ def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
         raise FqError(f"{p}: parent {parent.get('name')!r} must be the file name of the parent node's fragment "
                       f"of the same block (NODE{suffix})")
     predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
-    predicate.update({"kind": "expert", "node": m["node"], "role": m["role"], "layer": m["layer"], "block": m["block"],
-                      "K": m["K"], "codebook": m["codebook"], "layout": m["layout"].to_json(),
-                      "quant_args": quant_args, "parent": parent, "experts": [e.to_json() for e in info.experts]})
+    predicate.update({"kind": "expert", "node": m["node"], "node_digest": node_digest, "role": m["role"],
+                      "layer": m["layer"], "block": m["block"], "K": m["K"], "codebook": m["codebook"],
+                      "layout": m["layout"].to_json(), "quant_args": quant_args, "parent": parent,
+                      "experts": [e.to_json() for e in info.experts]})
     return _sign_and_write(p, info, predicate, key)
 
 
@@ -109,8 +116,8 @@ def attest_skeleton(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
     if src_shard not in [s.get("name") for s in source.get("shards", [])]:
         raise FqError(f"{p}: skeleton of {src_shard!r}, which the attested source does not list")
     predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
-    predicate.update({"kind": "skeleton", "node": None, "role": None, "layer": None, "block": None, "K": None,
-                      "codebook": None, "layout": None, "quant_args": None, "parent": None,
+    predicate.update({"kind": "skeleton", "node": None, "node_digest": None, "role": None, "layer": None,
+                      "block": None, "K": None, "codebook": None, "layout": None, "quant_args": None, "parent": None,
                       "source_shard": src_shard, "tensors": [t.to_json() for t in info.tensors]})
     return _sign_and_write(p, info, predicate, key)
 
@@ -146,6 +153,15 @@ def check_header(att: Attested, info_header, source: str) -> None:
     if info_header.sha256 != att.predicate["shard"]["header_sha256"]:
         raise FqError(f"{source}: safetensors header differs from the attested one "
                       "(offsets, names or metadata altered after signing)")
+
+
+def check_node_digest(att: Attested, digest: str, where: str) -> None:
+    """A fragment serves a chain node only if it was encoded for that node's current definition: its
+    attested ``node_digest`` must be the digest the chain names (``Recipe.node_digest``)."""
+    got, node = att.predicate["node_digest"], att.predicate["node"]
+    if got != digest:
+        raise FqError(f"{where}: fragment {att.name} attests node_digest {got[:16]}…, the chain's digest of node "
+                      f"{node} is {digest[:16]}…: encoded for another definition of node {node}; re-encode it")
 
 
 def range_mismatch(att: Attested, expert: int, got_sha: str, source: str) -> FqError:

@@ -1,0 +1,14 @@
+"""Tensor-parallel products: declare every weight with its sharding, plan it onto a device mesh,
+export per-rank shards by whole 128-aligned tiles, and load them transactionally.
+
+    fq.tp.manifest  pure declarations (WeightEntry, shard policies, collectives) and their validation
+    fq.tp.moe       the manifest of an MoE product (MoeSpec -> Manifest) and a reference MoE forward
+    fq.tp.mesh      DeviceMesh (tp x ep x pp, epoch) and plan(manifest, mesh) -> Plan: pure, deterministic
+    fq.tp.slicing   EXL3 tensor sets cut along output or input by whole Hadamard blocks
+    fq.tp.sources   where a load's bytes come from: a published product, a TP export, in-memory tensors
+    fq.tp.store     WeightStore: admission, journaled allocation, rollback, origin checks, unload
+    fq.tp.export    fq tp-export: per-rank shards with attestations naming the unsliced fragments
+    fq.tp.records   the signed documents of a TP export (fq-tp-shard/1, fq-tp-export/1)
+
+docs/tp.md describes the vocabulary, the split rules, the plan format and the store's guarantees.
+"""
