@@ -151,3 +151,35 @@ def test_cli(world, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["tp-export", *base, "--tp", "0", "--sign-key", str(c.key_path), "--out", str(tmp_path / "z")])
     assert "'0' is not a positive integer" in capsys.readouterr().err
+
+
+def test_an_export_can_be_bound_to_the_signed_product_plan(world, tmp_path):
+    """The exporter's key vouches for the export; pinning the product plan as well checks every claim about
+    the unsliced fragments against the campaign's signed plan (without reading unsliced payload)."""
+    c, _, _ = world
+    key_path, pub_path, _ = keys.generate(tmp_path / "exporter")
+    priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
+    from fq.tp.export import tp_export
+    out = tp_export(c.plans["k2r1r2"], c.pub, tmp_path / "x", tp=2, sign_key=priv, now=provkit.NOW).path
+    product = tpkit.product_source(c)
+    p = tpkit.mesh_plan(product, 2)
+    ExportSource(out, pub, product=product).admit(p, [0, 1])
+    with pytest.raises(FqError, match="not the pinned product plan"):
+        ExportSource(out, pub, product=tpkit.product_source(c, "k2r1"))
+
+    # an exporter that lies about a source digest (validly signed with its own key)
+    att = out / "rank-ep0-tp0/r1-layer001-block000.safetensors.intoto.jsonl"
+    env = loads(att.read_bytes())
+    st = json.loads(dsse.b64decode(env["payload"], "x"))
+    st["predicate"]["experts"][0]["source_sha256"] = "0" * 64
+    line = records.sign([(s["name"], s["digest"]["sha256"]) for s in st["subject"]], records.SHARD, st["predicate"], priv)
+    att.write_bytes(line)
+    index = predicate(out / "export.intoto.jsonl")
+    for f in index["files"]:
+        if f["name"] == "rank-ep0-tp0/r1-layer001-block000.safetensors":
+            f["attestation_sha256"] = sha256_hex(line)
+    (out / "export.intoto.jsonl").write_bytes(
+        records.sign([(f["name"], f["sha256"]) for f in index["files"]], records.EXPORT, index, priv))
+    ExportSource(out, pub).admit(p, [0, 1])  # consistent under the exporter's key alone
+    with pytest.raises(FqError, match="expert 0 names an unsliced digest the pinned plan does not"):
+        ExportSource(out, pub, product=product).admit(p, [0, 1])

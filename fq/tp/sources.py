@@ -288,10 +288,15 @@ class ProductSource:
 # -- a TP export ---------------------------------------------------------------------------------
 
 class ExportSource:
-    """A directory written by ``fq tp-export``, under the exporter's pinned key."""
+    """A directory written by ``fq tp-export``, under the exporter's pinned key.
 
-    def __init__(self, directory: str | os.PathLike, public_key: Ed25519PublicKey):
-        self.dir, self.key = Path(directory), public_key
+    With ``product`` (a ``ProductSource``: the signed plan under the campaign key) the export is also bound
+    to it: the index must name that plan's digest, and every rank shard's source fragment and unsliced
+    expert digests must be the plan's — checked from the plan alone, no unsliced payload is read."""
+
+    def __init__(self, directory: str | os.PathLike, public_key: Ed25519PublicKey,
+                 product: "ProductSource | None" = None):
+        self.dir, self.key, self.product = Path(directory), public_key, product
         self._opened: dict[str, tuple] = {}  # attestation sha256 -> (subjects, predicate): same bytes, same verdict
         self.index, self.index_sha256 = self._read_index()
         self.layout = ExpertLayout.from_json(self.index["spec"].get("layout"), f"{self.dir}/{INDEX}: spec.layout")
@@ -305,6 +310,9 @@ class ExportSource:
         subjects, pred = self._opened[digest]
         if subjects != [(f["name"], f["sha256"]) for f in pred["files"]]:
             raise FqError(f"{where}: subjects differ from the files the index lists")
+        if self.product is not None and pred["plan_sha256"] != self.product.assembly.sha256:
+            raise FqError(f"{where}: cut from plan {pred['plan_sha256'][:16]}…, not the pinned product plan "
+                          f"{self.product.assembly.sha256[:16]}… ({self.product.plan_path})")
         return pred, digest
 
     def spec(self) -> MoeSpec:
@@ -332,9 +340,13 @@ class ExportSource:
         if p["kind"] == "expert" and (p["mesh"] != ix["mesh"] or p["coords"] != f["coords"] or
                                       p["node"] != f["node"] or p["layer"] != f["layer"]):
             raise FqError(f"{where}: mesh, coordinates, node or layer differ from the export index's")
+        if self.product is not None and p["kind"] == "expert":
+            _bound_to_plan(p, self.product.predicate, where)
         return p
 
     def admit(self, plan: Plan, ranks) -> list[Unit]:
+        if self.product is not None:
+            self.product._reverify()
         self.index, self.index_sha256 = self._read_index()  # admission starts from the signed index again
         ix = self.index
         if plan.manifest.sha256 != ix["manifest_sha256"]:
@@ -418,6 +430,17 @@ class ExportSource:
                     for entry, cut in _dense_items(raw, wants):
                         per_rank[r].append(pack(r, f"rank {r} {entry}", [(entry, 0, None, cut)]))
         return per_rank
+
+
+def _bound_to_plan(p: dict, plan: dict, where: str) -> None:
+    """A rank shard's claims about its source against the signed product plan."""
+    f = next((f for f in plan["fragments"] if f["name"] == p["source"]["name"]), None)
+    if f is None or (f["sha256"], f["attestation_sha256"]) != (p["source"]["sha256"], p["source"]["attestation_sha256"]):
+        raise FqError(f"{where}: names source fragment {p['source']['name']} with digests the pinned plan does not")
+    unsliced = {e["expert"]: e["sha256"] for e in f["experts"]}
+    for e in p["experts"]:
+        if unsliced.get(e["expert"]) != e["source_sha256"]:
+            raise FqError(f"{where}: expert {e['expert']} names an unsliced digest the pinned plan does not")
 
 
 # -- tensors in memory -----------------------------------------------------------------------------
