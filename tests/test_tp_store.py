@@ -153,6 +153,13 @@ def test_a_failure_mid_load_releases_in_reverse_order_once(world):
         store.fulfill(p, src, ["cpu", "cpu"], on_allocate=boom)
     assert [a.seq for a in seen] == list(range(6)) and all(a.released and a.buffer is None for a in seen)
     assert (store.allocations, store.releases) == (6, 6)
+
+    def interrupt(a):
+        if a.seq == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):  # not only Exceptions: an interrupted load is rolled back too
+        store.fulfill(p, src, ["cpu", "cpu"], on_allocate=interrupt)
+    assert (store.allocations, store.releases) == (9, 9) and store.loaded is None
     store.fulfill(p, src, ["cpu", "cpu"])
 
 
