@@ -32,12 +32,13 @@ from fq.shards import Header, RawTensor, read_header, write_shard
 
 FORMAT = "fq-fragment/1"
 ROLES = ("base", "stage")
-NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+=@-]{0,63}")
+# The recipe schema's node names (dots allowed: "k2.r1"), never "..": a name is also a file-name prefix.
+NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=@-]{0,63}")
 
 
 def check_node(node: object, where: str = "node") -> str:
-    if not isinstance(node, str) or not NODE_RE.fullmatch(node):
-        raise FqError(f"{where}: node name {node!r} must be 1-64 of letters, digits, '_+=@-', starting alphanumeric")
+    if not isinstance(node, str) or not NODE_RE.fullmatch(node) or ".." in node:
+        raise FqError(f"{where}: node name {node!r} must be 1-64 of letters, digits, '_.+=@-' (no '..'), starting alphanumeric")
     return node
 
 

@@ -1,10 +1,12 @@
 """The encoder bundle identity and the determinism scope that every attestation records.
 
-``encoder_identity(device)`` names exactly what produced the bytes: the sha256 of fq's own source
-files (``fq/**/*.py``, ``*.c``) and any compiled kernel (``fq/codec/_trellis*.so``), hashed as a
-sorted list of (relative path, sha256) so a rebuilt kernel or an edited module is visible; the torch
-and CUDA versions; and the device architecture (``cpu-x86_64``, ``sm_90``). ``digest`` is the sha256
-of the canonical JSON of the other fields; a campaign binds it once and refuses any other.
+``encoder_identity(device)`` names exactly what produced the bytes: the sha256 of the fq source files
+that determine a fragment's payload (``ENCODER_FILES``: the codec and its compiled kernel, the shard
+writer and the encode step), hashed as a sorted list of (relative path, sha256) so a rebuilt kernel or
+an edited module is visible; the torch and CUDA versions; and the device architecture (``cpu-x86_64``,
+``sm_90``). ``digest`` is the sha256 of the canonical JSON of the other fields; a campaign binds it
+once and refuses any other. Code that cannot change a payload byte (CLI, report, planning, TP export,
+verification) is deliberately outside the bundle: fixing it must not invalidate a paid-for campaign.
 
 ``determinism_scope()`` states what must be equal for a re-encode to be byte-identical.
 """
@@ -23,9 +25,14 @@ from fq.errors import FqError
 PACKAGE_ROOT = Path(fq.__file__).resolve().parent
 
 
+# Every file whose content can change a fragment's bytes (globs relative to the package).
+ENCODER_FILES = ("codec/*.py", "codec/*.c", "codec/_trellis*.so", "shards.py", "fragments.py", "experts.py",
+                 "workflow/encode.py")
+
+
 def bundle_files(root: Path = PACKAGE_ROOT) -> list[tuple[str, str]]:
     """(path relative to the package, sha256) of every file that shapes the encoder, sorted by path."""
-    paths = set(root.rglob("*.py")) | set(root.rglob("*.c")) | set((root / "codec").glob("_trellis*.so"))
+    paths = {p for pattern in ENCODER_FILES for p in root.glob(pattern)}
     out = []
     for p in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
         rel = p.relative_to(root).as_posix()

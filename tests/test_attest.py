@@ -167,14 +167,19 @@ def test_encoder_identity_is_deterministic_and_self_checking():
     assert "quant_args" in determinism_scope()["equal"]
 
 
-def test_bundle_covers_sources_and_compiled_kernel(tmp_path):
+def test_bundle_covers_payload_sources_and_compiled_kernel(tmp_path):
     (tmp_path / "codec").mkdir()
-    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "workflow").mkdir()
+    (tmp_path / "codec" / "a.py").write_text("x = 1\n")
+    (tmp_path / "shards.py").write_text("x = 2\n")
+    (tmp_path / "workflow" / "encode.py").write_text("x = 3\n")
     (tmp_path / "codec" / "k.c").write_text("int x;\n")
     (tmp_path / "codec" / "_trellis.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
     (tmp_path / "notes.txt").write_text("not part of the bundle")
+    (tmp_path / "cli.py").write_text("# cannot change a payload byte: outside the bundle\n")
     before = bundle_files(tmp_path)
-    assert [p for p, _ in before] == ["a.py", "codec/_trellis.cpython-311-x86_64-linux-gnu.so", "codec/k.c"]
+    assert [p for p, _ in before] == ["codec/_trellis.cpython-311-x86_64-linux-gnu.so", "codec/a.py", "codec/k.c",
+                                      "shards.py", "workflow/encode.py"]
     (tmp_path / "codec" / "_trellis.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF rebuilt")
     assert bundle_files(tmp_path) != before
 

@@ -13,7 +13,7 @@ from fq import canonical
 from fq.cli import main
 from fq.errors import FqError
 from fq.plan import load_plan, make_plan, write_plan
-from fq.recipe import load_recipe
+from fq.recipe import load_recipe, parse_recipe
 from fq.source import parse_source
 from fq.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
 from fq.usage import parse_usage
@@ -141,11 +141,20 @@ def test_block_size_and_partial_blocks(glm5, lean):
         make_plan(lean, glm5, windows_on_disk=0)
 
 
+def hot16_recipe():
+    """The demo recipe with its hot stage widened to the 16 hottest experts (a 64-expert model)."""
+    doc = json.loads((RECIPES / "demo.json").read_text().replace("k2.r1.h2", "k2.r1.h16"))
+    for n in doc["nodes"]:
+        if n["name"] == "k2.r1.h16":
+            n["experts"] = {"hot": 16}
+    return parse_recipe(doc, "demo.json with hot 16")
+
+
 def test_hot_stage_fragments_only_where_hot_experts_are():
     c, i, s = synthetic_checkpoint("deepseek", hidden=256, inter=128, n_experts=64, n_layers=5, first_dense=1,
                                    vocab=1024, shard_bytes=3_000_000)
     src = parse_source(c, i, s, origin="demo-like")
-    demo = load_recipe(RECIPES / "demo.json")
+    demo = hot16_recipe()
     with pytest.raises(FqError, match="16 hottest.*--usage"):
         make_plan(demo, src)
     # the 16 hottest experts of every layer sit in experts 0..15 except one at 40

@@ -172,7 +172,7 @@ def test_fq_price_small_model_scales_per_tile(tmp_path, capsys):
     src = write_synthetic(tmp_path / "mx", c, i, s)
     rc = main(["price", str(RECIPES / "demo.json"), "--model", str(src), "--sizes", str(src / "sizes.json"), "--gpus", "1"])
     captured = capsys.readouterr()
-    assert rc == 2 and "16 hottest experts per layer, but the model has 8" in captured.err
+    assert rc == 0 and "demo" in captured.out  # pricing a hot stage needs only N per layer, not the statistics
     rc = main(["price", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(src), "--sizes", str(src / "sizes.json"),
                "--gpus", "1"])
     out = capsys.readouterr().out

@@ -77,11 +77,11 @@ def test_hot_and_demo_recipes():
     assert hot.uses_hot
     demo = load_recipe(RECIPES / "demo.json")
     assert len(demo.bases) == 2 and {n.codebook for n in demo.nodes} == {"mul1"}
-    assert any(n.experts.mode == "hot" and n.experts.hot <= 16 for n in demo.stages)
+    assert any(n.experts.mode == "hot" and n.experts.hot <= 8 for n in demo.stages)
     assert any(n.experts.mode == "all" for n in demo.stages)
-    # works with any model of >= 16 experts per layer
-    counts = selection_counts(demo, [1, 2, 3, 4], 16)
-    assert all(v == 16 for sel in counts.values() for v in sel.values())
+    # works with the demo model's 8 experts per layer (and any larger model)
+    counts = selection_counts(demo, [1, 2], 8)
+    assert all(v in (2, 8) for sel in counts.values() for v in sel.values())
 
 
 def test_recipe_sha256_ignores_formatting(tmp_path):

@@ -1,0 +1,25 @@
+# fq: one campaign = source checkpoint + recipe -> signed EXL3 bases, stages and assemblies.
+# Every product node, block fragment, attestation and assembly is a file target, so this DAG is the
+# recipe's parent graph: resume, windowed staging and retirement follow from file dependencies.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schemas/config.schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/source.smk"
+include: "rules/encode.smk"
+include: "rules/finalize.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

@@ -1,0 +1,246 @@
+"""A campaign as the workflow sees it: the validated config, the source model, the recipe, the plan,
+and the path of every file target. Built at Snakefile parse time from metadata only (config.json and
+the shard index), so ``snakemake -n`` lists every job before a byte of payload is fetched.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from fq import canonical
+from fq.errors import FqError
+from fq.experts import ExpertLayout, layout_for
+from fq.fragments import attestation_name, fragment_filename
+from fq.plan import Block, Fragment, Plan, make_plan
+from fq.recipe import Recipe, load_recipe
+from fq.source import PROJECTIONS, SourceModel, load_source, parse_source
+from fq.usage import ExpertUsage, load_usage, parse_usage
+
+SOURCE_KINDS = ("demo", "local", "hub")
+
+
+@dataclass(eq=False)
+class Campaign:
+    config: dict
+    out: Path
+    source: SourceModel
+    recipe: Recipe
+    usage: ExpertUsage | None
+    plan: Plan
+
+    # -- identity -----------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.config["campaign"]
+
+    @property
+    def source_kind(self) -> str:
+        return self.config["source"]["kind"]
+
+    @property
+    def source_dir(self) -> Path:
+        """Where source shards are read from (demo: written by the demo_model rule; local: the checkpoint)."""
+        if self.source_kind == "demo":
+            return self.out / "demo-model"
+        if self.source_kind == "local":
+            return Path(self.config["source"]["path"])
+        return self.out / "meta"
+
+    @property
+    def source_repo(self) -> str:
+        return {"demo": "fq-demo", "local": str(self.config["source"].get("repo") or self.config["source"]["path"]),
+                "hub": self.config["source"]["repo"]}[self.source_kind]
+
+    @cached_property
+    def layout(self) -> ExpertLayout:
+        return layout_for(self.source.family)
+
+    # -- paths (relative to the working directory, as Snakemake wants them) --------------------------
+    def p(self, *parts) -> str:
+        return str(self.out.joinpath(*map(str, parts)))
+
+    @property
+    def campaign_json(self) -> str:
+        return self.p("campaign.json")
+
+    @property
+    def plan_json(self) -> str:
+        return self.p("plan.json")
+
+    def staged(self, shard: str) -> str:
+        return self.p("staging", shard)
+
+    def skeleton(self, shard: str) -> str:
+        return self.p("skeleton", shard)
+
+    def fragment(self, node: str, block: Block) -> str:
+        return self.p("fragments", node, fragment_filename(node, block.layer, self.block_index(block)))
+
+    def attestation(self, path: str) -> str:
+        return str(Path(path).with_name(attestation_name(Path(path).name)))
+
+    def metrics(self, node: str, block: Block) -> str:
+        return self.p("metrics", node, f"{node}-layer{block.layer:03d}-block{self.block_index(block):03d}.json")
+
+    def native_metrics(self, K: int, codebook: str, block: Block) -> str:
+        return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.json")
+
+    def retired(self, window: int) -> str:
+        return self.p("windows", f"window-{window}.retired")
+
+    # -- plan lookups -------------------------------------------------------------------------------
+    def block_index(self, block: Block) -> int:
+        return block.first_expert // self.plan.block_size
+
+    def block(self, layer: int, index: int) -> Block:
+        for b in self.plan.blocks:
+            if b.layer == layer and self.block_index(b) == index:
+                return b
+        raise FqError(f"campaign {self.name}: no block {index} in layer {layer}")
+
+    @cached_property
+    def fragments(self) -> tuple[Fragment, ...]:
+        return self.plan.fragments()
+
+    def fragment_of(self, node: str, layer: int, index: int) -> Fragment:
+        for f in self.fragments:
+            if f.node == node and f.block.layer == layer and self.block_index(f.block) == index:
+                return f
+        raise FqError(f"campaign {self.name}: node {node} has no fragment for layer {layer} block {index}")
+
+    def ancestors(self, node: str) -> tuple[str, ...]:
+        """The chain from the base to ``node``'s parent."""
+        return tuple(self.recipe.chain(node)[:-1])
+
+    def shard_window(self, shard: str) -> int:
+        for w in self.plan.windows:
+            if shard in w.stage:
+                return w.index
+        raise FqError(f"campaign {self.name}: shard {shard} is staged by no window")
+
+    def shard_consumers_window(self, window: int) -> list[str]:
+        """Every output that reads a shard staged or kept in ``window``: what its retirement waits for."""
+        w = self.plan.windows[window]
+        outs = [self.skeleton(s) for s in w.stage if s in self.skeleton_shards]
+        outs += [self.fragment(f.node, f.block) for f in self.fragments if f.block.window == window]
+        outs += [self.native_metrics(K, cb, b) for (K, cb), blocks in self.native_jobs.items() for b in blocks
+                 if b.window == window]
+        return outs
+
+    @cached_property
+    def skeleton_tensors(self) -> dict[str, tuple[str, ...]]:
+        """Source shard -> its non-expert tensors (copied verbatim into the skeleton)."""
+        out: dict[str, list[str]] = {}
+        for t in self.source.skeleton_tensors:
+            out.setdefault(self.source.weight_map[t], []).append(t)
+        return {s: tuple(sorted(ts)) for s, ts in sorted(out.items())}
+
+    @property
+    def skeleton_shards(self) -> tuple[str, ...]:
+        """Source shards that hold at least one non-expert tensor."""
+        return tuple(self.skeleton_tensors)
+
+    def expert_sources(self, layer: int, experts) -> dict:
+        """{expert: {proj: [staged shard path, tensor name]}} for the encode job's params."""
+        return {str(e): {p: [self.staged(self.source.weight_map[self.source.expert_tensor(layer, e, p)]),
+                             self.source.expert_tensor(layer, e, p)] for p in PROJECTIONS} for e in experts}
+
+    # -- native comparisons (report) ----------------------------------------------------------------
+    @cached_property
+    def native_jobs(self) -> dict[tuple[int, str], dict[Block, tuple[int, ...]]]:
+        """One-pass encodes at each multi-node product's bits, over the experts its last node encodes,
+        unless the recipe already holds a base at those bits: (K, codebook) -> {block: experts}.
+        Only with compare_native; K above 8 has no one-pass counterpart."""
+        if not self.config.get("compare_native"):
+            return {}
+        have = {(n.K, n.codebook) for n in self.recipe.bases}
+        want: dict[tuple[int, str], dict[Block, set[int]]] = {}
+        for prod in self.recipe.products:
+            chain = [self.recipe.node(n) for n in prod.chain]
+            bits, cb = sum(n.K for n in chain), chain[0].codebook
+            if len(chain) == 1 or bits > 8 or (bits, cb) in have:
+                continue
+            for f in self.fragments:
+                if f.node == prod.chain[-1]:
+                    want.setdefault((bits, cb), {}).setdefault(f.block, set()).update(f.experts)
+        return {k: {b: tuple(sorted(e)) for b, e in sorted(v.items(), key=lambda kv: (kv[0].layer, kv[0].first_expert))}
+                for k, v in sorted(want.items())}
+
+    # -- does a job still need its source? ------------------------------------------------------------
+    def fragment_needs_source(self, node: str, block: Block, _memo=None) -> bool:
+        """True when this fragment will be (re)encoded: missing, attested for another definition of its node,
+        older than an ancestor's fragment, or an ancestor will be re-encoded. The encode rule asks for the
+        staged shards only then, so deleting one fragment re-stages its shards without re-running the other
+        jobs that read them (Snakemake would rerun every consumer of a re-created temp file otherwise)."""
+        memo = {} if _memo is None else _memo
+        key = (node, block.layer, block.first_expert)
+        if key in memo:
+            return memo[key]
+        path = Path(self.fragment(node, block))
+        att = Path(self.attestation(str(path)))
+        needs = not path.is_file() or not att.is_file() or attested_node_digest(att) != self.recipe.node_digest(node)
+        if not needs:
+            mtime = path.stat().st_mtime
+            for anc in self.ancestors(node):
+                if self.fragment_needs_source(anc, block, memo) or Path(self.fragment(anc, block)).stat().st_mtime > mtime:
+                    needs = True
+                    break
+        memo[key] = needs
+        return needs
+
+
+def attested_node_digest(att_path: Path) -> str | None:
+    """The node digest an attestation line claims (unverified: used only to decide whether to redo work)."""
+    try:
+        env = json.loads(att_path.read_bytes())
+        predicate = json.loads(base64.b64decode(env["payload"]))["predicate"]
+        return predicate.get("node_digest")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _demo_source() -> tuple[SourceModel, ExpertUsage]:
+    from fq import demo_model
+
+    config, index, sizes = demo_model.metadata()
+    src = parse_source(config, index, sizes, origin="fq-demo", config_bytes=demo_model.files()["config.json"],
+                       index_bytes=demo_model.files()["model.safetensors.index.json"])
+    return src, parse_usage(demo_model.usage(), "fq demo model expert_usage.json")
+
+
+def load_campaign(config: dict) -> Campaign:
+    """The campaign a (schema-validated) config describes. Pure but for reading metadata files."""
+    src_cfg = config["source"]
+    kind = src_cfg["kind"]
+    usage = None
+    if kind == "demo":
+        source, usage = _demo_source()
+    elif kind == "local":
+        source = load_source(src_cfg["path"], revision=src_cfg.get("revision"))
+    elif kind == "hub":
+        source = load_source(src_cfg["repo"], revision=src_cfg.get("revision"))
+    else:
+        raise FqError(f"config: source.kind: {kind!r}, expected one of {', '.join(SOURCE_KINDS)}")
+    if config.get("usage"):
+        usage = load_usage(config["usage"])
+    recipe = load_recipe(config["recipe"])
+    plan = make_plan(recipe, source, usage=usage, block_size=config["block_size"], windows=config.get("windows"),
+                     disk_budget=config.get("disk_budget"), windows_on_disk=config["windows_on_disk"])
+    return Campaign(config, Path(config["out"]), source, recipe, usage, plan)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while data := fh.read(chunk):
+            h.update(data)
+    return h.hexdigest()
+
+
+def load_campaign_json(path: str | os.PathLike) -> dict:
+    return canonical.load(path)

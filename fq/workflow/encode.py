@@ -1,0 +1,152 @@
+"""One encode job: node N's encoding of one block, committed as fragment + attestation + metrics.
+
+A stage reads its ancestors' *committed* fragments (verified under the campaign key, their node
+digests checked against the recipe) and encodes the residual against exactly those bytes, so a
+residual can never be pinned to a parent that was recomputed only in memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from fq import atomic, canonical
+from fq.attest import keys
+from fq.attest.fragment import attest_fragment, check_node_digest, verify_shard
+from fq.codec import encode as codec_encode
+from fq.codec import encode_residual, reconstruct_chain
+from fq.errors import FqError
+from fq.experts import ExpertLayout, suffixes
+from fq.fragments import write_fragment
+from fq.identity import encoder_identity
+from fq.source import PROJECTIONS
+from fq.workflow import devices
+from fq.workflow.skeleton import source_statement
+
+SEED_RULE = "int(sha256('fq-seed/{seed}/{node}/{layer}/{expert}/{proj}')[:8], 16)"
+
+
+def matrix_seed(seed: int, node: str, layer: int, expert: int, proj: str) -> int:
+    return int(hashlib.sha256(f"fq-seed/{seed}/{node}/{layer}/{expert}/{proj}".encode()).hexdigest()[:8], 16)
+
+
+def check_encoder(doc: dict, device: str) -> dict:
+    """This process's encoder identity must be the one bound at init (fail in seconds, not at finalize)."""
+    mine = encoder_identity(device)
+    bound = doc["encoder"]
+    if mine["digest"] != bound["digest"]:
+        diff = sorted(k for k in mine if k != "digest" and mine.get(k) != bound.get(k))
+        raise FqError(f"encoder build differs from the one bound to this campaign in {', '.join(diff)} "
+                      f"({', '.join(f'{k}: {bound.get(k)!r} -> {mine.get(k)!r}' for k in diff)}); "
+                      f"encode with the bound build or start a new campaign")
+    return mine
+
+
+def load_sets(path: Path, layout: ExpertLayout, layer: int, experts, codebook: str) -> dict:
+    """{expert: {proj: tensor set}} of the given experts from a committed fragment (proj: gate/up/down)."""
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for e in experts:
+            out[e] = {p: {s: f.get_tensor(layout.key(layer, e, lp, s)) for s in suffixes(codebook)}
+                      for p, lp in zip(PROJECTIONS, layout.projections)}
+    return out
+
+
+def read_source(sources: dict) -> dict:
+    """{expert: {proj: float32 W}} from the staged shards ({expert: {proj: [path, tensor name]}})."""
+    handles = {}
+    out = {}
+    try:
+        for e, projs in sources.items():
+            out[int(e)] = {}
+            for p, (path, name) in projs.items():
+                if path not in handles:
+                    if not Path(path).is_file():
+                        raise FqError(f"{path}: source shard is not staged (its window retired and the job was forced?); "
+                                      f"delete the fragment instead of forcing it, so Snakemake stages the shard again")
+                    handles[path] = safe_open(path, "pt")
+                out[int(e)][p] = handles[path].get_tensor(name).to(torch.float32)
+    finally:
+        handles.clear()
+    return out
+
+
+def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: int, codebook: str, node_digest: str,
+                 layer: int, block: int, experts: list[int], sources: dict, ancestors: list[dict], out_fragment: str,
+                 out_metrics: str, device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
+                 layout: ExpertLayout) -> dict:
+    """``ancestors``: [{node, codebook, digest, path}] from the base to the parent, in chain order."""
+    doc = canonical.load(campaign_json)
+    dev = devices.claim(device, devices_list, lock_dir)
+    check_encoder(doc, dev if dev == "cpu" else "cuda")
+    if threads:
+        torch.set_num_threads(threads)
+    priv = keys.load_private(key_path)
+    pub = priv.public_key()
+
+    chains = {e: {p: [] for p in PROJECTIONS} for e in experts}
+    parent = None
+    for anc in ancestors:
+        path = Path(anc["path"])
+        att = verify_shard(path.parent, path.name, pub, campaign=doc["identity"])
+        check_node_digest(att, anc["digest"], f"ancestor {anc['node']} of {node}")
+        sets = load_sets(path, layout, layer, experts, anc["codebook"])
+        for e in experts:
+            for p in PROJECTIONS:
+                chains[e][p].append(sets[e][p])
+        parent = {"name": path.name, "sha256": att.sha256}
+
+    W = read_source(sources)
+    tensors, metrics = {}, {}
+    jobs = [(e, p) for e in experts for p in PROJECTIONS]
+    for e, p in tqdm(jobs, desc=f"{node} L{layer} B{block}", unit="matrix", file=sys.stderr, mininterval=2):
+        s = matrix_seed(seed, node, layer, e, p)
+        w = W[e][p]
+        if chains[e][p]:
+            enc = encode_residual(w, chains[e][p], K, codebook, s, dev)
+            rec = reconstruct_chain(chains[e][p] + [enc.tensors])
+        else:
+            enc = codec_encode(w, K, codebook, s, dev)
+            rec = enc.W_hat
+        tensors.setdefault(e, {})[dict(zip(PROJECTIONS, layout.projections))[p]] = enc.tensors
+        w64 = w.double()
+        metrics.setdefault(str(e), {})[p] = {"sum_sq_w": float((w64**2).sum()),
+                                             "sum_sq_err": float(((rec.double() - w64) ** 2).sum()),
+                                             "g_scale": enc.g_scale}
+
+    write_fragment(out_fragment, layout=layout, node=node, role=role, layer=layer, block=block, K=K,
+                   codebook=codebook, experts=tensors)
+    shards = sorted({path for projs in sources.values() for path, _ in projs.values()})
+    quant_args = {"K": K, "codebook": codebook, "seed": seed, "seed_rule": SEED_RULE,
+                  "objective": "weight-only MSE, no Hessian", "scale_search": "gaussian-prior/3"}
+    att = attest_fragment(out_fragment, key=priv, campaign=doc["identity"],
+                          source=source_statement(doc, [Path(s).name for s in shards]), encoder=doc["encoder"],
+                          quant_args=quant_args, node_digest=node_digest, parent=parent)
+    summary = {"node": node, "layer": layer, "block": block, "K": K, "codebook": codebook, "fragment": Path(out_fragment).name,
+               "sha256": att.sha256, "experts": metrics}
+    atomic.write_text(out_metrics, canonical.pretty(summary))
+    return summary
+
+
+def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sources: dict, out_metrics: str,
+                  device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0) -> dict:
+    """A one-pass encode at K bits, for the report's comparison only: metrics, no fragment."""
+    dev = devices.claim(device, devices_list, lock_dir)
+    if threads:
+        torch.set_num_threads(threads)
+    W = read_source(sources)
+    metrics = {}
+    for e in experts:
+        for p in PROJECTIONS:
+            w = W[e][p]
+            enc = codec_encode(w, K, codebook, matrix_seed(seed, f"native-K{K}", layer, e, p), dev)
+            w64 = w.double()
+            metrics.setdefault(str(e), {})[p] = {"sum_sq_w": float((w64**2).sum()),
+                                                 "sum_sq_err": float(((enc.W_hat.double() - w64) ** 2).sum())}
+    summary = {"native": True, "K": K, "codebook": codebook, "layer": layer, "experts": metrics}
+    atomic.write_text(out_metrics, canonical.pretty(summary))
+    return summary

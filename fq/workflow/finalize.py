@@ -1,0 +1,218 @@
+"""Finalize: verify every committed fragment, refuse strays, publish bases, stages and signed assemblies.
+
+Idempotent and resumable: a published file that already holds the expected bytes is kept, anything
+else under ``published/`` that finalize would not itself write is refused by name (finalize accepts
+the names it publishes, never another block layout's leftovers). Every write is atomic, manifests and
+assemblies are deterministic (Ed25519 signatures are), so finalizing twice gives the same bytes.
+
+Published layout (``OUT/published``)::
+
+    base/NODE/       config + tokenizer files, skeleton shards, NODE's fragments, model.safetensors.index.json,
+                     fq-manifest.intoto.jsonl            (every shard with its .intoto.jsonl beside it)
+    stages/NODE/     NODE's fragments
+    assemblies/      PRODUCT.assembly.intoto.jsonl
+
+and ``OUT/campaign_summary.json`` beside it (unsigned, informational: products, sizes, digests), so
+that every file under ``published/`` is attested or listed by a signed manifest.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from fq import atomic, canonical
+from fq.assembly import build_assembly, write_assembly
+from fq.attest import keys
+from fq.attest.fragment import check_node_digest, verify_shard
+from fq.errors import FqError
+from fq.fragments import attestation_name
+from fq.manifest import MANIFEST_NAME, write_base_manifest
+from fq.workflow.campaign import Campaign, sha256_file
+
+SUMMARY = "campaign_summary.json"
+INDEX = "model.safetensors.index.json"
+# Non-weight files of a checkpoint that a loadable base carries verbatim.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+class Problems(list):
+    def raise_if_any(self, what: str) -> None:
+        if self:
+            raise FqError(f"{what}: {len(self)} problem(s): " + "; ".join(self))
+
+
+def _expected_committed(c: Campaign) -> dict[str, dict[str, str]]:
+    """dir -> {file name: role} of every file finalize expects in fragments/ and skeleton/."""
+    exp: dict[str, dict[str, str]] = {}
+    for f in c.fragments:
+        p = Path(c.fragment(f.node, f.block))
+        exp.setdefault(str(p.parent), {})[p.name] = "fragment"
+        exp[str(p.parent)][attestation_name(p.name)] = "attestation"
+    for s in c.skeleton_shards:
+        p = Path(c.skeleton(s))
+        exp.setdefault(str(p.parent), {})[p.name] = "skeleton"
+        exp[str(p.parent)][attestation_name(p.name)] = "attestation"
+    return exp
+
+
+def check_strays(c: Campaign) -> Problems:
+    problems = Problems()
+    exp = _expected_committed(c)
+    for top in (c.out / "fragments", c.out / "skeleton"):
+        if not top.exists():
+            continue
+        for dirpath, dirnames, filenames in os.walk(top):
+            if dirpath not in exp and filenames:
+                problems.append(f"stray directory {dirpath}: the plan has no node or shard there")
+                continue
+            for name in sorted(filenames):
+                path = Path(dirpath, name)
+                if name.startswith(".tmp-"):
+                    problems.append(f"{path}: leftover temp file of an interrupted write; remove it")
+                elif name not in exp.get(dirpath, {}):
+                    problems.append(f"stray shard {path}: not in this campaign's plan (another block layout or "
+                                    f"recipe?); remove it or encode into a fresh campaign directory")
+    return problems
+
+
+def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
+    """Verify every planned fragment and skeleton; returns (node, layer, first_expert) -> Attested."""
+    problems = Problems()
+    done = {}
+    for f in c.fragments:
+        p = Path(c.fragment(f.node, f.block))
+        try:
+            att = verify_shard(p.parent, p.name, pub, campaign=ident)
+            check_node_digest(att, c.recipe.node_digest(f.node), f"finalize {p}")
+            done[(f.node, f.block.layer, f.block.first_expert)] = att
+        except FqError as e:
+            problems.append(str(e))
+    for f in c.fragments:  # chain edges: a stage names the parent fragment actually committed
+        att = done.get((f.node, f.block.layer, f.block.first_expert))
+        node = c.recipe.node(f.node)
+        if att is None or node.is_base:
+            continue
+        parent = done.get((node.parent, f.block.layer, f.block.first_expert))
+        want = att.predicate["parent"]
+        if parent is not None and (want["name"], want["sha256"]) != (parent.name, parent.sha256):
+            problems.append(f"{c.fragment(f.node, f.block)}: encoded against parent {want['name']} sha256 "
+                            f"{want['sha256'][:16]}…, the committed parent is {parent.sha256[:16]}…; re-encode it")
+    for s in c.skeleton_shards:
+        p = Path(c.skeleton(s))
+        try:
+            done[("skeleton", s)] = verify_shard(p.parent, p.name, pub, campaign=ident)
+        except FqError as e:
+            problems.append(str(e))
+    problems.raise_if_any(f"finalize {c.out}")
+    return done
+
+
+def _publish(src: Path, dst: Path) -> None:
+    """Copy src to dst unless dst already holds the same bytes (never a link: published bytes are their own)."""
+    if dst.is_symlink():
+        raise FqError(f"{dst}: is a symlink; published files must be regular files")
+    if dst.is_file() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
+        return
+    with open(src, "rb") as fin, atomic.atomic_open(dst, "wb") as fout:
+        while data := fin.read(1 << 22):
+            fout.write(data)
+
+
+def _published_plan(c: Campaign) -> dict[str, Path]:
+    """Published relative name -> committed source file, for every file finalize copies."""
+    out: dict[str, Path] = {}
+    for f in c.fragments:
+        node = c.recipe.node(f.node)
+        rel_dir = f"base/{f.node}" if node.is_base else f"stages/{f.node}"
+        p = Path(c.fragment(f.node, f.block))
+        out[f"{rel_dir}/{p.name}"] = p
+        out[f"{rel_dir}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
+    for base in c.recipe.bases:
+        for s in c.skeleton_shards:
+            p = Path(c.skeleton(s))
+            out[f"base/{base.name}/{p.name}"] = p
+            out[f"base/{base.name}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
+        for side in SIDE_FILES:
+            if (c.source_dir / side).is_file():
+                out[f"base/{base.name}/{side}"] = c.source_dir / side
+    return out
+
+
+def _base_index(c: Campaign, base: str, root: Path) -> bytes:
+    """model.safetensors.index.json of a published base: every tensor key -> the file holding it."""
+    from fq.shards import read_header
+
+    weight_map = {}
+    d = root / "base" / base
+    for p in sorted(d.glob("*.safetensors")):
+        with open(p, "rb") as fh:
+            for e in read_header(fh, str(p)).entries:
+                weight_map[e.name] = p.name
+    return canonical.pretty({"metadata": {"format": "fq-exl3-base/1", "node": base}, "weight_map": weight_map}).encode()
+
+
+def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
+    doc = canonical.load(c.campaign_json)
+    ident = doc["identity"]
+    priv = keys.load_private(key_path)
+    pub = priv.public_key()
+    if keys.fingerprint(pub) != ident["signer"]:
+        raise FqError(f"{key_path}: key {keys.fingerprint(pub)[:16]}… is not the campaign's signer {ident['signer'][:16]}…")
+    check_strays(c).raise_if_any(f"finalize {c.out}")
+    verify_committed(c, pub, ident)
+
+    root = c.out / "published"
+    plan = _published_plan(c)
+    ours = set(plan) | {f"base/{b.name}/{n}" for b in c.recipe.bases for n in (INDEX, MANIFEST_NAME)}
+    ours |= {f"assemblies/{p.name}.assembly.intoto.jsonl" for p in c.recipe.products}
+    problems = Problems()
+    if root.exists():
+        for dirpath, _, filenames in os.walk(root):
+            for name in filenames:
+                rel = Path(dirpath, name).relative_to(root).as_posix()
+                if rel not in ours and not name.startswith(".tmp-"):
+                    problems.append(f"stray file published/{rel}: finalize does not publish it; remove it")
+    problems.raise_if_any(f"finalize {root}")
+
+    for rel, src in sorted(plan.items()):
+        _publish(src, root / rel)
+    manifests = {}
+    for base in c.recipe.bases:
+        atomic.write_bytes(root / "base" / base.name / INDEX, _base_index(c, base.name, root))
+        _, manifests[base.name] = write_base_manifest(root / "base" / base.name, node=base.name, campaign=ident, key=priv)
+
+    assemblies = {}
+    for prod in c.recipe.products:
+        chain, names = [], []
+        for n in prod.chain:
+            node = c.recipe.node(n)
+            chain.append({"node": n, "role": "base" if node.is_base else "stage", "K": node.K,
+                          "codebook": node.codebook, "parent": node.parent, "digest": c.recipe.node_digest(n)})
+            rel_dir = f"base/{n}" if node.is_base else f"stages/{n}"
+            names += [f"{rel_dir}/{Path(c.fragment(f.node, f.block)).name}" for f in c.fragments if f.node == n]
+        plan_doc = build_assembly(root, product=prod.name, chain=chain, fragments=names, base_dir=f"base/{prod.chain[0]}",
+                                  campaign=ident, recipe_sha256=c.recipe.sha256, version=version, expires=expires,
+                                  public_key=pub)
+        path = write_assembly(root, plan_doc, priv)
+        assemblies[prod.name] = {"file": path.relative_to(root).as_posix(), "sha256": sha256_file(path),
+                                 "chain": list(prod.chain), "bpw": c.recipe.product_bpw(prod),
+                                 "bytes": sum((root / n).stat().st_size for n in names)}
+    summary = {"format": "fq-campaign-summary/1", "campaign": ident, "recipe": {"name": c.recipe.name, "sha256": c.recipe.sha256},
+               "plan_identity_sha256": c.plan.identity_sha256, "bases": {b: {"manifest_sha256": d} for b, d in manifests.items()},
+               "products": assemblies}
+    atomic.write_text(c.out / SUMMARY, canonical.pretty(summary))
+    return summary
+
+
+def verify_published(published: str, pub_path: str, out: str) -> None:
+    """What a consumer runs (`fq verify published --key signer.pub`): every file accounted for and verified."""
+    from fq.verify import verify_path
+
+    pub = keys.load_public(pub_path)
+    report = verify_path(published, pub)
+    if not report.ok:
+        raise FqError(f"fq verify {published}: {len(report.problems)} problem(s): " + "; ".join(report.problems))
+    atomic.write_text(out, f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans "
+                           f"verified under key {keys.fingerprint(pub)}\n")

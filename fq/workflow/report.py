@@ -1,0 +1,158 @@
+"""Campaign report: relative MSE per product against bits per weight, a per-layer heatmap, each
+product beside a one-pass ("native") encode at the same bits, and a table of products, sizes and digests.
+
+Quality comes from the metrics each encode job writes (per expert and projection: sum of squared
+weights, sum of squared errors of the chain reconstruction up to that node). A product's error for an
+expert is that of the deepest node of its chain that encodes the expert (a hot stage covers only
+some experts; the others keep their parent's reconstruction).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from fq import atomic, canonical
+from fq.workflow.campaign import Campaign
+
+
+def _load_metrics(c: Campaign) -> dict:
+    """node -> (layer, expert, proj) -> (sum_sq_w, sum_sq_err)."""
+    out: dict = defaultdict(dict)
+    for f in c.fragments:
+        doc = canonical.load(c.metrics(f.node, f.block))
+        for e, projs in doc["experts"].items():
+            for p, m in projs.items():
+                out[f.node][(f.block.layer, int(e), p)] = (m["sum_sq_w"], m["sum_sq_err"])
+    for (K, cb), blocks in c.native_jobs.items():
+        for b in blocks:
+            doc = canonical.load(c.native_metrics(K, cb, b))
+            for e, projs in doc["experts"].items():
+                for p, m in projs.items():
+                    out[f"native K{K} {cb}"][(b.layer, int(e), p)] = (m["sum_sq_w"], m["sum_sq_err"])
+    return out
+
+
+def product_errors(c: Campaign, metrics: dict, chain) -> dict:
+    """(layer, expert, proj) -> (sum_sq_w, sum_sq_err) of a product: deepest covering node wins."""
+    errs = {}
+    for node in chain:  # base first, so deeper nodes overwrite
+        errs.update(metrics[node])
+    return errs
+
+
+def _rel(errs: dict, keys=None) -> float:
+    keys = errs.keys() if keys is None else keys
+    w = sum(errs[k][0] for k in keys)
+    e = sum(errs[k][1] for k in keys)
+    return e / w if w > 0 else 0.0
+
+
+def effective_bpw(c: Campaign, chain) -> float:
+    """Bits per weight averaged over all experts: a node adds K for the share of experts it encodes."""
+    total = len(c.plan.blocks) and sum(len(c.plan.experts_of(chain[0], l)) for l in c.source.moe_layers)
+    bits = 0.0
+    for n in chain:
+        covered = sum(len(c.plan.experts_of(n, l)) for l in c.source.moe_layers)
+        bits += c.recipe.node(n).K * covered / total
+    return bits
+
+
+def build_rows(c: Campaign, summary: dict) -> list[dict]:
+    metrics = _load_metrics(c)
+    bases = {(n.K, n.codebook): n.name for n in c.recipe.bases}
+    rows = []
+    for prod in c.recipe.products:
+        chain = list(prod.chain)
+        errs = product_errors(c, metrics, chain)
+        last = set(metrics[chain[-1]])
+        bits = sum(c.recipe.node(n).K for n in chain)
+        cb = c.recipe.node(chain[0]).codebook
+        native_name = bases.get((bits, cb)) if len(chain) > 1 else None
+        native_name = native_name or (f"native K{bits} {cb}" if f"native K{bits} {cb}" in metrics else None)
+        native = None
+        if native_name and len(chain) > 1:
+            native = _rel(metrics[native_name], sorted(last))
+        info = summary["products"].get(prod.name, {})
+        rows.append({
+            "product": prod.name, "chain": " > ".join(chain), "nominal_bpw": bits,
+            "effective_bpw": round(effective_bpw(c, chain), 4), "rel_mse": _rel(errs),
+            "rel_mse_last_experts": _rel(errs, sorted(last)),
+            "native": native_name or "", "native_rel_mse": native,
+            "vs_native": (_rel(errs, sorted(last)) / native) if native else None,
+            "per_layer": {l: _rel(errs, [k for k in errs if k[0] == l]) for l in c.source.moe_layers},
+            "bytes": info.get("bytes"), "assembly_sha256": info.get("sha256", ""),
+        })
+    return rows
+
+
+def write_table(rows: list[dict], path: str) -> None:
+    cols = ["product", "chain", "nominal_bpw", "effective_bpw", "rel_mse", "native", "native_rel_mse",
+            "vs_native", "bytes", "assembly_sha256"]
+    lines = ["\t".join(cols)]
+    for r in rows:
+        vals = []
+        for k in cols:
+            v = r[k]
+            vals.append("" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v)))
+        lines.append("\t".join(vals))
+    atomic.write_text(path, "\n".join(lines) + "\n")
+
+
+def plot_quality(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for r in rows:
+        ax.scatter(r["effective_bpw"], r["rel_mse"], s=40, zorder=3)
+        ax.annotate(r["product"], (r["effective_bpw"], r["rel_mse"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        if r["native_rel_mse"] is not None:
+            ax.scatter(r["nominal_bpw"], r["native_rel_mse"], marker="x", color="gray", zorder=2)
+            ax.annotate(f"{r['native']} on {r['product']}'s experts", (r["nominal_bpw"], r["native_rel_mse"]),
+                        textcoords="offset points", xytext=(5, -10), fontsize=7, color="gray")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per weight (trellis, averaged over experts)")
+    ax.set_ylabel("relative MSE of the expert weights")
+    ax.set_title("Quality per product (x: one-pass encode at the same bits)")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    with atomic.atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def plot_layers(rows: list[dict], layers, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = np.array([[r["per_layer"][l] for l in layers] for r in rows])
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(layers) + 3), 0.45 * len(rows) + 1.5), dpi=120)
+    im = ax.imshow(np.log10(np.maximum(data, 1e-12)), aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(layers)), [str(l) for l in layers])
+    ax.set_yticks(range(len(rows)), [r["product"] for r in rows])
+    ax.set_xlabel("MoE layer")
+    for i in range(len(rows)):
+        for j in range(len(layers)):
+            ax.text(j, i, f"{data[i, j]:.3g}", ha="center", va="center", fontsize=7, color="white")
+    fig.colorbar(im, ax=ax, label="log10 relative MSE")
+    ax.set_title("Relative MSE per product and layer")
+    fig.tight_layout()
+    with atomic.atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, layers_png: str, rows_json: str) -> list[dict]:
+    summary = canonical.load(summary_path)
+    rows = build_rows(c, summary)
+    write_table(rows, table)
+    plot_quality(rows, quality_png)
+    plot_layers(rows, list(c.source.moe_layers), layers_png)
+    atomic.write_text(rows_json, canonical.pretty([{**r, "per_layer": {str(k): v for k, v in r["per_layer"].items()}}
+                                                   for r in rows]))
+    return rows

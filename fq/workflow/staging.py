@@ -1,0 +1,89 @@
+"""Staging: one source shard becomes a real file in the campaign's staging directory.
+
+Local (and demo) sources are copied, never linked: a link into a checkpoint or into the hub cache
+would make "deleting a retired window" free nothing, and a hard link would let a later write reach
+the source. Hub sources are downloaded into a local directory (real files, not cache symlinks).
+Either way the bytes are verified against the sha256 bound at init before the file takes its name.
+Every staging and retirement appends the set of shards then on disk to ``staging.log``, which is
+how a run shows that no more than W windows of source were ever present.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import time
+from pathlib import Path
+
+from fq import atomic, canonical
+from fq.errors import FqError
+
+CHUNK = 1 << 22
+
+
+def log_event(staging_dir: Path, event: str, **fields) -> None:
+    """Append one JSON line (event, the shards present now, fields) to staging.log, under a lock."""
+    staging_dir.mkdir(parents=True, exist_ok=True)
+    present = sorted(p.name for p in staging_dir.iterdir() if p.suffix == ".safetensors" and not p.name.startswith(".tmp-"))
+    line = canonical.dumps({"event": event, "present": present, "t": round(time.time(), 3), **fields}) + b"\n"
+    with open(staging_dir.parent / "staging.log", "ab") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _mismatch(what: str, n: int, got: str, size: int, sha256: str) -> FqError:
+    return FqError(f"{what}: {n} bytes with sha256 {got}, but the campaign bound {size} bytes with sha256 "
+                   f"{sha256} at init; the source changed under the campaign")
+
+
+def verify_file(path: Path, sha256: str, size: int, what: str) -> None:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as fh:
+        while data := fh.read(CHUNK):
+            h.update(data)
+            n += len(data)
+    if n != size or h.hexdigest() != sha256:
+        raise _mismatch(what, n, h.hexdigest(), size, sha256)
+
+
+def copy_verified(src: Path, dst: Path, sha256: str, size: int) -> None:
+    """Copy src to dst through a temp name, hashing on the way; refuse a mismatch before dst exists."""
+    if not src.is_file():
+        raise FqError(f"{src}: source shard missing")
+    h = hashlib.sha256()
+    n = 0
+    with open(src, "rb") as fin, atomic.atomic_open(dst, "wb") as fout:
+        while data := fin.read(CHUNK):
+            h.update(data)
+            n += len(data)
+            fout.write(data)
+        if n != size or h.hexdigest() != sha256:
+            raise _mismatch(str(src), n, h.hexdigest(), size, sha256)
+
+
+def stage_shard(campaign_json: str, source_kind: str, source_dir: str, shard: str, window: int, out: str,
+                repo: str | None = None, revision: str | None = None) -> None:
+    doc = canonical.load(campaign_json)
+    expected = doc["source"]["shards"].get(shard)
+    if expected is None:
+        raise FqError(f"{campaign_json}: source.shards has no entry for {shard}")
+    dst = Path(out)
+    if source_kind == "hub":
+        from fq.workflow.hub import download_shard
+
+        download_shard(repo, revision, shard, dst, expected["sha256"], expected["size"])
+    else:
+        copy_verified(Path(source_dir) / shard, dst, expected["sha256"], expected["size"])
+    log_event(dst.parent, "stage", shard=shard, window=window)
+
+
+def retire_window(staging_dir: str, window: int, retire: list[str], marker: str) -> None:
+    """Every consumer of window ``window`` has committed: Snakemake has deleted the shards whose last use
+    this was (temp()); record what is still on disk, and the marker that opens window w+W's staging."""
+    staging = Path(staging_dir)
+    log_event(staging, "retire", window=window, retired=sorted(retire))
+    still = sorted(s for s in retire if (staging / s).exists())
+    atomic.write_text(marker, canonical.pretty({"window": window, "retired": sorted(retire), "still_on_disk": still}))

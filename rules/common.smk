@@ -1,0 +1,140 @@
+# Helpers shared by the rules: the campaign is planned here, at parse time, from metadata alone.
+from pathlib import Path
+
+from fq.workflow.campaign import load_campaign
+from fq.workflow.finalize import INDEX, SUMMARY
+
+C = load_campaign(config)
+OUT = str(C.out)
+W = C.plan.windows_on_disk
+KEY = config.get("signer_key") or f"{OUT}/keys/signer.key"
+
+
+wildcard_constraints:
+    node=r"[A-Za-z0-9][A-Za-z0-9_.+=@-]*",
+    layer=r"\d{3}",
+    block=r"\d{3}",
+    shard=r"[^/]+\.safetensors",
+    window=r"\d+",
+    K=r"\d",
+    codebook=r"3inst|mcg|mul1",
+
+
+def fragment_of(wc):
+    return C.fragment_of(wc.node, int(wc.layer), int(wc.block))
+
+
+def staged_shards(block):
+    return [C.staged(s) for s in block.shards]
+
+
+def source_files():
+    """The source shards init hashes (demo: written by the demo_model rule)."""
+    return [str(C.source_dir / s) for s in C.source.shards] if C.source_kind != "hub" else []
+
+
+def encode_inputs(wc):
+    f = fragment_of(wc)
+    # campaign.json and the key are ancient(): their existence matters, not their age (init refuses a
+    # changed identity itself), so re-running init never cascades into re-encoding the campaign
+    inputs = {
+        "campaign": ancient(C.campaign_json),
+        "key": ancient(KEY),
+        "ancestors": [C.fragment(a, f.block) for a in C.ancestors(f.node)],
+    }
+    if C.fragment_needs_source(f.node, f.block):
+        inputs["shards"] = staged_shards(f.block)
+    return inputs
+
+
+def encode_spec(wc):
+    f = fragment_of(wc)
+    node = C.recipe.node(f.node)
+    return {
+        "node": f.node,
+        "role": "base" if node.is_base else "stage",
+        "K": node.K,
+        "codebook": node.codebook,
+        "node_digest": C.recipe.node_digest(f.node),
+        "layer": f.block.layer,
+        "block": C.block_index(f.block),
+        "experts": list(f.experts),
+        "sources": C.expert_sources(f.block.layer, f.experts),
+        "ancestors": [
+            {
+                "node": a,
+                "codebook": C.recipe.node(a).codebook,
+                "digest": C.recipe.node_digest(a),
+                "path": C.fragment(a, f.block),
+            }
+            for a in C.ancestors(f.node)
+        ],
+        "layout": C.layout.to_json(),
+    }
+
+
+def native_block(wc):
+    return C.block(int(wc.layer), int(wc.block))
+
+
+def native_inputs(wc):
+    b = native_block(wc)
+    out = C.native_metrics(int(wc.K), wc.codebook, b)
+    return {"shards": staged_shards(b)} if not Path(out).is_file() else {}
+
+
+def native_spec(wc):
+    b = native_block(wc)
+    experts = list(C.native_jobs[(int(wc.K), wc.codebook)][b])
+    return {"K": int(wc.K), "codebook": wc.codebook, "layer": b.layer, "experts": experts,
+            "sources": C.expert_sources(b.layer, experts)}
+
+
+def skeleton_inputs(wc):
+    inputs = {"campaign": ancient(C.campaign_json), "key": ancient(KEY)}
+    if not Path(C.skeleton(wc.shard)).is_file():
+        inputs["shard"] = C.staged(wc.shard)
+    return inputs
+
+
+def stage_gate(wc):
+    """Window w is staged only once window w-W has retired."""
+    w = C.shard_window(wc.shard)
+    return [C.retired(w - W)] if w - W >= 0 else []
+
+
+def fragment_files():
+    out = []
+    for f in C.fragments:
+        p = C.fragment(f.node, f.block)
+        out += [p, C.attestation(p)]
+    return out
+
+
+def skeleton_files():
+    out = []
+    for s in C.skeleton_shards:
+        out += [C.skeleton(s), C.attestation(C.skeleton(s))]
+    return out
+
+
+def metrics_files():
+    return [C.metrics(f.node, f.block) for f in C.fragments] + [
+        C.native_metrics(K, cb, b) for (K, cb), blocks in C.native_jobs.items() for b in blocks
+    ]
+
+
+def assembly_files():
+    return [f"{OUT}/published/assemblies/{p.name}.assembly.intoto.jsonl" for p in C.recipe.products]
+
+
+def report_files():
+    return [f"{OUT}/report/{name}" for name in ("products.tsv", "quality.png", "layers.png", "products.json")]
+
+
+def all_targets():
+    return [
+        f"{OUT}/{SUMMARY}",
+        f"{OUT}/published.verified",
+        *report_files(),
+    ]

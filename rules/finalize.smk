@@ -1,0 +1,45 @@
+# Finalize: verify, refuse strays, publish, sign assemblies; then verify the published tree as a consumer would.
+
+
+rule finalize:
+    input:
+        campaign=ancient(C.campaign_json),
+        plan=C.plan_json,
+        key=ancient(KEY),
+        fragments=fragment_files(),
+        skeletons=skeleton_files(),
+        retired=[C.retired(w.index) for w in C.plan.windows],
+    output:
+        summary=f"{OUT}/{SUMMARY}",
+        assemblies=assembly_files(),
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/finalize.log",
+    benchmark:
+        f"{OUT}/benchmarks/finalize.tsv"
+    params:
+        version=config["assembly"]["version"],
+        expires=config["assembly"]["expires"],
+    script:
+        "../scripts/finalize.py"
+
+
+rule verify_published:
+    input:
+        summary=f"{OUT}/{SUMMARY}",
+        assemblies=assembly_files(),
+        campaign=ancient(C.campaign_json),
+    output:
+        verified=f"{OUT}/published.verified",
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/verify_published.log",
+    benchmark:
+        f"{OUT}/benchmarks/verify_published.tsv"
+    params:
+        published=lambda wc, input: str(Path(input.assemblies[0]).parent.parent),
+        pub=f"{OUT}/signer.pub",
+    script:
+        "../scripts/verify_published.py"

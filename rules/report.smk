@@ -1,0 +1,20 @@
+# Report: quality per product and per layer, products beside one-pass encodes, sizes and digests.
+
+
+rule report:
+    input:
+        summary=f"{OUT}/{SUMMARY}",
+        metrics=metrics_files(),
+    output:
+        table=report(f"{OUT}/report/products.tsv", caption="../report/products.rst", category="Products"),
+        quality=report(f"{OUT}/report/quality.png", caption="../report/quality.rst", category="Quality"),
+        layers=report(f"{OUT}/report/layers.png", caption="../report/layers.rst", category="Quality"),
+        rows=f"{OUT}/report/products.json",
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/report.log",
+    benchmark:
+        f"{OUT}/benchmarks/report.tsv"
+    script:
+        "../scripts/report.py"

@@ -1,0 +1,110 @@
+# Source side: the demo checkpoint, the signer key, campaign init, the plan, staging and retirement.
+
+
+rule demo_model:
+    output:
+        files=[f"{OUT}/demo-model/{name}" for name in ("config.json", "model.safetensors.index.json", "expert_usage.json")]
+        + [f"{OUT}/demo-model/{s}" for s in C.source.shards],
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/demo_model.log",
+    benchmark:
+        f"{OUT}/benchmarks/demo_model.tsv"
+    params:
+        out=lambda wc, output: str(Path(output.files[0]).parent),
+    script:
+        "../scripts/demo_model.py"
+
+
+rule keygen:
+    output:
+        # protected: a signer key is never regenerated behind the operator's back
+        key=protected(f"{OUT}/keys/signer.key"),
+        pub=protected(f"{OUT}/keys/signer.pub"),
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/keygen.log",
+    benchmark:
+        f"{OUT}/benchmarks/keygen.tsv"
+    params:
+        prefix=lambda wc, output: output.key.removesuffix(".key"),
+    script:
+        "../scripts/keygen.py"
+
+
+rule init:
+    input:
+        # ancient: what matters is that they exist; init itself refuses a changed identity
+        key=ancient(KEY),
+        source=ancient(source_files()),
+    output:
+        campaign=C.campaign_json,
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/init.log",
+    benchmark:
+        f"{OUT}/benchmarks/init.tsv"
+    params:
+        device=config["encode"]["device"],
+    script:
+        "../scripts/init.py"
+
+
+rule plan:
+    input:
+        recipe=config["recipe"],
+    output:
+        plan=C.plan_json,
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/plan.log",
+    benchmark:
+        f"{OUT}/benchmarks/plan.tsv"
+    params:
+        identity=C.plan.identity_sha256,
+    script:
+        "../scripts/plan.py"
+
+
+rule stage:
+    input:
+        campaign=ancient(C.campaign_json),
+        gate=stage_gate,
+    output:
+        shard=temp(f"{OUT}/staging/{{shard}}"),
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/stage/{{shard}}.log",
+    benchmark:
+        f"{OUT}/benchmarks/stage/{{shard}}.tsv"
+    params:
+        window=lambda wc: C.shard_window(wc.shard),
+        source_kind=C.source_kind,
+        source_dir=str(C.source_dir),
+        repo=config["source"].get("repo"),
+        revision=C.source.revision,
+    script:
+        "../scripts/stage.py"
+
+
+rule retire:
+    input:
+        consumers=lambda wc: C.shard_consumers_window(int(wc.window)),
+    output:
+        marker=f"{OUT}/windows/window-{{window}}.retired",
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/retire/window-{{window}}.log",
+    benchmark:
+        f"{OUT}/benchmarks/retire/window-{{window}}.tsv"
+    params:
+        staging=f"{OUT}/staging",
+        retire=lambda wc: list(C.plan.windows[int(wc.window)].retire),
+    script:
+        "../scripts/retire.py"

@@ -1,0 +1,12 @@
+from _log import to_log
+from fq.experts import ExpertLayout
+from fq.workflow.encode import encode_block
+
+to_log(snakemake)
+s, p = snakemake.params.spec, snakemake.params
+encode_block(campaign_json=snakemake.input.campaign, key_path=snakemake.input.key, node=s["node"], role=s["role"],
+             K=s["K"], codebook=s["codebook"], node_digest=s["node_digest"], layer=s["layer"], block=s["block"],
+             experts=s["experts"], sources=s["sources"], ancestors=s["ancestors"],
+             out_fragment=snakemake.output.fragment, out_metrics=snakemake.output.metrics, device=p.device,
+             devices_list=list(p.devices), lock_dir=p.locks, seed=p.seed, threads=snakemake.threads,
+             layout=ExpertLayout.from_json(s["layout"]))
