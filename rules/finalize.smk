@@ -9,6 +9,7 @@ rule finalize:
         fragments=fragment_files(),
         skeletons=skeleton_files(),
         retired=[C.retired(w.index) for w in C.plan.windows],
+        repair=repair_marker(),
     output:
         summary=f"{OUT}/{SUMMARY}",
         assemblies=assembly_files(),
@@ -23,6 +24,19 @@ rule finalize:
         expires=config["assembly"]["expires"],
     script:
         "../scripts/finalize.py"
+
+
+rule repair:
+    output:
+        marker=temp(f"{OUT}/repair/{{digest}}.missing"),
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/repair/{{digest}}.log",
+    benchmark:
+        f"{OUT}/benchmarks/repair/{{digest}}.tsv"
+    script:
+        "../scripts/repair.py"
 
 
 rule verify_published:

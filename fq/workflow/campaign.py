@@ -53,8 +53,10 @@ class Campaign:
 
     @property
     def source_repo(self) -> str:
-        return {"demo": "fq-demo", "local": str(self.config["source"].get("repo") or self.config["source"]["path"]),
-                "hub": self.config["source"]["repo"]}[self.source_kind]
+        src = self.config["source"]
+        if self.source_kind == "demo":
+            return "fq-demo"
+        return str(src.get("repo") or src["path"]) if self.source_kind == "local" else src["repo"]
 
     @cached_property
     def layout(self) -> ExpertLayout:
@@ -192,6 +194,23 @@ class Campaign:
                     break
         memo[key] = needs
         return needs
+
+
+    def missing_committed(self) -> list[str]:
+        """Planned outputs that are absent although the campaign was finalized: deleted by hand, or lost.
+        Snakemake does not rerun a finished job because an intermediate file vanished, so the Snakefile
+        turns a non-empty list into a fresh input of finalize (a repair marker), which re-runs the jobs
+        that produce the missing files, their descendants, and finalize itself."""
+        expected = []
+        for f in self.fragments:
+            p = self.fragment(f.node, f.block)
+            expected += [p, self.attestation(p), self.metrics(f.node, f.block)]
+        for s in self.skeleton_shards:
+            expected += [self.skeleton(s), self.attestation(self.skeleton(s))]
+        for (K, cb), blocks in self.native_jobs.items():
+            expected += [self.native_metrics(K, cb, b) for b in blocks]
+        expected += [self.p("published", "base", b.name, "fq-manifest.intoto.jsonl") for b in self.recipe.bases]
+        return sorted(p for p in expected if not Path(p).is_file())
 
 
 def attested_node_digest(att_path: Path) -> str | None:

@@ -87,3 +87,8 @@ def retire_window(staging_dir: str, window: int, retire: list[str], marker: str)
     log_event(staging, "retire", window=window, retired=sorted(retire))
     still = sorted(s for s in retire if (staging / s).exists())
     atomic.write_text(marker, canonical.pretty({"window": window, "retired": sorted(retire), "still_on_disk": still}))
+
+
+def write_repair_marker(c, marker: str) -> None:
+    """Name what was missing when this run started (the marker itself is temp: gone after finalize)."""
+    atomic.write_text(marker, canonical.pretty({"missing": c.missing_committed()}))

@@ -1,0 +1,6 @@
+from _log import to_log
+from fq.workflow.campaign import load_campaign
+from fq.workflow.staging import write_repair_marker
+
+to_log(snakemake)
+write_repair_marker(load_campaign(snakemake.config), snakemake.output.marker)

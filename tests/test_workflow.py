@@ -1,0 +1,257 @@
+"""The Snakemake campaign workflow, run for real (Snakemake as a subprocess) on the embedded demo model.
+
+One campaign is built once per module (K1 nodes: the fastest to encode) and then poked: a second run,
+a deleted fragment, a recipe change, finalize twice, a stray shard, fq combine, the staging log.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fq import canonical
+from fq.codec import reconstruct_chain
+from fq.workflow.campaign import load_campaign
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+RECIPE = {
+    "format": "fq-cartridge/2", "name": "wftest", "description": "workflow tests (K1 nodes encode fastest)",
+    "nodes": [
+        {"name": "a", "kind": "base", "K": 1, "codebook": "mul1"},
+        {"name": "a.r1", "kind": "stage", "K": 1, "codebook": "mul1", "parent": "a", "experts": "all"},
+        {"name": "a.r1.h2", "kind": "stage", "K": 1, "codebook": "mul1", "parent": "a.r1", "experts": {"hot": 2}},
+    ],
+    "products": [{"name": "a", "chain": ["a"]}, {"name": "a.r1", "chain": ["a", "a.r1"]},
+                 {"name": "a.r1.h2", "chain": ["a", "a.r1", "a.r1.h2"]}],
+}
+
+
+def write_config(d: Path, recipe: dict, **over) -> Path:
+    (d / "recipe.json").write_text(json.dumps(recipe))
+    cfg = {"campaign": "wftest", "out": "campaign", "source": {"kind": "demo"}, "recipe": str(d / "recipe.json"),
+           "block_size": 4, "windows": "1,2", "windows_on_disk": 1,
+           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False,
+           "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}, **over}
+    path = d / "config.yaml"
+    path.write_text(json.dumps(cfg))  # YAML is a superset of JSON
+    return path
+
+
+def smk(d: Path, *args, check=True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(d),
+           "--configfile", str(d / "config.yaml"), "--cores", "2", *args]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+def campaign(d: Path):
+    from fq.workflow import campaign as cm
+    import yaml
+
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cwd = os.getcwd()
+    os.chdir(d)
+    try:
+        c = cm.load_campaign(cfg)
+        c.out = d / c.out
+        return c
+    finally:
+        os.chdir(cwd)
+
+
+def fragment_mtimes(d: Path) -> dict[str, int]:
+    return {str(p.relative_to(d)): p.stat().st_mtime_ns for p in sorted((d / "campaign" / "fragments").rglob("*.safetensors"))}
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def job_counts(out: str) -> dict[str, int]:
+    counts, on = {}, False
+    for line in out.splitlines():
+        if line.startswith("job ") and "count" in line:
+            on = True
+            continue
+        if on:
+            parts = line.split()
+            if not parts or parts[0].startswith("---"):
+                continue
+            if parts[0] == "total":
+                break
+            counts[parts[0]] = int(parts[1])
+    return counts
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wf")
+    write_config(d, RECIPE)
+    dry = smk(d, "-n")
+    smk(d)
+    return d, dry.stdout + dry.stderr
+
+
+def test_dry_run_lists_every_job_of_the_campaign(run):
+    d, dry = run
+    c = campaign(d)
+    counts = job_counts(dry)
+    assert counts["encode"] == len(c.fragments) == 4 + 4 + 2  # a, a.r1 over 2 layers x 2 blocks; hot 2 of 8
+    assert counts["stage"] == len(c.source.shards) == 4
+    assert counts["skeleton"] == len(c.skeleton_shards) == 3
+    assert counts["retire"] == 2 and counts["finalize"] == 1 and counts["report"] == 1
+    assert counts["init"] == counts["plan"] == counts["demo_model"] == counts["keygen"] == 1
+
+
+def test_full_run_publishes_a_verified_campaign_and_report(run):
+    d, _ = run
+    out = d / "campaign"
+    assert (out / "published.verified").read_text().startswith("ok: ")
+    p = subprocess.run([sys.executable, "-m", "fq", "verify", str(out / "published"), "--key", str(out / "signer.pub")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    for name in ("products.tsv", "quality.png", "layers.png", "products.json"):
+        assert (out / "report" / name).stat().st_size > 0
+    rows = canonical.load(out / "report" / "products.json")
+    by = {r["product"]: r for r in rows}
+    assert by["a.r1"]["rel_mse"] < by["a"]["rel_mse"] * 0.5  # a residual stage improves its base
+    assert by["a.r1.h2"]["rel_mse"] < by["a.r1"]["rel_mse"]
+    assert not any((out / "staging").glob("*.safetensors")), "every staged shard is deleted after its last use"
+
+
+def test_second_run_does_nothing(run):
+    d, _ = run
+    p = smk(d, "-n")
+    assert "Nothing to be done" in p.stdout + p.stderr
+
+
+def test_staging_never_holds_more_than_one_window_with_w1(run):
+    d, _ = run
+    c = campaign(d)
+    allowed = [set(w.stage) | set(w.keep) for w in c.plan.windows]
+    events = [json.loads(l) for l in (d / "campaign" / "staging.log").read_text().splitlines()]
+    assert [e["event"] for e in events].count("stage") == len(c.source.shards)
+    for e in events:
+        assert any(set(e["present"]) <= a for a in allowed), e
+    # the straddling shard is fetched once, in window 0, and serves window 1 too (Snakemake may even run
+    # window 1's blocks that need only it before window 0 retires: that stages nothing new)
+    straddler = next(iter(c.plan.straddling))
+    assert [e.get("shard") for e in events].count(straddler) == 1
+    stage1 = next(e for e in events if e["event"] == "stage" and e["window"] == 1)
+    retire0 = next(i for i, e in enumerate(events) if e["event"] == "retire" and e["window"] == 0)
+    assert events.index(stage1) > retire0  # window 1's own shards wait for window 0 to retire (W = 1)
+
+
+def test_deleted_fragment_reruns_only_itself_and_its_descendants(run):
+    d, _ = run
+    victim = d / "campaign" / "fragments" / "a" / "a-layer001-block000.safetensors"
+    before_bytes = victim.read_bytes()
+    before = fragment_mtimes(d)
+    victim.unlink()
+    smk(d)
+    after = fragment_mtimes(d)
+    changed = {k for k in after if after[k] != before.get(k)}
+    assert changed == {"campaign/fragments/a/a-layer001-block000.safetensors",
+                       "campaign/fragments/a.r1/a.r1-layer001-block000.safetensors"} | (
+        {"campaign/fragments/a.r1.h2/a.r1.h2-layer001-block000.safetensors"}
+        if "campaign/fragments/a.r1.h2/a.r1.h2-layer001-block000.safetensors" in after else set())
+    assert victim.read_bytes() == before_bytes  # deterministic re-encode: the same bytes
+
+
+def test_changing_a_stage_K_reruns_only_that_node_and_descendants(run, tmp_path):
+    d, _ = run
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["nodes"][2]["K"] = 2  # a.r1.h2: K1 -> K2
+    write_config(d, recipe)
+    before = fragment_mtimes(d)
+    smk(d)
+    after = fragment_mtimes(d)
+    changed = {k.split("/")[2] for k in after if after[k] != before.get(k)}
+    assert changed == {"a.r1.h2"}
+    assert (d / "campaign" / "published.verified").read_text().startswith("ok: ")
+    write_config(d, RECIPE)
+    smk(d)  # back to the module's recipe for the tests that follow
+
+
+def test_finalize_twice_same_bytes_and_stray_refused(run):
+    d, _ = run
+    root = d / "campaign" / "published"
+    first = tree_digest(root)
+    smk(d, "--forcerun", "finalize")
+    assert tree_digest(root) == first
+    stray = d / "campaign" / "fragments" / "a" / "a-layer009-block000.safetensors"
+    stray.write_bytes(b"not ours")
+    try:
+        p = smk(d, "--forcerun", "finalize", check=False)
+        assert p.returncode != 0
+        log = (d / "campaign" / "logs" / "finalize.log").read_text()
+        assert "stray shard" in log and "a-layer009-block000.safetensors" in log
+    finally:
+        stray.unlink()
+    smk(d)
+    assert tree_digest(root) == first
+
+
+def test_combine_equals_the_chain_reconstruction(run, tmp_path):
+    d, _ = run
+    out = d / "campaign"
+    adapter = tmp_path / "a.r1.h2.safetensors"
+    p = subprocess.run([sys.executable, "-m", "fq", "combine", "--key", str(out / "signer.pub"), "--plan",
+                        str(out / "published" / "assemblies" / "a.r1.h2.assembly.intoto.jsonl"), "--experts", "1:0-7",
+                        "--base", str(out / "published" / "base" / "a"), "--no-state", "--out", str(adapter)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    from fq.adapter import read_adapter
+    from safetensors import safe_open
+
+    c = campaign(d)
+    hot = set(c.plan.experts_of("a.r1.h2", 1))
+    ad = read_adapter(adapter)
+    for e in (0, 3, 7):
+        for proj in ("gate_proj", "down_proj"):
+            chain = []
+            for node in ("a", "a.r1", "a.r1.h2"):
+                if node == "a.r1.h2" and e not in hot:
+                    continue
+                f = c.fragment_of(node, 1, e // 4)
+                path = c.fragment(node, f.block)
+                with safe_open(path, "pt") as fh:
+                    key = f"model.layers.1.mlp.experts.{e}.{proj}"
+                    chain.append({s: fh.get_tensor(f"{key}.{s}") for s in ("trellis", "suh", "svh", "mul1")})
+            base = chain[0]
+            got = reconstruct_chain(ad.chain(1, e, proj, base))
+            assert torch.equal(got, reconstruct_chain(chain)), (e, proj)
+
+
+def test_snakemake_lint_is_clean():
+    p = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=REPO, capture_output=True, text=True)
+    assert "Congratulations, your workflow is in a good condition!" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+def test_a_wrong_window_partition_is_refused_at_parse_time(tmp_path):
+    write_config(tmp_path, RECIPE, windows="1")
+    p = smk(tmp_path, "-n", check=False)
+    assert p.returncode != 0 and "layer(s) 2 in no window" in p.stdout + p.stderr
+
+
+def test_cuda_without_named_devices_is_refused():
+    from fq.errors import FqError
+    from fq.workflow.devices import claim
+
+    if torch.cuda.is_available():
+        with pytest.raises(FqError, match="encode.devices is empty"):
+            claim("cuda", [], "/tmp")
+    with pytest.raises(FqError, match="encode.device"):
+        claim("tpu", [0], "/tmp")
+    assert claim("cpu", [], "/tmp") == "cpu"
