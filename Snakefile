@@ -9,7 +9,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "config/schemas/config.schema.yaml")
+from fq.workflow.campaign import normalize_config
+
+validate(normalize_config(config), "config/schemas/config.schema.yaml")
 
 
 include: "rules/common.smk"

@@ -232,6 +232,27 @@ def _demo_source() -> tuple[SourceModel, ExpertUsage]:
     return src, parse_usage(demo_model.usage(), "fq demo model expert_usage.json")
 
 
+def normalize_config(config: dict) -> dict:
+    """Snakemake's --config passes nested values as strings ('encode={devices: [0]}' gives ['0']); turn
+    digit strings back into the integers the schema asks for, before it is validated. In place."""
+    def fix(v):
+        return int(v) if isinstance(v, str) and v.isdigit() else v
+
+    enc = config.get("encode")
+    if isinstance(enc, dict):
+        for k in ("threads", "seed"):
+            if k in enc:
+                enc[k] = fix(enc[k])
+        if isinstance(enc.get("devices"), list):
+            enc["devices"] = [fix(d) for d in enc["devices"]]
+    for k in ("block_size", "windows_on_disk", "disk_budget"):
+        if k in config:
+            config[k] = fix(config[k])
+    if isinstance(config.get("assembly"), dict) and "version" in config["assembly"]:
+        config["assembly"]["version"] = fix(config["assembly"]["version"])
+    return config
+
+
 def load_campaign(config: dict) -> Campaign:
     """The campaign a (schema-validated) config describes. Pure but for reading metadata files."""
     src_cfg = config["source"]
