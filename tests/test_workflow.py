@@ -255,3 +255,10 @@ def test_cuda_without_named_devices_is_refused():
     with pytest.raises(FqError, match="encode.device"):
         claim("tpu", [0], "/tmp")
     assert claim("cpu", [], "/tmp") == "cpu"
+
+
+def test_snakemake_report_renders_html(run):
+    d, _ = run
+    smk(d, "--report", str(d / "report.html"))
+    html = (d / "report.html").read_text(errors="replace")
+    assert len(html) > 10_000 and "quality.png" in html and "products.tsv" in html

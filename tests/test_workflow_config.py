@@ -1,0 +1,39 @@
+"""Config handling of the workflow that needs no Snakemake run."""
+import pytest
+
+from fq.errors import FqError
+from fq.workflow.campaign import load_campaign, normalize_config
+
+
+def test_config_strings_from_the_command_line_become_integers():
+    cfg = {"encode": {"device": "cuda", "devices": ["0", "3"], "threads": "2", "seed": "7"}, "block_size": "8",
+           "windows_on_disk": "1", "assembly": {"version": "4", "expires": "2030-01-01T00:00:00Z"}}
+    normalize_config(cfg)
+    assert cfg["encode"] == {"device": "cuda", "devices": [0, 3], "threads": 2, "seed": 7}
+    assert cfg["block_size"] == 8 and cfg["windows_on_disk"] == 1 and cfg["assembly"]["version"] == 4
+
+
+def _cfg(**over):
+    cfg = {"campaign": "t", "out": "o", "source": {"kind": "demo"}, "recipe": "recipes/demo.json", "block_size": 4,
+           "windows": "1,2", "windows_on_disk": 1, "encode": {"device": "cpu"}, "compare_native": True,
+           "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}}
+    cfg.update(over)
+    return cfg
+
+
+def test_demo_campaign_plan_and_native_jobs():
+    c = load_campaign(_cfg())
+    assert c.source.moe_layers == (1, 2) or list(c.source.moe_layers) == [1, 2]
+    assert len(c.fragments) == 4 + 4 + 4 + 2  # k2, k3, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts
+    # k2.r1 (3 bits) is compared with the k3 base; k2.r1.h2 (5 bits) needs a native K5 encode of its experts
+    assert list(c.native_jobs) == [(5, "mul1")]
+    assert c.skeleton_shards == ("model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+                                 "model-00004-of-00004.safetensors")
+    assert c.plan.straddling == {"model-00003-of-00004.safetensors": (0, 1)}
+
+
+def test_wrong_windows_and_missing_local_source_are_refused(tmp_path):
+    with pytest.raises(FqError, match=r"layer\(s\) 2 in no window"):
+        load_campaign(_cfg(windows="1"))
+    with pytest.raises(FqError, match="not a directory|config.json"):
+        load_campaign(_cfg(source={"kind": "local", "path": str(tmp_path / "nope")}))
