@@ -9,13 +9,17 @@ Every file in a verified tree must be accounted for:
 - ``assemblies/*.assembly.intoto.jsonl``: a plan; verified (signature, chain, expiry, version), and each
   fragment it names must be present under the campaign root with the named digests and attest its
   chain entry's node digest;
+- ``campaign_summary.json`` at the root: accounted for by ``fq.summary.check_summary`` (every value it
+  states that a signed document also states must agree with it);
 - any other file must be listed by a base manifest above it. Symlinks, FIFOs, devices and leftover
   ``.tmp-*`` files are problems. All documents must carry one campaign identity, and all fragments of
   one node one node_digest (a fragment left over from an older definition of its node is stale).
 
-Problems are collected, one line each; nothing raises past ``verify_path`` except usage errors.
+Problems are collected, one line each; nothing raises past ``verify_path`` except usage errors. A
+directory given as a symlink (a promoted ``published`` link) is verified where it points; symlinks inside
+the tree stay problems.
 
-    verify_path(path, public_key, now=None, state=None) -> Report
+    verify_path(path, public_key, now=None, state=None, summary=None) -> Report
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ from fq.attest.campaign import campaign_digest
 from fq.attest.fragment import Attested, check_node_digest, verify_shard
 from fq.errors import FqError
 from fq.manifest import MANIFEST_NAME, check_base_files, read_base_manifest
-from fq.safepath import describe_mode
+from fq.safepath import describe_mode, read_regular, split_path
+from fq.summary import SUMMARY_NAME, check_summary
 
 ATT_SUFFIX = ".safetensors.intoto.jsonl"
 
@@ -65,8 +70,9 @@ def _kind(path: Path) -> str:
 
 
 def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, verified: dict[str, Attested],
-                failed: frozenset[str] = frozenset()) -> None:
-    plan = read_assembly(path, public_key, now=now, state=state).predicate
+                failed: frozenset[str] = frozenset()):
+    result = read_assembly(path, public_key, now=now, state=state)
+    plan = result.predicate
     m = PRODUCT_FILE.fullmatch(path.name)
     if not m or m[1] != plan["product"]:
         raise FqError(f"{path}: file name does not match its product {plan['product']!r}")
@@ -92,17 +98,22 @@ def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, 
             raise FqError(f"{path}: {f['name']} is attested {p['role']} K={p['K']} {p['codebook']}, the plan's "
                           f"chain says {node['role']} K={node['K']} {node['codebook']}")
     check_geometry([a.predicate for a in atts], [a.info for a in atts], str(path))
+    return result
 
 
 def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
-                state: PlanState | None = None) -> Report:
+                state: PlanState | None = None, summary: str | os.PathLike | None = None) -> Report:
+    """``summary``: a campaign summary kept outside the tree (``OUT/campaign_summary.json`` beside
+    ``OUT/published``), checked as if it lay at the tree's root."""
     path = Path(path)
     report = Report()
     if not os.path.lexists(path):
         raise FqError(f"{path}: does not exist")
+    if os.path.islink(path) and os.path.isdir(path):
+        path = Path(os.path.realpath(path))  # the link the caller named (a promoted generation), not one inside
     kind = _kind(path)
     if kind == "dir":
-        _verify_tree(report, path, public_key, now, state)
+        _verify_tree(report, path, public_key, now, state, summary)
         return report
     if kind != "file":
         report.problems.append(f"{path}: is {kind}, expected a shard, attestation, manifest or assembly")
@@ -130,7 +141,7 @@ def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: d
     return report
 
 
-def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
+def _verify_tree(report: Report, root: Path, public_key, now, state, summary=None) -> None:
     files: list[str] = []
     unusable: set[str] = set()  # symlinks and special files: reported once, not again as missing
     for dirpath, dirnames, filenames in os.walk(root):
@@ -183,6 +194,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
                 report.problems.append(str(e))
     _check_edges(report, verified)
     _check_node_digests(report, verified)
+    plans = {}
     for rel in files:
         if rel.endswith(SUFFIX) and Path(rel).parent.name == "assemblies":
             covered.add(rel)
@@ -193,10 +205,23 @@ def _verify_tree(report: Report, root: Path, public_key, now, state) -> None:
                     return {k[len(prefix) + 1:] if prefix != "." else k for k in names
                             if prefix == "." or k.startswith(prefix + "/")}
                 scoped = {k: verified[(prefix + "/" + k) if prefix != "." else k] for k in scope(verified)}
-                _check_plan(report, root / rel, plan_root, public_key, now, state, scoped, frozenset(scope(failed)))
+                plans[rel] = _check_plan(report, root / rel, plan_root, public_key, now, state, scoped,
+                                         frozenset(scope(failed)))
                 report.assemblies += 1
             except FqError as e:
                 report.problems.append(str(e))
+    if SUMMARY_NAME in present or summary is not None:
+        covered.add(SUMMARY_NAME)
+        src, name = (root, SUMMARY_NAME) if SUMMARY_NAME in present else split_path(summary)
+        where = str(Path(src, name))
+        try:
+            data = read_regular(src, name, where)
+            idents = [ident for _, ident in report.campaigns.values()]
+            top = {k: v for k, v in plans.items() if Path(k).parent.as_posix() == "assemblies"}
+            unverified = {k for k in present if Path(k).parent.as_posix() == "assemblies" and k not in top}
+            report.problems += check_summary(data, where, top, idents[0] if len(idents) == 1 else None, unverified)
+        except FqError as e:
+            report.problems.append(str(e))
     for rel in files:
         if rel not in covered:
             report.problems.append(f"{root / rel}: not covered by any attestation or base manifest")

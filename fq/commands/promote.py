@@ -1,0 +1,57 @@
+"""``fq promote CAMPAIGN --to DEST --key PUBKEY``: publish a finalized campaign in one visible step.
+
+DEST is a local publication directory (``DEST/published`` becomes a link to a verified generation) or a
+Hugging Face repository, ``--to hf://OWNER/NAME`` or ``--repo OWNER/NAME`` (staging branch, then main in
+one commit of server-side copies). See fq.promote.local and fq.promote.hub.
+"""
+from __future__ import annotations
+
+from fq.commands.verify import load_pinned
+
+
+def register(sub) -> None:
+    p = sub.add_parser("promote", help="publish a finalized campaign to a directory or a Hub repository, atomically",
+                       description="CAMPAIGN: the campaign directory (holding published/ and campaign_summary.json). "
+                                   "Only base/, stages/, assemblies/ and the summary are published.")
+    p.add_argument("campaign", metavar="CAMPAIGN")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--to", metavar="DEST", help="a local publication directory, or hf://OWNER/NAME")
+    where.add_argument("--repo", metavar="OWNER/NAME", help="a Hugging Face model repository (same as --to hf://...)")
+    p.add_argument("--key", required=True, metavar="PUBKEY", help="the campaign signer's public key (PEM)")
+    p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
+    p.add_argument("--keep", type=int, metavar="N", help="local: keep only the N most recent generations "
+                                                         "(default: keep all)")
+    p.add_argument("--staging", metavar="BRANCH", help="hub: the staging branch (default fq-staging)")
+    p.add_argument("--endpoint", metavar="URL", help="hub: API endpoint (default: HF_ENDPOINT or huggingface.co)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from fq.errors import FqError
+    from fq.promote import collect, raise_report
+
+    key, fp = load_pinned(args)
+    pub = collect(args.campaign)
+    hub = args.repo is not None or args.to.startswith("hf://")
+    if hub:
+        from fq.promote.hub import DEFAULT_STAGING, parse_target, promote_hub
+        from fq.verify import verify_path
+
+        if args.keep is not None:
+            raise FqError("--keep applies to a local publication directory, not a Hub repository")
+        repo = parse_target(args.repo or args.to)
+        raise_report(verify_path(pub.published, key, summary=pub.summary), f"promote {pub.campaign}")
+        r = promote_hub(pub, repo, staging=args.staging or DEFAULT_STAGING, endpoint=args.endpoint)
+        print(f"promoted {pub.campaign} to hf://{r.repo}: main {r.previous_main[:12]} -> {r.main_sha[:12]}, "
+              f"a copy of {r.staging}@{r.staged_sha[:12]} ({r.files} files"
+              f"{f', {len(r.deleted)} stale removed' if r.deleted else ''}); signer {fp}")
+        return 0
+    if args.staging or args.endpoint:
+        raise FqError("--staging and --endpoint apply to a Hub repository (--to hf://OWNER/NAME)")
+    from fq.promote.local import promote_local
+
+    r = promote_local(pub, args.to, key, keep=args.keep)
+    state = "already current" if r.unchanged else f"was {r.previous or 'none'}"
+    print(f"promoted {pub.campaign} to {args.to}/published -> generations/{r.generation} ({state}; {r.files} files, "
+          f"{r.bytes} bytes verified under {fp}{f'; pruned {len(r.pruned)}' if r.pruned else ''})")
+    return 0

@@ -1,0 +1,216 @@
+"""fq promote: a local publication directory for real, and a Hub repository against a fake Hub (tests/hubfake.py).
+
+The campaign is provkit's signed tree placed as OUT/published, with a summary bound to its plans and the
+operational files a real campaign directory holds (logs, locks, keys, metrics, staging, fragments) beside it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+import provkit
+from fq import canonical
+from fq.assembly import read_assembly
+from fq.cli import main as fq_main
+from fq.errors import FqError
+from fq.promote import collect, is_publishable
+from fq.summary import SUMMARY_NAME
+from fq.verify import verify_path
+from hubfake import FakeHub
+
+# huggingface_hub's own LFS upload passes bytes as data=, which httpx2 deprecates
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+
+OPERATIONAL = ("logs/encode/k2-layer001-block000.log", "locks/gpu-0.lock", "keys/signer.key", "metrics/k2/m.json",
+               "staging/model-00001-of-00001.safetensors", "fragments/k2/k2-layer001-block000.safetensors",
+               "campaign.json", "benchmarks/finalize.tsv", ".snakemake/log/x.log")
+
+
+def write_summary(out: Path, pub, recipe_name: str = "provkit") -> None:
+    products, bases = {}, {}
+    for path in sorted((out / "published" / "assemblies").iterdir()):
+        plan = read_assembly(path, pub)
+        p = plan.predicate
+        products[p["product"]] = {"file": f"assemblies/{path.name}", "sha256": plan.sha256,
+                                  "chain": [n["node"] for n in p["chain"]], "bpw": 3.0,
+                                  "bytes": sum(f["size"] for f in p["fragments"])}
+        bases[p["base"]["node"]] = {"manifest_sha256": p["base"]["manifest"]["sha256"]}
+        ident = p["campaign"]
+    summary = {"format": "fq-campaign-summary/1", "campaign": ident,
+               "recipe": {"name": recipe_name, "sha256": provkit.RECIPE_SHA256},
+               "plan_identity_sha256": "0" * 64, "bases": bases, "products": products}
+    (out / SUMMARY_NAME).write_text(canonical.pretty(summary))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("promote")
+    c = provkit.build_campaign(tmp)
+    out = tmp / "out"
+    out.mkdir()
+    os.rename(c.root, out / "published")
+    write_summary(out, c.pub)
+    for rel in OPERATIONAL:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(b"operational " + rel.encode())
+    return out, c
+
+
+@pytest.fixture
+def camp(built, tmp_path):
+    """A private copy: tests tamper with it."""
+    out, c = built
+    shutil.copytree(out, tmp_path / "out", symlinks=True)
+    return tmp_path / "out", c
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def promote(*args) -> int:
+    return fq_main(["promote", *map(str, args)])
+
+
+# -- the publishable set -------------------------------------------------------------------------------
+
+def test_publishable_set_is_enumerated_not_filtered(camp):
+    out, c = camp
+    pub = collect(out)
+    assert set(pub.files) == set(files_under(out / "published")) | {SUMMARY_NAME}  # no operational file
+    assert all(is_publishable(n) for n in pub.files) and not any(is_publishable(o) for o in OPERATIONAL)
+    (out / "published" / "notes.txt").write_text("hello")
+    (out / "published" / "stages" / ".tmp-x.safetensors.abc").write_bytes(b"")
+    with pytest.raises(FqError, match=r"2 problem\(s\).*notes\.txt: not a publishable path.*\.tmp-x.*interrupted"):
+        collect(out)
+
+
+def test_summary_is_checked_against_the_signed_plans(camp):
+    out, c = camp
+    assert verify_path(out / "published", c.pub, summary=out / SUMMARY_NAME).ok
+    doc = canonical.load(out / SUMMARY_NAME)
+    doc["products"]["k2r1"]["bytes"] += 1
+    doc["bases"]["k2"]["manifest_sha256"] = "f" * 64
+    (out / SUMMARY_NAME).write_text(canonical.pretty(doc))
+    problems = verify_path(out / "published", c.pub, summary=out / SUMMARY_NAME).problems
+    assert any("products.k2r1.bytes" in p for p in problems) and any("bases.k2.manifest_sha256" in p for p in problems)
+
+
+# -- local publication directory ------------------------------------------------------------------------
+
+def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path, capsys):
+    out, c = camp
+    dest = tmp_path / "dest"
+    assert promote(out, "--to", dest, "--key", c.pub_path) == 0
+    link = dest / "published"
+    first = os.readlink(link)
+    assert link.is_symlink() and first.startswith("generations/gen-")
+    assert set(files_under(link)) == set(collect(out).files)  # nothing operational, the summary at the root
+    assert fq_main(["verify", str(link), "--key", str(c.pub_path)]) == 0  # through the link, summary included
+
+    assert promote(out, "--to", dest, "--key", c.pub_path) == 0  # same content: same generation, no swap
+    assert os.readlink(link) == first and "already current" in capsys.readouterr().out
+
+    # a new generation (informational summary change); a reader resolving the link meanwhile only ever
+    # sees one whole generation
+    write_summary(out, c.pub, recipe_name="provkit-v2")
+    families = [set(files_under(link))]
+    seen, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                seen.append(frozenset(files_under(Path(os.path.realpath(link)))))
+            except FileNotFoundError:  # a file of the generation vanished under us: never expected
+                seen.append(None)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        assert promote(out, "--to", dest, "--key", c.pub_path, "--keep", "1") == 0
+    finally:
+        stop.set()
+        t.join()
+    second = os.readlink(link)
+    assert second != first and all(s is not None and s == families[0] for s in seen)
+    assert not (dest / first).exists()  # --keep 1 pruned the old generation
+    assert [h["generation"] for h in map(canonical.loads, (dest / "promotions.jsonl").read_text().splitlines())] == \
+        [first.split("/")[1], second.split("/")[1]]
+
+
+def test_local_promotion_refuses_a_bad_campaign_and_leaves_the_link(camp, tmp_path, capsys):
+    out, c = camp
+    dest = tmp_path / "dest"
+    assert promote(out, "--to", dest, "--key", c.pub_path) == 0
+    before = os.readlink(dest / "published")
+    other = provkit.build_campaign(tmp_path / "other")  # a campaign signed by another key
+    assert promote(out, "--to", dest, "--key", other.pub_path) == 2
+    assert "problem(s)" in capsys.readouterr().err
+    frag = out / "published" / "stages" / "r1" / "r1-layer001-block000.safetensors"
+    data = bytearray(frag.read_bytes())
+    data[-1] ^= 1
+    frag.write_bytes(bytes(data))
+    assert promote(out, "--to", dest, "--key", c.pub_path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fq promote: ") and len(err.strip().splitlines()) == 1 and "r1-layer001-block000" in err
+    assert os.readlink(dest / "published") == before
+    assert [p.name for p in (dest / "generations").iterdir()] == [before.split("/")[1]]  # no staging left behind
+
+
+# -- Hugging Face repository (fake hub) -------------------------------------------------------------------
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)  # the fake speaks LFS, not Xet
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    h = FakeHub().start()
+    h.create_repo("org/model", {"README.md": b"# model\n", "stages/old/old-layer001-block000.safetensors": b"stale"})
+    yield h
+    h.stop()
+
+
+def test_hub_promotion_copies_the_resolved_commit_and_a_concurrent_push_does_not_leak(camp, hub):
+    out, c = camp
+    pub = collect(out)
+    evil = {"stages/r1/r1-layer001-block000.safetensors": b"pushed meanwhile",
+            "stages/evil/evil-layer001-block000.safetensors": b"not ours", SUMMARY_NAME: b"{}"}
+    # the push lands right after the staging branch is resolved (the second time it is read: the first is
+    # the head the upload commit is computed from), before main is touched
+    hub.after("GET", r"/api/models/org/model/revision/fq-staging",
+              lambda h: h.push("org/model", "fq-staging", evil, message="concurrent push"),
+              when=lambda h: h.seen("POST", r"/api/models/org/model/commit/fq-staging"))
+    assert promote(out, "--to", "hf://org/model", "--key", c.pub_path, "--endpoint", hub.endpoint) == 0
+
+    main = hub.tree("org/model", "main")
+    local = {n: p.read_bytes() for n, p in pub.files.items()}
+    assert {n: b for n, b in main.items() if is_publishable(n)} == local  # exactly the verified campaign
+    assert main["README.md"] == b"# model\n" and "stages/old/old-layer001-block000.safetensors" not in main
+    staging = hub.tree("org/model", "fq-staging")
+    assert staging["stages/evil/evil-layer001-block000.safetensors"] == b"not ours"  # the push happened...
+    assert all(is_publishable(n) or n in (".gitattributes", "README.md") for n in set(main) | set(staging))
+
+    repo = hub.repos["org/model"]
+    (b1, staged, m1), (b2, _, m2), (b3, promoted, m3) = repo.log[2:]  # after the repository's own two commits
+    assert (b1, b2, b3) == ("fq-staging", "fq-staging", "main") and m2 == "concurrent push"
+    assert m3 == f"fq promote: main = fq-staging@{staged[:12]} (out)" and repo.branches["main"] == promoted
+    # ...after the resolve: nothing was uploaded from then on, main was built from server-side copies
+    resolved_at = max(i for i, (m, p) in enumerate(hub.requests) if p == "/api/models/org/model/revision/fq-staging")
+    later = hub.requests[resolved_at:]
+    assert not any(m == "PUT" or "/lfs/" in p or "/preupload/" in p for m, p in later)
+
+
+def test_hub_promotion_refuses_a_staging_branch_changed_before_resolve(camp, hub, capsys):
+    out, c = camp
+    main_before = hub.head("org/model", "main")
+    hub.after("POST", r"/api/models/org/model/commit/fq-staging",
+              lambda h: h.push("org/model", "fq-staging", {"assemblies/k2r1.assembly.intoto.jsonl": b"swapped"}))
+    assert promote(out, "--repo", "org/model", "--key", c.pub_path, "--endpoint", hub.endpoint) == 2
+    err = capsys.readouterr().err
+    assert "is not the verified campaign" in err and "assemblies/k2r1.assembly.intoto.jsonl: different bytes" in err
+    assert hub.head("org/model", "main") == main_before  # nothing promoted
