@@ -1,8 +1,9 @@
 """The encoder bundle identity and the determinism scope that every attestation records.
 
 ``encoder_identity(device)`` names exactly what produced the bytes: the sha256 of the fq source files
-that determine a fragment's payload (``ENCODER_FILES``: the codec and its compiled kernel, the shard
-writer and the encode step), hashed as a sorted list of (relative path, sha256) so a rebuilt kernel or
+that determine a fragment's payload (``ENCODER_FILES``: the codec, its compiled CPU kernel, the CUDA
+kernel's source (nvcc builds the kernel from it at first use; tests hold its states equal to the CPU
+kernel's), the shard writer and the encode step), hashed as a sorted list of (relative path, sha256) so a rebuilt kernel or
 an edited module is visible; the torch and CUDA versions; and the device architecture (``cpu-x86_64``,
 ``sm_90``). ``digest`` is the sha256 of the canonical JSON of the other fields; a campaign binds it
 once and refuses any other. Code that cannot change a payload byte (CLI, report, planning, TP export,
@@ -26,8 +27,8 @@ PACKAGE_ROOT = Path(fq.__file__).resolve().parent
 
 
 # Every file whose content can change a fragment's bytes (globs relative to the package).
-ENCODER_FILES = ("codec/*.py", "codec/*.c", "codec/_trellis*.so", "shards.py", "fragments.py", "experts.py",
-                 "workflow/encode.py")
+ENCODER_FILES = ("codec/*.py", "codec/*.c", "codec/*.cu", "codec/_trellis*.so", "shards.py", "fragments.py",
+                 "experts.py", "workflow/encode.py")
 
 
 def bundle_files(root: Path = PACKAGE_ROOT) -> list[tuple[str, str]]:

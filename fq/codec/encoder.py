@@ -1,6 +1,7 @@
 """Weight-only EXL3 encoder: regularize, global scale search, exact tail-biting Viterbi, pack."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,10 @@ class Encoded:
     W_hat: torch.Tensor  # (out, in) float32: decode of these tensors, computed from the encoder's own states
     rel_mse: float  # sum((W_hat - W)^2) / sum(W^2); 0 for an all-zero W
     g_scale: float
+    # the two float64 sums behind rel_mse (sequential sums over W in float64), so callers that report them
+    # need not recompute them: sum(W^2) and sum((W_hat - W)^2), W the encoded target (the residual for a stage)
+    sum_sq_w: float = 0.0
+    sum_sq_err: float = 0.0
 
 
 def check_args(W, K, codebook, seed, name: str = "W") -> torch.Tensor:
@@ -116,26 +121,51 @@ def search_scale(x: torch.Tensor, K: int, codebook: str, device) -> float:
     return scales[b] * r**offset
 
 
-def encode(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None) -> Encoded:
+def encode(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
+           timings: dict | None = None) -> Encoded:
     """Encode a torch Linear weight W (out, in). ``device``: None/"cpu" (C kernel) or a CUDA device (the
-    Viterbi search runs there; regularization stays on the CPU, so both give the same trellis)."""
+    Viterbi search runs there; regularization stays on the CPU, so both give the same trellis).
+    ``timings``: if a dict, the wall seconds of each stage are added to it (check, regularize, search,
+    viterbi, pack, reconstruct)."""
+    clock = _Clock(timings)
     W64 = check_args(W, K, codebook, seed)
+    clock("check")
     x, su, sv = regularize(W64.t(), seed)
+    clock("regularize")
     g = search_scale(x, K, codebook, device)
+    clock("search")
     x = x * g
     su = su / g
     tiles = matrix_to_tiles(x.to(torch.float32))
     tk, tn = tiles.shape[:2]
     states = viterbi(tiles.reshape(-1, TILE_LEN), K, codebook, device).reshape(tk, tn, TILE_LEN)
+    clock("viterbi")
     tensors = {"trellis": pack(states, K), "suh": su.to(torch.float16), "svh": sv.to(torch.float16)}
     marker = marker_value(codebook)
     if marker is not None:
         tensors[codebook] = torch.tensor(marker, dtype=torch.int32)
+    clock("pack")
     inner = tiles_to_matrix(values_torch(codebook)[states.long()])
     W_hat = unrotate(inner, tensors["suh"], tensors["svh"])
     denom = float(seq_sum(W64.square().flatten(), 0))
     err = float(seq_sum((W_hat.double() - W64).square().flatten(), 0))
-    return Encoded(tensors, W_hat, err / denom if denom > 0 else 0.0, float(g))
+    clock("reconstruct")
+    return Encoded(tensors, W_hat, err / denom if denom > 0 else 0.0, float(g), sum_sq_w=denom, sum_sq_err=err)
+
+
+class _Clock:
+    """Adds the seconds since the previous call to timings[stage] (no-op without a dict)."""
+
+    def __init__(self, timings: dict | None):
+        self.timings = timings
+        self.t = time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        if self.timings is None:
+            return
+        now = time.perf_counter()
+        self.timings[stage] = self.timings.get(stage, 0.0) + now - self.t
+        self.t = now
 
 
 def quantize(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None) -> dict:

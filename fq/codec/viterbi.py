@@ -1,10 +1,17 @@
 """Exact tail-biting Viterbi over all 65536 trellis states, for a batch of 256-element tiles.
 
-Two implementations of one algorithm (see _trellis.c for the algorithm): the C kernel for CPU, and a
-batched torch version for CUDA (also runnable on CPU, where tests compare the two). Both use float32
-costs with separate multiply and add and keep the first minimum on ties, so they return the same states.
+Three implementations of one algorithm (see _trellis.c for the algorithm): the C kernel for CPU, the CUDA
+kernel (_viterbi_cuda.cu, built with nvcc on first use; fq.codec.viterbi_cuda), and a batched torch
+version (the fallback on CUDA when the kernel cannot be built; also runnable on CPU, where tests compare
+it with the C kernel). All use float32 costs with separate multiply and add and keep the first minimum on
+ties, so they return the same states.
+
+``FQ_VITERBI_CUDA=torch`` forces the torch path on CUDA (benchmarks, or to rule the kernel out).
 """
 from __future__ import annotations
+
+import os
+import warnings
 
 import numpy as np
 import torch
@@ -22,13 +29,32 @@ except ImportError as e:  # pragma: no cover - the package build always compiles
 _CUDA_BP_BYTES = 4 << 30
 
 
+_CUDA_FALLBACK_WARNED = set()
+
+
 def viterbi(tiles: torch.Tensor, K: int, codebook: str, device=None, threads: int | None = None) -> torch.Tensor:
     """Best tail-biting state sequence per tile. tiles: (n, 256) float32 -> (n, 256) int32 states (CPU)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     tiles = tiles.reshape(-1, TILE_LEN)
     if device.type == "cpu":
         return viterbi_cpu(tiles, K, codebook, threads)
-    return viterbi_torch(tiles, K, codebook, device).cpu()
+    return viterbi_gpu(tiles, K, codebook, device).cpu()
+
+
+def viterbi_gpu(tiles: torch.Tensor, K: int, codebook: str, device) -> torch.Tensor:
+    """States on ``device``: the CUDA kernel, or the torch path (with a warning, once) if it cannot be built."""
+    device = torch.device(device)
+    if device.type == "cuda" and os.environ.get("FQ_VITERBI_CUDA", "kernel") != "torch":
+        from fq.codec import viterbi_cuda  # imported only here: CPU use never needs nvcc
+
+        try:
+            return viterbi_cuda.viterbi_cuda(tiles, K, codebook, device)
+        except viterbi_cuda.CudaViterbiUnavailable as e:
+            if str(e) not in _CUDA_FALLBACK_WARNED:
+                _CUDA_FALLBACK_WARNED.add(str(e))
+                warnings.warn(f"fq: CUDA Viterbi kernel unavailable, using the (slower, identical) torch path: {e}",
+                              RuntimeWarning, stacklevel=3)
+    return viterbi_torch(tiles, K, codebook, device)
 
 
 def viterbi_cpu(tiles: torch.Tensor, K: int, codebook: str, threads: int | None = None) -> torch.Tensor:

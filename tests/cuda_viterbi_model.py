@@ -1,0 +1,168 @@
+"""A numpy model of fq/codec/_viterbi_cuda.cu, thread for thread (vectorized over the 1024 threads).
+
+It mirrors the kernel's index arithmetic -- units, lanes per edge and their shuffle merge, the predecessor
+addresses, the two cost buffers (K = 1: the split low/high layout with staged registers), the value slots,
+the back-pointer layouts (bytes; K = 1 bit words from ballots), the 64-bit end key, the pass structure and
+both backtracks -- so CPU-only CI can check that layout against the C kernel. It is a model: the CUDA
+tests (test_codec_cuda.py, on a GPU) check the kernel itself. Keep the two in step.
+
+Unwritten shared memory starts as NaN here, so a read before a write shows up as a wrong state.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+L = 256
+NT = 1024
+
+
+class Geo:
+    def __init__(self, K: int):
+        self.K = K
+        self.Q = 1 << K
+        self.E = 65536 >> K
+        E, Q = self.E, self.Q
+        self.NQ = 1 if E < NT else (Q if Q < 4 else min(E // NT, 4))
+        self.NU = 1 if E < NT else E // (NT * self.NQ)
+        self.P = NT // E if E < NT else 1
+        self.NH = Q // self.P
+        assert self.NU * self.NQ * self.NH == 64
+        self.LOW = 24576 if K == 1 else E
+        self.STAGE_U = self.LOW // (2 * NT) if K == 1 else self.NU
+        self.BP_ROW = E // 8 if K == 1 else E
+
+
+def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
+    """One pass for tiles x (n, 256). Returns (bp (n, 256, BP_ROW) uint8, best (n,) or None)."""
+    K, E, NU, NQ, NH, P = g.K, g.E, g.NU, g.NQ, g.NH, g.P
+    n = x.shape[0]
+    t = np.arange(NT)
+    lane = t & 31
+    pass2 = pre is not None
+    roll = 0 if pass2 else L // 2
+    bp = np.zeros((n, L, g.BP_ROW), dtype=np.uint8)
+    buf0 = np.full((n, E), np.nan, dtype=np.float32)
+    buf1 = np.full((n, g.LOW if K == 1 else E), np.nan, dtype=np.float32)
+    p = np.arange(E)
+    if pass2:
+        buf0[:] = np.where(p[None, :] == pre[:, None], np.float32(0), np.float32(np.inf))
+    else:
+        buf0[:] = 0
+    rows = np.arange(n)[:, None]
+    key = np.full((n, NT), np.iinfo(np.uint64).max, dtype=np.uint64)
+    for i in range(L):
+        final = (not pass2) and i == L - 1
+        pos = (i + roll) & (L - 1)
+        store = pass2 or (L // 2 - 1 <= i <= L - 2)
+        xi = x[:, pos][:, None].astype(np.float32)
+        Mc, Mn = (buf1, buf0) if i & 1 else (buf0, buf1)
+        stage = {}
+        bits = {}
+        for u in range(NU):
+            w = t + NT * u
+            j0 = (w // P) * NQ
+            part = w % P
+            best = [None] * NQ
+            bh = [None] * NQ
+            for hq in range(NH):
+                h = part + P * hq
+                pidx = h * (E >> K) + (j0 >> K)
+                assert np.array_equal(pidx, (h * E + j0) >> K)
+                if K == 1 and hq == 1 and u >= 8:
+                    pm = buf0[rows, pidx[None, :]]
+                else:
+                    pm = Mc[rows, pidx[None, :]]
+                for e in range(NQ):
+                    val = v[(part + P * hq) * E + j0 + e][None, :]
+                    d = (val - xi).astype(np.float32)
+                    c = (d * d + pm).astype(np.float32)
+                    if hq == 0:
+                        best[e], bh[e] = c, np.broadcast_to(h, c.shape).copy()
+                    else:
+                        lt = c < best[e]
+                        best[e] = np.where(lt, c, best[e])
+                        bh[e] = np.where(lt, h, bh[e])
+            if P > 1:
+                off = 1
+                while off < P:
+                    src = np.where((lane + off) < 32, t + off, t)  # __shfl_down_sync: out of range keeps own
+                    ob, oh = best[0][:, src], bh[0][:, src]
+                    take = (ob < best[0]) | ((ob == best[0]) & (oh < bh[0]))
+                    best[0] = np.where(take, ob, best[0])
+                    bh[0] = np.where(take, oh, bh[0])
+                    off <<= 1
+            # costs
+            if K == 1:
+                if u < g.STAGE_U:
+                    for e in range(2):
+                        Mn[rows, (j0 + e)[None, :]] = best[e]
+                else:
+                    stage[u] = (j0, best[0], best[1])
+            else:
+                m = part == 0
+                for e in range(NQ):
+                    Mn[rows, (j0 + e)[None, m]] = best[e][:, m]
+            # back pointers
+            if store:
+                if K == 1:
+                    for e in range(2):
+                        b = (bh[e] != 0).astype(np.uint64)  # (n, NT)
+                        words = (b.reshape(n, NT // 32, 32) << np.arange(32, dtype=np.uint64)).sum(-1)
+                        bits[(u, e)] = words  # ballot result of each warp
+                else:
+                    m = part == 0
+                    for e in range(NQ):
+                        bp[rows, pos, (j0 + e)[None, m]] = bh[e][:, m]
+            if final:
+                m = part == 0
+                for e in range(NQ):
+                    kk = (best[e].view(np.uint32).astype(np.uint64) << np.uint64(32)) | (bh[e] * E + j0 + e).astype(np.uint64)
+                    key = np.where(m[None, :], np.minimum(key, kk), key)
+        if K == 1 and store:
+            # lane u of warp wid writes uint2 #(wid + 32u): words (wid + 32u)*2 + e
+            row = np.zeros((n, g.BP_ROW // 4), dtype=np.uint32)
+            for (u, e), words in bits.items():
+                for wid in range(NT // 32):
+                    row[:, (wid + 32 * u) * 2 + e] = words[:, wid].astype(np.uint32)
+            bp[:, pos, :] = row.view(np.uint8).reshape(n, g.BP_ROW)
+        if K == 1:
+            for u, (j0, b0, b1) in stage.items():
+                buf0[rows, j0[None, :]] = b0
+                buf0[rows, (j0 + 1)[None, :]] = b1
+    best_state = None if pass2 else (key.min(axis=1) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    return bp, best_state
+
+
+def _bp_get(g: Geo, row: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """row: (n, BP_ROW) uint8, j: (n,) -> (n,) h."""
+    n = row.shape[0]
+    if g.K == 1:
+        words = row.view(np.uint32).reshape(n, -1)
+        w = j >> 1
+        word = words[np.arange(n), (w >> 5) * 2 + (j & 1)]
+        return ((word >> (w & 31).astype(np.uint32)) & 1).astype(np.int64)
+    return row[np.arange(n), j].astype(np.int64)
+
+
+def viterbi_model(x: np.ndarray, K: int, v: np.ndarray) -> np.ndarray:
+    """States (n, 256) as the CUDA kernel computes them. x: (n, 256) float32; v: 65536 float32 values."""
+    g = Geo(K)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    v = np.asarray(v, dtype=np.float32)
+    bp, best = _forward(g, x, v, None)
+    s = best.copy()
+    for i in range(L - 1, L // 2 - 1, -1):  # back1
+        pos = (i - 1 + L // 2) & (L - 1)
+        j = s >> K
+        s = _bp_get(g, bp[:, pos], j) * g.E + j
+    pre = s & (g.E - 1)
+    bp, _ = _forward(g, x, v, pre)
+    out = np.empty(x.shape, dtype=np.int64)
+    j = pre
+    s = _bp_get(g, bp[:, L - 1], j) * g.E + j
+    out[:, L - 1] = s
+    for pos in range(L - 2, -1, -1):  # back2
+        j = s >> K
+        s = _bp_get(g, bp[:, pos], j) * g.E + j
+        out[:, pos] = s
+    return out
