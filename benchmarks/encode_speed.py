@@ -8,13 +8,15 @@ Phases (each prints as it goes; the JSON is rewritten after every phase, so a ti
   1. build: fq's CUDA Viterbi kernel (nvcc, cached) and, in the background, the reference's tile kernels
      compiled from the installed exllamav3 package's own headers (benchmarks/ref_quantize_tiles.cu is only a
      launcher; flags as the package's JIT build: -O3 --use_fast_math plus torch's defaults).
-  2. tiles/s per K and codebook on the same Gaussian tiles (N(0,1) x the codebook's best Gaussian scale):
-     fq's kernel (checked bit-exact against the CPU kernel on a subset), the reference's default kernel
-     (opt 0, what it runs on an H100/H200) and its optimized kernel (opt 1, forced), and the MSE of each.
+  2. fq's tiles/s per K and codebook on Gaussian tiles (N(0,1) x the codebook's best Gaussian scale), checked
+     bit-exact against the CPU kernel on a subset, and its MSE.
   3. the whole pipeline (regularize, scale search, Viterbi, pack) per GLM-5 expert matrix, mul1, with the
      stage breakdown; the reference's pipeline times are its golden H200 timings (tests/data), not re-run.
   4. orchestration overhead of one GLM-5-shaped 32-expert block job (benchmarks/encode_overhead.py) as a
      share of the block's GPU busy time.
+  5. the reference on the same tiles as phase 2: its default kernel (opt 0, what it runs on an H100/H200) and
+     its optimized kernel (opt 1, forced), tiles/s and MSE, and the ratios. Last, so that a fault in foreign
+     kernels cannot cost the measurements of ours.
 """
 from __future__ import annotations
 
@@ -387,11 +389,89 @@ def main(argv=None) -> int:
                 f"{row.get('ours_mse', float('nan')) / row['var']:.5f}  equal_cpu={row.get('ours_equals_cpu')}")
             save()
 
-    # ---- 2b. reference throughput on the same tiles
+    # ---- 3. whole pipeline per GLM-5 expert matrix (mul1)
+    golden = load_json(ROOT / "tests" / "data" / "exl3_matrix_golden.json") or {}
+    ref_pipe = {(tuple(p["shape_out_in"]), p["K"]): p["pipeline_s"] for p in golden.get("pipeline_speed_h200", [])}
+    res["pipeline"] = []
+    if ours_ok:
+        try:
+            encode(synthetic_weight(256, 512, 0), 2, "mul1", 0, device=dev)  # warm-up
+        except Exception as e:  # noqa: BLE001
+            res["errors"].append(f"pipeline warm-up: {e}")
+        for (o, i), K in pipeline_cases:
+            if dl.left() < 40:
+                res["notes"].append(f"pipeline {o}x{i} K{K} skipped: time budget")
+                continue
+            W = synthetic_weight(o, i, seed=o + K)
+            row = {"shape_out_in": [o, i], "K": K, "codebook": "mul1", "tiles": o * i // 256}
+            try:
+                best = None
+                for _ in range(2 if dl.left() > 90 else 1):
+                    T: dict = {}
+                    t = time.perf_counter()
+                    enc = encode(W, K, "mul1", seed=7, device=dev, timings=T)
+                    wall = time.perf_counter() - t
+                    if best is None or wall < best[0]:
+                        best = (wall, T, enc.rel_mse)
+                row["seconds"] = round(best[0], 3)
+                row["stages_s"] = {k: round(v, 4) for k, v in best[1].items()}
+                row["rel_mse"] = best[2]
+                ref_s = ref_pipe.get(((o, i), K))
+                if ref_s:
+                    row["reference_seconds_golden"] = ref_s
+                    row["speedup_vs_reference"] = round(ref_s / best[0], 3)
+            except Exception as e:  # noqa: BLE001
+                res["errors"].append(f"pipeline {o}x{i} K{K}: {type(e).__name__}: {e}")
+                log(traceback.format_exc())
+            res["pipeline"].append(row)
+            log(f"pipeline {o}x{i} K{K}: {row.get('seconds')} s {row.get('stages_s')} (reference golden "
+                f"{row.get('reference_seconds_golden')} s)")
+            save()
+
+    # ---- 4. orchestration overhead of a 32-expert block job
+    if dl.left() > 50:
+        try:
+            from encode_overhead import measure  # same directory
+
+            experts = a.overhead_experts if dl.left() > 160 else min(8, a.overhead_experts)
+            if a.dry_run:
+                experts = 1
+            ov = measure(experts, log=log)
+            scale = 32 / experts
+            sec = ov["seconds"]
+            per_block = {k: v * (scale if k in ("read", "metrics", "write", "attest") else 1.0) for k, v in sec.items()
+                         if k != "total_outside_encoder"}
+            ov["block32_seconds"] = {k: round(v, 3) for k, v in per_block.items()}
+            ov["block32_outside_gpu_s"] = round(sum(per_block.values()), 3)
+            gpu = {}
+            for row in res.get("pipeline", []):
+                if row.get("K") == 2 and "stages_s" in row:
+                    gpu[tuple(row["shape_out_in"])] = row["stages_s"].get("viterbi", 0.0) + row["stages_s"].get("search", 0.0)
+            gate_shape, down_shape = pipeline_cases[0][0], pipeline_cases[-1][0]
+            if gate_shape in gpu and down_shape in gpu:
+                busy = 32 * (2 * gpu[gate_shape] + gpu[down_shape])
+                ov["block32_gpu_busy_s_upper"] = round(busy, 2)
+                ov["share_outside_gpu"] = round(ov["block32_outside_gpu_s"] / busy, 4)
+                ov["note"] = ("GPU busy = 32 x (2 gate/up + 1 down) x (viterbi + search stage seconds at K2; both "
+                              "include their CPU-side tile preparation, so this overstates GPU time and understates "
+                              "the share). The encoder's own CPU stages (regularize, pack, reconstruct) are not "
+                              "counted here; see pipeline.stages_s.")
+            res["overhead"] = ov
+            log(f"overhead (32-expert block): outside GPU {ov['block32_outside_gpu_s']} s; share "
+                f"{ov.get('share_outside_gpu')}")
+        except Exception as e:  # noqa: BLE001
+            res["errors"].append(f"overhead: {type(e).__name__}: {e}")
+            log(traceback.format_exc())
+        save()
+    else:
+        res["notes"].append("overhead skipped: time budget")
+
+    # ---- 5. reference throughput on the same tiles (last: a fault in the reference's kernels would end the
+    # process and poison the CUDA context, so everything of ours is measured and saved before)
     ref = DryReference() if a.dry_run else None
     if ref_thread is not None:
         log("waiting for the reference build ...")
-        ref_thread.join(timeout=max(1.0, dl.left() - 150))
+        ref_thread.join(timeout=max(1.0, dl.left() - 40))
         if ref_thread.is_alive():
             res["errors"].append("reference build did not finish within the time budget")
         elif "error" in ref_state:
@@ -449,83 +529,6 @@ def main(argv=None) -> int:
     inputs.clear()
     if not a.dry_run:
         torch.cuda.empty_cache()
-
-    # ---- 3. whole pipeline per GLM-5 expert matrix (mul1)
-    golden = load_json(ROOT / "tests" / "data" / "exl3_matrix_golden.json") or {}
-    ref_pipe = {(tuple(p["shape_out_in"]), p["K"]): p["pipeline_s"] for p in golden.get("pipeline_speed_h200", [])}
-    res["pipeline"] = []
-    if ours_ok:
-        try:
-            encode(synthetic_weight(256, 512, 0), 2, "mul1", 0, device=dev)  # warm-up
-        except Exception as e:  # noqa: BLE001
-            res["errors"].append(f"pipeline warm-up: {e}")
-        for (o, i), K in pipeline_cases:
-            if dl.left() < 40:
-                res["notes"].append(f"pipeline {o}x{i} K{K} skipped: time budget")
-                continue
-            W = synthetic_weight(o, i, seed=o + K)
-            row = {"shape_out_in": [o, i], "K": K, "codebook": "mul1", "tiles": o * i // 256}
-            try:
-                best = None
-                for _ in range(2 if dl.left() > 90 else 1):
-                    T: dict = {}
-                    t = time.perf_counter()
-                    enc = encode(W, K, "mul1", seed=7, device=dev, timings=T)
-                    wall = time.perf_counter() - t
-                    if best is None or wall < best[0]:
-                        best = (wall, T, enc.rel_mse)
-                row["seconds"] = round(best[0], 3)
-                row["stages_s"] = {k: round(v, 4) for k, v in best[1].items()}
-                row["rel_mse"] = best[2]
-                ref_s = ref_pipe.get(((o, i), K))
-                if ref_s:
-                    row["reference_seconds_golden"] = ref_s
-                    row["speedup_vs_reference"] = round(ref_s / best[0], 3)
-            except Exception as e:  # noqa: BLE001
-                res["errors"].append(f"pipeline {o}x{i} K{K}: {type(e).__name__}: {e}")
-                log(traceback.format_exc())
-            res["pipeline"].append(row)
-            log(f"pipeline {o}x{i} K{K}: {row.get('seconds')} s {row.get('stages_s')} (reference golden "
-                f"{row.get('reference_seconds_golden')} s)")
-            save()
-
-    # ---- 4. orchestration overhead of a 32-expert block job
-    if dl.left() > 50:
-        try:
-            from encode_overhead import measure  # same directory
-
-            experts = a.overhead_experts if dl.left() > 120 else min(8, a.overhead_experts)
-            if a.dry_run:
-                experts = 1
-            ov = measure(experts, log=log)
-            scale = 32 / experts
-            sec = ov["seconds"]
-            per_block = {k: v * (scale if k in ("read", "metrics", "write", "attest") else 1.0) for k, v in sec.items()
-                         if k != "total_outside_encoder"}
-            ov["block32_seconds"] = {k: round(v, 3) for k, v in per_block.items()}
-            ov["block32_outside_gpu_s"] = round(sum(per_block.values()), 3)
-            gpu = {}
-            for row in res.get("pipeline", []):
-                if row.get("K") == 2 and "stages_s" in row:
-                    gpu[tuple(row["shape_out_in"])] = row["stages_s"].get("viterbi", 0.0) + row["stages_s"].get("search", 0.0)
-            gate_shape, down_shape = pipeline_cases[0][0], pipeline_cases[-1][0]
-            if gate_shape in gpu and down_shape in gpu:
-                busy = 32 * (2 * gpu[gate_shape] + gpu[down_shape])
-                ov["block32_gpu_busy_s_upper"] = round(busy, 2)
-                ov["share_outside_gpu"] = round(ov["block32_outside_gpu_s"] / busy, 4)
-                ov["note"] = ("GPU busy = 32 x (2 gate/up + 1 down) x (viterbi + search stage seconds at K2; both "
-                              "include their CPU-side tile preparation, so this overstates GPU time and understates "
-                              "the share). The encoder's own CPU stages (regularize, pack, reconstruct) are not "
-                              "counted here; see pipeline.stages_s.")
-            res["overhead"] = ov
-            log(f"overhead (32-expert block): outside GPU {ov['block32_outside_gpu_s']} s; share "
-                f"{ov.get('share_outside_gpu')}")
-        except Exception as e:  # noqa: BLE001
-            res["errors"].append(f"overhead: {type(e).__name__}: {e}")
-            log(traceback.format_exc())
-        save()
-    else:
-        res["notes"].append("overhead skipped: time budget")
 
     # ---- anchors, for context
     anchors = load_json(Path(a.anchors))
