@@ -21,6 +21,12 @@ include: "rules/finalize.smk"
 include: "rules/report.smk"
 
 
+# The launcher lock (fq.workflow.launch): one Snakemake per campaign directory, from any working directory,
+# plus the key/encoder bindings checked before the first job. Dry runs and --lint never get here.
+onstart:
+    on_start(C, KEY, config["encode"]["device"], pending_rules())
+
+
 rule all:
     input:
         all_targets(),

@@ -4,6 +4,7 @@ from pathlib import Path
 
 from fq.workflow.campaign import load_campaign
 from fq.workflow.finalize import INDEX, SUMMARY
+from fq.workflow.launch import on_start
 
 C = load_campaign(config)
 OUT = str(C.out)
@@ -104,8 +105,20 @@ def stage_gate(wc):
     return [C.retired(w - W)] if w - W >= 0 else []
 
 
+def pending_rules():
+    """Names of the rules with jobs to run (for the launcher's checks); None if Snakemake does not say."""
+    try:
+        return {job.rule.name for job in workflow.dag.needrun_jobs()}
+    except Exception:
+        return None
+
+
 def repair_marker():
     """A fresh finalize input when planned outputs are missing (fq.workflow.campaign.missing_committed)."""
+    # Only the launcher decides on a repair: a cluster job (profiles/slurm) re-parses this file after other
+    # jobs have changed the campaign, and would otherwise demand a marker for a different set of files.
+    if workflow.remote_exec:
+        return []
     missing = C.missing_committed() if Path(C.campaign_json).is_file() else []
     if not missing:
         return []

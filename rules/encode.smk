@@ -16,6 +16,7 @@ rule skeleton:
     params:
         tensors=lambda wc: list(C.skeleton_tensors[wc.shard]),
         staged=lambda wc: C.staged(wc.shard),
+        locks=f"{OUT}/locks",
     script:
         "../scripts/skeleton.py"
 

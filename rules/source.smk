@@ -88,6 +88,7 @@ rule stage:
         source_dir=str(C.source_dir),
         repo=config["source"].get("repo"),
         revision=C.source.revision,
+        locks=f"{OUT}/locks",
     script:
         "../scripts/stage.py"
 

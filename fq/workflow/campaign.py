@@ -175,17 +175,20 @@ class Campaign:
 
     # -- does a job still need its source? ------------------------------------------------------------
     def fragment_needs_source(self, node: str, block: Block, _memo=None) -> bool:
-        """True when this fragment will be (re)encoded: missing, attested for another definition of its node,
-        older than an ancestor's fragment, or an ancestor will be re-encoded. The encode rule asks for the
-        staged shards only then, so deleting one fragment re-stages its shards without re-running the other
-        jobs that read them (Snakemake would rerun every consumer of a re-created temp file otherwise)."""
+        """True when this fragment will be (re)encoded: missing, or any of its three outputs (fragment,
+        attestation, metrics) missing -- a job killed between two commits leaves the block incomplete, and
+        Snakemake redoes it whole --, attested for another definition of its node, older than an
+        ancestor's fragment, or an ancestor will be re-encoded. The encode rule asks for the staged shards
+        only then, so deleting one fragment re-stages its shards without re-running the other jobs that
+        read them (Snakemake would rerun every consumer of a re-created temp file otherwise)."""
         memo = {} if _memo is None else _memo
         key = (node, block.layer, block.first_expert)
         if key in memo:
             return memo[key]
         path = Path(self.fragment(node, block))
         att = Path(self.attestation(str(path)))
-        needs = not path.is_file() or not att.is_file() or attested_node_digest(att) != self.recipe.node_digest(node)
+        needs = (not path.is_file() or not att.is_file() or not Path(self.metrics(node, block)).is_file()
+                 or attested_node_digest(att) != self.recipe.node_digest(node))
         if not needs:
             mtime = path.stat().st_mtime
             for anc in self.ancestors(node):
@@ -263,7 +266,11 @@ def load_campaign(config: dict) -> Campaign:
     elif kind == "local":
         source = load_source(src_cfg["path"], revision=src_cfg.get("revision"))
     elif kind == "hub":
-        source = load_source(src_cfg["repo"], revision=src_cfg.get("revision"))
+        from fq.workflow.hub import load_persisted
+
+        # the metadata init stored in the campaign for this repo@revision, else the hub (first run)
+        source = (load_persisted(Path(config["out"]) / "meta", src_cfg["repo"], src_cfg.get("revision"))
+                  or load_source(src_cfg["repo"], revision=src_cfg.get("revision")))
     else:
         raise FqError(f"config: source.kind: {kind!r}, expected one of {', '.join(SOURCE_KINDS)}")
     if config.get("usage"):

@@ -3,6 +3,14 @@
 A stage reads its ancestors' *committed* fragments (verified under the campaign key, their node
 digests checked against the recipe) and encodes the residual against exactly those bytes, so a
 residual can never be pinned to a parent that was recomputed only in memory.
+
+Before it reads or writes anything a job takes its locks (fq.workflow.locks): ``workers.lock`` shared
+and the block's claim exclusively, both for the life of the process, and refuses the block when
+anyone else -- an orphan of a killed Snakemake included -- holds the claim. Then it checks the signer
+key and the encoder build against the ones bound at init, so a wrong key or a rebuilt encoder fails
+in seconds. The three outputs are committed one by one, each atomically (temp name, fsync, rename):
+a job killed between them leaves the block incomplete (fragment_needs_source and Snakemake's
+incomplete-output marker both see it) and the next run redoes the whole block.
 """
 from __future__ import annotations
 
@@ -21,10 +29,11 @@ from fq.codec import encode as codec_encode
 from fq.codec import encode_residual, reconstruct_chain
 from fq.errors import FqError
 from fq.experts import ExpertLayout, suffixes
-from fq.fragments import write_fragment
+from fq.fragments import attestation_name, write_fragment
 from fq.identity import encoder_identity
 from fq.source import PROJECTIONS
-from fq.workflow import devices
+from fq.workflow import devices, locks
+from fq.workflow.init import check_signer, encoder_differences
 from fq.workflow.skeleton import source_statement
 
 SEED_RULE = "int(sha256('fq-seed/{seed}/{node}/{layer}/{expert}/{proj}')[:8], 16)"
@@ -37,13 +46,19 @@ def matrix_seed(seed: int, node: str, layer: int, expert: int, proj: str) -> int
 def check_encoder(doc: dict, device: str) -> dict:
     """This process's encoder identity must be the one bound at init (fail in seconds, not at finalize)."""
     mine = encoder_identity(device)
-    bound = doc["encoder"]
-    if mine["digest"] != bound["digest"]:
-        diff = sorted(k for k in mine if k != "digest" and mine.get(k) != bound.get(k))
-        raise FqError(f"encoder build differs from the one bound to this campaign in {', '.join(diff)} "
-                      f"({', '.join(f'{k}: {bound.get(k)!r} -> {mine.get(k)!r}' for k in diff)}); "
-                      f"encode with the bound build or start a new campaign")
+    problem = encoder_differences(doc["encoder"], mine)
+    if problem:
+        raise FqError(f"{problem}; encode with the bound build or start a new campaign")
     return mine
+
+
+def take_block(lock_dir: str, claim: str, outputs: list[str], what: str) -> None:
+    """This job's locks (claim ``claim``), then the leftovers of an interrupted write of its own outputs
+    (dead: we hold the claim, so nobody else can be writing them)."""
+    locks.hold_worker(lock_dir, claim, what)
+    for out in outputs:
+        for p in locks.remove_dead_temps(Path(out).parent, [Path(out).name]):
+            print(f"removed {p}: leftover of an interrupted write of this block", file=sys.stderr)
 
 
 def load_sets(path: Path, layout: ExpertLayout, layer: int, experts, codebook: str) -> dict:
@@ -80,13 +95,18 @@ def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: 
                  out_metrics: str, device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
                  layout: ExpertLayout) -> dict:
     """``ancestors``: [{node, codebook, digest, path}] from the base to the parent, in chain order."""
+    att_path = str(Path(out_fragment).with_name(attestation_name(Path(out_fragment).name)))
+    name = Path(out_fragment).stem
+    take_block(lock_dir, name, [out_fragment, att_path, out_metrics], f"block {name} (node {node}, layer {layer}, "
+               f"block {block})")
     doc = canonical.load(campaign_json)
+    priv = keys.load_private(key_path)
+    pub = priv.public_key()
+    check_signer(doc, pub, key_path)
     dev = devices.claim(device, devices_list, lock_dir)
     check_encoder(doc, dev if dev == "cpu" else "cuda")
     if threads:
         torch.set_num_threads(threads)
-    priv = keys.load_private(key_path)
-    pub = priv.public_key()
 
     chains = {e: {p: [] for p in PROJECTIONS} for e in experts}
     parent = None
@@ -135,6 +155,8 @@ def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: 
 def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sources: dict, out_metrics: str,
                   device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0) -> dict:
     """A one-pass encode at K bits, for the report's comparison only: metrics, no fragment."""
+    name = f"native-K{K}-{codebook}-{Path(out_metrics).stem}"
+    take_block(lock_dir, name, [out_metrics], f"block {name} (one-pass K{K} {codebook}, layer {layer})")
     dev = devices.claim(device, devices_list, lock_dir)
     if threads:
         torch.set_num_threads(threads)

@@ -14,11 +14,24 @@ Published layout (``OUT/published``)::
 
 and ``OUT/campaign_summary.json`` beside it (unsigned, informational: products, sizes, digests), so
 that every file under ``published/`` is attested or listed by a signed manifest.
+
+Finalize holds ``OUT/locks/workers.lock`` exclusively for its whole body (verify and publish), so no
+worker -- not even an orphan of a killed Snakemake -- can write into the campaign meanwhile, and it
+refuses to start while one is alive. Holding that lock also proves every ``.tmp-*`` leftover of an
+interrupted write dead, so finalize removes them (by name, in the log) instead of refusing them. A kill
+at any point leaves only whole files under their final names (each write is temp + fsync + rename);
+the next run redoes what is missing and keeps what already holds the expected bytes. A full disk stops
+it with one line naming the file and the filesystem, and leaves no partial file published.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import shutil
+import sys
+import time
 from pathlib import Path
 
 from fq import atomic, canonical
@@ -28,6 +41,7 @@ from fq.attest.fragment import check_node_digest, verify_shard
 from fq.errors import FqError
 from fq.fragments import attestation_name
 from fq.manifest import MANIFEST_NAME, write_base_manifest
+from fq.workflow import locks
 from fq.workflow.campaign import Campaign, sha256_file
 
 SUMMARY = "campaign_summary.json"
@@ -77,6 +91,45 @@ def check_strays(c: Campaign) -> Problems:
     return problems
 
 
+_T0 = [0.0]
+
+
+def _log(msg: str) -> None:
+    """One progress line in the finalize log, with the seconds since finalize started."""
+    print(f"finalize: {msg} [+{time.monotonic() - _T0[0]:.3f} s]", file=sys.stderr, flush=True)
+
+
+def remove_interrupted_writes(c: Campaign) -> list[Path]:
+    """``.tmp-*`` leftovers under fragments/, skeleton/, published/ and the summary's directory. Only with
+    workers.lock held exclusively: then no writer is alive, and these are dead halves of killed writes."""
+    removed = []
+    for top in (c.out / "fragments", c.out / "skeleton", c.out / "published"):
+        if top.is_dir():
+            for dirpath, dirnames, filenames in os.walk(top):
+                for name in sorted(filenames + dirnames):
+                    p = Path(dirpath, name)
+                    if name.startswith(".tmp-"):
+                        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                        removed.append(p)
+    removed += locks.remove_dead_temps(c.out, [SUMMARY])
+    return removed
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(path: Path):
+    """ENOSPC/EDQUOT while writing ``path`` becomes one FqError naming the file and its filesystem."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        d = path.parent if path.parent.exists() else Path(".")
+        free = shutil.disk_usage(d).free
+        raise FqError(f"{path}: {os.strerror(e.errno)} while writing it ({free} bytes free on the filesystem of "
+                      f"{d}); the interrupted write was removed, so nothing partial is published under that name. "
+                      f"Free space there and run Snakemake again (finalize resumes)") from None
+
+
 def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
     """Verify every planned fragment and skeleton; returns (node, layer, first_expert) -> Attested."""
     problems = Problems()
@@ -115,7 +168,7 @@ def _publish(src: Path, dst: Path) -> None:
         raise FqError(f"{dst}: is a symlink; published files must be regular files")
     if dst.is_file() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
         return
-    with open(src, "rb") as fin, atomic.atomic_open(dst, "wb") as fout:
+    with disk_full_is_one_line(dst), open(src, "rb") as fin, atomic.atomic_open(dst, "wb") as fout:
         while data := fin.read(1 << 22):
             fout.write(data)
 
@@ -154,13 +207,21 @@ def _base_index(c: Campaign, base: str, root: Path) -> bytes:
 
 
 def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
+    from fq.workflow.init import check_signer
+
+    _T0[0] = time.monotonic()
+    # held until this process exits: through verify, publish and signing, as one critical section
+    workers = locks.hold_finalize(locks.lock_dir(c.out))
+    _log(f"holding {workers} exclusively (no encode worker, live or orphaned, is running)")
+    for p in remove_interrupted_writes(c):
+        _log(f"removed {p}: leftover of an interrupted write")
     doc = canonical.load(c.campaign_json)
     ident = doc["identity"]
     priv = keys.load_private(key_path)
     pub = priv.public_key()
-    if keys.fingerprint(pub) != ident["signer"]:
-        raise FqError(f"{key_path}: key {keys.fingerprint(pub)[:16]}… is not the campaign's signer {ident['signer'][:16]}…")
+    check_signer(doc, pub, key_path)
     check_strays(c).raise_if_any(f"finalize {c.out}")
+    _log(f"verifying {len(c.fragments)} fragments and {len(c.skeleton_shards)} skeleton shards")
     verify_committed(c, pub, ident)
 
     root = c.out / "published"
@@ -176,12 +237,17 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
                     problems.append(f"stray file published/{rel}: finalize does not publish it; remove it")
     problems.raise_if_any(f"finalize {root}")
 
+    _log(f"publishing {len(plan)} files into {root}")
     for rel, src in sorted(plan.items()):
         _publish(src, root / rel)
+    _log(f"signing {len(c.recipe.bases)} base manifests and {len(c.recipe.products)} assemblies")
     manifests = {}
     for base in c.recipe.bases:
-        atomic.write_bytes(root / "base" / base.name / INDEX, _base_index(c, base.name, root))
-        _, manifests[base.name] = write_base_manifest(root / "base" / base.name, node=base.name, campaign=ident, key=priv)
+        d = root / "base" / base.name
+        with disk_full_is_one_line(d / INDEX):
+            atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
+        with disk_full_is_one_line(d / MANIFEST_NAME):
+            _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv)
 
     assemblies = {}
     for prod in c.recipe.products:
@@ -195,14 +261,17 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         plan_doc = build_assembly(root, product=prod.name, chain=chain, fragments=names, base_dir=f"base/{prod.chain[0]}",
                                   campaign=ident, recipe_sha256=c.recipe.sha256, version=version, expires=expires,
                                   public_key=pub)
-        path = write_assembly(root, plan_doc, priv)
+        with disk_full_is_one_line(root / "assemblies" / f"{prod.name}.assembly.intoto.jsonl"):
+            path = write_assembly(root, plan_doc, priv)
         assemblies[prod.name] = {"file": path.relative_to(root).as_posix(), "sha256": sha256_file(path),
                                  "chain": list(prod.chain), "bpw": c.recipe.product_bpw(prod),
                                  "bytes": sum((root / n).stat().st_size for n in names)}
     summary = {"format": "fq-campaign-summary/1", "campaign": ident, "recipe": {"name": c.recipe.name, "sha256": c.recipe.sha256},
                "plan_identity_sha256": c.plan.identity_sha256, "bases": {b: {"manifest_sha256": d} for b, d in manifests.items()},
                "products": assemblies}
-    atomic.write_text(c.out / SUMMARY, canonical.pretty(summary))
+    with disk_full_is_one_line(c.out / SUMMARY):
+        atomic.write_text(c.out / SUMMARY, canonical.pretty(summary))
+    _log(f"done: {len(assemblies)} products published")
     return summary
 
 

@@ -37,6 +37,28 @@ def source_shards(c: Campaign) -> dict[str, dict]:
     return out
 
 
+def encoder_differences(bound: dict, mine: dict, ignore=()) -> str | None:
+    """None when ``mine`` is the encoder build bound to the campaign; else a one-line description of the
+    fields that differ (``ignore``: fields not to compare, e.g. device_arch on a launcher without a GPU)."""
+    keys_ = sorted(k for k in set(mine) | set(bound) if k != "digest" and k not in ignore)
+    diff = [k for k in keys_ if mine.get(k) != bound.get(k)]
+    if not diff and (ignore or mine.get("digest") == bound.get("digest")):
+        return None
+    if not diff:
+        diff = ["digest"]
+    return (f"encoder build differs from the one bound to this campaign in {', '.join(diff)} "
+            f"({', '.join(f'{k}: {bound.get(k)!r} -> {mine.get(k)!r}' for k in diff)})")
+
+
+def check_signer(doc: dict, pub, key_path: str) -> None:
+    """The key a step signs with must be the campaign's bound signer (fail in seconds, not at finalize)."""
+    fp = keys.fingerprint(pub)
+    bound = doc["identity"]["signer"]
+    if fp != bound:
+        raise FqError(f"{key_path}: key {fp[:16]}… is not this campaign's signer {bound[:16]}… (bound at init); "
+                      f"pass the campaign's key as signer_key, or start a fresh campaign directory")
+
+
 def run_init(c: Campaign, key_path: str, device: str, out_path: str) -> dict:
     priv = keys.load_private(key_path)
     pub = priv.public_key()
@@ -65,6 +87,10 @@ def run_init(c: Campaign, key_path: str, device: str, out_path: str) -> dict:
                 raise FqError(f"{out}: campaign already bound to another {', '.join(diff)}: {was}; "
                               f"use the same key and encoder build, or a fresh campaign directory")
         atomic.write_text(out, canonical.pretty(doc))
+    if c.source_kind == "hub":
+        from fq.workflow.hub import persist_metadata
+
+        persist_metadata(c, out.parent / "meta")
     pub_src = Path(key_path).with_suffix(".pub")
     pub_dst = out.parent / "signer.pub"
     if pub_src.is_file() and (not pub_dst.exists() or pub_dst.read_bytes() != pub_src.read_bytes()):

@@ -1,6 +1,10 @@
-"""Skeleton: the non-expert tensors of one source shard, copied byte-verbatim and attested per tensor."""
+"""Skeleton: the non-expert tensors of one source shard, copied byte-verbatim and attested per tensor.
+
+A skeleton job is a campaign writer like an encode job: it holds ``workers.lock`` shared and the claim
+``skeleton-SHARD`` for its lifetime, and signs only with the campaign's bound key."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from fq import canonical
@@ -17,8 +21,20 @@ def source_statement(doc: dict, shards) -> dict:
             "shards": [{"name": s, "sha256": src["shards"][s]["sha256"]} for s in sorted(set(shards))]}
 
 
-def extract_skeleton(campaign_json: str, key_path: str, staged: str, tensors: list[str], out: str) -> None:
+def extract_skeleton(campaign_json: str, key_path: str, staged: str, tensors: list[str], out: str,
+                     lock_dir: str | None = None) -> None:
+    from fq.fragments import attestation_name
+    from fq.workflow import locks
+    from fq.workflow.init import check_signer
+
+    shard = Path(out).name
+    if lock_dir is not None:
+        locks.hold_worker(lock_dir, f"skeleton-{shard}", f"skeleton {shard}")
+        for p in locks.remove_dead_temps(Path(out).parent, [shard, attestation_name(shard)]):
+            print(f"removed {p}: leftover of an interrupted write of this skeleton", file=sys.stderr)
     doc = canonical.load(campaign_json)
+    priv = keys.load_private(key_path)
+    check_signer(doc, priv.public_key(), key_path)
     shard = Path(staged).name
     with open(staged, "rb") as fh:
         header = read_header(fh, staged)
@@ -27,5 +43,5 @@ def extract_skeleton(campaign_json: str, key_path: str, staged: str, tensors: li
             e = header.entry(name)
             raws.append(RawTensor(name, e.dtype, tuple(e.shape), read_range(fh, e.start, e.length, staged)))
     write_skeleton(out, tensors=raws, source_shard=shard)
-    attest_skeleton(out, key=keys.load_private(key_path), campaign=doc["identity"],
+    attest_skeleton(out, key=priv, campaign=doc["identity"],
                     source=source_statement(doc, [shard]), encoder=doc["encoder"])

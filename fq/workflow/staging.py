@@ -4,6 +4,8 @@ Local (and demo) sources are copied, never linked: a link into a checkpoint or i
 would make "deleting a retired window" free nothing, and a hard link would let a later write reach
 the source. Hub sources are downloaded into a local directory (real files, not cache symlinks).
 Either way the bytes are verified against the sha256 bound at init before the file takes its name.
+A stage job is a campaign writer: it holds ``workers.lock`` shared and the claim ``stage-SHARD`` for its
+lifetime (fq.workflow.locks), and removes the leftovers of an interrupted copy of its own shard.
 Every staging and retirement appends the set of shards then on disk to ``staging.log``, which is
 how a run shows that no more than W windows of source were ever present.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -65,7 +68,13 @@ def copy_verified(src: Path, dst: Path, sha256: str, size: int) -> None:
 
 
 def stage_shard(campaign_json: str, source_kind: str, source_dir: str, shard: str, window: int, out: str,
-                repo: str | None = None, revision: str | None = None) -> None:
+                repo: str | None = None, revision: str | None = None, lock_dir: str | None = None) -> None:
+    from fq.workflow import locks
+
+    if lock_dir is not None:
+        locks.hold_worker(lock_dir, f"stage-{shard}", f"stage {shard}")
+        for p in locks.remove_dead_temps(Path(out).parent, [shard, f"download-{shard}"]):
+            print(f"removed {p}: leftover of an interrupted copy of this shard", file=sys.stderr)
     doc = canonical.load(campaign_json)
     expected = doc["source"]["shards"].get(shard)
     if expected is None:
