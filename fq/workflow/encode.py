@@ -26,7 +26,7 @@ from fq import atomic, canonical
 from fq.attest import keys
 from fq.attest.fragment import attest_fragment, check_node_digest, verify_shard
 from fq.codec import encode as codec_encode
-from fq.codec import encode_residual, reconstruct_chain
+from fq.codec import encode_residual
 from fq.errors import FqError
 from fq.experts import ExpertLayout, suffixes
 from fq.fragments import attestation_name, write_fragment
@@ -128,14 +128,13 @@ def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: 
         w = W[e][p]
         if chains[e][p]:
             enc = encode_residual(w, chains[e][p], K, codebook, s, dev)
-            rec = reconstruct_chain(chains[e][p] + [enc.tensors])
+            # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
+            sum_sq_w = float(w.double().square().sum())
         else:
             enc = codec_encode(w, K, codebook, s, dev)
-            rec = enc.W_hat
+            sum_sq_w = enc.sum_sq_w
         tensors.setdefault(e, {})[dict(zip(PROJECTIONS, layout.projections))[p]] = enc.tensors
-        w64 = w.double()
-        metrics.setdefault(str(e), {})[p] = {"sum_sq_w": float((w64**2).sum()),
-                                             "sum_sq_err": float(((rec.double() - w64) ** 2).sum()),
+        metrics.setdefault(str(e), {})[p] = {"sum_sq_w": sum_sq_w, "sum_sq_err": enc.sum_sq_err,
                                              "g_scale": enc.g_scale}
 
     write_fragment(out_fragment, layout=layout, node=node, role=role, layer=layer, block=block, K=K,
@@ -166,9 +165,7 @@ def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sour
         for p in PROJECTIONS:
             w = W[e][p]
             enc = codec_encode(w, K, codebook, matrix_seed(seed, f"native-K{K}", layer, e, p), dev)
-            w64 = w.double()
-            metrics.setdefault(str(e), {})[p] = {"sum_sq_w": float((w64**2).sum()),
-                                                 "sum_sq_err": float(((enc.W_hat.double() - w64) ** 2).sum())}
+            metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w, "sum_sq_err": enc.sum_sq_err}
     summary = {"native": True, "K": K, "codebook": codebook, "layer": layer, "experts": metrics}
     atomic.write_text(out_metrics, canonical.pretty(summary))
     return summary
