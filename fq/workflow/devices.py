@@ -4,6 +4,11 @@
 each job takes one by an flock on ``locks/gpu-<i>.lock`` (held until the process exits, however it
 exits), so two jobs never share a GPU and no job touches a GPU the operator did not name. With CUDA
 devices visible but none named, the job refuses: running one GPU while eight are billed is a bug.
+
+Inside a SLURM allocation (``SLURM_JOB_ID`` set: profiles/slurm) CUDA index 0 is a different physical GPU
+in every allocation, while ``locks/`` is on the shared filesystem: the lock is named after the allocation
+(``gpu-slurm<JOBID>-<i>.lock``), so jobs of different allocations never wait on each other's GPU 0, and a
+job waits for a sibling of its own group job as long as the allocation lasts (its time limit bounds it).
 """
 from __future__ import annotations
 
@@ -38,10 +43,12 @@ def claim(device: str, devices: list[int], lock_dir: str | os.PathLike, wait_s: 
         raise FqError(f"config: encode.devices names {bad}, but only {visible} CUDA device(s) are visible")
     lock_dir = Path(lock_dir)
     lock_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + wait_s
+    allocation = os.environ.get("SLURM_JOB_ID")
+    prefix = f"gpu-slurm{allocation}-" if allocation else "gpu-"
+    deadline = time.monotonic() + wait_s if not allocation else float("inf")
     while True:
         for d in devices:
-            fh = open(lock_dir / f"gpu-{d}.lock", "a")
+            fh = open(lock_dir / f"{prefix}{d}.lock", "a")
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -1,0 +1,111 @@
+"""profiles/slurm: what it asks of Snakemake (always), and a real SLURM run (opt-in: FQ_SLURM=1).
+
+The real run (tests/slurmkit.py: Debian's slurmctld, slurmd and munged on localhost, no accounting database,
+two stand-in GPUs) submits the demo campaign through the profile and requires the published campaign to be
+byte-identical to a local run's under the same signer key. It installs slurm-wlm/munge with apt when missing
+and takes minutes on two cores (docs/slurm.md has the numbers), too long for `make test`, so CI skips it:
+
+    FQ_SLURM=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_slurm.py
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fq.attest import keys
+from fq.summary import SUMMARY_NAME
+from slurmkit import LocalSlurm, Unavailable, ensure_installed
+from test_workflow import RECIPE, smk, tree_digest, write_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_lock_is_per_slurm_allocation(tmp_path, monkeypatch):
+    """CUDA index 0 is another physical GPU in every allocation: jobs of two allocations never wait on one lock."""
+    from fq.errors import FqError
+    from fq.workflow import devices
+
+    monkeypatch.setattr(devices, "visible_cuda_devices", lambda: 1)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert devices.claim("cuda", [0], tmp_path) == "cuda:0"
+    with pytest.raises(FqError, match="no free GPU among"):  # outside SLURM: one box, one lock per GPU
+        devices.claim("cuda", [0], tmp_path, wait_s=0.1)
+    for job in ("101", "102"):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        assert devices.claim("cuda", [0], tmp_path, wait_s=0.1) == "cuda:0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-0.lock", "gpu-slurm101-0.lock", "gpu-slurm102-0.lock"]
+
+
+def test_profile_groups_encodes_per_layer(tmp_path):
+    """One group job per layer (a layer never spans two staging windows), every encode in one of them."""
+    write_config(tmp_path, RECIPE)
+    p = smk(tmp_path, "-n", "--profile", str(REPO / "profiles" / "slurm"))
+    out = p.stdout + p.stderr
+    assert re.findall(r"Group job (\S+) \(jobs", out) == ["encode-L001", "encode-L002"]
+    blocks = re.split(r"Group job \S+ \(jobs in lexicogr\. order\):", out)[1:]
+    assert [b.split("\n\n[")[0].count("rule encode:") for b in blocks] == [5, 5]  # 2 blocks x (a, a.r1) + 1 hot
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.environ.get("FQ_SLURM") != "1":
+        pytest.skip("the real SLURM run takes minutes (apt install, daemons, a campaign twice): set FQ_SLURM=1")
+    try:
+        ensure_installed()
+        c = LocalSlurm(tmp_path_factory.mktemp("slurm"), gpus=2).start()
+    except Unavailable as e:
+        pytest.skip(f"no SLURM cluster here: {e}")
+    yield c
+    c.stop()
+
+
+def slurm_jobs(cluster) -> list[dict]:
+    """Every job slurmctld still remembers (MinJobAge=300 keeps finished ones): name=value fields."""
+    out = subprocess.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True, env=cluster.env,
+                         check=True).stdout
+    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_demo_campaign_through_the_slurm_profile_equals_a_local_run(cluster, tmp_path):
+    key, pub, _ = keys.generate(tmp_path / "signer")  # one signer for both runs: the whole trees must match
+    local, remote = tmp_path / "local", tmp_path / "slurm"
+    for d in (local, remote):
+        d.mkdir()
+        write_config(d, RECIPE, signer_key=str(key))
+    t0 = time.monotonic()
+    smk(local)
+    t_local = time.monotonic() - t0
+
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(remote),
+           "--configfile", str(remote / "config.yaml"), "--profile", str(REPO / "profiles" / "slurm"),
+           # the demo encodes on the CPU (gpu=0); ask for a stand-in GPU anyway, so that SLURM schedules the
+           # profile's --gpus request per encode group for real
+           "--set-resources", "encode:gpu=1",
+           "--cores", "2", "--jobs", "4", "--latency-wait", "5", "--default-resources", "runtime=10", "mem_mb=500",
+           "--slurm-init-seconds-before-status-checks", "2"]
+    env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    t_slurm = time.monotonic() - t0
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-8000:]}\n{cluster.logs()}"
+
+    a, b = local / "campaign", remote / "campaign"
+    assert tree_digest(b / "published") == tree_digest(a / "published")
+    assert (b / SUMMARY_NAME).read_bytes() == (a / SUMMARY_NAME).read_bytes()
+    assert (b / "published.verified").read_text() == (a / "published.verified").read_text()
+
+    jobs = slurm_jobs(cluster)
+    groups = [j for j in jobs if j.get("Comment", "").startswith("rule_encode-L")]  # group jobs: rule_GROUPID_...
+    encodes = len(list((b / "fragments").rglob("*.safetensors")))
+    assert encodes == 10 and sorted(j["Comment"].split("_")[1] for j in groups) == ["encode-L001", "encode-L002"]
+    assert all(j["JobState"] == "COMPLETED" and "gpu:1" in j.get("TresPerJob", "") for j in groups), groups
+    assert all(j["JobState"] == "COMPLETED" for j in jobs)
+    print(f"local {t_local:.0f} s, SLURM {t_slurm:.0f} s: {len(jobs)} SLURM jobs for {len(jobs) - 2 + encodes} "
+          "Snakemake jobs")
