@@ -101,6 +101,12 @@ def test_demo_campaign_through_the_slurm_profile_equals_a_local_run(cluster, tmp
     assert (b / SUMMARY_NAME).read_bytes() == (a / SUMMARY_NAME).read_bytes()
     assert (b / "published.verified").read_text() == (a / "published.verified").read_text()
 
+    # a real finalize's summary promotes and verifies (it is checked against the signed plans)
+    dest = tmp_path / "dest"
+    for args in (["promote", b, "--to", dest], ["verify", dest / "published"]):
+        q = subprocess.run([sys.executable, "-m", "fq", *map(str, args), "--key", str(pub)], capture_output=True, text=True)
+        assert q.returncode == 0, q.stderr
+
     jobs = slurm_jobs(cluster)
     groups = [j for j in jobs if j.get("Comment", "").startswith("rule_encode-L")]  # group jobs: rule_GROUPID_...
     encodes = len(list((b / "fragments").rglob("*.safetensors")))

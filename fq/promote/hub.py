@@ -81,9 +81,14 @@ def _info(api, repo: str, revision: str):
         raise FqError(f"hf://{repo}@{revision}: {str(e).splitlines()[0]}") from None
 
 
+def _one_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def promote_hub(pub: Publication, repo: str, *, staging: str = DEFAULT_STAGING, endpoint: str | None = None,
                 token: str | None = None, api=None) -> HubResult:
     """Upload ``pub`` (already verified by the caller) to ``staging`` and make main equal to it."""
+    import httpx2  # huggingface_hub's HTTP client: its transport errors (refused, reset, timeout)
     from huggingface_hub import CommitOperationAdd, CommitOperationCopy, CommitOperationDelete, HfApi
     from huggingface_hub.utils import HfHubHTTPError
 
@@ -119,11 +124,10 @@ def promote_hub(pub: Publication, repo: str, *, staging: str = DEFAULT_STAGING, 
         ops += [CommitOperationDelete(path_in_repo=n) for n in removed]
         commit = api.create_commit(repo, ops, revision="main", parent_commit=main.sha,
                                    commit_message=f"fq promote: main = {staging}@{sha[:12]} ({pub.campaign.name})")
-    except HfHubHTTPError as e:
-        raise FqError(f"{where}: {str(e).splitlines()[0]}") from None
-
-    # 5. read back the commit main now points at (by sha: a later push to main is not ours to judge)
-    after = _info(api, repo, commit.oid)
+        # 5. read back the commit main now points at (by sha: a later push to main is not ours to judge)
+        after = _info(api, repo, commit.oid)
+    except (HfHubHTTPError, httpx2.HTTPError) as e:
+        raise FqError(f"{where}: {_one_line(e)}") from None
     diff = _differences(pub, _publishable_tree(after))
     if diff:
         raise FqError(f"{where}: main commit {commit.oid} is not the verified campaign after promotion "
