@@ -105,10 +105,14 @@ def test_summary_is_checked_against_the_signed_plans(camp):
 def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path, capsys):
     out, c = camp
     dest = tmp_path / "dest"
+    (dest / "generations" / ".staging-gen-0-1234" / "base").mkdir(parents=True)  # a killed promoter's leftovers
+    (dest / ".published.tmp-1234").symlink_to("generations/gen-0")
     assert promote(out, "--to", dest, "--key", c.pub_path) == 0
+    assert sorted(p.name for p in dest.iterdir()) == [".fq-promote.lock", "generations", "promotions.jsonl", "published"]
     link = dest / "published"
     first = os.readlink(link)
     assert link.is_symlink() and first.startswith("generations/gen-")
+    assert [p.name for p in (dest / "generations").iterdir()] == [first.split("/")[1]]
     assert set(files_under(link)) == set(collect(out).files)  # nothing operational, the summary at the root
     assert fq_main(["verify", str(link), "--key", str(c.pub_path)]) == 0  # through the link, summary included
 

@@ -11,7 +11,8 @@ then is ``published`` swapped: a new link is made under a temporary name and ``o
 one, one atomic rename. A consumer resolves ``published`` to a whole verified generation, old or new,
 never to a partial one. Old generations are kept (a consumer may still be reading one, and swapping the
 link back is the rollback); ``keep=N`` prunes all but the N most recent ones this directory promoted.
-Promoters of one DEST are serialized by an flock on ``DEST/.fq-promote.lock`` (never unlinked).
+Promoters of one DEST are serialized by an flock on ``DEST/.fq-promote.lock`` (never unlinked); holding it,
+a promoter removes the staging copies and temporary links that killed promoters left behind.
 """
 from __future__ import annotations
 
@@ -81,6 +82,15 @@ def _history(dest: Path) -> list[dict]:
     return [canonical.loads(line, f"{path}:{i + 1}") for i, line in enumerate(path.read_text().splitlines()) if line]
 
 
+def _remove_dead_leftovers(dest: Path) -> None:
+    """Staging copies and temporary links of promoters that were killed: with the DEST lock held, nobody
+    else is writing them."""
+    for p in (dest / GENERATIONS).glob(".staging-*"):
+        shutil.rmtree(p)
+    for p in dest.glob(f".{LINK}.tmp-*"):
+        p.unlink()
+
+
 def _swap(dest: Path, generation: str) -> None:
     tmp = dest / f".{LINK}.tmp-{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
@@ -99,6 +109,7 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
     gens = dest / GENERATIONS
     gens.mkdir(exist_ok=True)
     with _dest_lock(dest):
+        _remove_dead_leftovers(dest)
         previous = current_generation(dest)
         name = f"gen-{pub.digest()[:16]}"
         target = gens / name
