@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     pipeline_cases = PIPELINE_CASES
     if a.dry_run:
         SYNC[0] = lambda: None
-        pipeline_cases = (((256, 512), 2), ((256, 512), 3), ((512, 256), 2))
+        pipeline_cases = (((128, 256), 2), ((128, 256), 3), ((256, 128), 2))
     dl = Deadline(a.budget_s)
     out_path = Path(a.json)
     ks = [int(k) for k in a.ks.split(",") if k]

@@ -27,11 +27,11 @@ def test_tile_mse_no_worse_than_reference(golden_tiles, K, cb):
     assert torch.equal(states >> K, torch.roll(states, 1, dims=1) & E)
 
 
-@pytest.mark.parametrize("K", [1, 2, 5, 8])
-def test_torch_viterbi_equals_c_kernel(golden_tiles, K):
-    for cb in CODEBOOK_NAMES:
-        x = golden_tiles[f"k{K}_cb0.tiles_in"][:3]
-        assert torch.equal(viterbi(x, K, cb), viterbi_torch(x, K, cb, "cpu"))
+@pytest.mark.parametrize("K,cb", [(1, "mcg"), (2, "mul1"), (5, "3inst"), (8, "mul1")])
+def test_torch_viterbi_equals_c_kernel(golden_tiles, K, cb):
+    # one tile each: the torch path on the CPU is slow, and every codebook is covered by the CUDA tests
+    x = golden_tiles[f"k{K}_cb0.tiles_in"][:1]
+    assert torch.equal(viterbi(x, K, cb), viterbi_torch(x, K, cb, "cpu"))
 
 
 def test_c_kernel_independent_of_thread_count(golden_tiles):
