@@ -200,8 +200,13 @@ def test_sigkill_loop_resumes_to_a_byte_identical_campaign(tiny, baseline):
         rounds["forced finalize" if complete else "resume" if rounds else "first run"] += 1
         p = k.start(d, *k.TARGETS, *extra)
         try:
-            if encoding:
-                # wait for this run's first committed block (so every round makes progress), then kill at a
+            if encoding and kills["encode"] < 2:
+                # the first rounds: kill a block mid-encode (a block takes several seconds here)
+                k.wait_for(lambda: "encode" in k.running_scripts(p.pid).values() or p.poll() is not None, 300,
+                           "an encode job")
+                delay = rng.uniform(0.0, 2.0)
+            elif encoding:
+                # then wait for this run's first committed block (so every round makes progress), and kill at a
                 # random point of the blocks still in flight
                 k.wait_for(lambda: _committed(camp) > before_commits or p.poll() is not None, 300, "a committed block")
                 delay = rng.uniform(0.0, 4.0)
@@ -324,9 +329,19 @@ def test_other_key_or_rebuilt_encoder_fails_in_seconds_at_launch_init_and_encode
     print("\nrefusals (whole snakemake invocation, seconds): " + ", ".join(f"{w} {s:.1f}" for w, s in timings.items()))
 
 
-def _gate(cfg: Path, *args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fq", "gate", "--configfile", str(cfg), "--directory", str(cfg.parent),
-                           *args], capture_output=True, text=True, env=env or k.env())
+def _gate(capsys, monkeypatch, cfg: Path, *args, path: str | None = None) -> tuple[int, str, str]:
+    """`fq gate` in this process (its CLI, exit code included): (exit code, stdout, stderr)."""
+    from fq.cli import main
+
+    monkeypatch.setenv("PATH", path if path is not None else k.env()["PATH"])
+    monkeypatch.chdir(cfg.parent)  # the gate chdirs to --directory; monkeypatch restores our cwd afterwards
+    capsys.readouterr()
+    try:
+        rc = main(["gate", "--configfile", str(cfg), "--directory", str(cfg.parent), *args])
+    except SystemExit as e:  # argparse: usage errors
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
 def _gate_lines(out: str, status: str) -> set[str]:
@@ -335,16 +350,16 @@ def _gate_lines(out: str, status: str) -> set[str]:
             if line.startswith(f"  {status} ")}
 
 
-def test_release_gate_passes_a_finished_campaign(baseline):
+def test_release_gate_passes_a_finished_campaign(baseline, capsys, monkeypatch):
     d, _, _ = baseline
-    p = _gate(d / "config.yaml")
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "committed work" in _gate_lines(p.stdout, "ok") and "4 fragments" in p.stdout
-    assert not _gate_lines(p.stdout, "FAIL")
-    assert "cannot tell a persistent volume from an instance disk" in p.stdout
+    rc, out, err = _gate(capsys, monkeypatch, d / "config.yaml")
+    assert rc == 0, out + err
+    assert "committed work" in _gate_lines(out, "ok") and "4 fragments" in out
+    assert not _gate_lines(out, "FAIL")
+    assert "cannot tell a persistent volume from an instance disk" in out
 
 
-def test_release_gate_names_everything_that_would_not_survive_the_release(baseline, tmp_path):
+def test_release_gate_names_everything_that_would_not_survive_the_release(baseline, tmp_path, capsys, monkeypatch):
     """The campaign on its own filesystem (a tmpfs standing in for the persistent volume); the key, the recipe,
     the config, the source and fq itself elsewhere: each is named, exit 1; a rehearsal waives exactly that."""
     import json
@@ -358,43 +373,41 @@ def test_release_gate_names_everything_that_would_not_survive_the_release(baseli
     try:
         shutil.copytree(base_dir / "campaign", vol / "campaign")
         cfg = json.loads((base_dir / "config.yaml").read_text())
-        (tmp_path / "config.yaml").write_text(json.dumps(dict(cfg, out=str(vol / "campaign"))))
         conf = tmp_path / "config.yaml"
-        p = _gate(conf)
-        assert p.returncode == 1, p.stdout + p.stderr
-        fails = _gate_lines(p.stdout, "FAIL")
-        assert {"signer key", "recipe", "config file", "source checkpoint", "fq package", "tool fq", "tool snakemake",
-                "workflow Snakefile"} <= fails, p.stdout
-        assert {"campaign directory", "campaign.json", "signer.pub", "committed work", "processes"} <= _gate_lines(p.stdout, "ok")
-        assert f"not on the campaign's filesystem {vol}" in p.stdout and "do NOT release" in p.stdout
-        p = _gate(conf, "--rehearsal", "1")  # finalizing on this machine: off-volume is a warning only
-        assert p.returncode == 0, p.stdout + p.stderr
-        assert "signer key" in _gate_lines(p.stdout, "warn") and "rehearsal: waived" in p.stdout
-        p = _gate(conf, "--rehearsal", "yes")
-        assert p.returncode == 2 and "'yes': expected exactly 0 or 1" in p.stderr, p.stderr
+        conf.write_text(json.dumps(dict(cfg, out=str(vol / "campaign"))))
+        rc, out, err = _gate(capsys, monkeypatch, conf)
+        assert rc == 1, out + err
+        assert {"signer key", "recipe", "config file", "source checkpoint", "source shards", "fq package", "tool fq",
+                "tool snakemake", "workflow Snakefile"} <= _gate_lines(out, "FAIL"), out
+        assert {"campaign directory", "campaign.json", "signer.pub", "committed work", "processes"} <= _gate_lines(out, "ok")
+        assert f"not on the campaign's filesystem {vol}" in out and "do NOT release" in out
+        rc, out, err = _gate(capsys, monkeypatch, conf, "--rehearsal", "1")  # finalizing here: off-volume only warns
+        assert rc == 0, out + err
+        assert "signer key" in _gate_lines(out, "warn") and "rehearsal: waived" in out
+        rc, out, err = _gate(capsys, monkeypatch, conf, "--rehearsal", "yes")
+        assert rc == 2 and "'yes': expected exactly 0 or 1" in err, err
         # a missing tool is named, and fails even a rehearsal (finalize here would need it too)
-        p = _gate(conf, "--rehearsal", "1", env=dict(k.env(), PATH="/usr/bin:/bin"))
-        assert p.returncode == 1 and {"tool fq", "tool snakemake"} <= _gate_lines(p.stdout, "FAIL"), p.stdout
-        assert "fq: not found on PATH" in p.stdout and "snakemake: not found on PATH" in p.stdout
+        rc, out, err = _gate(capsys, monkeypatch, conf, "--rehearsal", "1", path="/usr/bin:/bin")
+        assert rc == 1 and {"tool fq", "tool snakemake"} <= _gate_lines(out, "FAIL"), out
+        assert "fq: not found on PATH" in out and "snakemake: not found on PATH" in out
         # a launcher still running; an orphan worker still running
         camp = vol / "campaign"
         h = k.holder(f"locks.hold_campaign({str(camp)!r})")
         try:
-            p = _gate(conf, "--rehearsal", "1")
+            rc, out, err = _gate(capsys, monkeypatch, conf, "--rehearsal", "1")
         finally:
             k.release(h)
-        assert p.returncode == 1 and "launcher" in _gate_lines(p.stdout, "FAIL"), p.stdout
+        assert rc == 1 and "launcher" in _gate_lines(out, "FAIL"), out
         h = k.holder(f"locks.hold_worker({str(camp / 'locks')!r}, 'a-layer001-block000', 'block a-layer001-block000')")
         try:
-            p = _gate(conf, "--rehearsal", "1")
+            rc, out, err = _gate(capsys, monkeypatch, conf, "--rehearsal", "1")
         finally:
             k.release(h)
-        assert p.returncode == 1 and "workers" in _gate_lines(p.stdout, "FAIL") and "possibly orphans" in p.stdout
+        assert rc == 1 and "workers" in _gate_lines(out, "FAIL") and "possibly orphans" in out, out
         # an uncommitted block: the GPU work is not done
         (camp / "metrics" / "a" / "a-layer002-block000.json").unlink()
-        p = _gate(conf, "--rehearsal", "1")
-        assert p.returncode == 1 and "committed work" in _gate_lines(p.stdout, "FAIL"), p.stdout
-        assert "a-layer002-block000.json" in p.stdout
+        rc, out, err = _gate(capsys, monkeypatch, conf, "--rehearsal", "1")
+        assert rc == 1 and "committed work" in _gate_lines(out, "FAIL") and "a-layer002-block000.json" in out, out
     finally:
         subprocess.run(["umount", "-l", str(vol)], capture_output=True)
 

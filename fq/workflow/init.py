@@ -79,6 +79,9 @@ def run_init(c: Campaign, key_path: str, device: str, out_path: str) -> dict:
     # compare-and-set: two launchers (or a relaunch with another key or encoder) cannot both bind
     with open(out.parent / ".campaign.bind.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        from fq.workflow.locks import remove_dead_temps
+
+        remove_dead_temps(out.parent, [out.name, "signer.pub"])  # a killed init's halves (we hold the bind lock)
         if out.exists():
             bound = canonical.load(out).get("identity", {})
             if bound != ident:
@@ -86,15 +89,16 @@ def run_init(c: Campaign, key_path: str, device: str, out_path: str) -> dict:
                 was = ", ".join(f"{k}={bound.get(k)!r} (now {ident.get(k)!r})" for k in diff)
                 raise FqError(f"{out}: campaign already bound to another {', '.join(diff)}: {was}; "
                               f"use the same key and encoder build, or a fresh campaign directory")
-        atomic.write_text(out, canonical.pretty(doc))
-    if c.source_kind == "hub":
-        from fq.workflow.hub import persist_metadata
+        # campaign.json is the commit point: what init writes beside it is in place before it exists
+        if c.source_kind == "hub":
+            from fq.workflow.hub import persist_metadata
 
-        persist_metadata(c, out.parent / "meta")
-    pub_src = Path(key_path).with_suffix(".pub")
-    pub_dst = out.parent / "signer.pub"
-    if pub_src.is_file() and (not pub_dst.exists() or pub_dst.read_bytes() != pub_src.read_bytes()):
-        atomic.write_bytes(pub_dst, pub_src.read_bytes())
+            persist_metadata(c, out.parent / "meta")
+        pub_src = Path(key_path).with_suffix(".pub")
+        pub_dst = out.parent / "signer.pub"
+        if pub_src.is_file() and (not pub_dst.exists() or pub_dst.read_bytes() != pub_src.read_bytes()):
+            atomic.write_bytes(pub_dst, pub_src.read_bytes())
+        atomic.write_text(out, canonical.pretty(doc))
     return doc
 
 
