@@ -212,7 +212,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     _T0[0] = time.monotonic()
     # held until this process exits: through verify, publish and signing, as one critical section
     workers = locks.hold_finalize(locks.lock_dir(c.out))
-    _log(f"holding {workers} exclusively (no encode worker, live or orphaned, is running)")
+    _log(f"holding {workers} exclusively (pid {os.getpid()}; no encode worker, live or orphaned, is running)")
     for p in remove_interrupted_writes(c):
         _log(f"removed {p}: leftover of an interrupted write")
     doc = canonical.load(c.campaign_json)
