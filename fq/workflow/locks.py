@@ -90,6 +90,16 @@ def _keep(key: str, fh: IO) -> IO:
     return fh
 
 
+def _hold(path: Path, exclusive: bool, refusal) -> Path:
+    """Take ``path`` for the life of this process (once); ``refusal()`` builds the FqError message if held."""
+    if str(path) not in _HELD:
+        fh = try_flock(path, exclusive=exclusive)
+        if fh is None:
+            raise FqError(refusal())
+        _keep(str(path), fh)
+    return path
+
+
 def release(path: str | os.PathLike) -> None:
     """Release a lock this process holds (tests and in-process callers; jobs simply exit)."""
     fh = _HELD.pop(str(path), None)
@@ -103,48 +113,30 @@ def hold_worker(locks: str | os.PathLike, name: str, what: str) -> Path:
     -- a live job, or an orphan of a killed Snakemake -- holds the claim. Returns the claim's path."""
     locks = Path(locks)
     workers = locks / WORKERS
-    if str(workers) not in _HELD:
-        fh = try_flock(workers, exclusive=False)
-        if fh is None:
-            raise FqError(f"{what}: finalize holds {workers} (it is publishing this campaign); refusing to write "
-                          f"into the campaign until it exits")
-        _keep(str(workers), fh)
+    _hold(workers, False, lambda: f"{what}: finalize holds {workers} (it is publishing this campaign); refusing "
+                                  f"to write into the campaign until it exits")
     claim = claim_path(locks, name)
-    if str(claim) not in _HELD:
-        fh = try_flock(claim, exclusive=True)
-        if fh is None:
-            raise FqError(f"{what}: another worker holds its claim {claim} (a running job, or an orphan of a "
-                          f"killed Snakemake); refusing to write it. Wait until that process exits "
-                          f"(`fuser -v {claim}` names it), then run Snakemake again")
-        _keep(str(claim), fh)
-    return claim
+    return _hold(claim, True, lambda: f"{what}: another worker holds its claim {claim} (a running job, or an orphan "
+                                      f"of a killed Snakemake); refusing to write it. Wait until that process exits "
+                                      f"(`fuser -v {claim}` names it), then run Snakemake again")
 
 
 def hold_finalize(locks: str | os.PathLike) -> Path:
     """``workers.lock`` exclusively for the life of this process: no worker, live or orphaned, can be
     writing into the campaign while finalize verifies and publishes it."""
     workers = Path(locks) / WORKERS
-    if str(workers) not in _HELD:
-        fh = try_flock(workers, exclusive=True)
-        if fh is None:
-            raise FqError(f"finalize: encode workers (possibly orphans of a killed Snakemake) still hold {workers}; "
-                          f"refusing to publish while they may be writing. Wait until they exit "
-                          f"(`fuser -v {workers}` names them), then run Snakemake again")
-        _keep(str(workers), fh)
-    return workers
+    return _hold(workers, True, lambda: f"finalize: encode workers (possibly orphans of a killed Snakemake) still "
+                                        f"hold {workers}; refusing to publish while they may be writing. Wait until "
+                                        f"they exit (`fuser -v {workers}` names them), then run Snakemake again")
 
 
 def hold_campaign(out: str | os.PathLike) -> Path:
     """``campaign.lock`` exclusively for the life of this process (the launcher)."""
     path = lock_dir(out) / CAMPAIGN
-    if str(path) not in _HELD:
-        fh = try_flock(path, exclusive=True)
-        if fh is None:
-            raise FqError(f"campaign {Path(out)}: another launcher holds {path} (a Snakemake run on this campaign, "
-                          f"possibly from another working directory); refusing to start a second one. "
-                          f"`fuser -v {path}` names it; stop it with one SIGINT (Ctrl-C) and wait, or let it finish")
-        _keep(str(path), fh)
-    return path
+    return _hold(path, True, lambda: f"campaign {Path(out)}: another launcher holds {path} (a Snakemake run on this "
+                                     f"campaign, possibly from another working directory); refusing to start a second "
+                                     f"one. `fuser -v {path}` names it; stop it with one SIGINT (Ctrl-C) and wait, or "
+                                     f"let it finish")
 
 
 def remove_dead_temps(directory: str | os.PathLike, names) -> list[Path]:
