@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "sinfo", "munged", "mungekey")
+BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo", "munged", "mungekey")
 
 
 class Unavailable(Exception):
@@ -127,7 +127,7 @@ class LocalSlurm:
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none",
-            "MinJobAge=300",
+            "MinJobAge=3600",  # finished jobs stay visible to squeue (the status source) and scontrol for an hour
             "ReturnToService=2",
             "SlurmctldTimeout=30",
             "SlurmdTimeout=30",
@@ -187,7 +187,21 @@ class LocalSlurm:
                 out.append(f"--- {name}\n{p.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
 
+    def _cancel_jobs(self, timeout: float = 30) -> None:
+        """Cancel whatever still runs, so each job's slurmstepd (a child of slurmd that outlives it) exits."""
+        ids = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env).stdout.split()
+        if ids:
+            subprocess.run(["scancel", *ids], capture_output=True, env=self.env)
+        deadline = time.monotonic() + timeout
+        while ids and time.monotonic() < deadline:
+            if not subprocess.run(["squeue", "-h", "-t", "PD,R,CG", "-o", "%i"], capture_output=True, text=True,
+                                  env=self.env).stdout.split():
+                break
+            time.sleep(0.5)
+
     def stop(self) -> None:
+        if self.procs and all(p.poll() is None for p in self.procs):
+            self._cancel_jobs()
         for p in reversed(self.procs):  # our own children, by pid
             if p.poll() is None:
                 p.terminate()

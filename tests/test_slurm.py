@@ -73,6 +73,7 @@ def slurm_jobs(cluster) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # minutes on two cores, more when they are shared
 def test_demo_campaign_through_the_slurm_profile_equals_a_local_run(cluster, tmp_path):
     key, pub, _ = keys.generate(tmp_path / "signer")  # one signer for both runs: the whole trees must match
     local, remote = tmp_path / "local", tmp_path / "slurm"
@@ -111,6 +112,10 @@ def test_demo_campaign_through_the_slurm_profile_equals_a_local_run(cluster, tmp
     groups = [j for j in jobs if j.get("Comment", "").startswith("rule_encode-L")]  # group jobs: rule_GROUPID_...
     encodes = len(list((b / "fragments").rglob("*.safetensors")))
     assert encodes == 10 and sorted(j["Comment"].split("_")[1] for j in groups) == ["encode-L001", "encode-L002"]
+    logs = remote / ".snakemake" / "slurm_logs"  # kept by the profile (slurm-keep-successful-logs)
+    assert sorted(p.name for p in logs.glob("group_encode-*")) == ["group_encode-L001_encode", "group_encode-L002_encode"]
+    assert all(len(list(p.glob("*.log"))) == 1 for p in logs.glob("group_*"))  # one SLURM job each
+    assert not list(logs.glob("rule_encode*"))  # no encode ran as a SLURM job of its own
     assert all(j["JobState"] == "COMPLETED" and "gpu:1" in j.get("TresPerJob", "") for j in groups), groups
     assert all(j["JobState"] == "COMPLETED" for j in jobs)
     print(f"local {t_local:.0f} s, SLURM {t_slurm:.0f} s: {len(jobs)} SLURM jobs for {len(jobs) - 2 + encodes} "
