@@ -199,17 +199,23 @@ class Campaign:
         return needs
 
 
+    def committed_files(self) -> list[str]:
+        """Every fragment (with its attestation and metrics) and skeleton shard (with its attestation) the plan
+        commits before finalize."""
+        out = []
+        for f in self.fragments:
+            p = self.fragment(f.node, f.block)
+            out += [p, self.attestation(p), self.metrics(f.node, f.block)]
+        for s in self.skeleton_shards:
+            out += [self.skeleton(s), self.attestation(self.skeleton(s))]
+        return out
+
     def missing_committed(self) -> list[str]:
         """Planned outputs that are absent although the campaign was finalized: deleted by hand, or lost.
         Snakemake does not rerun a finished job because an intermediate file vanished, so the Snakefile
         turns a non-empty list into a fresh input of finalize (a repair marker), which re-runs the jobs
         that produce the missing files, their descendants, and finalize itself."""
-        expected = []
-        for f in self.fragments:
-            p = self.fragment(f.node, f.block)
-            expected += [p, self.attestation(p), self.metrics(f.node, f.block)]
-        for s in self.skeleton_shards:
-            expected += [self.skeleton(s), self.attestation(self.skeleton(s))]
+        expected = self.committed_files()
         for (K, cb), blocks in self.native_jobs.items():
             expected += [self.native_metrics(K, cb, b) for b in blocks]
         expected += [self.p("published", "base", b.name, "fq-manifest.intoto.jsonl") for b in self.recipe.bases]

@@ -294,12 +294,7 @@ def _check_committed(r: Report, cfg: dict) -> None:
     except FqError as e:
         r.add(FAIL, "plan", f"the campaign cannot be planned from its config here: {e}")
         return
-    expected = []
-    for f in c.fragments:
-        p = c.fragment(f.node, f.block)
-        expected += [p, c.attestation(p), c.metrics(f.node, f.block)]
-    for s in c.skeleton_shards:
-        expected += [c.skeleton(s), c.attestation(c.skeleton(s))]
+    expected = c.committed_files()
     missing = [p for p in expected if not Path(p).is_file()]
     if missing:
         r.add(FAIL, "committed work", f"{len(missing)} of {len(expected)} planned fragment/skeleton files are not "
