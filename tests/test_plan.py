@@ -23,12 +23,6 @@ TB = 10**12
 
 
 @pytest.fixture(scope="module")
-def glm5():
-    c, i, s = glm5_like()
-    return parse_source(c, i, s, origin="glm5")
-
-
-@pytest.fixture(scope="module")
 def lean():
     return load_recipe(RECIPES / "glm52-k2k3-lean.json")
 

@@ -21,12 +21,6 @@ TB = 10**12
 
 
 @pytest.fixture(scope="module")
-def glm5():
-    c, i, s = glm5_like()
-    return parse_source(c, i, s, origin="glm5")
-
-
-@pytest.fixture(scope="module")
 def table():
     return load_cost_table()
 
