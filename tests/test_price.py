@@ -11,7 +11,6 @@ from fq.errors import FqError
 from fq.plan import encoded_expert_bytes, make_plan
 from fq.price import load_cost_table, parse_cost_table, price_recipe
 from fq.recipe import load_recipe
-from fq.source import parse_source
 from fq.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
