@@ -43,7 +43,8 @@ import importlib.util as u; print('exllamav3 wheel installed:', u.find_spec('exl
 
     step tests
     timeout 180 python3 -m pytest -q -p no:cacheprovider --timeout 150 --junitxml="$OUT/pytest.xml" \
-        tests/test_codec_cuda.py tests/test_codec_golden.py tests/test_codec_encoder.py >"$OUT/pytest.log" 2>&1
+        tests/test_codec_cuda.py tests/test_codec_golden.py tests/test_codec_encoder.py \
+        tests/test_codec_pipeline.py >"$OUT/pytest.log" 2>&1
     echo "pytest rc=$?"
     grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30

@@ -6,10 +6,11 @@ Public API (kept stable for the rest of fq):
     quantize_residual(W, parents, K, codebook="mul1", seed=0, device=None)
     reconstruct_chain([tensors, ...]) -> float32 (out, in)
     encode / encode_residual -> Encoded (tensors + the encoder's own reconstruction and relative MSE)
+    encode_batch([W, ...], K, codebook, seeds, device, parents=None) -> [Encoded, ...] (one batched search)
     validate_tensors(tensors, name, K=None, codebook=None) -> Geometry
 """
 from fq.codec.codebook import CODEBOOKS, MARKERS, marker_value
-from fq.codec.encoder import Encoded, encode, encode_residual, quantize, quantize_residual
+from fq.codec.encoder import Encoded, encode, encode_batch, encode_residual, quantize, quantize_residual
 from fq.codec.tensors import Geometry, reconstruct, reconstruct_chain, validate_tensors
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Encoded",
     "Geometry",
     "encode",
+    "encode_batch",
     "encode_residual",
     "marker_value",
     "quantize",

@@ -1,4 +1,11 @@
-"""Weight-only EXL3 encoder: regularize, global scale search, exact tail-biting Viterbi, pack."""
+"""Weight-only EXL3 encoder: regularize, global scale search, exact tail-biting Viterbi, pack.
+
+Every stage runs on the device given to encode() (the CPU or a CUDA device) and gives the same bits on
+both: only elementwise float operations, integer operations and gathers, sums through
+fq.codec.exact.tree_sum (never torch.sum/mean/cumsum or a matmul, whose order depends on the backend),
+and a Viterbi whose CPU and CUDA kernels return the same states. So a CPU and a CUDA encode of the same
+input are byte-identical, down to the reported sums.
+"""
 from __future__ import annotations
 
 import time
@@ -8,11 +15,12 @@ import numpy as np
 import torch
 
 from fq.codec.codebook import CODEBOOKS, marker_value, values_torch
+from fq.codec.exact import div, tree_sum
 from fq.codec.hadamard import HAD
-from fq.codec.packing import TILE, TILE_LEN, matrix_to_tiles, pack, tiles_to_matrix
-from fq.codec.regularize import CODEBOOK_SCALE, regularize, seq_sum
+from fq.codec.packing import TILE_LEN, matrix_to_tiles, pack, tiles_to_matrix
+from fq.codec.regularize import CODEBOOK_SCALE, regularize
 from fq.codec.tensors import reconstruct_chain, unrotate
-from fq.codec.viterbi import viterbi
+from fq.codec.viterbi import viterbi, viterbi_gpu
 from fq.errors import FqError
 
 # Best scale for coding N(0,1) tiles, per codebook and K (benchmarks/codec_quality.py on 1024 tiles for
@@ -26,22 +34,39 @@ GAUSSIAN_BEST_SCALE = {
 SEARCH_STEP = 0.06  # relative spacing of the scale candidates
 SEARCH_MAX_EVALS = 8
 
+# encode_batch: consecutive matrices share one main Viterbi call while their tiles add up to at most this
+# (16 MiB of float32 tiles: several of the CUDA kernel's batches, 1024 tiles at K2; larger matrices run alone)
+GROUP_TILES = 1 << 14
+
 
 @dataclass
 class Encoded:
-    """One encoded linear: the EXL3 tensors plus what the encoder measured."""
+    """One encoded linear: the EXL3 tensors (on the CPU) plus what the encoder measured."""
 
     tensors: dict
-    W_hat: torch.Tensor  # (out, in) float32: decode of these tensors, computed from the encoder's own states
+    W_hat: torch.Tensor  # (out, in) float32 on the encoding device: decode of these tensors, from the encoder's own states
     rel_mse: float  # sum((W_hat - W)^2) / sum(W^2); 0 for an all-zero W
     g_scale: float
-    # the two float64 sums behind rel_mse (sequential sums over W in float64), so callers that report them
-    # need not recompute them: sum(W^2) and sum((W_hat - W)^2), W the encoded target (the residual for a stage)
+    # the two float64 sums behind rel_mse (fq.codec.exact.tree_sum over W's elements in row-major order), so
+    # callers that report them need not recompute them: sum(W^2) and sum((W_hat - W)^2), W the encoded
+    # target (the residual for a stage)
     sum_sq_w: float = 0.0
     sum_sq_err: float = 0.0
 
 
-def check_args(W, K, codebook, seed, name: str = "W") -> torch.Tensor:
+def pipeline_device(device) -> torch.device:
+    """None/"cpu" or a CUDA device, as a torch.device (float64 elementwise ops must round as on the CPU)."""
+    try:
+        d = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise FqError(f"device: expected None, 'cpu' or a CUDA device, got {device!r}")
+    return d
+
+
+def check_args(W, K, codebook, seed, name: str = "W", device=None) -> torch.Tensor:
+    """Validated W as float64 on ``device`` (default the CPU)."""
     if not isinstance(W, torch.Tensor):
         raise FqError(f"{name}: expected a torch.Tensor, got {type(W).__name__}")
     if W.dim() != 2 or not W.is_floating_point():
@@ -55,7 +80,8 @@ def check_args(W, K, codebook, seed, name: str = "W") -> torch.Tensor:
         raise FqError(f"codebook: unknown codebook {codebook!r}; expected one of {', '.join(CODEBOOKS)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise FqError(f"seed: expected a non-negative integer, got {seed!r}")
-    W = W.detach().to("cpu", torch.float64)
+    # move in the source dtype, widen on the device (exact either way; half the bytes of a bf16 source moved)
+    W = W.detach().to(pipeline_device(device)).to(torch.float64)
     if not torch.isfinite(W).all():
         bad = (~torch.isfinite(W)).nonzero()[0].tolist()
         raise FqError(f"{name}: contains NaN or Inf (first at [{bad[0]}, {bad[1]}])")
@@ -68,102 +94,194 @@ def sample_tiles(x: torch.Tensor, width: int = 3) -> torch.Tensor:
     tiles = matrix_to_tiles(x)  # (tk, tn, 256)
     tk, tn = tiles.shape[:2]
     diag = max(tk, tn)
-    ii = torch.arange(diag).repeat_interleave(width)
-    ww = torch.arange(width).repeat(diag)
+    ii = torch.arange(diag, device=x.device).repeat_interleave(width)
+    ww = torch.arange(width, device=x.device).repeat(diag)
     kk, nn = ii % tk, (ii + ww) % tn
-    ms = seq_sum(tiles.square(), 2).flatten()
+    ms = tree_sum(tiles * tiles, 2).flatten()
     num_x = min(max(8, diag * width // 16), (ms.numel() + 1) // 2)
-    order = torch.argsort(ms, stable=True)
+    order = torch.argsort(ms, stable=True)  # stable: equal keys keep index order, on every device
     extreme = torch.cat((order.flip(0)[:num_x], order[:num_x]))
     kk = torch.cat((kk, extreme // tn))
     nn = torch.cat((nn, extreme % tn))
     return tiles[kk, nn]
 
 
-def _tile_mse(tiles: torch.Tensor, scales, K, codebook, device) -> list[float]:
-    """Mean squared error of coding tiles*s, measured back at scale 1, for each s (one batched search)."""
-    batch = torch.cat([(tiles * s).to(torch.float32) for s in scales])
-    states = viterbi(batch, K, codebook, device)
-    q = values_torch(codebook)[states.long()].to(torch.float64)
-    q = q.reshape(len(scales), *tiles.shape)
-    s = torch.tensor(scales, dtype=torch.float64)[:, None, None]
-    err = (q / s - tiles[None]).square().reshape(len(scales), -1)
-    return (seq_sum(err, 1) / err.shape[1]).tolist()
+def _viterbi(tiles: torch.Tensor, K: int, codebook: str, device: torch.device) -> torch.Tensor:
+    # viterbi() would copy CUDA states back to the CPU; viterbi_gpu leaves them where the pipeline runs
+    return viterbi(tiles, K, codebook) if device.type == "cpu" else viterbi_gpu(tiles, K, codebook, device)
 
 
-def search_scale(x: torch.Tensor, K: int, codebook: str, device) -> float:
-    """Global scale: candidates c*(1 +- SEARCH_STEP) around the Gaussian optimum c, walked outward while the
-    best is at an edge, then a parabola (in log scale) through the best and its neighbours. Matches the
-    reference's 15-point grid on the golden matrices with 3 evaluations of the sample instead of 8.3."""
+def _tile_mses(jobs: list, K: int, codebook: str, device: torch.device) -> list[list[float]]:
+    """jobs: (tiles, scales) pairs. For each, the mean squared error of coding tiles*s, measured back at
+    scale 1, for each s; every candidate of every job goes through one Viterbi call."""
+    if not jobs:
+        return []
+    batch = torch.cat([(t * s).to(torch.float32) for t, scales in jobs for s in scales])
+    q_all = values_torch(codebook, device)[_viterbi(batch, K, codebook, device).long()].to(torch.float64)
+    out, at = [], 0
+    for t, scales in jobs:
+        q = q_all[at : at + len(scales) * t.shape[0]].reshape(len(scales), *t.shape)
+        at += q.shape[0] * q.shape[1]
+        s = torch.tensor(scales, dtype=torch.float64, device=device)[:, None, None]
+        d = q / s - t[None]
+        err = (d * d).reshape(len(scales), -1)
+        out.append(div(tree_sum(err, 1), err.shape[1]).tolist())
+    return out
+
+
+def search_scales(xs: list[torch.Tensor], K: int, codebook: str, device) -> list[float]:
+    """Global scale of each regularized (in, out) matrix: candidates c*(1 +- SEARCH_STEP) around the Gaussian
+    optimum c, walked outward while the best is at an edge, then a parabola (in log scale) through the best
+    and its neighbours. Matches the reference's 15-point grid on the golden matrices with 3 evaluations of
+    the sample instead of 8.3. Each round evaluates the new candidates of all matrices in one Viterbi call;
+    a matrix's scale does not depend on the others."""
+    device = pipeline_device(device)
     c = GAUSSIAN_BEST_SCALE[codebook][K - 1] / CODEBOOK_SCALE
-    if not torch.any(x):
-        return c  # an all-zero residual: every scale codes it equally (its scales are zero anyway)
-    sample = sample_tiles(x)
     r = 1.0 + SEARCH_STEP
-    scales = [c / r, c, c * r]
-    mses = _tile_mse(sample, scales, K, codebook, device)
-    while len(scales) < SEARCH_MAX_EVALS:
-        b = int(np.argmin(mses))
-        if b == 0:
-            scales.insert(0, scales[0] / r)
-            mses.insert(0, _tile_mse(sample, scales[:1], K, codebook, device)[0])
-        elif b == len(scales) - 1:
-            scales.append(scales[-1] * r)
-            mses.append(_tile_mse(sample, scales[-1:], K, codebook, device)[0])
-        else:
-            break
-    b = int(np.argmin(mses))
-    offset = 0.0
-    if 0 < b < len(scales) - 1:
-        y0, y1, y2 = mses[b - 1], mses[b], mses[b + 1]
-        denom = y0 - 2.0 * y1 + y2
-        offset = max(-0.5, min(0.5, 0.5 * (y0 - y2) / denom)) if denom > 0 else 0.0
-    return scales[b] * r**offset
+    # an all-zero residual keeps c: every scale codes it equally (its channel scales are zero anyway)
+    samples = {i: sample_tiles(x) for i, x in enumerate(xs) if torch.any(x)}
+    scales = {i: [c / r, c, c * r] for i in samples}
+    mses = dict(zip(scales, _tile_mses([(samples[i], scales[i]) for i in scales], K, codebook, device)))
+    live = list(scales)
+    while live:
+        step = {}  # matrix -> (insert at, new candidate) while its best is at an edge
+        for i in live:
+            b = int(np.argmin(mses[i]))
+            if len(scales[i]) < SEARCH_MAX_EVALS and b in (0, len(scales[i]) - 1):
+                step[i] = (0, scales[i][0] / r) if b == 0 else (len(scales[i]), scales[i][-1] * r)
+        new = _tile_mses([(samples[i], [s]) for i, (_, s) in step.items()], K, codebook, device)
+        for (i, (at, s)), (m,) in zip(step.items(), new):
+            scales[i].insert(at, s)
+            mses[i].insert(at, m)
+        live = list(step)
+    out = []
+    for i in range(len(xs)):
+        if i not in scales:
+            out.append(c)
+            continue
+        y, b = mses[i], int(np.argmin(mses[i]))
+        offset = 0.0
+        if 0 < b < len(y) - 1:
+            denom = y[b - 1] - 2.0 * y[b] + y[b + 1]
+            offset = max(-0.5, min(0.5, 0.5 * (y[b - 1] - y[b + 1]) / denom)) if denom > 0 else 0.0
+        out.append(scales[i][b] * r**offset)
+    return out
 
 
-def encode(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
-           timings: dict | None = None) -> Encoded:
-    """Encode a torch Linear weight W (out, in). ``device``: None/"cpu" (C kernel) or a CUDA device (the
-    Viterbi search runs there; regularization stays on the CPU, so both give the same trellis).
-    ``timings``: if a dict, the wall seconds of each stage are added to it (check, regularize, search,
-    viterbi, pack, reconstruct)."""
-    clock = _Clock(timings)
-    W64 = check_args(W, K, codebook, seed)
-    clock("check")
-    x, su, sv = regularize(W64.t(), seed)
-    clock("regularize")
-    g = search_scale(x, K, codebook, device)
-    clock("search")
-    x = x * g
-    su = su / g
-    tiles = matrix_to_tiles(x.to(torch.float32))
-    tk, tn = tiles.shape[:2]
-    states = viterbi(tiles.reshape(-1, TILE_LEN), K, codebook, device).reshape(tk, tn, TILE_LEN)
-    clock("viterbi")
-    tensors = {"trellis": pack(states, K), "suh": su.to(torch.float16), "svh": sv.to(torch.float16)}
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    # float64 -> float32 -> float16, spelled out: the CPU converts through float32, and so must CUDA
+    return x.to(torch.float32).to(torch.float16)
+
+
+def _finish(W64, su, sv, g: float, states, K: int, codebook: str, clock) -> Encoded:
+    """Pack one matrix's states, reconstruct from them and measure the error, all on the states' device."""
+    dev = states.device
+    packed = {"trellis": pack(states, K), "suh": _fp16(div(su, g)), "svh": _fp16(sv)}
+    tensors = {k: v.cpu() for k, v in packed.items()}  # the product is host bytes
     marker = marker_value(codebook)
     if marker is not None:
         tensors[codebook] = torch.tensor(marker, dtype=torch.int32)
     clock("pack")
-    inner = tiles_to_matrix(values_torch(codebook)[states.long()])
-    W_hat = unrotate(inner, tensors["suh"], tensors["svh"])
-    denom = float(seq_sum(W64.square().flatten(), 0))
-    err = float(seq_sum((W_hat.double() - W64).square().flatten(), 0))
+    inner = tiles_to_matrix(values_torch(codebook, dev)[states.long()])
+    W_hat = unrotate(inner, packed["suh"], packed["svh"])
+    d = W_hat.double() - W64
+    denom = float(tree_sum((W64 * W64).flatten()))
+    err = float(tree_sum((d * d).flatten()))
     clock("reconstruct")
     return Encoded(tensors, W_hat, err / denom if denom > 0 else 0.0, float(g), sum_sq_w=denom, sum_sq_err=err)
 
 
-class _Clock:
-    """Adds the seconds since the previous call to timings[stage] (no-op without a dict)."""
+def _groups(sizes: list[int], limit: int):
+    """Consecutive runs of indices whose sizes add up to at most ``limit`` (a larger one runs alone)."""
+    group, total = [], 0
+    for i, n in enumerate(sizes):
+        if group and total + n > limit:
+            yield group
+            group, total = [], 0
+        group.append(i)
+        total += n
+    if group:
+        yield group
 
-    def __init__(self, timings: dict | None):
+
+def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> list[Encoded]:
+    device = pipeline_device(device)
+    clock = _Clock(timings, device)
+    W64s = []
+    for i, W in enumerate(Ws):  # every argument is checked before any work
+        if parents is not None and parents[i] is not None:
+            W = residual_target(W, parents[i], device, names[i])
+        W64s.append(check_args(W, K, codebook, seeds[i], names[i], device))
+    clock("check")
+    regs = []  # (x, su, sv) per matrix, until its main Viterbi
+    for W64, seed in zip(W64s, seeds):
+        regs.append(regularize(W64.t(), seed))
+        clock("regularize")
+    gs = search_scales([x for x, _, _ in regs], K, codebook, device)
+    clock("search")
+    out = []
+    for group in _groups([W.numel() // TILE_LEN for W in W64s], GROUP_TILES):
+        tiles = [matrix_to_tiles((regs[i][0] * gs[i]).to(torch.float32)) for i in group]
+        flat = torch.cat([t.reshape(-1, TILE_LEN) for t in tiles]) if len(tiles) > 1 else tiles[0].reshape(-1, TILE_LEN)
+        states = _viterbi(flat, K, codebook, device)
+        clock("viterbi")
+        at = 0
+        for i, t in zip(group, tiles):
+            n = t.shape[0] * t.shape[1]
+            _, su, sv = regs[i]
+            out.append(_finish(W64s[i], su, sv, gs[i], states[at : at + n].reshape(t.shape), K, codebook, clock))
+            regs[i] = W64s[i] = None  # this matrix's float64 copies are no longer needed
+            at += n
+    return out
+
+
+def encode(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
+           timings: dict | None = None) -> Encoded:
+    """Encode a torch Linear weight W (out, in). ``device``: None/"cpu" (C Viterbi kernel) or a CUDA device;
+    every stage runs there and both give the same bytes, W_hat, sums and g_scale. ``tensors`` are returned
+    on the CPU, ``W_hat`` on ``device``. ``timings``: if a dict, the wall seconds of each stage are added to
+    it (check, regularize, search, viterbi, pack, reconstruct; CUDA is synchronized at each stage boundary)."""
+    return _encode_many([W], K, codebook, [seed], device, ["W"], None, timings)[0]
+
+
+def encode_batch(Ws: list, K: int, codebook: str = "mul1", seeds=0, device=None, *, parents: list | None = None,
+                 timings: dict | None = None) -> list[Encoded]:
+    """Encode several weights (e.g. the experts of a block) at one K and codebook; returns, per matrix, the
+    Encoded that encode() (or encode_residual(), for a matrix with parents) would return, bit for bit.
+
+    ``seeds``: one int for all or a list, one per matrix. ``parents``: None, or a list with, per matrix,
+    None (a base) or its parent chain (that matrix is a residual stage, as encode_residual). Batching: the
+    scale search evaluates the candidates of all matrices in one Viterbi call per round (the first round is
+    3 candidates x every matrix), and consecutive matrices share one main Viterbi call while their tiles add
+    up to at most GROUP_TILES. Memory: every matrix's float64 copy and rotation (16 bytes per weight) are
+    held until its main Viterbi, so pass a block's matrices, not a whole model."""
+    Ws = list(Ws)
+    seeds = [seeds] * len(Ws) if isinstance(seeds, int) and not isinstance(seeds, bool) else list(seeds)
+    if len(seeds) != len(Ws) or (parents is not None and len(parents) != len(Ws)):
+        raise FqError(f"encode_batch: {len(Ws)} weights need as many seeds ({len(seeds)}) and parent chains "
+                      f"({'none' if parents is None else len(parents)})")
+    return _encode_many(Ws, K, codebook, seeds, device, [f"Ws[{i}]" for i in range(len(Ws))], parents, timings)
+
+
+class _Clock:
+    """Adds the seconds since the previous call to timings[stage] (no-op without a dict). On CUDA it waits for
+    the device first, so a stage is charged its own kernels (only when timings are asked for)."""
+
+    def __init__(self, timings: dict | None, device: torch.device):
         self.timings = timings
-        self.t = time.perf_counter()
+        self.sync = timings is not None and device.type == "cuda"
+        self.device = device
+        self.t = self._now()
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def __call__(self, stage: str) -> None:
         if self.timings is None:
             return
-        now = time.perf_counter()
+        now = self._now()
         self.timings[stage] = self.timings.get(stage, 0.0) + now - self.t
         self.t = now
 
@@ -173,19 +291,22 @@ def quantize(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, dev
     return encode(W, K, codebook, seed, device).tensors
 
 
-def residual_target(W: torch.Tensor, parents: list[dict]) -> torch.Tensor:
+def residual_target(W: torch.Tensor, parents: list[dict], device=None, name: str = "W") -> torch.Tensor:
+    """W - reconstruct_chain(parents), float64 on ``device`` (the parents are reconstructed there)."""
     if not isinstance(parents, (list, tuple)) or not parents:
         raise FqError("parents: expected a non-empty list of EXL3 tensor sets (the parent chain)")
-    W = check_args(W, 1, "mul1", 0)
-    parent = reconstruct_chain(list(parents), "parents").to(torch.float64)
+    W = check_args(W, 1, "mul1", 0, name, device)
+    chain = [{k: v.to(W.device) if isinstance(v, torch.Tensor) else v for k, v in t.items()} if isinstance(t, dict)
+             else t for t in parents]
+    parent = reconstruct_chain(chain, "parents").to(torch.float64)
     if parent.shape != W.shape:
         raise FqError(f"parents: chain reconstructs to {tuple(parent.shape)}, W is {tuple(W.shape)}")
     return W - parent
 
 
-def encode_residual(W, parents, K, codebook="mul1", seed=0, device=None) -> Encoded:
+def encode_residual(W, parents, K, codebook="mul1", seed=0, device=None, *, timings: dict | None = None) -> Encoded:
     """Encode R = W - reconstruct_chain(parents). An all-zero R (or zero channel) reconstructs to exactly 0."""
-    return encode(residual_target(W, parents), K, codebook, seed, device)
+    return _encode_many([W], K, codebook, [seed], device, ["W"], [parents], timings)[0]
 
 
 def quantize_residual(W, parents, K, codebook="mul1", seed=0, device=None) -> dict:
