@@ -1,8 +1,10 @@
 """A numpy model of fq/codec/_viterbi_cuda.cu, thread for thread (vectorized over the 1024 threads).
 
-It mirrors the kernel's index arithmetic -- units, lanes per edge and their shuffle merge, the predecessor
+It mirrors the kernel's arithmetic (keys: the fused multiply-add's bits with the low K bits replaced by h,
+one unsigned min) and index arithmetic -- units, lanes per edge and their shuffle merge, the predecessor
 addresses, the two cost buffers (K = 1: the split low/high layout with staged registers), the value slots,
-the back-pointer layouts (bytes; K = 1 bit words from ballots), the 64-bit end key, the pass structure and
+the back-pointer layouts (not where each value slot is held: registers or shared memory,
+which changes no arithmetic) (bytes; K = 1 bit words from ballots), the 64-bit end key, the pass structure and
 both backtracks -- so CPU-only CI can check that layout against the C kernel. It is a model: the CUDA
 tests (test_codec_cuda.py, on a GPU) check the kernel itself. Keep the two in step.
 
@@ -11,6 +13,9 @@ Unwritten shared memory starts as NaN here, so a read before a write shows up as
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from fq.codec.viterbi import BIG, fma_f32
 
 L = 256
 NT = 1024
@@ -45,10 +50,11 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
     buf1 = np.full((n, g.LOW if K == 1 else E), np.nan, dtype=np.float32)
     p = np.arange(E)
     if pass2:
-        buf0[:] = np.where(p[None, :] == pre[:, None], np.float32(0), np.float32(np.inf))
+        buf0[:] = np.where(p[None, :] == pre[:, None], np.float32(0), np.float32(BIG))
     else:
         buf0[:] = 0
     rows = np.arange(n)[:, None]
+    mask = np.uint32(~(g.Q - 1) & 0xFFFFFFFF)
     key = np.full((n, NT), np.iinfo(np.uint64).max, dtype=np.uint64)
     for i in range(L):
         final = (not pass2) and i == L - 1
@@ -63,7 +69,6 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
             j0 = (w // P) * NQ
             part = w % P
             best = [None] * NQ
-            bh = [None] * NQ
             for hq in range(NH):
                 h = part + P * hq
                 pidx = h * (E >> K) + (j0 >> K)
@@ -74,23 +79,18 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
                     pm = Mc[rows, pidx[None, :]]
                 for e in range(NQ):
                     val = v[(part + P * hq) * E + j0 + e][None, :]
-                    d = (val - xi).astype(np.float32)
-                    c = (d * d + pm).astype(np.float32)
-                    if hq == 0:
-                        best[e], bh[e] = c, np.broadcast_to(h, c.shape).copy()
-                    else:
-                        lt = c < best[e]
-                        best[e] = np.where(lt, c, best[e])
-                        bh[e] = np.where(lt, h, bh[e])
+                    d = torch.from_numpy((val - xi).astype(np.float32))
+                    c = fma_f32(d, d, torch.from_numpy(pm)).numpy().view(np.uint32)
+                    c = (c & mask) | np.uint32(h)
+                    best[e] = c if hq == 0 else np.minimum(best[e], c)
             if P > 1:
                 off = 1
                 while off < P:
                     src = np.where((lane + off) < 32, t + off, t)  # __shfl_down_sync: out of range keeps own
-                    ob, oh = best[0][:, src], bh[0][:, src]
-                    take = (ob < best[0]) | ((ob == best[0]) & (oh < bh[0]))
-                    best[0] = np.where(take, ob, best[0])
-                    bh[0] = np.where(take, oh, bh[0])
+                    best[0] = np.minimum(best[0], best[0][:, src])
                     off <<= 1
+            bh = [(b & np.uint32(g.Q - 1)).astype(np.int64) for b in best]
+            best = [(b & mask).view(np.float32) for b in best]
             # costs
             if K == 1:
                 if u < g.STAGE_U:
@@ -116,7 +116,8 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
             if final:
                 m = part == 0
                 for e in range(NQ):
-                    kk = (best[e].view(np.uint32).astype(np.uint64) << np.uint64(32)) | (bh[e] * E + j0 + e).astype(np.uint64)
+                    kk = (((best[e].view(np.uint32) | bh[e].astype(np.uint32)).astype(np.uint64) << np.uint64(32))
+                          | (bh[e] * E + j0 + e).astype(np.uint64))
                     key = np.where(m[None, :], np.minimum(key, kk), key)
         if K == 1 and store:
             # lane u of warp wid writes uint2 #(wid + 32u): words (wid + 32u)*2 + e

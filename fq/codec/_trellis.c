@@ -1,14 +1,25 @@
 /* Exact tail-biting Viterbi search over the 65536-state EXL3 bitshift trellis, CPU.
  *
  * State s_i is 16 bits; s_i = ((s_{i-1} << K) | symbol_i) & 0xFFFF, so the predecessors of s are
- * h*E + (s >> K) for h < Q (E = 2^(16-K), Q = 2^K). Per position: C[s] = (v[s] - x)^2 + M[s >> K],
- * M[j] = min_h C[h*E + j] with the first minimal h kept as back pointer. Costs are float32 with no
- * fused multiply-add, so the torch path (fq.codec.viterbi_torch) produces the same bits.
+ * h*E + (s >> K) for h < Q (E = 2^(16-K), Q = 2^K). The arithmetic, which the CUDA kernel
+ * (_viterbi_cuda.cu) and the torch path (fq.codec.viterbi.viterbi_torch) repeat bit for bit:
+ *
+ *     d = v[s] - x_i                                  float32, round to nearest
+ *     c = fma(d, d, M_{i-1}[s >> K])                  float32, one rounding
+ *     key(s) = (bits(c) & ~(Q-1)) | h                 h = s >> (16-K), the top K bits of s
+ *     M_i[j] = float(min_h key(h*E + j) & ~(Q-1)),    back pointer = that minimum's low K bits
+ *
+ * i.e. costs keep 23-K mantissa bits (truncated) and a tie goes to the lowest h. Why: the candidate's
+ * h rides in the cost's low bits, so one unsigned min is the whole compare-and-select (a GPU does a
+ * 3-input min in one instruction); the truncation is at most 2^-(23-K) relative per step, far below
+ * the coding error. Costs are non-negative, so their bits order like their values.
  *
  * Tail-biting, as the reference encoder does it: pass 1 runs the ring from position 128 without
- * constraint and reads off the state at position 255 on the best path; pass 2 runs from position 0
- * with s_0 >> K fixed to that state's low 16-K bits and ends on a state with those low bits, which
- * closes the ring. Tiles are independent: OpenMP over tiles, deterministic for any thread count.
+ * constraint and reads off the state at position 255 on the best path (the lowest state of minimal
+ * key); pass 2 runs from position 0 with s_0 >> K fixed to that state's low 16-K bits (the other
+ * predecessors cost BIG = 2^126, which d*d never moves and no finite path reaches) and ends on the
+ * state with those low bits of minimal key, which closes the ring. Tiles are independent: OpenMP over
+ * tiles, deterministic for any thread count.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,7 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Runtime dispatch to the widest vector ISA; results are identical on each (IEEE ops, no contraction). */
+/* Runtime dispatch to the widest vector ISA; results are identical on each (fmaf is one IEEE rounding
+ * everywhere: an instruction where the ISA has FMA, libm otherwise; no other contraction). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FQ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -26,46 +38,50 @@
 
 #define L 256
 #define NSTATES 65536
+#define BIG_BITS 0x7e800000u /* 2^126 */
 
 typedef struct {
-    float *C;      /* NSTATES costs of the current position */
-    float *M;      /* E minima over predecessors */
+    uint32_t *C;   /* NSTATES keys of the current position */
+    float *M;      /* E minima over predecessors (truncated costs) */
     uint8_t *bp;   /* L * E back pointers (the h of the best predecessor) */
 } work_t;
+
+static inline uint32_t fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bitsf(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 #define DEFINE_PASS(KK)                                                                                   \
 FQ_CLONES static void forward_##KK(const float *x, int roll, int pre, const float *v, work_t *w)        \
 {                                                                                                         \
-    enum { K = KK, Q = 1 << KK, E = NSTATES >> KK };                                                      \
-    float *restrict C = w->C;                                                                             \
+    enum { K = KK, Q = 1 << KK, E = NSTATES >> KK, HS = 16 - KK };                                        \
+    const uint32_t mask = ~(uint32_t) (Q - 1);                                                            \
+    uint32_t *restrict C = w->C;                                                                          \
     float *restrict M = w->M;                                                                             \
     float xi = x[roll & (L - 1)];                                                                         \
     for (int s = 0; s < NSTATES; ++s) {                                                                   \
         float d = v[s] - xi;                                                                              \
-        C[s] = d * d;                                                                                     \
+        float m0 = (pre < 0 || (s >> K) == pre) ? 0.0f : bitsf(BIG_BITS);                                 \
+        C[s] = (fbits(fmaf(d, d, m0)) & mask) | (uint32_t) (s >> HS);                                     \
     }                                                                                                     \
-    if (pre >= 0)                                                                                         \
-        for (int s = 0; s < NSTATES; ++s)                                                                 \
-            if ((s >> K) != pre) C[s] = INFINITY;                                                         \
     for (int i = 1; i < L; ++i) {                                                                         \
         int prev = (i - 1 + roll) & (L - 1);                                                              \
         uint8_t *restrict bp = w->bp + (size_t) prev * E;                                                 \
-        for (int j = 0; j < E; ++j) { M[j] = C[j]; bp[j] = 0; }                                           \
+        uint32_t *restrict Mu = (uint32_t *) M;                                                           \
+        for (int j = 0; j < E; ++j) Mu[j] = C[j];                                                         \
         for (int h = 1; h < Q; ++h) {                                                                     \
-            const float *restrict Ch = C + (size_t) h * E;                                                \
-            for (int j = 0; j < E; ++j) {                                                                 \
-                float c = Ch[j];                                                                          \
-                int lt = c < M[j];                                                                        \
-                M[j] = lt ? c : M[j];                                                                     \
-                bp[j] = lt ? (uint8_t) h : bp[j];                                                         \
-            }                                                                                             \
+            const uint32_t *restrict Ch = C + (size_t) h * E;                                             \
+            for (int j = 0; j < E; ++j) Mu[j] = Ch[j] < Mu[j] ? Ch[j] : Mu[j];                            \
+        }                                                                                                 \
+        for (int j = 0; j < E; ++j) {                                                                     \
+            bp[j] = (uint8_t) (Mu[j] & (Q - 1));                                                          \
+            Mu[j] &= mask;                                                                                \
         }                                                                                                 \
         xi = x[(i + roll) & (L - 1)];                                                                     \
         for (int j = 0; j < E; ++j) {                                                                     \
             float m = M[j];                                                                               \
             for (int q = 0; q < Q; ++q) {                                                                 \
-                float d = v[j * Q + q] - xi;                                                              \
-                C[j * Q + q] = d * d + m;                                                                 \
+                int s = j * Q + q;                                                                        \
+                float d = v[s] - xi;                                                                      \
+                C[s] = (fbits(fmaf(d, d, m)) & mask) | (uint32_t) (s >> HS);                              \
             }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
@@ -103,7 +119,7 @@ static void encode_tile(const float *x, int K, const float *v, work_t *w, uint16
     const int E = NSTATES >> K, Q = 1 << K;
     /* pass 1: from position 128, unconstrained; best final state, back to ring step 127 = position 255 */
     PASSES[K](x, L / 2, -1, v, w);
-    int best = 0;
+    int best = 0; /* lowest state of minimal key */
     for (int s = 1; s < NSTATES; ++s)
         if (w->C[s] < w->C[best]) best = s;
     int s255 = backtrack(K, L / 2, best, L / 2 - 1, w, NULL);
@@ -157,7 +173,7 @@ static PyObject *py_viterbi(PyObject *self, PyObject *args)
         #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|:failed)
         {
             work_t w;
-            w.C = (float *) aligned_alloc(64, NSTATES * sizeof(float));
+            w.C = (uint32_t *) aligned_alloc(64, NSTATES * sizeof(uint32_t));
             w.M = (float *) aligned_alloc(64, E * sizeof(float) + 64);
             w.bp = (uint8_t *) aligned_alloc(64, ((L * E + 63) / 64) * 64);
             if (!w.C || !w.M || !w.bp) failed = 1;

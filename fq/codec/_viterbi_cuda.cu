@@ -1,25 +1,30 @@
 /* Exact tail-biting Viterbi over the 65536-state EXL3 trellis, CUDA. Same algorithm, same float32
- * operations and the same tie rule as the CPU kernel (_trellis.c), so both return the same states.
+ * operations and the same keys as the CPU kernel (_trellis.c, whose header specifies the arithmetic),
+ * so both return the same states.
  *
  * Edge formulation. A state is s = h*E + j (h: its top K bits, j: its low 16-K bits, E = 2^(16-K),
- * Q = 2^K); its predecessors are h'*E + (s >> K). The CPU kernel keeps C_i[s] for all 65536 states and
- * folds M_i[j] = min_h C_i[h*E + j] at the next position. Here only M (E floats) is kept:
- *     M_i[j] = min_h ( (v[h*E + j] - x_i)^2 + M_{i-1}[(h*E + j) >> K] ),  bp_i[j] = the first minimal h,
- * which is the same float32 value (d = v - x, then d*d, then + M, no FMA) and the same back pointer.
- * Position 0 of a pass uses a virtual M_{-1}: 0 everywhere (pass 1), or 0 at `pre` and +inf elsewhere
- * (pass 2); d*d + 0 == d*d and d*d + inf == inf, as the CPU's masked first column.
+ * Q = 2^K); its predecessors are h'*E + (s >> K). Only M (E floats) is kept:
+ *     key(h, j) = (bits(fma(v[h*E + j] - x_i, same, M_{i-1}[(h*E + j) >> K])) & ~(Q-1)) | h
+ *     M_i[j] = min_h key(h, j) & ~(Q-1) (as float),  bp_i[j] = min_h key(h, j) & (Q-1).
+ * Per candidate that is FADD, FFMA, LOP3 (mask and h in one) and half a 3-input unsigned min (VIMNMX3):
+ * the h rides in the key, so there is no compare-and-select.
+ * Position 0 of a pass uses a virtual M_{-1}: 0 everywhere (pass 1), or 0 at `pre` and BIG = 2^126
+ * elsewhere (pass 2), exactly as the CPU's first column.
  *
- * Ends of the passes. Pass 1 (ring from position 128): the CPU takes the first s (lowest index) of
- * minimal C_255[s]; that is the lexicographic minimum of (M[j], bp[j]*E + j) over j, computed as a
- * 64-bit key (cost bits, state) -- costs are non-negative floats (never -0), whose bits order like the
- * values. Pass 2 (from position 0, ring closed through `pre`): the CPU's end state is the first minimal
- * h of C_255[h*E + pre], i.e. bp_255[pre]*E + pre.
+ * Ends of the passes. Pass 1 (ring from position 128): the CPU takes the lowest state of minimal key;
+ * that is the minimum of the 64-bit (key, h*E + j) over j. Pass 2 (from position 0, ring closed through
+ * `pre`): the end state is bp_255[pre]*E + pre.
  *
- * Work split. One block of 1024 threads per tile. The 65536 codebook values (fp16, exact) live in
- * registers, 64 per thread as 32 half2; each thread owns the same states at every step. A thread's
- * "unit" is NQ consecutive edges sharing their Q predecessors (read once from shared memory) times NH
- * values of h; for K >= 7 (fewer edges than threads) P = 2 or 4 lanes split an edge's h (interleaved,
- * so their predecessor reads fall in different banks) and merge with shuffles, ties to the lower h.
+ * Work split. One block of 1024 threads per tile: the 65536 codebook values (fp16, exact as float32)
+ * are spread over the block, 64 per thread, and each thread owns the same states at every step. A
+ * thread's "unit" is NQ consecutive edges sharing their Q predecessors (read once from shared memory)
+ * times NH values of h; for K >= 7 (fewer edges than threads) P = 2 or 4 lanes split an edge's h
+ * (interleaved, so their predecessor reads fall in different banks) and merge with shuffles.
+ * The register file holds exactly 65536 words, so not all 64 values fit as float32 next to the working
+ * registers: NREG of them are float32 registers; K >= 2 keeps the others in shared memory as float4
+ * rows (one conflict-free 128-bit load per 4 values); K = 1, whose shared memory is all costs, keeps the
+ * others as half2 registers (one conversion each). Either is cheaper than the local-memory spills the
+ * compiler makes of 64 float registers.
  * M is double-buffered in shared memory (2*E floats) for K >= 2. K = 1 (2 x 128 KB would not fit): the
  * low 24576 entries are double-buffered, the high 8192 updated in place from registers between two
  * barriers. Back pointers go to global scratch: one byte per edge and position (K >= 2), one bit
@@ -29,18 +34,49 @@
  * forward(pass 2) -> backtrack writing the 256 states. The backtracks are pointer chases; running them
  * for a whole batch at once hides their latency behind each other instead of stalling an SM per tile.
  *
- * Build: nvcc -O3 -fmad=false (the explicit __fsub_rn/__fmul_rn/__fadd_rn already forbid contraction).
+ * Build: nvcc -O3 -fmad=false (the only fused multiply-add is the explicit __fmaf_rn).
  * Loaded with ctypes by fq/codec/viterbi_cuda.py; the host entry points are extern "C".
  */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int L = 256;
 constexpr int NT = 1024;
 constexpr unsigned FULL = 0xffffffffu;
+constexpr unsigned BIG_BITS = 0x7e800000u;  // 2^126
+
+// float32 values kept in registers, per K (tuned so that ptxas spills nothing: nvcc -Xptxas -v;
+// -DFQ_NREG<K>=n overrides one, for tuning)
+#ifndef FQ_NREG1
+#define FQ_NREG1 64
+#endif
+#ifndef FQ_NREG2
+#define FQ_NREG2 40
+#endif
+#ifndef FQ_NREG3
+#define FQ_NREG3 40
+#endif
+#ifndef FQ_NREG4
+#define FQ_NREG4 44
+#endif
+#ifndef FQ_NREG5
+#define FQ_NREG5 44
+#endif
+#ifndef FQ_NREG6
+#define FQ_NREG6 44
+#endif
+#ifndef FQ_NREG7
+#define FQ_NREG7 32
+#endif
+#ifndef FQ_NREG8
+#define FQ_NREG8 32
+#endif
+constexpr int NREG_OF[9] = {0, FQ_NREG1, FQ_NREG2, FQ_NREG3, FQ_NREG4, FQ_NREG5, FQ_NREG6, FQ_NREG7, FQ_NREG8};
 
 template <int K>
 struct Geo {
@@ -55,16 +91,62 @@ struct Geo {
     static constexpr int LOW = K == 1 ? 24576 : E;                 // K = 1: double-buffered part
     static constexpr int STAGE_U = K == 1 ? LOW / (2 * NT) : NU;   // K = 1: first unit staged in registers
     static constexpr int BP_ROW = K == 1 ? E / 8 : E;              // back-pointer bytes per position
-    // values held in registers (as float); the rest of the 64 sit in shared memory (K = 3, 4, which have
-    // room: in registers the compiler spills 60 of them to local memory at every step)
-    static constexpr int NREG = (K == 3 || K == 4) ? 32 : 64;
-    static constexpr int VOFF = 1024 + 256 + 4 * (K == 1 ? E + LOW : 2 * E);  // byte offset of those values
-    static constexpr int SMEM = VOFF + 4 * (64 - NREG) * NT;
+    static constexpr int NREG = NREG_OF[K];                        // float32 values in registers
+    static constexpr int NHALF = K == 1 ? (64 - NREG) / 2 : 0;     // K = 1: half2 registers for the rest
+    static constexpr int NSM4 = K == 1 ? 0 : (64 - NREG) / 4;      // K >= 2: float4 rows in shared memory
+    static constexpr int VOFF = 1024 + 256 + 4 * (K == 1 ? E + LOW : 2 * E);  // byte offset of those rows
+    static constexpr int SMEM = VOFF + 16 * NSM4 * NT;
+    static constexpr unsigned MASK = ~(unsigned) (Q - 1);
     static_assert(NV == 64, "each thread holds 64 codebook values");
     static_assert(E < NT ? P * E == NT : NU * NT * NQ == E, "units cover the edges");
     static_assert(Q % NQ == 0, "a unit's edges share their predecessors");
     static_assert(K != 1 || (STAGE_U == 12 && NU == 16), "K = 1 layout");
+    static_assert(NREG % 4 == 0 && NREG >= 4 && NREG <= 64, "values split in whole float4 rows / half2 pairs");
+    static_assert(SMEM <= 232448, "shared memory per block");
 };
+
+/* This thread's 64 codebook values: slot k < NREG in vreg, the rest in vh (K = 1) or vsm4. */
+template <int K>
+struct Values {
+    float vreg[Geo<K>::NREG];
+    __half2 vh[Geo<K>::NHALF > 0 ? Geo<K>::NHALF : 1];
+};
+
+/* One half of a half2 as float. Volatile so that the compiler converts at each use: the values are
+ * loop-invariant, and hoisting the conversions out of the position loop would hold them all as float32
+ * registers again (and spill). */
+template <int HI>
+__device__ __forceinline__ float half_to_float(__half2 h)
+{
+    float f;
+    const unsigned u = *reinterpret_cast<const unsigned*>(&h);
+    if constexpr (HI)
+        asm volatile("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, hi; }" : "=f"(f) : "r"(u));
+    else
+        asm volatile("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }" : "=f"(f) : "r"(u));
+    return f;
+}
+
+/* (bits(c) & mask) | TAG as one LOP3 with TAG as its immediate (with a constant mask and TAG it would
+ * take two: LOP3 has one immediate operand). */
+template <unsigned TAG>
+__device__ __forceinline__ unsigned key_of(float c, unsigned mask)
+{
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(__float_as_uint(c)), "r"(mask), "n"(TAG));  // (a & b) | c
+    return r;
+}
+
+/* f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N - 1>{}): an unrolled loop whose
+ * index is a compile-time constant in the body. */
+template <int N, int I = 0, typename F>
+__device__ __forceinline__ void unroll(F&& f)
+{
+    if constexpr (I < N) {
+        f(std::integral_constant<int, I>{});
+        unroll<N, I + 1>(f);
+    }
+}
 
 template <int K>
 __device__ __forceinline__ int bp_get(const uint8_t* row, int j)
@@ -83,27 +165,29 @@ __device__ __forceinline__ int bp_get(const uint8_t* row, int j)
  * FINAL (the last position of pass 1) also folds this thread's edges into `key`. Ends with the
  * barrier(s) after which M_i is visible to the whole block. */
 template <int K, bool FINAL>
-__device__ __forceinline__ void step(const float (&vreg)[Geo<K>::NREG], const float* vsm, const float x, const int i,
+__device__ __forceinline__ void step(const Values<K>& V, const float4* vsm4, const unsigned mask, const float x, const int i,
                                      const int t, float* buf0, float* buf1, const bool store, uint8_t* bprow,
                                      unsigned long long& key)
 {
     using Gm = Geo<K>;
-    constexpr int E = Gm::E, NU = Gm::NU, NQ = Gm::NQ, NH = Gm::NH, P = Gm::P;
+    constexpr int E = Gm::E, NU = Gm::NU, NQ = Gm::NQ, NH = Gm::NH, P = Gm::P, NREG = Gm::NREG;
+    constexpr unsigned MASK = Gm::MASK;
     const int lane = t & 31;
     const float* Mc = (i & 1) ? buf1 : buf0;  // K = 1: the low part of M_{i-1}; its high part is buf0[p]
     float* Mn = (i & 1) ? buf0 : buf1;
     float stage[K == 1 ? 2 * (NU - Gm::STAGE_U) : 1];
     uint2 bits = make_uint2(0u, 0u);  // K = 1: lane u keeps unit u's two ballot words
+    float4 row = make_float4(0.f, 0.f, 0.f, 0.f);  // K >= 2: the shared-memory row of the current slots
 
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
         const int w = t + NT * u;
         const int j0 = (w / P) * NQ;
         const int part = w % P;
-        float best[NQ];
-        int bh[NQ];
-#pragma unroll
-        for (int hq = 0; hq < NH; ++hq) {
+        unsigned best[NQ];
+        // hq is a compile-time constant here, so the key's tag P*hq is the LOP3's immediate
+        unroll<NH>([&](auto hqc) {
+            constexpr int hq = decltype(hqc)::value;
             const int h = part + P * hq;
             const int pidx = h * (E >> K) + (j0 >> K);  // (h*E + j0) >> K, as h*E is a multiple of 2^K
             float pm;
@@ -114,76 +198,76 @@ __device__ __forceinline__ void step(const float (&vreg)[Geo<K>::NREG], const fl
 #pragma unroll
             for (int e = 0; e < NQ; ++e) {
                 const int k = (u * NH + hq) * NQ + e;
-                const float v = k < Gm::NREG ? vreg[k < Gm::NREG ? k : 0] : vsm[(k - Gm::NREG) * NT + t];
-                const float d = __fsub_rn(v, x);
-                const float c = __fadd_rn(__fmul_rn(d, d), pm);
-                if (hq == 0) {
-                    best[e] = c;
-                    bh[e] = h;
-                } else if (c < best[e]) {  // strict: the first (lowest) h keeps a tie
-                    best[e] = c;
-                    bh[e] = h;
+                float v;
+                if (k < NREG) {
+                    v = V.vreg[k < NREG ? k : 0];
+                } else if constexpr (K == 1) {
+                    const int hk = (k - NREG) >> 1;
+                    const __half2 hv = V.vh[hk < Gm::NHALF ? hk : 0];
+                    v = ((k - NREG) & 1) ? half_to_float<1>(hv) : half_to_float<0>(hv);
+                } else {
+                    const int r = k - NREG;
+                    if ((r & 3) == 0) row = vsm4[(r >> 2) * NT + t];
+                    v = (r & 3) == 0 ? row.x : (r & 3) == 1 ? row.y : (r & 3) == 2 ? row.z : row.w;
                 }
+                const float d = __fsub_rn(v, x);
+                const unsigned c = key_of<P * hq>(__fmaf_rn(d, d, pm), mask);
+                best[e] = hq == 0 ? c : min(best[e], c);
             }
+        });
+        if constexpr (P > 1) {
+            // this lane's h are part + P*hq: its part joins the tag (the low bits are zero: order is kept)
+            best[0] |= (unsigned) part;
         }
         if constexpr (P > 1) {
-            // lanes t .. t+P-1 hold interleaved h of one edge; merge into part 0, ties to the lower h
+            // lanes t .. t+P-1 hold interleaved h of one edge: the minimum key is the edge's
 #pragma unroll
-            for (int off = 1; off < P; off <<= 1) {
-                const float ob = __shfl_down_sync(FULL, best[0], off);
-                const int oh = __shfl_down_sync(FULL, bh[0], off);
-                if (ob < best[0] || (ob == best[0] && oh < bh[0])) {
-                    best[0] = ob;
-                    bh[0] = oh;
-                }
-            }
+            for (int off = 1; off < P; off <<= 1) best[0] = min(best[0], __shfl_down_sync(FULL, best[0], off));
         }
 
         // costs of this position
+        float m[NQ];
+#pragma unroll
+        for (int e = 0; e < NQ; ++e) m[e] = __uint_as_float(best[e] & MASK);
         if constexpr (K == 1) {
             if (u < Gm::STAGE_U) {
-                *reinterpret_cast<float2*>(Mn + j0) = make_float2(best[0], best[1]);
+                *reinterpret_cast<float2*>(Mn + j0) = make_float2(m[0], m[1]);
             } else {
-                stage[2 * (u - Gm::STAGE_U)] = best[0];
-                stage[2 * (u - Gm::STAGE_U) + 1] = best[1];
+                stage[2 * (u - Gm::STAGE_U)] = m[0];
+                stage[2 * (u - Gm::STAGE_U) + 1] = m[1];
             }
-        } else if constexpr (NQ == 8) {
-            *reinterpret_cast<float4*>(Mn + j0) = make_float4(best[0], best[1], best[2], best[3]);
-            *reinterpret_cast<float4*>(Mn + j0 + 4) = make_float4(best[4], best[5], best[6], best[7]);
         } else if constexpr (NQ == 4) {
-            *reinterpret_cast<float4*>(Mn + j0) = make_float4(best[0], best[1], best[2], best[3]);
+            *reinterpret_cast<float4*>(Mn + j0) = make_float4(m[0], m[1], m[2], m[3]);
         } else if constexpr (NQ == 2) {
-            *reinterpret_cast<float2*>(Mn + j0) = make_float2(best[0], best[1]);
+            *reinterpret_cast<float2*>(Mn + j0) = make_float2(m[0], m[1]);
         } else {
-            if (part == 0) Mn[j0] = best[0];
+            if (part == 0) Mn[j0] = m[0];
         }
 
         // back pointers of this position
         if (store) {
+            constexpr unsigned HB = Gm::Q - 1;
             if constexpr (K == 1) {
-                const unsigned b0 = __ballot_sync(FULL, bh[0] != 0);
-                const unsigned b1 = __ballot_sync(FULL, bh[1] != 0);
+                const unsigned b0 = __ballot_sync(FULL, best[0] & 1u);
+                const unsigned b1 = __ballot_sync(FULL, best[1] & 1u);
                 if (lane == u) bits = make_uint2(b0, b1);
-            } else if constexpr (NQ == 8) {
-                const unsigned lo = bh[0] | (bh[1] << 8) | (bh[2] << 16) | (bh[3] << 24);
-                const unsigned hi = bh[4] | (bh[5] << 8) | (bh[6] << 16) | (bh[7] << 24);
-                *reinterpret_cast<uint2*>(bprow + j0) = make_uint2(lo, hi);
             } else if constexpr (NQ == 4) {
-                *reinterpret_cast<unsigned*>(bprow + j0) = bh[0] | (bh[1] << 8) | (bh[2] << 16) | (bh[3] << 24);
+                *reinterpret_cast<unsigned*>(bprow + j0) =
+                    (best[0] & HB) | ((best[1] & HB) << 8) | ((best[2] & HB) << 16) | ((best[3] & HB) << 24);
             } else if constexpr (NQ == 2) {
-                *reinterpret_cast<unsigned short*>(bprow + j0) = (unsigned short) (bh[0] | (bh[1] << 8));
+                *reinterpret_cast<unsigned short*>(bprow + j0) = (unsigned short) ((best[0] & HB) | ((best[1] & HB) << 8));
             } else {
-                if (part == 0) bprow[j0] = (uint8_t) bh[0];
+                if (part == 0) bprow[j0] = (uint8_t) (best[0] & HB);
             }
         }
 
         if constexpr (FINAL) {
-            // pass 1 ends on the first state (lowest index) of minimal cost: min of (cost bits, state)
+            // pass 1 ends on the lowest state of minimal key: min of (key, state)
             if (part == 0) {
 #pragma unroll
                 for (int e = 0; e < NQ; ++e) {
-                    const unsigned long long kk = ((unsigned long long) __float_as_uint(best[e]) << 32)
-                                                | (unsigned) (bh[e] * E + j0 + e);
+                    const unsigned h = best[e] & (Gm::Q - 1);
+                    const unsigned long long kk = ((unsigned long long) best[e] << 32) | (h * E + j0 + e);
                     key = kk < key ? kk : key;
                 }
             }
@@ -212,12 +296,13 @@ fq_viterbi_forward(const float* __restrict__ tiles, const unsigned short* __rest
                    const int* __restrict__ pre_in, uint8_t* __restrict__ bp, unsigned* __restrict__ best_out)
 {
     using Gm = Geo<K>;
-    constexpr int E = Gm::E, NQ = Gm::NQ, NH = Gm::NH, P = Gm::P;
+    constexpr int E = Gm::E, NQ = Gm::NQ, NH = Gm::NH, P = Gm::P, NREG = Gm::NREG;
     extern __shared__ __align__(16) unsigned char smem[];
     float* xs = reinterpret_cast<float*>(smem);
     unsigned long long* red = reinterpret_cast<unsigned long long*>(smem + 1024);
     float* buf0 = reinterpret_cast<float*>(smem + 1024 + 256);  // K = 1: X (E entries)
     float* buf1 = buf0 + E;                                      // K = 1: Y (LOW entries)
+    float4* vsm4 = reinterpret_cast<float4*>(smem + Gm::VOFF);
 
     const int t = threadIdx.x;
     const bool pass2 = pre_in != nullptr;
@@ -227,38 +312,47 @@ fq_viterbi_forward(const float* __restrict__ tiles, const unsigned short* __rest
     uint8_t* bp_tile = bp + (size_t) blockIdx.x * L * Gm::BP_ROW;
 
     if (t < L) xs[t] = tile[t];
-    for (int p = t; p < E; p += NT) buf0[p] = (pre < 0 || p == pre) ? 0.0f : __int_as_float(0x7f800000);
+    // The key mask as a value read from shared memory: held in a register, so that each key is one LOP3
+    // with the tag as its immediate (a mask ptxas knows is a constant takes the only immediate slot).
+    if (t == 0) reinterpret_cast<unsigned*>(red)[0] = Gm::MASK;
+    for (int p = t; p < E; p += NT) buf0[p] = (pre < 0 || p == pre) ? 0.0f : __uint_as_float(BIG_BITS);
 
-    // This thread's 64 codebook values (fp16, exact as float): unit u, h index hq, edge e -> value slot
-    // k = (u*NH + hq)*NQ + e; slots below NREG in registers, the others in shared memory at [k - NREG][t].
-    float vreg[Gm::NREG];
-    float* vsm = reinterpret_cast<float*>(smem + Gm::VOFF);
+    // This thread's 64 codebook values: unit u, h index hq, edge e -> slot k = (u*NH + hq)*NQ + e.
+    Values<K> V;
 #pragma unroll
     for (int k = 0; k < 64; ++k) {
         const int e = k % NQ, hq = (k / NQ) % NH, u = k / (NQ * NH);
         const int w = t + NT * u;
         const int j0 = (w / P) * NQ, part = w % P;
-        const float v = __half2float(__ushort_as_half(values[(part + P * hq) * E + j0 + e]));
-        if (k < Gm::NREG)
-            vreg[k < Gm::NREG ? k : 0] = v;
-        else
-            vsm[(k - Gm::NREG) * NT + t] = v;
+        const unsigned short raw = values[(part + P * hq) * E + j0 + e];
+        if (k < NREG) {
+            V.vreg[k < NREG ? k : 0] = __half2float(__ushort_as_half(raw));
+        } else if constexpr (K == 1) {
+            const int hk = (k - NREG) >> 1;
+            __half2& hv = V.vh[hk < Gm::NHALF ? hk : 0];
+            if ((k - NREG) & 1) hv.y = __ushort_as_half(raw); else hv.x = __ushort_as_half(raw);
+        } else {
+            const int r = k - NREG;
+            reinterpret_cast<float*>(vsm4 + (r >> 2) * NT + t)[r & 3] = __half2float(__ushort_as_half(raw));
+        }
     }
     __syncthreads();
+    const unsigned mask = reinterpret_cast<volatile unsigned*>(red)[0];
+    __syncthreads();  // red is the end's reduction scratch too
 
     unsigned long long key = ~0ull;
     for (int i = 0; i < L - 1; ++i) {
         const int pos = (i + roll) & (L - 1);
         const bool store = pass2 || i >= L / 2 - 1;  // pass 1's backtrack reads positions 255 and 0..126
-        step<K, false>(vreg, vsm, xs[pos], i, t, buf0, buf1, store, bp_tile + (size_t) pos * Gm::BP_ROW, key);
+        step<K, false>(V, vsm4, mask, xs[pos], i, t, buf0, buf1, store, bp_tile + (size_t) pos * Gm::BP_ROW, key);
     }
     const int pos = (L - 1 + roll) & (L - 1);
     uint8_t* bprow = bp_tile + (size_t) pos * Gm::BP_ROW;
     if (pass2) {
-        step<K, false>(vreg, vsm, xs[pos], L - 1, t, buf0, buf1, true, bprow, key);
+        step<K, false>(V, vsm4, mask, xs[pos], L - 1, t, buf0, buf1, true, bprow, key);
         return;
     }
-    step<K, true>(vreg, vsm, xs[pos], L - 1, t, buf0, buf1, false, bprow, key);
+    step<K, true>(V, vsm4, mask, xs[pos], L - 1, t, buf0, buf1, false, bprow, key);
 #pragma unroll
     for (int off = 16; off; off >>= 1) {
         const unsigned long long o = __shfl_xor_sync(FULL, key, off);
@@ -342,7 +436,7 @@ int run(const float* tiles, long long n, const unsigned short* values, int* out,
 extern "C" {
 
 /* Version of the C interface below; viterbi_cuda.py checks it. */
-int fq_viterbi_abi(void) { return 1; }
+int fq_viterbi_abi(void) { return 2; }
 
 /* Bytes of back-pointer scratch per tile. */
 long long fq_viterbi_bp_bytes(int K)

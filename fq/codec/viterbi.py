@@ -3,8 +3,9 @@
 Three implementations of one algorithm (see _trellis.c for the algorithm): the C kernel for CPU, the CUDA
 kernel (_viterbi_cuda.cu, built with nvcc on first use; fq.codec.viterbi_cuda), and a batched torch
 version (the fallback on CUDA when the kernel cannot be built; also runnable on CPU, where tests compare
-it with the C kernel). All use float32 costs with separate multiply and add and keep the first minimum on
-ties, so they return the same states.
+it with the C kernel). All do the arithmetic _trellis.c specifies -- float32 d = v - x, one fused
+multiply-add per candidate, costs truncated to 23-K mantissa bits with the candidate's h in the low bits,
+one unsigned min -- so they return the same states.
 
 ``FQ_VITERBI_CUDA=torch`` forces the torch path on CUDA (benchmarks, or to rule the kernel out).
 """
@@ -76,21 +77,49 @@ def viterbi_torch(tiles: torch.Tensor, K: int, codebook: str, device) -> torch.T
     return torch.cat([_viterbi_chunk(x[i : i + chunk], K, v) for i in range(0, x.shape[0], chunk)])
 
 
+BIG = 2.0**126  # an unreachable predecessor's cost (pass 2's first position); d*d never moves it
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fma(a, b, c) with one rounding, from float64 ops on any device: a*b is exact in float64;
+    the sum is rounded to odd (TwoSum error, then the odd neighbour), and a float64 result rounded to
+    odd rounds to nearest float32 exactly as the exact value would (53 >= 2*24 + 2 bits)."""
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    fix = (err != 0) & even
+    s = torch.where(fix, torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).to(s)), s)
+    return s.float()
+
+
+def _keys(d, m, K):
+    """(bits(fma(d, d, m)) & ~(Q-1)) | h as int64 (costs are non-negative: bits order like values)."""
+    Q = 1 << K
+    c = fma_f32(d, d, m).view(torch.int32).long() & ~(Q - 1)
+    h = torch.arange(65536, device=d.device) >> (16 - K)
+    return c | h
+
+
 def _forward(x, K, v, roll, pre):
     n = x.shape[0]
     E, Q = 1 << (16 - K), 1 << K
     dev = x.device
     bp = torch.empty((TILE_LEN, n, E), dtype=torch.uint8, device=dev)
-    C = (v[None, :] - x[:, roll % TILE_LEN, None]).square()
+    m0 = torch.zeros((n, 65536), dtype=torch.float32, device=dev)
     if pre is not None:
         top = torch.arange(65536, device=dev) >> K
-        C = C.masked_fill(top[None, :] != pre[:, None], float("inf"))
+        m0 = m0.masked_fill(top[None, :] != pre[:, None], BIG)
+    C = _keys(v[None, :] - x[:, roll % TILE_LEN, None], m0, K)
     for i in range(1, TILE_LEN):
         prev = (i - 1 + roll) % TILE_LEN
-        M, h = C.view(n, Q, E).min(dim=1)
-        bp[prev] = h.to(torch.uint8)
-        d = (v[None, :] - x[:, (i + roll) % TILE_LEN, None]).square()
-        C = (d.view(n, E, Q) + M[:, :, None]).view(n, 65536)
+        key = C.view(n, Q, E).amin(dim=1)
+        bp[prev] = (key & (Q - 1)).to(torch.uint8)
+        M = (key & ~(Q - 1)).to(torch.int32).view(torch.float32)
+        d = v[None, :] - x[:, (i + roll) % TILE_LEN, None]
+        C = _keys(d, M.repeat_interleave(Q, dim=1), K)
     return C, bp
 
 
@@ -112,11 +141,11 @@ def _viterbi_chunk(x: torch.Tensor, K: int, v: torch.Tensor) -> torch.Tensor:
     E, Q = 1 << (16 - K), 1 << K
     half = TILE_LEN // 2
     C, bp = _forward(x, K, v, half, None)
-    best = C.argmin(dim=1)
+    best = C.argmin(dim=1)  # keys are distinct within a column of h; equal keys: torch gives the first (lowest s)
     pre = _backtrack(K, half, best, half - 1, bp) & (E - 1)
     C, bp = _forward(x, K, v, 0, pre)
     rows = torch.arange(n, device=x.device)
-    h = C.view(n, Q, E)[rows, :, pre].argmin(dim=1)
+    h = C.view(n, Q, E)[rows, :, pre].argmin(dim=1)  # distinct keys (h in the low bits)
     out = torch.empty((n, TILE_LEN), dtype=torch.long, device=x.device)
     _backtrack(K, 0, h * E + pre, 0, bp, out)
     return out.to(torch.int32)

@@ -32,7 +32,7 @@ from fq.codec.codebook import values_f16
 from fq.codec.packing import TILE_LEN
 
 SOURCE = Path(__file__).with_name("_viterbi_cuda.cu")
-ABI = 1
+ABI = 2
 # -fmad=false is belt and braces: the kernel's float arithmetic uses __fsub_rn/__fmul_rn/__fadd_rn,
 # which are never contracted into an FMA.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
