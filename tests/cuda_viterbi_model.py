@@ -4,7 +4,7 @@ It mirrors the kernel's arithmetic (keys: the fused multiply-add's bits with the
 one unsigned min) and index arithmetic -- units, lanes per edge and their shuffle merge, the predecessor
 addresses, the two cost buffers (K = 1: the split low/high layout with staged registers), the value slots,
 the back-pointer layouts (not where each value slot is held: registers or shared memory,
-which changes no arithmetic) (bytes; K = 1 bit words from ballots), the 64-bit end key, the pass structure and
+which changes no arithmetic) (the key's low byte per edge; K = 1: each thread's bits in one word), the 64-bit end key, the pass structure and
 both backtracks -- so CPU-only CI can check that layout against the C kernel. It is a model: the CUDA
 tests (test_codec_cuda.py, on a GPU) check the kernel itself. Keep the two in step.
 
@@ -63,7 +63,7 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
         xi = x[:, pos][:, None].astype(np.float32)
         Mc, Mn = (buf1, buf0) if i & 1 else (buf0, buf1)
         stage = {}
-        bits = {}
+        bits = np.zeros((n, NT), dtype=np.uint32)
         for u in range(NU):
             w = t + NT * u
             j0 = (w // P) * NQ
@@ -90,7 +90,8 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
                     best[0] = np.minimum(best[0], best[0][:, src])
                     off <<= 1
             bh = [(b & np.uint32(g.Q - 1)).astype(np.int64) for b in best]
-            best = [(b & mask).view(np.float32) for b in best]
+            keys = best
+            best = [b.view(np.float32) for b in best]
             # costs
             if K == 1:
                 if u < g.STAGE_U:
@@ -103,29 +104,21 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
                 for e in range(NQ):
                     Mn[rows, (j0 + e)[None, m]] = best[e][:, m]
             # back pointers
-            if store:
-                if K == 1:
-                    for e in range(2):
-                        b = (bh[e] != 0).astype(np.uint64)  # (n, NT)
-                        words = (b.reshape(n, NT // 32, 32) << np.arange(32, dtype=np.uint64)).sum(-1)
-                        bits[(u, e)] = words  # ballot result of each warp
-                else:
-                    m = part == 0
-                    for e in range(NQ):
-                        bp[rows, pos, (j0 + e)[None, m]] = bh[e][:, m]
+            if K == 1:
+                for e in range(2):  # thread t's word: edge e of unit u at bit 2u + e
+                    bits += (bh[e].astype(np.uint32) & 1) << np.uint32(2 * u + e)
+            elif store:
+                m = part == 0
+                for e in range(NQ):  # the key's low byte (cost bits above the h included)
+                    bp[rows, pos, (j0 + e)[None, m]] = (keys[e][:, m] & np.uint32(0xFF)).astype(np.uint8)
             if final:
                 m = part == 0
                 for e in range(NQ):
-                    kk = (((best[e].view(np.uint32) | bh[e].astype(np.uint32)).astype(np.uint64) << np.uint64(32))
+                    kk = ((keys[e].astype(np.uint64) << np.uint64(32))
                           | (bh[e] * E + j0 + e).astype(np.uint64))
                     key = np.where(m[None, :], np.minimum(key, kk), key)
         if K == 1 and store:
-            # lane u of warp wid writes uint2 #(wid + 32u): words (wid + 32u)*2 + e
-            row = np.zeros((n, g.BP_ROW // 4), dtype=np.uint32)
-            for (u, e), words in bits.items():
-                for wid in range(NT // 32):
-                    row[:, (wid + 32 * u) * 2 + e] = words[:, wid].astype(np.uint32)
-            bp[:, pos, :] = row.view(np.uint8).reshape(n, g.BP_ROW)
+            bp[:, pos, :] = bits.view(np.uint8).reshape(n, g.BP_ROW)  # thread t writes word t
         if K == 1:
             for u, (j0, b0, b1) in stage.items():
                 buf0[rows, j0[None, :]] = b0
@@ -140,9 +133,9 @@ def _bp_get(g: Geo, row: np.ndarray, j: np.ndarray) -> np.ndarray:
     if g.K == 1:
         words = row.view(np.uint32).reshape(n, -1)
         w = j >> 1
-        word = words[np.arange(n), (w >> 5) * 2 + (j & 1)]
-        return ((word >> (w & 31).astype(np.uint32)) & 1).astype(np.int64)
-    return row[np.arange(n), j].astype(np.int64)
+        word = words[np.arange(n), w & (NT - 1)]
+        return ((word >> (2 * (w // NT) + (j & 1)).astype(np.uint32)) & 1).astype(np.int64)
+    return (row[np.arange(n), j] & (g.Q - 1)).astype(np.int64)
 
 
 def viterbi_model(x: np.ndarray, K: int, v: np.ndarray) -> np.ndarray:

@@ -7,12 +7,13 @@
  *     d = v[s] - x_i                                  float32, round to nearest
  *     c = fma(d, d, M_{i-1}[s >> K])                  float32, one rounding
  *     key(s) = (bits(c) & ~(Q-1)) | h                 h = s >> (16-K), the top K bits of s
- *     M_i[j] = float(min_h key(h*E + j) & ~(Q-1)),    back pointer = that minimum's low K bits
+ *     M_i[j] = float(min_h key(h*E + j)),             back pointer = that minimum's low K bits
  *
- * i.e. costs keep 23-K mantissa bits (truncated) and a tie goes to the lowest h. Why: the candidate's
- * h rides in the cost's low bits, so one unsigned min is the whole compare-and-select (a GPU does a
- * 3-input min in one instruction); the truncation is at most 2^-(23-K) relative per step, far below
- * the coding error. Costs are non-negative, so their bits order like their values.
+ * i.e. costs are compared on their top 23-K mantissa bits, a tie goes to the lowest h, and the winner's
+ * key is the cost carried on (its low K bits are its h). Why: the candidate's h rides in the cost's low
+ * bits, so one unsigned min is the whole compare-and-select (a GPU does a 3-input min in one
+ * instruction); the perturbation is below 2^-(23-K) relative per step, far below the coding error.
+ * Costs are non-negative, so their bits order like their values.
  *
  * Tail-biting, as the reference encoder does it: pass 1 runs the ring from position 128 without
  * constraint and reads off the state at position 255 on the best path (the lowest state of minimal
@@ -42,7 +43,7 @@
 
 typedef struct {
     uint32_t *C;   /* NSTATES keys of the current position */
-    float *M;      /* E minima over predecessors (truncated costs) */
+    float *M;      /* E minima over predecessors (keys read as floats) */
     uint8_t *bp;   /* L * E back pointers (the h of the best predecessor) */
 } work_t;
 
@@ -71,10 +72,7 @@ FQ_CLONES static void forward_##KK(const float *x, int roll, int pre, const floa
             const uint32_t *restrict Ch = C + (size_t) h * E;                                             \
             for (int j = 0; j < E; ++j) Mu[j] = Ch[j] < Mu[j] ? Ch[j] : Mu[j];                            \
         }                                                                                                 \
-        for (int j = 0; j < E; ++j) {                                                                     \
-            bp[j] = (uint8_t) (Mu[j] & (Q - 1));                                                          \
-            Mu[j] &= mask;                                                                                \
-        }                                                                                                 \
+        for (int j = 0; j < E; ++j) bp[j] = (uint8_t) (Mu[j] & (Q - 1));                                  \
         xi = x[(i + roll) & (L - 1)];                                                                     \
         for (int j = 0; j < E; ++j) {                                                                     \
             float m = M[j];                                                                               \

@@ -5,7 +5,7 @@
  * Edge formulation. A state is s = h*E + j (h: its top K bits, j: its low 16-K bits, E = 2^(16-K),
  * Q = 2^K); its predecessors are h'*E + (s >> K). Only M (E floats) is kept:
  *     key(h, j) = (bits(fma(v[h*E + j] - x_i, same, M_{i-1}[(h*E + j) >> K])) & ~(Q-1)) | h
- *     M_i[j] = min_h key(h, j) & ~(Q-1) (as float),  bp_i[j] = min_h key(h, j) & (Q-1).
+ *     M_i[j] = min_h key(h, j) (as float),  bp_i[j] = M_i[j]'s low K bits.
  * Per candidate that is FADD, FFMA, LOP3 (mask and h in one) and half a 3-input unsigned min (VIMNMX3):
  * the h rides in the key, so there is no compare-and-select.
  * Position 0 of a pass uses a virtual M_{-1}: 0 everywhere (pass 1), or 0 at `pre` and BIG = 2^126
@@ -27,8 +27,9 @@
  * compiler makes of 64 float registers.
  * M is double-buffered in shared memory (2*E floats) for K >= 2. K = 1 (2 x 128 KB would not fit): the
  * low 24576 entries are double-buffered, the high 8192 updated in place from registers between two
- * barriers. Back pointers go to global scratch: one byte per edge and position (K >= 2), one bit
- * (K = 1, via ballots). Pass 1 stores only the positions its backtrack reads (255 and 0..126).
+ * barriers. Back pointers go to global scratch: one byte per edge and position (K >= 2: the key's low
+ * byte, gathered with byte permutes), one bit (K = 1: each thread's 32 bits of a position in one word).
+ * Pass 1 stores only the positions its backtrack reads (255 and 0..126).
  *
  * Kernels per batch of tiles: forward(pass 1) -> backtrack to position 255 (one thread per tile) ->
  * forward(pass 2) -> backtrack writing the 256 states. The backtracks are pointer chases; running them
@@ -152,11 +153,12 @@ template <int K>
 __device__ __forceinline__ int bp_get(const uint8_t* row, int j)
 {
     if constexpr (K == 1) {
+        // edge j = 2(t + 1024u) + e is bit 2u + e of word t
         const int w = j >> 1;
-        const unsigned word = reinterpret_cast<const unsigned*>(row)[(w >> 5) * 2 + (j & 1)];
-        return (word >> (w & 31)) & 1;
+        const unsigned word = reinterpret_cast<const unsigned*>(row)[w & (NT - 1)];
+        return (word >> (2 * (w / NT) + (j & 1))) & 1;
     } else {
-        return row[j];
+        return row[j] & ((1 << K) - 1);
     }
 }
 
@@ -171,12 +173,10 @@ __device__ __forceinline__ void step(const Values<K>& V, const float4* vsm4, con
 {
     using Gm = Geo<K>;
     constexpr int E = Gm::E, NU = Gm::NU, NQ = Gm::NQ, NH = Gm::NH, P = Gm::P, NREG = Gm::NREG;
-    constexpr unsigned MASK = Gm::MASK;
-    const int lane = t & 31;
     const float* Mc = (i & 1) ? buf1 : buf0;  // K = 1: the low part of M_{i-1}; its high part is buf0[p]
     float* Mn = (i & 1) ? buf0 : buf1;
     float stage[K == 1 ? 2 * (NU - Gm::STAGE_U) : 1];
-    uint2 bits = make_uint2(0u, 0u);  // K = 1: lane u keeps unit u's two ballot words
+    unsigned bits = 0u;  // K = 1: this thread's back-pointer bits (edge e of unit u at bit 2u + e)
     float4 row = make_float4(0.f, 0.f, 0.f, 0.f);  // K >= 2: the shared-memory row of the current slots
 
 #pragma unroll
@@ -225,10 +225,10 @@ __device__ __forceinline__ void step(const Values<K>& V, const float4* vsm4, con
             for (int off = 1; off < P; off <<= 1) best[0] = min(best[0], __shfl_down_sync(FULL, best[0], off));
         }
 
-        // costs of this position
+        // costs of this position: the minimal keys themselves (their low K bits are the h)
         float m[NQ];
 #pragma unroll
-        for (int e = 0; e < NQ; ++e) m[e] = __uint_as_float(best[e] & MASK);
+        for (int e = 0; e < NQ; ++e) m[e] = __uint_as_float(best[e]);
         if constexpr (K == 1) {
             if (u < Gm::STAGE_U) {
                 *reinterpret_cast<float2*>(Mn + j0) = make_float2(m[0], m[1]);
@@ -244,20 +244,18 @@ __device__ __forceinline__ void step(const Values<K>& V, const float4* vsm4, con
             if (part == 0) Mn[j0] = m[0];
         }
 
-        // back pointers of this position
-        if (store) {
-            constexpr unsigned HB = Gm::Q - 1;
-            if constexpr (K == 1) {
-                const unsigned b0 = __ballot_sync(FULL, best[0] & 1u);
-                const unsigned b1 = __ballot_sync(FULL, best[1] & 1u);
-                if (lane == u) bits = make_uint2(b0, b1);
-            } else if constexpr (NQ == 4) {
-                *reinterpret_cast<unsigned*>(bprow + j0) =
-                    (best[0] & HB) | ((best[1] & HB) << 8) | ((best[2] & HB) << 16) | ((best[3] & HB) << 24);
+        // back pointers of this position: K = 1 gathers this thread's 32 bits (16 units x 2 edges) in one
+        // word; otherwise each edge's byte is its key's low byte (the h; bp_get masks the cost bits above)
+        if constexpr (K == 1) {
+            bits |= ((best[0] & 1u) << (2 * u)) | ((best[1] & 1u) << (2 * u + 1));
+        } else if (store) {
+            if constexpr (NQ == 4) {
+                const unsigned lo = __byte_perm(best[0], best[1], 0x0040), hi = __byte_perm(best[2], best[3], 0x0040);
+                *reinterpret_cast<unsigned*>(bprow + j0) = __byte_perm(lo, hi, 0x5410);
             } else if constexpr (NQ == 2) {
-                *reinterpret_cast<unsigned short*>(bprow + j0) = (unsigned short) ((best[0] & HB) | ((best[1] & HB) << 8));
+                *reinterpret_cast<unsigned short*>(bprow + j0) = (unsigned short) __byte_perm(best[0], best[1], 0x0040);
             } else {
-                if (part == 0) bprow[j0] = (uint8_t) (best[0] & HB);
+                if (part == 0) bprow[j0] = (uint8_t) best[0];
             }
         }
 
@@ -274,8 +272,7 @@ __device__ __forceinline__ void step(const Values<K>& V, const float4* vsm4, con
         }
     }
     if constexpr (K == 1) {
-        // unit u's words: edges 2w and 2w+1 (w = warp*32 + lane + 1024u) at word (w >> 5) * 2 + (j & 1)
-        if (store && lane < NU) reinterpret_cast<uint2*>(bprow)[(t >> 5) + 32 * lane] = bits;
+        if (store) reinterpret_cast<unsigned*>(bprow)[t] = bits;  // coalesced: word t of the row
     }
     __syncthreads();
     if constexpr (K == 1) {

@@ -117,7 +117,7 @@ def _forward(x, K, v, roll, pre):
         prev = (i - 1 + roll) % TILE_LEN
         key = C.view(n, Q, E).amin(dim=1)
         bp[prev] = (key & (Q - 1)).to(torch.uint8)
-        M = (key & ~(Q - 1)).to(torch.int32).view(torch.float32)
+        M = key.to(torch.int32).view(torch.float32)  # the winning keys are the costs carried on
         d = v[None, :] - x[:, (i + roll) % TILE_LEN, None]
         C = _keys(d, M.repeat_interleave(Q, dim=1), K)
     return C, bp
