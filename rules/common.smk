@@ -1,5 +1,6 @@
 # Helpers shared by the rules: the campaign is planned here, at parse time, from metadata alone.
 import hashlib
+import re
 from pathlib import Path
 
 from fq.workflow.campaign import load_campaign
@@ -36,43 +37,81 @@ def source_files():
 
 
 def encode_inputs(wc):
-    f = fragment_of(wc)
+    """A block job's (per_job: block) or a layer job's (per_job: layer) inputs: every block's ancestors, and the
+    staged shards only when the job will encode (see fragment_needs_source / Campaign.layer_needs_source)."""
+    layer = int(wc.layer)
+    frags = [fragment_of(wc)] if "block" in wc.keys() else C.layer_fragments(wc.node, layer)
     # campaign.json and the key are ancient(): their existence matters, not their age (init refuses a
     # changed identity itself), so re-running init never cascades into re-encoding the campaign
     inputs = {
         "campaign": ancient(C.campaign_json),
         "key": ancient(KEY),
-        "ancestors": [C.fragment(a, f.block) for a in C.ancestors(f.node)],
+        "ancestors": [C.fragment(a, f.block) for f in frags for a in C.ancestors(wc.node)],
     }
-    if C.fragment_needs_source(f.node, f.block):
-        inputs["shards"] = staged_shards(f.block)
+    if "block" in wc.keys():
+        needs = C.fragment_needs_source(wc.node, frags[0].block)
+    else:
+        needs = C.layer_needs_source(wc.node, layer)
+    if needs:
+        inputs["shards"] = sorted({s for f in frags for s in staged_shards(f.block)})
     return inputs
 
 
-def encode_spec(wc):
-    f = fragment_of(wc)
-    node = C.recipe.node(f.node)
+def encode_spec(wc, output):
+    """What the job encodes: its node, and per output fragment the block, experts, sources and ancestors.
+    Derived from the outputs, so Snakemake neither stores nor compares it (a layer's spec is large); the rerun
+    key is encode_key (below)."""
+    node = C.recipe.node(wc.node)
+    mine = {str(Path(p)) for p in ([output.fragment] if isinstance(output.fragment, str) else output.fragment)}
+    frags = [f for f in C.layer_fragments(wc.node, int(wc.layer)) if str(Path(C.fragment(wc.node, f.block))) in mine]
     return {
-        "node": f.node,
+        "node": wc.node,
         "role": "base" if node.is_base else "stage",
         "K": node.K,
         "codebook": node.codebook,
-        "node_digest": C.recipe.node_digest(f.node),
-        "layer": f.block.layer,
-        "block": C.block_index(f.block),
-        "experts": list(f.experts),
-        "sources": C.expert_sources(f.block.layer, f.experts),
-        "ancestors": [
+        "node_digest": C.recipe.node_digest(wc.node),
+        "layer": int(wc.layer),
+        "blocks": [
             {
-                "node": a,
-                "codebook": C.recipe.node(a).codebook,
-                "digest": C.recipe.node_digest(a),
-                "path": C.fragment(a, f.block),
+                "block": C.block_index(f.block),
+                "experts": list(f.experts),
+                "sources": C.expert_sources(f.block.layer, f.experts),
+                "ancestors": [
+                    {
+                        "node": a,
+                        "codebook": C.recipe.node(a).codebook,
+                        "digest": C.recipe.node_digest(a),
+                        "path": C.fragment(a, f.block),
+                    }
+                    for a in C.ancestors(wc.node)
+                ],
             }
-            for a in C.ancestors(f.node)
+            for f in frags
         ],
         "layout": C.layout.to_json(),
     }
+
+
+def encode_key(wc):
+    """The encode rerun key (a Snakemake param, compared with the one recorded for each output): the node's recipe
+    digest and its experts in the whole layer -- the same for a block job and a layer job, so a campaign can
+    switch encode.per_job without re-encoding what is committed."""
+    return {
+        "node_digest": C.recipe.node_digest(wc.node),
+        "experts": [e for f in C.layer_fragments(wc.node, int(wc.layer)) for e in f.experts],
+    }
+
+
+def encode_layer_threads():
+    """The threads a profile sets for encode_layer (set-threads), for the other layer rules (known at parse time)."""
+    return workflow.resource_settings.overwrite_threads.get("encode_layer")
+
+
+def encode_layer_group(wc):
+    """The group a profile sets for encode_layer (groups: profiles/slurm), for the other layer rules. Snakemake hands
+    its group settings to the workflow only after parsing, so this is a function, called when it forms group jobs."""
+    group = workflow.group_settings.overwrite_groups.get("encode_layer")
+    return group.format(**dict(wc.items())) if group else None
 
 
 def native_block(wc):

@@ -1,4 +1,5 @@
-# Encoding: skeleton copies per source shard, one job per (node, layer, block), native comparisons.
+# Encoding: skeleton copies per source shard, encode jobs per (node, layer, block) or per (node, layer), native
+# comparisons.
 
 
 rule skeleton:
@@ -21,30 +22,86 @@ rule skeleton:
         "../scripts/skeleton.py"
 
 
-rule encode:
-    input:
-        unpack(encode_inputs),
-    output:
-        fragment=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors",
-        attestation=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors.intoto.jsonl",
-        metrics=f"{OUT}/metrics/{{node}}/{{node}}-layer{{layer}}-block{{block}}.json",
-    conda:
-        "../envs/fq.yaml"
-    log:
-        f"{OUT}/logs/encode/{{node}}-layer{{layer}}-block{{block}}.log",
-    benchmark:
-        f"{OUT}/benchmarks/encode/{{node}}-layer{{layer}}-block{{block}}.tsv"
-    params:
-        spec=encode_spec,
-        device=config["encode"]["device"],
-        devices=config["encode"].get("devices", []),
-        seed=config["encode"].get("seed", 0),
-        locks=f"{OUT}/locks",
-    threads: config["encode"].get("threads", 1) or workflow.cores
-    resources:
-        gpu=1 if config["encode"]["device"] == "cuda" else 0,
-    script:
-        "../scripts/encode.py"
+# Encode jobs, one of two granularities (config encode.per_job), writing the same files byte for byte:
+#   block: rule encode, one job per (node, layer, block);
+#   layer: the encode_layer rules, one job per (node, layer) encoding all of that node's blocks of the layer in one
+#          process (one process start, CUDA init, key and encoder check per layer instead of per block).
+# Exactly one of the two is defined, chosen from config: with both defined, every fragment would have two producers
+# and a `ruleorder` would have to pick one for each, `snakemake -n` and --list-rules would show a rule that never
+# runs, and a profile's per-rule settings could name the wrong one. A layer job's outputs are the explicit list of
+# its blocks' files (the paths the block rule writes), so finalize, staging, retirement and the report do not know
+# which mode ran. Both take the same params (encode_key, the rerun key), so a campaign may switch modes.
+if C.per_job == "block":
+
+    rule encode:
+        input:
+            unpack(encode_inputs),
+        output:
+            fragment=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors",
+            attestation=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors.intoto.jsonl",
+            metrics=f"{OUT}/metrics/{{node}}/{{node}}-layer{{layer}}-block{{block}}.json",
+        conda:
+            "../envs/fq.yaml"
+        log:
+            f"{OUT}/logs/encode/{{node}}-layer{{layer}}-block{{block}}.log",
+        benchmark:
+            f"{OUT}/benchmarks/encode/{{node}}-layer{{layer}}-block{{block}}.tsv"
+        params:
+            spec=encode_spec,
+            key=encode_key,
+            device=config["encode"]["device"],
+            devices=config["encode"].get("devices", []),
+            seed=config["encode"].get("seed", 0),
+            locks=f"{OUT}/locks",
+        threads: config["encode"].get("threads", 1) or workflow.cores
+        resources:
+            gpu=1 if config["encode"]["device"] == "cuda" else 0,
+        script:
+            "../scripts/encode.py"
+
+else:
+    # Output patterns are fixed per rule, so each rule serves the (node, layer) pairs with one set of block indices:
+    # encode_layer for the nodes that encode every expert (all blocks of every layer), encode_layer_2, ... for a hot
+    # stage whose experts miss a block in some layer (Campaign.layer_rules). Their names depend on the recipe and the
+    # usage statistics, so no profile can name them: they take the threads and the group a profile sets for
+    # encode_layer (encode_layer_threads, encode_layer_group); other per-rule settings (runtime) stay the defaults.
+    for R in C.layer_rules:
+
+        rule:
+            name:
+                R.name
+            input:
+                unpack(encode_inputs),
+            output:
+                fragment=[f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{b:03d}.safetensors" for b in R.blocks],
+                attestation=[
+                    f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{b:03d}.safetensors.intoto.jsonl"
+                    for b in R.blocks
+                ],
+                metrics=[f"{OUT}/metrics/{{node}}/{{node}}-layer{{layer}}-block{b:03d}.json" for b in R.blocks],
+            wildcard_constraints:
+                node="|".join(re.escape(n) for n in R.nodes),
+                layer="|".join(f"{l:03d}" for l in R.layers),
+            conda:
+                "../envs/fq.yaml"
+            log:
+                f"{OUT}/logs/encode/{{node}}-layer{{layer}}.log",
+            benchmark:
+                f"{OUT}/benchmarks/encode/{{node}}-layer{{layer}}.tsv"
+            params:
+                spec=encode_spec,
+                key=encode_key,
+                device=config["encode"]["device"],
+                devices=config["encode"].get("devices", []),
+                seed=config["encode"].get("seed", 0),
+                locks=f"{OUT}/locks",
+            threads: encode_layer_threads() or config["encode"].get("threads", 1) or workflow.cores
+            resources:
+                gpu=1 if config["encode"]["device"] == "cuda" else 0,
+            group:
+                None if R.name == "encode_layer" else encode_layer_group
+            script:
+                "../scripts/encode.py"
 
 
 rule native:

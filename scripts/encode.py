@@ -1,12 +1,28 @@
 from _log import to_log
+from fq.errors import FqError
 from fq.experts import ExpertLayout
-from fq.workflow.encode import encode_block
+from fq.workflow.encode import BlockJob, encode_blocks
 
 to_log(snakemake)
 s, p = snakemake.params.spec, snakemake.params
-encode_block(campaign_json=snakemake.input.campaign, key_path=snakemake.input.key, node=s["node"], role=s["role"],
-             K=s["K"], codebook=s["codebook"], node_digest=s["node_digest"], layer=s["layer"], block=s["block"],
-             experts=s["experts"], sources=s["sources"], ancestors=s["ancestors"],
-             out_fragment=snakemake.output.fragment, out_metrics=snakemake.output.metrics, device=p.device,
-             devices_list=list(p.devices), lock_dir=p.locks, seed=p.seed, threads=snakemake.threads,
-             layout=ExpertLayout.from_json(s["layout"]))
+# The spec describes the node's whole layer in both encode.per_job modes (the params are Snakemake's rerun key
+# and stay the same either way, so switching modes re-encodes nothing); a block job encodes its wildcards' block.
+blocks = s["blocks"]
+if "block" in snakemake.wildcards.keys():
+    blocks = [b for b in blocks if b["block"] == int(snakemake.wildcards.block)]
+
+
+def paths(out):
+    return [out] if isinstance(out, str) else list(out)
+
+
+jobs = [BlockJob(node=s["node"], role=s["role"], K=s["K"], codebook=s["codebook"], node_digest=s["node_digest"],
+                 layer=s["layer"], block=b["block"], experts=b["experts"], sources=b["sources"],
+                 ancestors=b["ancestors"], out_fragment=f, out_metrics=m)
+        for b, f, m in zip(blocks, paths(snakemake.output.fragment), paths(snakemake.output.metrics), strict=True)]
+for j in jobs:  # outputs and spec in the same block order (rules/encode.smk writes both from the plan)
+    if f"-block{j.block:03d}." not in j.out_fragment or f"-block{j.block:03d}." not in j.out_metrics:
+        raise FqError(f"encode job: outputs {j.out_fragment}, {j.out_metrics} are not those of block {j.block}")
+encode_blocks(jobs, campaign_json=snakemake.input.campaign, key_path=snakemake.input.key, device=p.device,
+              devices_list=list(p.devices), lock_dir=p.locks, seed=p.seed, threads=snakemake.threads,
+              layout=ExpertLayout.from_json(s["layout"]))

@@ -21,7 +21,7 @@ import pytest
 from fq.attest import keys
 from fq.summary import SUMMARY_NAME
 from slurmkit import LocalSlurm, Unavailable, ensure_installed
-from test_workflow import RECIPE, smk, tree_digest, write_config
+from test_workflow import LAYER_MODE, RECIPE, smk, tree_digest, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,14 +42,20 @@ def test_gpu_lock_is_per_slurm_allocation(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-0.lock", "gpu-slurm101-0.lock", "gpu-slurm102-0.lock"]
 
 
-def test_profile_groups_encodes_per_layer(tmp_path):
-    """One group job per layer (a layer never spans two staging windows), every encode in one of them."""
-    write_config(tmp_path, RECIPE)
+@pytest.mark.parametrize("per_job,members", [("layer", [3, 3]), ("block", [5, 5])])
+def test_profile_groups_encodes_per_layer(tmp_path, per_job, members):
+    """One group job per layer (a layer never spans two staging windows), every encode in one of them: per_job layer,
+    one member per (node, layer) -- a and a.r1 (encode_layer), the hot stage (its own rule per block set, grouped like
+    encode_layer) --, each member one `srun snakemake` step in the group's allocation; per_job block, one per block."""
+    write_config(tmp_path, RECIPE, encode={**LAYER_MODE, "per_job": per_job})
     p = smk(tmp_path, "-n", "--profile", str(REPO / "profiles" / "slurm"))
     out = p.stdout + p.stderr
     assert re.findall(r"Group job (\S+) \(jobs", out) == ["encode-L001", "encode-L002"]
     blocks = re.split(r"Group job \S+ \(jobs in lexicogr\. order\):", out)[1:]
-    assert [b.split("\n\n[")[0].count("rule encode:") for b in blocks] == [5, 5]  # 2 blocks x (a, a.r1) + 1 hot
+    member = r"^    rule encode(_layer(_\d+)?)?:" if per_job == "layer" else r"^    rule encode:"
+    assert [len(re.findall(member, b.split("\n\n[")[0], re.M)) for b in blocks] == members
+    assert not re.findall(r"^rule encode", out, re.M)  # no encode job outside a group
+    assert ("rule encode_layer:" in out) == (per_job == "layer") and ("rule encode:" in out) == (per_job == "block")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +85,9 @@ def test_demo_campaign_through_the_slurm_profile_equals_a_local_run(cluster, tmp
     local, remote = tmp_path / "local", tmp_path / "slurm"
     for d in (local, remote):
         d.mkdir()
-        write_config(d, RECIPE, signer_key=str(key))
+    # the local reference encodes per block, the cluster per layer (profiles/slurm's mode): the same bytes
+    write_config(local, RECIPE, signer_key=str(key))
+    write_config(remote, RECIPE, signer_key=str(key), encode=LAYER_MODE)
     t0 = time.monotonic()
     smk(local)
     t_local = time.monotonic() - t0
@@ -88,7 +96,7 @@ def test_demo_campaign_through_the_slurm_profile_equals_a_local_run(cluster, tmp
            "--configfile", str(remote / "config.yaml"), "--profile", str(REPO / "profiles" / "slurm"),
            # the demo encodes on the CPU (gpu=0); ask for a stand-in GPU anyway, so that SLURM schedules the
            # profile's --gpus request per encode group for real
-           "--set-resources", "encode:gpu=1",
+           "--set-resources", "encode_layer:gpu=1", "encode_layer_2:gpu=1", "encode_layer_3:gpu=1",
            "--cores", "2", "--jobs", "4", "--latency-wait", "5", "--default-resources", "runtime=10", "mem_mb=500",
            "--slurm-init-seconds-before-status-checks", "2"]
     env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
@@ -110,13 +118,16 @@ def test_demo_campaign_through_the_slurm_profile_equals_a_local_run(cluster, tmp
 
     jobs = slurm_jobs(cluster)
     groups = [j for j in jobs if j.get("Comment", "").startswith("rule_encode-L")]  # group jobs: rule_GROUPID_...
-    encodes = len(list((b / "fragments").rglob("*.safetensors")))
-    assert encodes == 10 and sorted(j["Comment"].split("_")[1] for j in groups) == ["encode-L001", "encode-L002"]
+    assert len(list((b / "fragments").rglob("*.safetensors"))) == 10
+    assert sorted(j["Comment"].split("_")[1] for j in groups) == ["encode-L001", "encode-L002"]
     logs = remote / ".snakemake" / "slurm_logs"  # kept by the profile (slurm-keep-successful-logs)
-    assert sorted(p.name for p in logs.glob("group_encode-*")) == ["group_encode-L001_encode", "group_encode-L002_encode"]
+    # a group job's name lists its members' rules: a and a.r1 (encode_layer) and the hot stage's layer rule
+    assert sorted(p.name for p in logs.glob("group_encode-*")) == ["group_encode-L001_encode_layer_encode_layer_2",
+                                                                   "group_encode-L002_encode_layer_encode_layer_3"]
     assert all(len(list(p.glob("*.log"))) == 1 for p in logs.glob("group_*"))  # one SLURM job each
     assert not list(logs.glob("rule_encode*"))  # no encode ran as a SLURM job of its own
     assert all(j["JobState"] == "COMPLETED" and "gpu:1" in j.get("TresPerJob", "") for j in groups), groups
     assert all(j["JobState"] == "COMPLETED" for j in jobs)
+    encodes = 6  # (a, a.r1, a.r1.h2) x 2 layers, 3 in each group job: 1 + 3 Snakefile parses per group job
     print(f"local {t_local:.0f} s, SLURM {t_slurm:.0f} s: {len(jobs)} SLURM jobs for {len(jobs) - 2 + encodes} "
           "Snakemake jobs")

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,13 @@ def test_a_wrong_window_partition_is_refused_at_parse_time(tmp_path):
     assert p.returncode != 0 and "layer(s) 2 in no window" in p.stdout + p.stderr
 
 
+def test_an_unknown_encode_granularity_is_refused_at_parse_time(tmp_path):
+    write_config(tmp_path, RECIPE, encode={"device": "cpu", "per_job": "expert"})
+    p = smk(tmp_path, "-n", check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "'expert' is not one of ['block', 'layer']" in out and "per_job" in out
+
+
 def test_cuda_without_named_devices_is_refused():
     from fq.errors import FqError
     from fq.workflow.devices import claim
@@ -262,3 +270,90 @@ def test_snakemake_report_renders_html(run):
     smk(d, "--report", str(d / "report.html"))
     html = (d / "report.html").read_text(errors="replace")
     assert len(html) > 10_000 and "quality.png" in html and "products.tsv" in html
+
+
+# -- encode.per_job: layer -----------------------------------------------------------------------------------------
+LAYER_MODE = {"device": "cpu", "devices": [], "threads": 1, "seed": 0, "per_job": "layer"}
+
+
+@pytest.fixture(scope="module")
+def layer_run(run, tmp_path_factory):
+    """The module's campaign again with one encode job per (node, layer), signed with the block-mode run's key.
+    Its first run is SIGKILLed (the whole process group, as a preemption would) once the first layer job has
+    committed its first block and is encoding the second; the second run resumes it."""
+    import crashkit as k
+
+    d0, _ = run
+    d = tmp_path_factory.mktemp("wf-layer")
+    write_config(d, RECIPE, encode=LAYER_MODE, signer_key=str(d0 / "campaign" / "keys" / "signer.key"))
+    dry = smk(d, "-n")
+    camp = d / "campaign"
+    first, second = (camp / "metrics" / "a" / f"a-layer001-block00{b}.json" for b in (0, 1))
+    p = k.start(d)
+    try:
+        k.wait_for(lambda: first.is_file() or p.poll() is not None, 600, "the first block of the first layer job")
+        mid_layer = first.is_file() and not second.exists() and p.poll() is None
+        killed = {f.name: f.stat().st_mtime_ns for f in (camp / "fragments" / "a").glob("*.safetensors")}
+    finally:
+        k.killpg(p)
+    smk(d)
+    return d, dry.stdout + dry.stderr, mid_layer, killed
+
+
+def test_layer_mode_runs_one_job_per_node_and_layer(layer_run):
+    d, dry, _, _ = layer_run
+    counts = job_counts(dry)
+    assert "encode" not in counts  # the block rule is not defined in layer mode
+    assert counts["encode_layer"] == 4  # a and a.r1 (every expert: both blocks) x 2 layers
+    # the hot stage's one block per layer is block 0 in one layer and block 1 in the other: two more rules
+    assert sorted(n for n in counts if n.startswith("encode_layer_")) == ["encode_layer_2", "encode_layer_3"]
+    assert sum(n for r, n in counts.items() if r.startswith("encode_layer")) == 6
+    logs = sorted(p.name for p in (d / "campaign" / "logs" / "encode").iterdir())
+    assert logs == sorted(f"{n}-layer00{l}.log" for n in ("a", "a.r1", "a.r1.h2") for l in (1, 2))
+
+
+def test_layer_mode_killed_mid_layer_resumes_to_the_block_mode_bytes(run, layer_run):
+    d0, _ = run
+    d, _, mid_layer, killed = layer_run
+    assert mid_layer, "the first run was not killed between the first layer job's two blocks"
+    a, b = d0 / "campaign", d / "campaign"
+    assert tree_digest(b / "published") == tree_digest(a / "published")
+    assert (b / "campaign_summary.json").read_bytes() == (a / "campaign_summary.json").read_bytes()
+    assert (b / "published.verified").read_text() == (a / "published.verified").read_text()
+    assert tree_digest(b / "fragments") == tree_digest(a / "fragments")
+    assert tree_digest(b / "metrics") == tree_digest(a / "metrics")
+    # the killed job's committed block was redone with the rest of its layer (Snakemake reruns an incomplete job
+    # whole): the documented price of a crash in layer mode
+    after = fragment_mtimes(d)
+    assert list(killed) == ["a-layer001-block000.safetensors"]
+    assert after["campaign/fragments/a/a-layer001-block000.safetensors"] != killed["a-layer001-block000.safetensors"]
+
+
+def test_switching_per_job_on_a_finished_campaign_reencodes_nothing(layer_run):
+    d, _, _, _ = layer_run
+    p = smk(d, "-n", "--config", "encode={per_job: block}")
+    assert "Nothing to be done" in p.stdout + p.stderr
+
+
+def test_a_layer_job_asks_for_its_source_when_snakemake_will_rerun_it_for_an_older_output(run):
+    """Block mode can commit a stage's block before its parent's next block; a layer job of that stage then has an
+    output older than one of its inputs, which Snakemake's mtime trigger reruns: it must have its shards staged."""
+    d, _ = run
+    c = campaign(d)
+    b0, b1 = (c.block(1, i) for i in (0, 1))
+    stage = [c.fragment("a.r1", b0), c.attestation(c.fragment("a.r1", b0)), c.metrics("a.r1", b0)]
+    files = stage + [c.fragment("a", b0), c.fragment("a", b1), c.fragment("a.r1", b1), c.attestation(c.fragment("a.r1", b1)),
+                     c.metrics("a.r1", b1)]
+    saved = {p: os.stat(p) for p in files}
+    try:
+        now = time.time()
+        for p, t in [(c.fragment("a", b0), now - 400), *((p, now - 300) for p in stage), (c.fragment("a", b1), now - 200),
+                     *((p, now - 100) for p in files[5:])]:
+            os.utime(p, (t, t))
+        assert not c.fragment_needs_source("a.r1", b0) and not c.fragment_needs_source("a.r1", b1)
+        assert c.layer_needs_source("a.r1", 1)
+        os.utime(c.fragment("a", b1), (now - 350, now - 350))  # parent's block 1 older than every output: no rerun
+        assert not c.layer_needs_source("a.r1", 1)
+    finally:
+        for p, st in saved.items():
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))

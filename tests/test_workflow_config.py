@@ -37,3 +37,16 @@ def test_wrong_windows_and_missing_local_source_are_refused(tmp_path):
         load_campaign(_cfg(windows="1"))
     with pytest.raises(FqError, match="not a directory|config.json"):
         load_campaign(_cfg(source={"kind": "local", "path": str(tmp_path / "nope")}))
+
+
+def test_layer_rules_cover_every_node_and_layer_once_with_its_blocks():
+    """per_job: layer: each rule serves nodes x layers with one block set (outputs are patterns), exactly."""
+    c = load_campaign(_cfg())
+    rules = c.layer_rules
+    assert [r.name for r in rules] == ["encode_layer", "encode_layer_2", "encode_layer_3"]
+    assert rules[0].nodes == ("k2", "k3", "k2.r1") and rules[0].layers == (1, 2) and rules[0].blocks == (0, 1)
+    served = [(n, l, r.blocks) for r in rules for n in r.nodes for l in r.layers]
+    want = {(n, l): tuple(c.block_index(f.block) for f in c.layer_fragments(n, l))
+            for n, l in {(f.node, f.block.layer) for f in c.fragments}}
+    assert len(served) == len(want) and {(n, l): b for n, l, b in served} == want
+    assert c.per_job == "block" and load_campaign(_cfg(encode={"device": "cpu", "per_job": "layer"})).per_job == "layer"

@@ -24,6 +24,20 @@ from fq.usage import ExpertUsage, load_usage, parse_usage
 SOURCE_KINDS = ("demo", "local", "hub")
 
 
+def is_encode_rule(name: str) -> bool:
+    """Whether a Snakemake rule name is one of the encode rules (``encode``, or ``encode_layer``...: per_job)."""
+    return name == "encode" or name == "encode_layer" or name.startswith("encode_layer_")
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """One Snakemake rule of layer jobs: every (node, layer) in nodes x layers encodes exactly ``blocks``."""
+    name: str
+    nodes: tuple[str, ...]
+    layers: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
 @dataclass(eq=False)
 class Campaign:
     config: dict
@@ -114,6 +128,62 @@ class Campaign:
             if f.node == node and f.block.layer == layer and self.block_index(f.block) == index:
                 return f
         raise FqError(f"campaign {self.name}: node {node} has no fragment for layer {layer} block {index}")
+
+    # -- layer jobs (encode.per_job: layer) ------------------------------------------------------------
+    @property
+    def per_job(self) -> str:
+        return self.config.get("encode", {}).get("per_job") or "block"
+
+    def layer_fragments(self, node: str, layer: int) -> tuple[Fragment, ...]:
+        """``node``'s fragments in ``layer``, in block order: what one layer job encodes."""
+        return self._layer_fragments.get((node, layer), ())
+
+    @cached_property
+    def _layer_fragments(self) -> dict[tuple[str, int], tuple[Fragment, ...]]:
+        out: dict[tuple[str, int], list[Fragment]] = {}
+        for f in self.fragments:
+            out.setdefault((f.node, f.block.layer), []).append(f)
+        return {k: tuple(sorted(v, key=lambda f: f.block.first_expert)) for k, v in out.items()}
+
+    @cached_property
+    def layer_rules(self) -> tuple[LayerRule, ...]:
+        """The layer jobs, partitioned into the fewest Snakemake rules whose outputs can be written as patterns.
+
+        A rule's outputs are fixed patterns in its wildcards ({node}, {layer}), so one rule can only serve
+        (node, layer) pairs with the same block indices, and wildcard constraints are per wildcard, so the
+        pairs it serves must be a full product nodes x layers. Nodes encoding every expert have every block
+        of every layer: one rule, ``encode_layer``. A hot stage whose experts miss a block in some layer gets
+        further rules (``encode_layer_2``, ...), one per (block set, layers) it has."""
+        by_blocks: dict[tuple[int, ...], dict[str, list[int]]] = {}
+        for (node, layer), frags in self._layer_fragments.items():
+            blocks = tuple(self.block_index(f.block) for f in frags)
+            by_blocks.setdefault(blocks, {}).setdefault(node, []).append(layer)
+        order = {n["name"]: i for i, n in enumerate(self.plan.nodes)}  # topological
+        rects = []
+        for blocks, nodes in by_blocks.items():
+            by_layers: dict[tuple[int, ...], list[str]] = {}
+            for node, layers in nodes.items():
+                by_layers.setdefault(tuple(sorted(layers)), []).append(node)
+            for layers, ns in by_layers.items():
+                rects.append((tuple(sorted(ns, key=lambda n: (order.get(n, 0), n))), layers, blocks))
+        rects.sort(key=lambda r: (-len(r[0]) * len(r[1]), r[2], r[1], r[0]))
+        return tuple(LayerRule("encode_layer" if i == 0 else f"encode_layer_{i + 1}", nodes, layers, blocks)
+                     for i, (nodes, layers, blocks) in enumerate(rects))
+
+    def layer_needs_source(self, node: str, layer: int) -> bool:
+        """Whether the layer job of (node, layer) will encode, so it must ask for its staged shards: one of its
+        blocks needs its source (fragment_needs_source), or Snakemake will rerun the job because an ancestor's
+        fragment of any block of the layer is newer than the job's oldest output (its mtime trigger; a campaign
+        begun with per_job: block can have a stage's block committed before its parent's next block)."""
+        frags = self.layer_fragments(node, layer)
+        memo: dict = {}
+        if any(self.fragment_needs_source(node, f.block, memo) for f in frags):
+            return True
+        outs = [p for f in frags for p in (self.fragment(node, f.block), self.attestation(self.fragment(node, f.block)),
+                                           self.metrics(node, f.block))]
+        oldest = min(Path(p).stat().st_mtime for p in outs)
+        return any(Path(self.fragment(a, f.block)).stat().st_mtime > oldest
+                   for f in frags for a in self.ancestors(node))
 
     def ancestors(self, node: str) -> tuple[str, ...]:
         """The chain from the base to ``node``'s parent."""

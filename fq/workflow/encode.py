@@ -1,21 +1,32 @@
-"""One encode job: node N's encoding of one block, committed as fragment + attestation + metrics.
+"""Encode jobs: node N's encoding of one block, or of every block of one layer (``encode.per_job``),
+each block committed as fragment + attestation + metrics.
 
 A stage reads its ancestors' *committed* fragments (verified under the campaign key, their node
 digests checked against the recipe) and encodes the residual against exactly those bytes, so a
 residual can never be pinned to a parent that was recomputed only in memory.
 
 Before it reads or writes anything a job takes its locks (fq.workflow.locks): ``workers.lock`` shared
-and the block's claim exclusively, both for the life of the process, and refuses the block when
-anyone else -- an orphan of a killed Snakemake included -- holds the claim. Then it checks the signer
-key and the encoder build against the ones bound at init, so a wrong key or a rebuilt encoder fails
-in seconds. The three outputs are committed one by one, each atomically (temp name, fsync, rename):
-a job killed between them leaves the block incomplete (fragment_needs_source and Snakemake's
-incomplete-output marker both see it) and the next run redoes the whole block.
+and the claim of every block it will write exclusively, all for the life of the process, and refuses
+when anyone else -- an orphan of a killed Snakemake included -- holds one of them. Then it checks the
+signer key and the encoder build against the ones bound at init (once per job), so a wrong key or a
+rebuilt encoder fails in seconds. A block's three outputs are committed one by one, each atomically
+(temp name, fsync, rename), as soon as the block is encoded: a job killed between them leaves the block
+incomplete (fragment_needs_source and Snakemake's incomplete-output marker both see it) and the next
+run redoes the job.
+
+I/O overlaps the encoder: one reader thread verifies the next block's ancestors and reads the next
+expert's source matrices (safetensors, bf16 -> float32) while the current expert encodes, and one writer
+thread commits a finished block (write, sha256 + Ed25519 attestation, metrics) while the next block
+encodes. Blocks are committed in order, one at a time, by that one writer; an exception in either thread
+fails the job with its original message.
 """
 from __future__ import annotations
 
 import hashlib
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,32 +84,139 @@ def load_sets(path: Path, layout: ExpertLayout, layer: int, experts, codebook: s
 
 def read_source(sources: dict) -> dict:
     """{expert: {proj: float32 W}} from the staged shards ({expert: {proj: [path, tensor name]}})."""
-    handles = {}
-    out = {}
+    handles: dict = {}
     try:
-        for e, projs in sources.items():
-            out[int(e)] = {}
-            for p, (path, name) in projs.items():
-                if path not in handles:
-                    if not Path(path).is_file():
-                        raise FqError(f"{path}: source shard is not staged (its window retired and the job was forced?); "
-                                      f"delete the fragment instead of forcing it, so Snakemake stages the shard again")
-                    handles[path] = safe_open(path, "pt")
-                out[int(e)][p] = handles[path].get_tensor(name).to(torch.float32)
+        return {int(e): {p: _get_source(handles, path, name) for p, (path, name) in projs.items()}
+                for e, projs in sources.items()}
     finally:
         handles.clear()
-    return out
 
 
-def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: int, codebook: str, node_digest: str,
-                 layer: int, block: int, experts: list[int], sources: dict, ancestors: list[dict], out_fragment: str,
-                 out_metrics: str, device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
-                 layout: ExpertLayout) -> dict:
-    """``ancestors``: [{node, codebook, digest, path}] from the base to the parent, in chain order."""
-    att_path = str(Path(out_fragment).with_name(attestation_name(Path(out_fragment).name)))
-    name = Path(out_fragment).stem
-    take_block(lock_dir, name, [out_fragment, att_path, out_metrics], f"block {name} (node {node}, layer {layer}, "
-               f"block {block})")
+def _get_source(handles: dict, path: str, name: str) -> torch.Tensor:
+    """One source matrix as float32 (``handles``: the shards this reader has open, by path)."""
+    if path not in handles:
+        if not Path(path).is_file():
+            raise FqError(f"{path}: source shard is not staged (its window retired and the job was forced?); "
+                          f"delete the fragment instead of forcing it, so Snakemake stages the shard again")
+        handles[path] = safe_open(path, "pt")
+    return handles[path].get_tensor(name).to(torch.float32)
+
+
+@dataclass
+class BlockJob:
+    """One (node, layer, block) of an encode job: what to encode and where its outputs go.
+    ``ancestors``: [{node, codebook, digest, path}] from the base to the parent, in chain order;
+    ``sources``: {expert: {proj: [staged shard path, tensor name]}}."""
+
+    node: str
+    role: str
+    K: int
+    codebook: str
+    node_digest: str
+    layer: int
+    block: int
+    experts: list[int]
+    sources: dict
+    ancestors: list[dict]
+    out_fragment: str
+    out_metrics: str
+
+    @property
+    def out_attestation(self) -> str:
+        return str(Path(self.out_fragment).with_name(attestation_name(Path(self.out_fragment).name)))
+
+    @property
+    def name(self) -> str:
+        return Path(self.out_fragment).stem
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.out_fragment, self.out_attestation, self.out_metrics]
+
+
+_END = object()
+
+
+class _Prefetch:
+    """Iterate ``items`` (a generator) one item ahead in a background thread. ``next`` re-raises the
+    generator's exception as it was raised there; ``wait_s`` is the time the caller spent blocked."""
+
+    def __init__(self, items):
+        self._items = items
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fq-read")
+        self._next = self._pool.submit(next, items, _END)
+        self.wait_s = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = time.perf_counter()
+        try:
+            item = self._next.result()
+        finally:
+            self.wait_s += time.perf_counter() - t
+        if item is _END:
+            raise StopIteration
+        self._next = self._pool.submit(next, self._items, _END)
+        return item
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._items.close()  # the generator is idle now: run its finally (drops the open shards)
+
+
+def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout):
+    """Reader thread: per block, its ancestors verified and loaded (parent = {name, sha256} of the last),
+    then per expert (block index, expert, {proj: float32 W}, {proj: [ancestor tensor sets]}, parent)."""
+    handles: dict = {}
+    try:
+        for i, b in enumerate(jobs):
+            anc_sets, parent = [], None
+            for anc in b.ancestors:
+                path = Path(anc["path"])
+                att = verify_shard(path.parent, path.name, pub, campaign=doc["identity"])
+                check_node_digest(att, anc["digest"], f"ancestor {anc['node']} of {b.node}")
+                anc_sets.append(load_sets(path, layout, b.layer, b.experts, anc["codebook"]))
+                parent = {"name": path.name, "sha256": att.sha256}
+            for e in b.experts:
+                W = {p: _get_source(handles, *b.sources[str(e)][p]) for p in PROJECTIONS}
+                yield i, e, W, {p: [sets[e][p] for sets in anc_sets] for p in PROJECTIONS}, parent
+    finally:
+        handles.clear()
+
+
+def _commit(b: BlockJob, tensors: dict, metrics: dict, parent: dict | None, *, doc: dict, priv, seed: int,
+            layout: ExpertLayout, t0: float, stats: dict | None) -> dict:
+    """Writer thread: fragment, attestation, metrics of one encoded block, each atomic, in this order."""
+    write_fragment(b.out_fragment, layout=layout, node=b.node, role=b.role, layer=b.layer, block=b.block, K=b.K,
+                   codebook=b.codebook, experts=tensors)
+    shards = sorted({path for projs in b.sources.values() for path, _ in projs.values()})
+    quant_args = {"K": b.K, "codebook": b.codebook, "seed": seed, "seed_rule": SEED_RULE,
+                  "objective": "weight-only MSE, no Hessian", "scale_search": "gaussian-prior/3"}
+    att = attest_fragment(b.out_fragment, key=priv, campaign=doc["identity"],
+                          source=source_statement(doc, [Path(s).name for s in shards]), encoder=doc["encoder"],
+                          quant_args=quant_args, node_digest=b.node_digest, parent=parent)
+    summary = {"node": b.node, "layer": b.layer, "block": b.block, "K": b.K, "codebook": b.codebook,
+               "fragment": Path(b.out_fragment).name, "sha256": att.sha256, "experts": metrics}
+    atomic.write_text(b.out_metrics, canonical.pretty(summary))
+    if stats is not None:
+        stats["committed_s"] = time.perf_counter() - t0
+    return summary
+
+
+def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, device: str, devices_list: list[int],
+                  lock_dir: str, seed: int, layout: ExpertLayout, threads: int = 0,
+                  timeline: dict | None = None) -> list[dict]:
+    """Encode ``jobs`` (one block, or every block of one (node, layer)) in one process; returns their metrics
+    summaries. ``timeline``: if a dict, filled with where the time went (benchmarks/encode_job.py): per block
+    the seconds inside the encoder calls (``encode_s``: GPU busy on CUDA), waiting for the reader and the
+    writer, and when it was encoded and committed; for the job ``setup_s`` and ``wall_s``."""
+    t0 = time.perf_counter()
+    if not jobs:
+        raise FqError("encode job with no blocks")
+    for b in jobs:  # every claim before anything is read or written
+        take_block(lock_dir, b.name, b.outputs, f"block {b.name} (node {b.node}, layer {b.layer}, block {b.block})")
     doc = canonical.load(campaign_json)
     priv = keys.load_private(key_path)
     pub = priv.public_key()
@@ -107,48 +225,92 @@ def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: 
     check_encoder(doc, dev if dev == "cpu" else "cuda")
     if threads:
         torch.set_num_threads(threads)
+    stats = [{"node": b.node, "layer": b.layer, "block": b.block, "matrices": 3 * len(b.experts), "encode_s": 0.0,
+              "read_wait_s": 0.0, "write_wait_s": 0.0} for b in jobs] if timeline is not None else None
+    if timeline is not None:
+        timeline.update(setup_s=time.perf_counter() - t0, blocks=stats)
 
-    chains = {e: {p: [] for p in PROJECTIONS} for e in experts}
-    parent = None
-    for anc in ancestors:
-        path = Path(anc["path"])
-        att = verify_shard(path.parent, path.name, pub, campaign=doc["identity"])
-        check_node_digest(att, anc["digest"], f"ancestor {anc['node']} of {node}")
-        sets = load_sets(path, layout, layer, experts, anc["codebook"])
-        for e in experts:
+    label = f"{jobs[0].node} L{jobs[0].layer}" + (f" B{jobs[0].block}" if len(jobs) == 1 else f" ({len(jobs)} blocks)")
+    bar = tqdm(total=sum(3 * len(b.experts) for b in jobs), desc=label, unit="matrix", file=sys.stderr,
+               mininterval=2)
+    reader = _Prefetch(_read_blocks(jobs, pub, doc, layout))
+    writer = ThreadPoolExecutor(1, thread_name_prefix="fq-write")
+    pending, summaries = None, []
+    tensors: dict = {}
+    metrics: dict = {}
+    left = {i: len(b.experts) for i, b in enumerate(jobs)}
+    projections = dict(zip(PROJECTIONS, layout.projections))
+    try:
+        waited = 0.0
+        for i, e, W, chains, parent in reader:
+            b = jobs[i]
+            if stats is not None:
+                stats[i]["read_wait_s"] += reader.wait_s - waited
+                waited = reader.wait_s
+                stats[i].setdefault("start_s", time.perf_counter() - t0)
             for p in PROJECTIONS:
-                chains[e][p].append(sets[e][p])
-        parent = {"name": path.name, "sha256": att.sha256}
+                s = matrix_seed(seed, b.node, b.layer, e, p)
+                w = W[p]
+                t = time.perf_counter()
+                if chains[p]:
+                    enc = encode_residual(w, chains[p], b.K, b.codebook, s, dev)
+                    # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
+                    sum_sq_w = float(w.double().square().sum())
+                else:
+                    enc = codec_encode(w, b.K, b.codebook, s, dev)
+                    sum_sq_w = enc.sum_sq_w
+                if stats is not None:
+                    stats[i]["encode_s"] += time.perf_counter() - t
+                tensors.setdefault(e, {})[projections[p]] = enc.tensors
+                metrics.setdefault(str(e), {})[p] = {"sum_sq_w": sum_sq_w, "sum_sq_err": enc.sum_sq_err,
+                                                     "g_scale": enc.g_scale}
+                del enc
+                bar.update(1)
+                if pending is not None and pending.done():
+                    pending.result()  # a failed commit fails the job now, with its own message
+            del W, chains
+            left[i] -= 1
+            if left[i]:
+                continue
+            if stats is not None:
+                stats[i]["encoded_s"] = time.perf_counter() - t0
+            if pending is not None:  # one block in the writer at a time: commits stay in block order
+                t = time.perf_counter()
+                summaries.append(pending.result())
+                if stats is not None:
+                    stats[i]["write_wait_s"] += time.perf_counter() - t
+            pending = writer.submit(_commit, b, tensors, metrics, parent, doc=doc, priv=priv, seed=seed,
+                                    layout=layout, t0=t0, stats=stats[i] if stats is not None else None)
+            tensors, metrics = {}, {}
+        if pending is not None:
+            t = time.perf_counter()
+            summaries.append(pending.result())
+            if timeline is not None:
+                timeline["final_write_wait_s"] = time.perf_counter() - t
+    except BaseException as e:
+        writer.shutdown(wait=True)
+        if pending is not None and pending.exception() not in (None, e):
+            print(f"also failed: commit of {jobs[len(summaries)].name}: {pending.exception()}", file=sys.stderr)
+        raise
+    finally:
+        bar.close()
+        reader.close()
+        writer.shutdown(wait=True)  # a commit under way finishes (it is a whole block) before the job exits
+    if timeline is not None:
+        timeline["wall_s"] = time.perf_counter() - t0
+    return summaries
 
-    W = read_source(sources)
-    tensors, metrics = {}, {}
-    jobs = [(e, p) for e in experts for p in PROJECTIONS]
-    for e, p in tqdm(jobs, desc=f"{node} L{layer} B{block}", unit="matrix", file=sys.stderr, mininterval=2):
-        s = matrix_seed(seed, node, layer, e, p)
-        w = W[e][p]
-        if chains[e][p]:
-            enc = encode_residual(w, chains[e][p], K, codebook, s, dev)
-            # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
-            sum_sq_w = float(w.double().square().sum())
-        else:
-            enc = codec_encode(w, K, codebook, s, dev)
-            sum_sq_w = enc.sum_sq_w
-        tensors.setdefault(e, {})[dict(zip(PROJECTIONS, layout.projections))[p]] = enc.tensors
-        metrics.setdefault(str(e), {})[p] = {"sum_sq_w": sum_sq_w, "sum_sq_err": enc.sum_sq_err,
-                                             "g_scale": enc.g_scale}
 
-    write_fragment(out_fragment, layout=layout, node=node, role=role, layer=layer, block=block, K=K,
-                   codebook=codebook, experts=tensors)
-    shards = sorted({path for projs in sources.values() for path, _ in projs.values()})
-    quant_args = {"K": K, "codebook": codebook, "seed": seed, "seed_rule": SEED_RULE,
-                  "objective": "weight-only MSE, no Hessian", "scale_search": "gaussian-prior/3"}
-    att = attest_fragment(out_fragment, key=priv, campaign=doc["identity"],
-                          source=source_statement(doc, [Path(s).name for s in shards]), encoder=doc["encoder"],
-                          quant_args=quant_args, node_digest=node_digest, parent=parent)
-    summary = {"node": node, "layer": layer, "block": block, "K": K, "codebook": codebook, "fragment": Path(out_fragment).name,
-               "sha256": att.sha256, "experts": metrics}
-    atomic.write_text(out_metrics, canonical.pretty(summary))
-    return summary
+def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: int, codebook: str, node_digest: str,
+                 layer: int, block: int, experts: list[int], sources: dict, ancestors: list[dict], out_fragment: str,
+                 out_metrics: str, device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
+                 layout: ExpertLayout) -> dict:
+    """One block as its own job (encode_blocks with one BlockJob)."""
+    job = BlockJob(node=node, role=role, K=K, codebook=codebook, node_digest=node_digest, layer=layer, block=block,
+                   experts=experts, sources=sources, ancestors=ancestors, out_fragment=out_fragment,
+                   out_metrics=out_metrics)
+    return encode_blocks([job], campaign_json=campaign_json, key_path=key_path, device=device,
+                         devices_list=devices_list, lock_dir=lock_dir, seed=seed, threads=threads, layout=layout)[0]
 
 
 def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sources: dict, out_metrics: str,

@@ -23,6 +23,7 @@ from fq import canonical
 from fq.attest import keys
 from fq.errors import FqError
 from fq.workflow import locks
+from fq.workflow.campaign import is_encode_rule
 from fq.workflow.init import check_signer, encoder_differences
 
 
@@ -35,7 +36,7 @@ def check_launch(c, key_path: str, device: str, pending: set[str] | None) -> Non
     doc = canonical.load(c.campaign_json)
     if Path(key_path).is_file():
         check_signer(doc, keys.load_private(key_path).public_key(), key_path)
-    if pending is not None and "encode" in pending:
+    if pending is not None and any(is_encode_rule(r) for r in pending):
         from fq.identity import encoder_identity
 
         if device == "cpu":

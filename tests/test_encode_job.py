@@ -1,0 +1,165 @@
+"""fq.workflow.encode.encode_blocks, the function every encode job runs (per_job block: one block; layer: all of a
+layer's blocks): the same bytes either way, I/O overlapped with the encoder by one reader and one writer thread,
+errors of either thread failing the job with their own message; and benchmarks/encode_job.py, smoked on the CPU.
+
+The data is benchmarks/encode_job.py's synthetic block, one expert a block, its three matrices 128x128 (the smallest
+EXL3 geometry: the encoder's fixed costs dominate, a few tenths of a second each on the CPU).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import encode_job as bench  # noqa: E402
+from fq.errors import FqError  # noqa: E402
+from fq.experts import STANDARD  # noqa: E402
+from fq.workflow import encode as enc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    work = tmp_path_factory.mktemp("synth")
+    shard, names = bench.make_source(work, experts=2, shapes={p: (128, 128) for p in bench.SHAPES})
+    campaign, key = bench.make_campaign(work, "cpu", 2, shard)
+    return {"work": work, "shard": shard, "names": names, "campaign": campaign, "key": key}
+
+
+def jobs(synth, out: Path, blocks: int = 2):
+    return bench.block_jobs(out, blocks, 1, synth["shard"], synth["names"], 2, "mul1")
+
+
+def run(synth, group, lock_dir: Path, **kw):
+    return enc.encode_blocks(group, campaign_json=str(synth["campaign"]), key_path=str(synth["key"]), device="cpu",
+                             devices_list=[], lock_dir=str(lock_dir), seed=0, layout=STANDARD, threads=1, **kw)
+
+
+def digests(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and "locks" not in p.parts}
+
+
+def test_a_layer_job_writes_the_bytes_of_its_block_jobs(synth, tmp_path):
+    a, b = tmp_path / "block", tmp_path / "layer"
+    for j in jobs(synth, a):
+        run(synth, [j], tmp_path / "locks-a")
+    tl: dict = {}
+    summaries = run(synth, jobs(synth, b), tmp_path / "locks-b", timeline=tl)
+    assert [s["block"] for s in summaries] == [0, 1]
+    got = digests(b)
+    assert got == digests(a) and len(got) == 6  # fragment, attestation, metrics per block
+    assert [x["block"] for x in tl["blocks"]] == [0, 1] and all(x["encode_s"] > 0 for x in tl["blocks"])
+    assert all(x["encoded_s"] <= x["committed_s"] <= tl["wall_s"] for x in tl["blocks"])
+    assert tl["blocks"][0]["committed_s"] <= tl["blocks"][1]["committed_s"]  # commits in block order
+
+
+def test_the_reader_overlaps_the_encoder_and_the_writer_the_next_block(synth, tmp_path, monkeypatch):
+    events, t0 = [], time.perf_counter()
+
+    def log(what):
+        events.append((time.perf_counter() - t0, what, threading.current_thread().name))
+
+    real_get, real_encode, real_commit = enc._get_source, enc.codec_encode, enc._commit
+
+    def get_source(handles, path, name):
+        log(f"read {name}")
+        return real_get(handles, path, name)
+
+    def encode(w, K, cb, seed, dev):
+        log("encode start")
+        out = real_encode(w, K, cb, seed, dev)
+        time.sleep(0.15)  # a slow encoder: reads and commits must happen meanwhile
+        log("encode end")
+        return out
+
+    def commit(b, *args, **kw):
+        log(f"commit start {b.block}")
+        out = real_commit(b, *args, **kw)
+        log(f"commit end {b.block}")
+        return out
+
+    monkeypatch.setattr(enc, "_get_source", get_source)
+    monkeypatch.setattr(enc, "codec_encode", encode)
+    monkeypatch.setattr(enc, "_commit", commit)
+    run(synth, jobs(synth, tmp_path / "out"), tmp_path / "locks")
+    what = [e[1] for e in events]
+    threads = {e[1].split(" ")[0]: e[2] for e in events}
+    assert threads["read"] != threads["encode"] != threads["commit"] != threads["read"]
+    reads = [i for i, w in enumerate(what) if w.startswith("read ")]
+    ends = [i for i, w in enumerate(what) if w == "encode end"]
+    assert len(reads) == len(ends) == 6  # 2 blocks x 3 matrices
+    # block 1's source (the 4th read) is read while block 0 still encodes its last matrix
+    assert reads[3] < ends[2]
+    # block 0 is committed while block 1 encodes, before block 1's last matrix is done
+    assert what.index("commit end 0") < len(what) - 1 - what[::-1].index("encode end")
+    assert what.index("commit start 1") > what.index("commit end 0")  # one writer, block order
+
+
+def test_a_reader_error_fails_the_job_with_its_message_after_committing_the_blocks_before(synth, tmp_path):
+    group = jobs(synth, tmp_path / "out", blocks=3)
+    missing = tmp_path / "gone" / "model-00002-of-00002.safetensors"
+    group[1].sources = {e: {p: [str(missing), n] for p, (_, n) in projs.items()} for e, projs in group[1].sources.items()}
+    with pytest.raises(FqError, match=r"model-00002-of-00002.safetensors: source shard is not staged"):
+        run(synth, group, tmp_path / "locks")
+    assert all(Path(p).is_file() for p in group[0].outputs)
+    assert not any(Path(p).exists() for j in group[1:] for p in j.outputs)
+
+
+def test_a_writer_error_fails_the_job_with_its_message(synth, tmp_path, monkeypatch):
+    real = enc.write_fragment
+
+    def write_fragment(path, **kw):
+        if kw["block"] == 0:
+            raise OSError(28, f"No space left on device: {path}")
+        return real(path, **kw)
+
+    monkeypatch.setattr(enc, "write_fragment", write_fragment)
+    group = jobs(synth, tmp_path / "out", blocks=3)
+    with pytest.raises(OSError, match="No space left on device: .*block000"):
+        run(synth, group, tmp_path / "locks")
+    # the failed commit stops the job: block 2 is never committed (block 1 at most is encoded meanwhile)
+    assert not any(Path(p).exists() for j in group for p in j.outputs)
+
+
+def test_a_layer_job_takes_every_claim_before_it_writes(synth, tmp_path):
+    from fq.workflow import locks
+
+    group = jobs(synth, tmp_path / "out", blocks=2)
+    held = locks.claim_path(tmp_path / "locks", group[1].name)
+    held.parent.mkdir(parents=True)
+    code = (f"import fcntl, sys, time; f = open({str(held)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); sys.stdin.read()")
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with pytest.raises(FqError, match=f"another worker holds its claim .*{group[1].name}"):
+            run(synth, group, tmp_path / "locks")
+        assert not any(Path(p).exists() for j in group for p in j.outputs)  # refused before block 0 was written
+    finally:
+        other.communicate("")
+
+
+@pytest.mark.slow
+def test_encode_job_benchmark_smoke(tmp_path):
+    out = tmp_path / "job.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "encode_job.py"), "--device", "cpu", "--experts", "1",
+                        "--blocks", "2", "--scale", "16", "--process-reps", "1", "--threads", "1", "--json", str(out),
+                        "--tmp", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["identical_fragments"] is True
+    by = {m["per_job"]: m for m in d["modes"]}
+    assert [j["blocks"] for j in by["block"]["jobs"]] == [1, 1] and [j["blocks"] for j in by["layer"]["jobs"]] == [2]
+    for m in d["modes"]:
+        assert m["busy_s"] > 0 and m["share"] > 0
+        assert all(len(j["per_block"]) == j["blocks"] for j in m["jobs"])
+    assert d["process"]["first_call_s"] > 0 and "| layer | all | 2 |" in r.stdout
