@@ -9,7 +9,7 @@ from conftest import cuda
 from fq.codec import encode, encode_residual, quantize
 from fq.codec import encoder as enc_mod
 from fq.codec.encoder import encode_batch, sample_tiles, search_scales
-from fq.codec.exact import div, tree_sum
+from fq.codec.exact import div, sqrt, tree_sum
 from fq.codec.regularize import CODEBOOK_SCALE, regularize
 from fq.errors import FqError
 
@@ -166,6 +166,13 @@ def test_encode_batch_argument_errors():
         encode_batch([_weight(128, 128), torch.zeros(100, 128)], 2)
 
 
+def test_sqrt_is_correctly_rounded():
+    import math
+
+    x = torch.rand(2000, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 1e6
+    assert sqrt(x).tolist() == [math.sqrt(v) for v in x.tolist()]  # Python's math.sqrt is IEEE
+
+
 # ---------------------------------------------------------------------------------------------- CUDA
 
 
@@ -178,6 +185,8 @@ def test_cuda_exact_helpers_and_regularize_equal_cpu():
     assert torch.equal(tree_sum(x.flatten()), tree_sum(x.cuda().flatten()).cpu())
     for c in (3.0, -CODEBOOK_SCALE, 6144):
         assert torch.equal(div(x, c), div(x.cuda(), c).cpu()), c
+    y = x.abs()
+    assert torch.equal(sqrt(y), sqrt(y.cuda()).cpu()) and sqrt(y.cuda()).device.type == "cuda"
     for W in (_weight(256, 512, seed=1), _zero_channels(384, 256, seed=2), torch.zeros(128, 256)):
         cpu = regularize(W.double().t(), 9)
         gpu = regularize(W.double().t().cuda(), 9)

@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from fq.codec.exact import div, tree_sum
+from fq.codec.exact import div, sqrt, tree_sum
 from fq.codec.hadamard import had_cols, had_rows
 
 CODEBOOK_SCALE = 1.24371088  # the reference's target RMS of regularized tiles
@@ -28,7 +28,7 @@ def signs(seed: int, which: str, n: int) -> torch.Tensor:
 
 
 def rms(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return div(tree_sum(x * x, dim), x.shape[dim]).sqrt()
+    return sqrt(div(tree_sum(x * x, dim), x.shape[dim]))
 
 
 def regularize(Wt: torch.Tensor, seed: int):
