@@ -5,11 +5,13 @@ but reductions (torch.sum, mean, cumsum, matmul) do not: their order depends on 
 width and the thread count. So the encoder sums only with ``tree_sum``, a pairwise tree of elementwise
 adds whose order is fixed by the length alone. Two more traps: CUDA computes ``tensor / python_number``
 as ``tensor * (1 / number)`` (one more rounding), the CPU divides -- ``div`` always divides; and torch's
-float64 sqrt on CUDA is not the CPU's correctly rounded one (3 of 512 channel RMS values differed in the
-last bit on an H200) -- ``sqrt`` takes the CPU's, for the short per-channel vectors the encoder roots.
+float64 sqrt is not correctly rounded on either device (on an H200 3 of 512 channel RMS values differed
+in the last bit between CPU and CUDA; on the CPU it differs from IEEE sqrt too) -- ``sqrt`` uses numpy's,
+which is the hardware's IEEE sqrt, for the short per-channel vectors the encoder roots.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,5 +36,5 @@ def div(x: torch.Tensor, c: float) -> torch.Tensor:
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded float64 sqrt (the CPU's IEEE sqrt), returned on x's device."""
-    return x.to("cpu", torch.float64).sqrt().to(x.device)
+    """Correctly rounded float64 sqrt (numpy's, i.e. the CPU's IEEE instruction), returned on x's device."""
+    return torch.from_numpy(np.sqrt(x.detach().to("cpu", torch.float64).numpy())).to(x.device)
