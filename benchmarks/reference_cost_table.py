@@ -1,12 +1,12 @@
-"""Regenerate fq/data/cost_table.json (the default cost table of `fq price`) from the reference
-EXL3 encoder's H200 numbers in ../shared: anchors (tiles/s per codebook and K) and the golden
+"""Regenerate fq/data/cost_table_reference.json (what the reference EXL3 encoder would cost: `fq price
+--cost-table` it to compare with fq's own, measured default table) from its H200 numbers in ../shared: anchors (tiles/s per codebook and K) and the golden
 matrices' whole-pipeline timings (pipeline_s per GLM-5 expert matrix, mul1).
 
     python benchmarks/reference_cost_table.py [SHARED_DIR] [OUT]
 
 Model: seconds per matrix pass = overhead_s(shape) + tiles / tiles_per_s(codebook, K), tiles =
 out*in/256. Every input and entry says whether it was measured or derived, and from what.
-`fq calibrate` replaces this table with one measured on the GPU at hand.
+The default table of `fq price` (fq/data/cost_table.json) is fq's own encoder measured by `fq calibrate`.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def build(anchors: dict, golden: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     shared = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "shared"
-    out = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[1] / "fq" / "data" / "cost_table.json"
+    out = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[1] / "fq" / "data" / "cost_table_reference.json"
     anchors = json.loads((shared / "anchors" / "exllamav3-1.6.5-h200.json").read_text())
     golden = json.loads((shared / "golden" / "exl3_matrix_golden.json").read_text())
     out.write_text(json.dumps(build(anchors, golden), indent=1, sort_keys=True) + "\n")

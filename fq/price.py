@@ -94,7 +94,7 @@ def parse_cost_table(doc, source: str = "<cost table>", gpu_model: str | None = 
 
 
 def load_cost_table(path: str | Path | None = None, gpu_model: str | None = None) -> CostTable:
-    """A cost table file, or the packaged H200 reference table when ``path`` is None."""
+    """A cost table file, or the packaged one (fq measured on an H200 by fq calibrate) when ``path`` is None."""
     if path is None:
         return parse_cost_table(canonical.load(default_cost_table_path()), "fq/data/cost_table.json (packaged)", gpu_model)
     return parse_cost_table(canonical.load(path), str(path), gpu_model)

@@ -56,7 +56,7 @@ def test_calibrated_table_merges_and_prices():
     q, clock, _ = fake_encoder(lambda K, cb, shape: 0.5 + K / 10)
     entries = measure(q, ks=[1, 2, 3], codebooks=["mcg"], shapes=[(2048, 6144), (6144, 2048)], device="cuda:0",
                       repeats=1, warmup=0, clock=clock)
-    reference = json.loads(default_cost_table_path().read_text())
+    reference = json.loads((default_cost_table_path().parent / "cost_table_reference.json").read_text())
     doc = merge_table(reference, "Fake GPU", table_section(entries, "fake", {"repeats": 1}))
     assert set(doc["gpus"]) == {"NVIDIA H200", "Fake GPU"}
     t = parse_cost_table(doc, "merged.json", "Fake GPU")

@@ -30,18 +30,35 @@ def priced(glm5, table):
                                disk_budget=int(1.6 * TB)) for name in ("dag", "lean")}
 
 
-def test_default_table_measured_entries_are_the_reference_timings(table):
+REFERENCE_TABLE = ROOT / "fq" / "data" / "cost_table_reference.json"
+
+
+def test_default_table_is_fq_measured_on_the_h200(table):
+    # fq calibrate on an H200 (docs/benchmarks.md): every codebook x K 1..8 x GLM-5 shape, measured whole
+    doc = json.loads((ROOT / "fq" / "data" / "cost_table.json").read_text())
+    section = doc["gpus"]["NVIDIA H200"]
+    assert section["encoder"].startswith("fq.codec.quantize")
+    assert table.gpu == "NVIDIA H200" and table.measured_share == (3 * 8 * 2, 3 * 8 * 2)
+    for e in section["entries"]:
+        assert e["origin"] == "measured" and "fq calibrate" in e["basis"] and len(e["samples"]) == 3
+    # fq's whole pipeline beats the reference's on every measured GLM-5 matrix
+    for run in json.loads(GOLDEN.read_text())["pipeline_speed_h200"]:
+        assert table.seconds("mul1", run["K"], tuple(run["shape_out_in"]))[0] < run["pipeline_s"]
+
+
+def test_reference_table_measured_entries_are_the_reference_timings():
+    ref = load_cost_table(REFERENCE_TABLE)
     golden = json.loads(GOLDEN.read_text())["pipeline_speed_h200"]
-    assert table.gpu == "NVIDIA H200"
+    assert ref.gpu == "NVIDIA H200"
     for run in golden:
-        assert table.seconds("mul1", run["K"], tuple(run["shape_out_in"])) == (run["pipeline_s"], False)
-        assert table.origin_by_key[("mul1", run["K"], *run["shape_out_in"])] == "measured"
-    measured, total = table.measured_share
+        assert ref.seconds("mul1", run["K"], tuple(run["shape_out_in"])) == (run["pipeline_s"], False)
+        assert ref.origin_by_key[("mul1", run["K"], *run["shape_out_in"])] == "measured"
+    measured, total = ref.measured_share
     assert measured == len(golden) and total == 3 * 8 * 2
 
 
-def test_default_table_says_what_is_derived():
-    doc = json.loads((ROOT / "fq" / "data" / "cost_table.json").read_text())
+def test_reference_table_says_what_is_derived():
+    doc = json.loads(REFERENCE_TABLE.read_text())
     section = doc["gpus"]["NVIDIA H200"]
     for e in section["entries"]:
         assert e["origin"] in ("measured", "derived") and e["basis"]
@@ -65,7 +82,7 @@ def test_dag_vs_lean(priced):
     # lean drops two K1 passes: (3 c1 + 3 c2 + c3) / (5 c1 + 3 c2 + c3) with the table's per-K costs
     c = {n.K: n.seconds_per_expert for n in dag.nodes}
     assert ratio == pytest.approx((3 * c[1] + 3 * c[2] + c[3]) / (5 * c[1] + 3 * c[2] + c[3]))
-    assert 0.70 < ratio < 0.75  # the seed measured 0.7093 on its own encoder
+    assert 0.70 < ratio < 0.78  # the seed measured 0.7093 on its own encoder; fq's H200 table gives 0.75
     assert dag.gpu_hours == pytest.approx(sum(n.gpu_seconds for n in dag.nodes) / 3600)
     assert lean.published_bytes < dag.published_bytes
 
@@ -89,8 +106,9 @@ def test_wall_time_and_billing(glm5, table, priced):
     assert one.first_window_s > 0 and one.first_window_s == eight.first_window_s
     assert eight.verify_s == pytest.approx(lean.published_bytes / 908e6)
     assert eight.wall_s == pytest.approx(eight.encode_done_s + eight.verify_s)
-    assert one.encode_done_s >= one.first_window_s + lean.gpu_seconds
-    assert eight.encode_done_s >= eight.first_window_s + lean.gpu_seconds / 8
+    # (relative 1e-12: the model sums the same seconds in another order)
+    assert one.encode_done_s >= (one.first_window_s + lean.gpu_seconds) * (1 - 1e-12)
+    assert eight.encode_done_s >= (eight.first_window_s + lean.gpu_seconds / 8) * (1 - 1e-12)
     # more GPUs: shorter wall, never cheaper (idle staging is billed on every GPU)
     walls = [o.wall_s for o in lean.options]
     usd = [o.usd for o in lean.options]
@@ -152,7 +170,7 @@ def test_fq_price_cli_two_recipes(tmp_path, capsys):
     assert "9 passes emitting 14 bpw; 9 products spanning 35 nominal bpw" in out
     assert "7 passes emitting 12 bpw; 7 products spanning 26 nominal bpw" in out
     assert "cost ratio glm52-k2k3-lean / glm52-k2k3-dag: 0.7" in out
-    assert "$2.50 per GPU-hour" in out and "NVIDIA H200" in out and "3 of 48 entries measured" in out
+    assert "$2.50 per GPU-hour" in out and "NVIDIA H200" in out and "48 of 48 entries measured" in out
     assert out.count("\n   4 ") == 2  # a row for 4 GPUs per recipe
     rc = main(["price", str(RECIPES / "glm52-k2k3-dag.json"), "--model", str(src), "--sizes", str(src / "sizes.json"),
                "--gpus", "0"])
