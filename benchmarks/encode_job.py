@@ -26,8 +26,9 @@ block was encoded and committed. It also checks that both modes wrote byte-ident
     python benchmarks/encode_job.py --device cuda --devices 0 --blocks 4 --json encode_job.json --tmp /tmp  # H200
     python benchmarks/encode_job.py --device cpu --experts 1 --blocks 2 --scale 16                # smoke test
 
-Not counted: the Snakemake side of a job (the launcher's bookkeeping, and on SLURM the `srun snakemake` parse
-of each job step: docs/slurm.md).
+Not counted: the Snakemake side of a job (the launcher's bookkeeping, and on SLURM the Snakefile parse of each
+SLURM job -- once per group job with profiles/slurm's fq-slurm, once per member too with `--executor slurm`:
+docs/slurm.md).
 """
 from __future__ import annotations
 

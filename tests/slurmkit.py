@@ -81,9 +81,10 @@ class LocalSlurm:
         return dict(os.environ, SLURM_CONF=str(self.conf), PATH=f"{self.root / 'bin'}:{os.environ['PATH']}")
 
     def _write_srun_shim(self) -> None:
-        # The SLURM executor's job step drops SLURM_* from the environment of the srun it starts inside the
-        # allocation (right for a cluster configured under /etc/slurm); this cluster's config is only known
-        # through SLURM_CONF, so srun gets it back from a one-line wrapper first on PATH.
+        # The slurm-jobstep executor (--executor slurm) drops SLURM_* from the environment of the srun it starts
+        # inside the allocation (right for a cluster configured under /etc/slurm); this cluster's config is only
+        # known through SLURM_CONF, so srun gets it back from a one-line wrapper first on PATH. (profiles/slurm's
+        # fq-slurm starts no srun.)
         shim = self.root / "bin" / "srun"
         shim.parent.mkdir(exist_ok=True)
         shim.write_text(f'#!/bin/sh\nSLURM_CONF="{self.conf}" exec {_exe("srun")} "$@"\n')
