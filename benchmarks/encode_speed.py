@@ -2,7 +2,7 @@
 """Encoder speed on one GPU, fq against the reference EXL3 encoder (exllamav3 1.6.5), identical inputs.
 
     python benchmarks/encode_speed.py --json OUT.json [--budget-s 330] [--tiles 16384] [--ks 1,2,3,4,8]
-           [--codebooks 3inst,mcg,mul1] [--no-reference] [--overhead-experts 32] [--build-dir DIR]
+           [--codebooks 3inst,mcg,mul1] [--no-reference] [--build-dir DIR]
 
 Phases (each prints as it goes; the JSON is rewritten after every phase, so a timeout keeps what ran):
   1. build: fq's CUDA Viterbi kernel (nvcc, cached) and, in the background, the reference's tile kernels
@@ -14,11 +14,10 @@ Phases (each prints as it goes; the JSON is rewritten after every phase, so a ti
      GLM-5 expert matrix, mul1, with the stage breakdown (CUDA synchronized at each stage boundary), and one
      expert's three matrices through encode_batch; the reference's pipeline times are its golden H200 timings
      (tests/data), not re-run.
-  4. orchestration overhead of one GLM-5-shaped 32-expert block job (benchmarks/encode_overhead.py) as a
-     share of the block's GPU busy time.
-  5. the reference on the same tiles as phase 2: its default kernel (opt 0, what it runs on an H100/H200) and
+  4. the reference on the same tiles as phase 2: its default kernel (opt 0, what it runs on an H100/H200) and
      its optimized kernel (opt 1, forced), tiles/s and MSE, and the ratios. Last, so that a fault in foreign
      kernels cannot cost the measurements of ours.
+An encode job's time outside the encoder is benchmarks/encode_job.py's (it runs the job function itself).
 """
 from __future__ import annotations
 
@@ -262,7 +261,6 @@ def main(argv=None) -> int:
     ap.add_argument("--codebooks", default=",".join(CODEBOOKS))
     ap.add_argument("--check-tiles", type=int, default=64, help="tiles per case checked against the CPU kernel")
     ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--overhead-experts", type=int, default=32)
     ap.add_argument("--build-dir", help="where the reference kernels are built (default: a temporary directory)")
     ap.add_argument("--anchors", default=str(ROOT.parent / "shared" / "anchors" / "exllamav3-1.6.5-h200.json"))
     ap.add_argument("--dry-run", action="store_true",
@@ -447,43 +445,7 @@ def main(argv=None) -> int:
         else:
             res["notes"].append("pipeline batch skipped: time budget")
 
-    # ---- 4. orchestration overhead of a 32-expert block job
-    if dl.left() > 50:
-        try:
-            from encode_overhead import measure  # same directory
-
-            experts = a.overhead_experts if dl.left() > 160 else min(8, a.overhead_experts)
-            if a.dry_run:
-                experts = 1
-            ov = measure(experts, log=log)
-            scale = 32 / experts
-            sec = ov["seconds"]
-            per_block = {k: v * (scale if k in ("read", "metrics", "write", "attest") else 1.0) for k, v in sec.items()
-                         if k != "total_outside_encoder"}
-            ov["block32_seconds"] = {k: round(v, 3) for k, v in per_block.items()}
-            ov["block32_outside_gpu_s"] = round(sum(per_block.values()), 3)
-            gpu = {}
-            for row in res.get("pipeline", []):
-                if row.get("K") == 2 and "seconds" in row:
-                    gpu[tuple(row["shape_out_in"])] = row["seconds"]
-            gate_shape, down_shape = pipeline_cases[0][0], pipeline_cases[-1][0]
-            if gate_shape in gpu and down_shape in gpu:
-                busy = 32 * (2 * gpu[gate_shape] + gpu[down_shape])
-                ov["block32_gpu_busy_s_upper"] = round(busy, 2)
-                ov["share_outside_gpu"] = round(ov["block32_outside_gpu_s"] / busy, 4)
-                ov["note"] = ("GPU busy = 32 x (2 gate/up + 1 down) x the whole K2 pipeline's seconds per matrix "
-                              "(every stage runs on the GPU; its Python launch overhead is counted as GPU time)")
-            res["overhead"] = ov
-            log(f"overhead (32-expert block): outside GPU {ov['block32_outside_gpu_s']} s; share "
-                f"{ov.get('share_outside_gpu')}")
-        except Exception as e:  # noqa: BLE001
-            res["errors"].append(f"overhead: {type(e).__name__}: {e}")
-            log(traceback.format_exc())
-        save()
-    else:
-        res["notes"].append("overhead skipped: time budget")
-
-    # ---- 5. reference throughput on the same tiles (last: a fault in the reference's kernels would end the
+    # ---- 4. reference throughput on the same tiles (last: a fault in the reference's kernels would end the
     # process and poison the CUDA context, so everything of ours is measured and saved before)
     ref = DryReference() if a.dry_run else None
     if ref_thread is not None:
