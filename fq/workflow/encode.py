@@ -38,6 +38,7 @@ from fq.attest import keys
 from fq.attest.fragment import attest_fragment, check_node_digest, verify_shard
 from fq.codec import encode as codec_encode
 from fq.codec import encode_residual
+from fq.codec.exact import tree_sum
 from fq.errors import FqError
 from fq.experts import ExpertLayout, suffixes
 from fq.fragments import attestation_name, write_fragment
@@ -255,7 +256,8 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 if chains[p]:
                     enc = encode_residual(w, chains[p], b.K, b.codebook, s, dev)
                     # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
-                    sum_sq_w = float(w.double().square().sum())
+                    w64 = w.double()  # the encoder's pairwise sum: metrics and report do not depend on the CPU
+                    sum_sq_w = float(tree_sum((w64 * w64).flatten()))
                 else:
                     enc = codec_encode(w, b.K, b.codebook, s, dev)
                     sum_sq_w = enc.sum_sq_w
