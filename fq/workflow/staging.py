@@ -90,12 +90,19 @@ def stage_shard(campaign_json: str, source_kind: str, source_dir: str, shard: st
 
 
 def retire_window(staging_dir: str, window: int, retire: list[str], marker: str) -> None:
-    """Every consumer of window ``window`` has committed: Snakemake has deleted the shards whose last use
-    this was (temp()); record what is still on disk, and the marker that opens window w+W's staging."""
+    """Every consumer of window ``window`` has committed: Snakemake has normally deleted the shards whose last
+    use this was (temp()). A run killed after a consumer finished but before Snakemake's temp cleanup leaves
+    the shard behind, and no later run consumes it again, so Snakemake never would: remove such leftovers
+    here (no job needs them: ``retire`` lists only shards whose last consumer is in this window), then write
+    the marker that opens window w+W's staging."""
     staging = Path(staging_dir)
     log_event(staging, "retire", window=window, retired=sorted(retire))
-    still = sorted(s for s in retire if (staging / s).exists())
-    atomic.write_text(marker, canonical.pretty({"window": window, "retired": sorted(retire), "still_on_disk": still}))
+    leftovers = sorted(s for s in retire if (staging / s).exists())
+    for s in leftovers:
+        (staging / s).unlink(missing_ok=True)
+        print(f"retire window {window}: removed {s}, left staged by an interrupted run", file=sys.stderr)
+    atomic.write_text(marker, canonical.pretty({"window": window, "retired": sorted(retire),
+                                                "removed_leftovers": leftovers}))
 
 
 def write_repair_marker(c, marker: str) -> None:
