@@ -5,8 +5,8 @@ each on the same Gaussian tiles per K, and check its states against the CPU kern
     python benchmarks/viterbi_variants.py [--ks 1,2,3,4,8] [--tiles 16384] [--codebook mul1]
            [--variant NAME=-DFQ_NREG1=16,-DFQ_NREG2=44 ...] [--json OUT]
 
-The kernel's tunables are the FQ_NREG<K> defines (float32 codebook values held in registers per K; the rest
-live in shared memory, or as half2 registers at K = 1). ``default`` (no defines) is always measured first.
+The kernel's tunables are the FQ_NREG<K> defines for K >= 2 (float32 codebook values held in registers per K;
+the rest live in shared memory; K = 1 holds all 64). ``default`` (no defines) is always measured first.
 """
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from fq.codec import viterbi_cuda as vc  # noqa: E402
-from fq.codec.encoder import GAUSSIAN_BEST_SCALE  # noqa: E402
 from fq.codec.viterbi import viterbi_cpu  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from encode_speed import CB_INDEX, gaussian_tiles  # noqa: E402  (the tiles encode_speed.py times)
 
 
 def main(argv=None) -> int:
@@ -41,8 +43,7 @@ def main(argv=None) -> int:
     base = vc.NVCC_FLAGS
     variants = [("default", [])] + [(v.split("=", 1)[0], v.split("=", 1)[1].split(",")) for v in a.variant]
     ks = [int(k) for k in a.ks.split(",")]
-    gen = torch.Generator().manual_seed(0)
-    tiles = {K: (torch.randn(a.tiles, 256, generator=gen) * GAUSSIAN_BEST_SCALE[a.codebook][K - 1]).float() for K in ks}
+    tiles = {K: gaussian_tiles(a.tiles, K, a.codebook, seed=1000 * K + CB_INDEX[a.codebook])[0] for K in ks}
     cpu = {K: viterbi_cpu(tiles[K][: a.check_tiles], K, a.codebook) for K in ks}
     results = {}
     for name, flags in variants:

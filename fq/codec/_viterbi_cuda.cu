@@ -21,10 +21,10 @@
  * times NH values of h; for K >= 7 (fewer edges than threads) P = 2 or 4 lanes split an edge's h
  * (interleaved, so their predecessor reads fall in different banks) and merge with shuffles.
  * The register file holds exactly 65536 words, so not all 64 values fit as float32 next to the working
- * registers: NREG of them are float32 registers; K >= 2 keeps the others in shared memory as float4
- * rows (one conflict-free 128-bit load per 4 values); K = 1, whose shared memory is all costs, keeps the
- * others as half2 registers (one conversion each). Either is cheaper than the local-memory spills the
- * compiler makes of 64 float registers.
+ * registers: NREG of them are float32 registers, the others sit in shared memory as float4 rows (one
+ * conflict-free 128-bit load per 4 values), cheaper than the local-memory spills the compiler makes of 64
+ * float registers. K = 1, whose shared memory is all costs, holds all 64 in registers (a few spills; half2
+ * registers converted at each use measured slower: 106k against 111k tiles/s with 56 float32).
  * M is double-buffered in shared memory (2*E floats) for K >= 2. K = 1 (2 x 128 KB would not fit): the
  * low 24576 entries are double-buffered, the high 8192 updated in place from registers between two
  * barriers. Back pointers go to global scratch: one byte per edge and position (K >= 2: the key's low
@@ -93,8 +93,7 @@ struct Geo {
     static constexpr int STAGE_U = K == 1 ? LOW / (2 * NT) : NU;   // K = 1: first unit staged in registers
     static constexpr int BP_ROW = K == 1 ? E / 8 : E;              // back-pointer bytes per position
     static constexpr int NREG = NREG_OF[K];                        // float32 values in registers
-    static constexpr int NHALF = K == 1 ? (64 - NREG) / 2 : 0;     // K = 1: half2 registers for the rest
-    static constexpr int NSM4 = K == 1 ? 0 : (64 - NREG) / 4;      // K >= 2: float4 rows in shared memory
+    static constexpr int NSM4 = (64 - NREG) / 4;                   // float4 rows in shared memory
     static constexpr int VOFF = 1024 + 256 + 4 * (K == 1 ? E + LOW : 2 * E);  // byte offset of those rows
     static constexpr int SMEM = VOFF + 16 * NSM4 * NT;
     static constexpr unsigned MASK = ~(unsigned) (Q - 1);
@@ -102,31 +101,16 @@ struct Geo {
     static_assert(E < NT ? P * E == NT : NU * NT * NQ == E, "units cover the edges");
     static_assert(Q % NQ == 0, "a unit's edges share their predecessors");
     static_assert(K != 1 || (STAGE_U == 12 && NU == 16), "K = 1 layout");
-    static_assert(NREG % 4 == 0 && NREG >= 4 && NREG <= 64, "values split in whole float4 rows / half2 pairs");
+    static_assert(NREG % 4 == 0 && NREG >= 4 && NREG <= 64, "values split in whole float4 rows");
+    static_assert(K != 1 || NREG == 64, "K = 1 has no shared memory left for values");
     static_assert(SMEM <= 232448, "shared memory per block");
 };
 
-/* This thread's 64 codebook values: slot k < NREG in vreg, the rest in vh (K = 1) or vsm4. */
+/* This thread's 64 codebook values: slot k < NREG in vreg, the rest in vsm4. */
 template <int K>
 struct Values {
     float vreg[Geo<K>::NREG];
-    __half2 vh[Geo<K>::NHALF > 0 ? Geo<K>::NHALF : 1];
 };
-
-/* One half of a half2 as float. Volatile so that the compiler converts at each use: the values are
- * loop-invariant, and hoisting the conversions out of the position loop would hold them all as float32
- * registers again (and spill). */
-template <int HI>
-__device__ __forceinline__ float half_to_float(__half2 h)
-{
-    float f;
-    const unsigned u = *reinterpret_cast<const unsigned*>(&h);
-    if constexpr (HI)
-        asm volatile("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, hi; }" : "=f"(f) : "r"(u));
-    else
-        asm volatile("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }" : "=f"(f) : "r"(u));
-    return f;
-}
 
 /* (bits(c) & mask) | TAG as one LOP3 with TAG as its immediate (with a constant mask and TAG it would
  * take two: LOP3 has one immediate operand). */
@@ -201,10 +185,6 @@ __device__ __forceinline__ void step(const Values<K>& V, const float4* vsm4, con
                 float v;
                 if (k < NREG) {
                     v = V.vreg[k < NREG ? k : 0];
-                } else if constexpr (K == 1) {
-                    const int hk = (k - NREG) >> 1;
-                    const __half2 hv = V.vh[hk < Gm::NHALF ? hk : 0];
-                    v = ((k - NREG) & 1) ? half_to_float<1>(hv) : half_to_float<0>(hv);
                 } else {
                     const int r = k - NREG;
                     if ((r & 3) == 0) row = vsm4[(r >> 2) * NT + t];
@@ -324,10 +304,6 @@ fq_viterbi_forward(const float* __restrict__ tiles, const unsigned short* __rest
         const unsigned short raw = values[(part + P * hq) * E + j0 + e];
         if (k < NREG) {
             V.vreg[k < NREG ? k : 0] = __half2float(__ushort_as_half(raw));
-        } else if constexpr (K == 1) {
-            const int hk = (k - NREG) >> 1;
-            __half2& hv = V.vh[hk < Gm::NHALF ? hk : 0];
-            if ((k - NREG) & 1) hv.y = __ushort_as_half(raw); else hv.x = __ushort_as_half(raw);
         } else {
             const int r = k - NREG;
             reinterpret_cast<float*>(vsm4 + (r >> 2) * NT + t)[r & 3] = __half2float(__ushort_as_half(raw));
