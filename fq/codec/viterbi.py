@@ -95,12 +95,10 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return s.float()
 
 
-def _keys(d, m, K):
-    """(bits(fma(d, d, m)) & ~(Q-1)) | h as int64 (costs are non-negative: bits order like values)."""
-    Q = 1 << K
-    c = fma_f32(d, d, m).view(torch.int32).long() & ~(Q - 1)
-    h = torch.arange(65536, device=d.device) >> (16 - K)
-    return c | h
+def _keys(d, m, K, h):
+    """(bits(fma(d, d, m)) & ~(Q-1)) | h as int64 (costs are non-negative: bits order like values);
+    h: each state's top K bits."""
+    return (fma_f32(d, d, m).view(torch.int32).long() & ~((1 << K) - 1)) | h
 
 
 def _forward(x, K, v, roll, pre):
@@ -108,18 +106,19 @@ def _forward(x, K, v, roll, pre):
     E, Q = 1 << (16 - K), 1 << K
     dev = x.device
     bp = torch.empty((TILE_LEN, n, E), dtype=torch.uint8, device=dev)
+    states = torch.arange(65536, device=dev)
+    h = states >> (16 - K)
     m0 = torch.zeros((n, 65536), dtype=torch.float32, device=dev)
     if pre is not None:
-        top = torch.arange(65536, device=dev) >> K
-        m0 = m0.masked_fill(top[None, :] != pre[:, None], BIG)
-    C = _keys(v[None, :] - x[:, roll % TILE_LEN, None], m0, K)
+        m0 = m0.masked_fill((states >> K)[None, :] != pre[:, None], BIG)
+    C = _keys(v[None, :] - x[:, roll % TILE_LEN, None], m0, K, h)
     for i in range(1, TILE_LEN):
         prev = (i - 1 + roll) % TILE_LEN
         key = C.view(n, Q, E).amin(dim=1)
         bp[prev] = (key & (Q - 1)).to(torch.uint8)
         M = key.to(torch.int32).view(torch.float32)  # the winning keys are the costs carried on
         d = v[None, :] - x[:, (i + roll) % TILE_LEN, None]
-        C = _keys(d, M.repeat_interleave(Q, dim=1), K)
+        C = _keys(d, M.repeat_interleave(Q, dim=1), K, h)
     return C, bp
 
 
