@@ -2,6 +2,7 @@
 two CPU cores), its config, Snakemake launched as a real process group, and process inspection."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -229,3 +231,16 @@ def holder(code: str) -> subprocess.Popen:
 def release(p: subprocess.Popen) -> None:
     p.stdin.close()
     p.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path, size, what: str = "a tmpfs", needs: str = ""):
+    """A tmpfs of ``size`` (mount's size=: "64k" or bytes) on the existing directory ``path`` for the with-block,
+    lazily unmounted after; skips the test where it cannot be mounted (it needs root)."""
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount {what} here ({m.stderr.strip() or m.returncode}){needs}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -379,10 +379,7 @@ def test_release_gate_names_everything_that_would_not_survive_the_release(baseli
     base_dir, _, _ = baseline
     vol = tmp_path / "vol"
     vol.mkdir()
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(vol)], capture_output=True, text=True)
-    if m.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({m.stderr.strip() or m.returncode}); this test needs root")
-    try:
+    with k.mounted_tmpfs(vol, "16m", needs="; this test needs root"):
         shutil.copytree(base_dir / "campaign", vol / "campaign")
         cfg = json.loads((base_dir / "config.yaml").read_text())
         conf = tmp_path / "config.yaml"
@@ -420,8 +417,6 @@ def test_release_gate_names_everything_that_would_not_survive_the_release(baseli
         (camp / "metrics" / "a" / "a-layer002-block000.json").unlink()
         rc, out, err = _gate(capsys, monkeypatch, conf, "--rehearsal", "1")
         assert rc == 1 and "committed work" in _gate_lines(out, "FAIL") and "a-layer002-block000.json" in out, out
-    finally:
-        subprocess.run(["umount", "-l", str(vol)], capture_output=True)
 
 
 def test_disk_full_while_publishing_leaves_no_partial_file(tiny, baseline):
@@ -437,11 +432,7 @@ def test_disk_full_while_publishing_leaves_no_partial_file(tiny, baseline):
     (camp / "campaign_summary.json").unlink()
     (camp / "published.verified").unlink()
     pub.mkdir()
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={max(size // 2, 8192)}", "tmpfs", str(pub)],
-                       capture_output=True, text=True)
-    if m.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({m.stderr.strip() or m.returncode}); the disk-full test needs root")
-    try:
+    with k.mounted_tmpfs(pub, max(size // 2, 8192), "a small tmpfs", "; the disk-full test needs root"):
         r = k.smk(d, *k.TARGETS, check=False)
         out = r.stdout + r.stderr
         assert r.returncode != 0, out[-3000:]
@@ -457,7 +448,5 @@ def test_disk_full_while_publishing_leaves_no_partial_file(tiny, baseline):
         subprocess.run(["mount", "-o", "remount,size=16m", str(pub)], check=True)  # the operator frees space
         k.smk(d, *k.TARGETS)  # and finalize resumes
         assert campaign_digest(camp) == want
-    finally:
-        subprocess.run(["umount", "-l", str(pub)], capture_output=True)
     print(f"\ndisk full: tmpfs of {max(size // 2, 8192)} bytes for {size} bytes of products; {partial} whole files "
           f"published before the refusal, none partial; resumed after remount to the baseline's bytes")

@@ -89,18 +89,13 @@ def test_disk_full_write_is_one_line_and_leaves_nothing(tmp_path):
 
     mnt = tmp_path / "small"
     mnt.mkdir()
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if m.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({m.stderr.strip() or m.returncode})")
-    try:
+    with k.mounted_tmpfs(mnt, "64k", "a small tmpfs"):
         target = mnt / "big.safetensors"
         with pytest.raises(FqError, match=r"big.safetensors: No space left on device while writing it .* nothing "
                                           r"partial is published"):
             with disk_full_is_one_line(target):
                 atomic.write_bytes(target, b"x" * (256 << 10))
         assert list(mnt.iterdir()) == []  # neither the file nor its temp
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_hub_metadata_kept_in_the_campaign_plans_without_the_hub(tmp_path, monkeypatch):
