@@ -49,6 +49,7 @@ rule init:
         f"{OUT}/benchmarks/init.tsv"
     params:
         device=config["encode"]["device"],
+        devices=config["encode"].get("devices", []),
     script:
         "../scripts/init.py"
 

@@ -59,10 +59,12 @@ def check_signer(doc: dict, pub, key_path: str) -> None:
                       f"pass the campaign's key as signer_key, or start a fresh campaign directory")
 
 
-def run_init(c: Campaign, key_path: str, device: str, out_path: str) -> dict:
+def run_init(c: Campaign, key_path: str, device: str, out_path: str, devices: list[int] | None = None) -> dict:
+    """``devices``: the GPUs named for the campaign; the bound architecture is the first one's (every encode
+    job checks its own GPU's against it), and no other GPU is touched."""
     priv = keys.load_private(key_path)
     pub = priv.public_key()
-    encoder = encoder_identity(device)
+    encoder = encoder_identity(f"cuda:{devices[0]}" if device == "cuda" and devices else device)
     ident = campaign_identity(name=c.name, source_repo=c.source_repo, source_revision=c.source.revision,
                               block_size=c.plan.block_size, signer=keys.fingerprint(pub), encoder=encoder["digest"])
     doc = {

@@ -41,13 +41,9 @@ def check_launch(c, key_path: str, device: str, pending: set[str] | None) -> Non
 
         if device == "cpu":
             problem = encoder_differences(doc["encoder"], encoder_identity("cpu"))
-        else:
-            import torch
-
-            if torch.cuda.is_available():
-                problem = encoder_differences(doc["encoder"], encoder_identity("cuda"))
-            else:  # a launcher without a GPU (a login node): everything but the device architecture
-                problem = encoder_differences(doc["encoder"], encoder_identity("cpu"), ignore=("device_arch",))
+        else:  # everything but the GPU's architecture: the launcher never touches a GPU (it would hold a CUDA
+            # context on one for the whole campaign); each encode job checks its GPU's after claiming it
+            problem = encoder_differences(doc["encoder"], encoder_identity("cpu"), ignore=("device_arch",))
         if problem:
             raise FqError(f"{c.campaign_json}: {problem}; encode with the bound build or start a new campaign")
 
