@@ -52,7 +52,8 @@ class RawTensor:
         if t.dtype not in _BY_TORCH:
             raise FqError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
         t = t.detach().to("cpu").contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # a view of the tensor's bytes, not a copy (the writer writes it out; a 300 MB fragment copied cost 0.1 s)
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
         return cls(name, _BY_TORCH[t.dtype], tuple(t.shape), data)
 
 

@@ -163,3 +163,35 @@ def test_encode_job_benchmark_smoke(tmp_path):
         assert m["busy_s"] > 0 and m["share"] > 0
         assert all(len(j["per_block"]) == j["blocks"] for j in m["jobs"])
     assert d["process"]["first_call_s"] > 0 and "| layer | all | 2 |" in r.stdout
+
+
+def test_gpu_pipeline_benchmark_smoke_on_cpu(tmp_path):
+    """benchmarks/gpu_pipeline.py: real job processes, two at a time, their timelines and the share."""
+    out = tmp_path / "p.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_pipeline.py"), "--device", "cpu", "--experts", "1",
+                        "--scale", "16", "--jobs", "3", "--threads", "1", "--tmp", str(tmp_path), "--json", str(out)],
+                       capture_output=True, text=True, cwd=str(ROOT), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["fragments"] == 3 and res["all_committed"]
+    rows = res["rows"]
+    assert all(r["device"] == "cpu" and r["busy_s"] > 0 and r["tail_s"] > 0 for r in rows)
+    assert all(r["launch"] <= r["claimed"] <= r["first_call"] <= r["last_call_end"] <= r["done"] <= r["exit"] for r in rows)
+    assert "share" in p.stdout and "first job's own start-up" in p.stdout
+
+
+def test_multi_gpu_campaign_checks_flag_what_the_issue_forbids():
+    """benchmarks/multi_gpu_campaign.py's verdict on nvidia-smi samples (the run itself needs GPUs)."""
+    import multi_gpu_campaign as mg
+
+    good = {"devices": [0, 1], "gpus": [0, 1, 2], "claims": {"encode/a.log": ["cuda:0"], "encode/b.log": ["cuda:1"]},
+            "samples": [{"t": 0.0, "apps": [(0, 10), (1, 11)], "util": {0: 50, 1: 40, 2: 0}},
+                        {"t": 0.25, "apps": [(0, 12)], "util": {0: 60, 1: 0, 2: 0}}]}
+    c = mg.check(good)
+    assert c["every_configured_gpu_used"] and not c["two_on_one_gpu"] and not c["on_unconfigured_gpu"]
+    assert c["gpus"][0]["processes"] == 2 and c["gpus"][2]["samples_busy"] == 0
+    bad = dict(good, samples=good["samples"] + [{"t": 0.5, "apps": [(0, 12), (0, 13), (2, 14)], "util": {}}])
+    c = mg.check(bad)
+    assert [d["gpu"] for d in c["two_on_one_gpu"]] == [0] and [d["gpu"] for d in c["on_unconfigured_gpu"]] == [2]
+    idle = dict(good, samples=[good["samples"][1]], claims={"encode/a.log": ["cuda:0"]})
+    assert not mg.check(idle)["every_configured_gpu_used"]  # GPU 1 configured but never used

@@ -145,3 +145,39 @@ def test_rehearsal_switch_accepts_exactly_0_or_1():
     for bad in ("yes", "true", "True", "no", "false", "01", " 1", "", "2", "-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected exactly 0 or 1"):
             rehearsal_flag(bad)
+
+
+
+GPU_HOLDER = """
+import gc, sys, time
+from fq.workflow import devices
+devices.visible_cuda_devices = lambda: 2
+print(devices.claim("cuda", [0, 1], sys.argv[1]), flush=True)
+devices._HELD.clear()  # what interpreter shutdown does to Python objects: the GPU must stay claimed
+gc.collect()
+time.sleep(1.0)  # stands in for the CUDA context's teardown at exit
+print(time.time(), flush=True)
+"""
+
+
+def test_gpu_claim_is_held_until_the_process_is_gone_and_a_waiter_gets_it_then(tmp_path, capfd, monkeypatch):
+    """A job holds its GPU until the process is gone (its CUDA context dies with it), not only until Python
+    drops its objects; a job waiting for the GPU (profiles/local-gpu runs two per GPU) gets it right after."""
+    import time
+
+    from fq.workflow import devices
+
+    locks_dir = tmp_path / "locks"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    holders = [subprocess.Popen([sys.executable, "-c", GPU_HOLDER, str(locks_dir)], stdout=subprocess.PIPE, text=True,
+                                env=env) for _ in (0, 1)]
+    assert sorted(h.stdout.readline().strip() for h in holders) == ["cuda:0", "cuda:1"]  # one GPU each
+    monkeypatch.setattr(devices, "visible_cuda_devices", lambda: 2)
+    dev = devices.claim("cuda", [0, 1], locks_dir, wait_s=30)
+    claimed_at = time.time()
+    last_words = [float(h.stdout.readline()) for h in holders]
+    for h in holders:
+        h.wait(timeout=30)
+    assert dev in ("cuda:0", "cuda:1") and claimed_at >= min(last_words)  # not before a holder was done
+    assert devices._HELD[-1] > 255  # a raw descriptor moved high: the kernel closes it after the driver's
+    assert "claimed cuda:" in capfd.readouterr().err

@@ -78,12 +78,18 @@ def _describe(path: str | os.PathLike) -> tuple[Path, ShardInfo]:
 
 def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
                     encoder: dict, quant_args: dict, node_digest: str, parent: dict | None = None,
-                    determinism: dict | None = None) -> Attested:
+                    determinism: dict | None = None, info: ShardInfo | None = None) -> Attested:
     """Sign the expert fragment at ``path``; ``node_digest`` = the recipe's digest of the fragment's node
     (``Recipe.node_digest``: its definition and its ancestors'), which a plan's chain entry must name;
     ``parent`` = {name, sha256} of the parent's committed fragment, required for a stage and refused
-    for a base."""
-    p, info = _describe(path)
+    for a base. ``info``: what write_fragment returned for this file (it read the committed file back and
+    digested it), so the writer does not read and hash the same bytes twice; None: digest the file here."""
+    if info is None:
+        p, info = _describe(path)
+    else:
+        p = Path(path)
+        if info.name != p.name:
+            raise FqError(f"{p}: the digests given are those of {info.name}")
     if not (isinstance(node_digest, str) and SHA256_HEX.fullmatch(node_digest)):
         raise FqError(f"{p}: node_digest {node_digest!r} is not a sha256 hex digest (Recipe.node_digest)")
     if info.kind != "expert":

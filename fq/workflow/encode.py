@@ -55,10 +55,10 @@ def matrix_seed(seed: int, node: str, layer: int, expert: int, proj: str) -> int
     return int(hashlib.sha256(f"fq-seed/{seed}/{node}/{layer}/{expert}/{proj}".encode()).hexdigest()[:8], 16)
 
 
-def check_encoder(doc: dict, device: str) -> dict:
+def check_encoder(doc: dict, device: str, ignore=()) -> dict:
     """This process's encoder identity must be the one bound at init (fail in seconds, not at finalize)."""
     mine = encoder_identity(device)
-    problem = encoder_differences(doc["encoder"], mine)
+    problem = encoder_differences(doc["encoder"], mine, ignore)
     if problem:
         raise FqError(f"{problem}; encode with the bound build or start a new campaign")
     return mine
@@ -162,6 +162,11 @@ class _Prefetch:
         self._next = self._pool.submit(next, self._items, _END)
         return item
 
+    def dispose(self, d: dict) -> None:
+        """Empty ``d`` in the reader thread: the last references to big host tensors go there, so their
+        memory is returned to the system (munmap) off the encoding thread."""
+        self._pool.submit(d.clear)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._items.close()  # the generator is idle now: run its finally (drops the open shards)
@@ -190,30 +195,49 @@ def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout):
 def _commit(b: BlockJob, tensors: dict, metrics: dict, parent: dict | None, *, doc: dict, priv, seed: int,
             layout: ExpertLayout, t0: float, stats: dict | None) -> dict:
     """Writer thread: fragment, attestation, metrics of one encoded block, each atomic, in this order."""
-    write_fragment(b.out_fragment, layout=layout, node=b.node, role=b.role, layer=b.layer, block=b.block, K=b.K,
-                   codebook=b.codebook, experts=tensors)
+    t = time.perf_counter()
+    info = write_fragment(b.out_fragment, layout=layout, node=b.node, role=b.role, layer=b.layer, block=b.block,
+                          K=b.K, codebook=b.codebook, experts=tensors)
+    t_frag = time.perf_counter()
     shards = sorted({path for projs in b.sources.values() for path, _ in projs.values()})
     quant_args = {"K": b.K, "codebook": b.codebook, "seed": seed, "seed_rule": SEED_RULE,
                   "objective": "weight-only MSE, no Hessian", "scale_search": "gaussian-prior/3"}
     att = attest_fragment(b.out_fragment, key=priv, campaign=doc["identity"],
                           source=source_statement(doc, [Path(s).name for s in shards]), encoder=doc["encoder"],
-                          quant_args=quant_args, node_digest=b.node_digest, parent=parent)
+                          quant_args=quant_args, node_digest=b.node_digest, parent=parent, info=info)
+    t_att = time.perf_counter()
     summary = {"node": b.node, "layer": b.layer, "block": b.block, "K": b.K, "codebook": b.codebook,
                "fragment": Path(b.out_fragment).name, "sha256": att.sha256, "experts": metrics}
     atomic.write_text(b.out_metrics, canonical.pretty(summary))
     if stats is not None:
-        stats["committed_s"] = time.perf_counter() - t0
+        now = time.perf_counter()
+        stats.update(committed_s=now - t0, commit_fragment_s=t_frag - t, commit_attest_s=t_att - t_frag,
+                     commit_metrics_s=now - t_att)
     return summary
+
+
+def _gap(timeline: dict, block: dict, t: float) -> None:
+    """Timeline bookkeeping: the time since the previous encoder call returned (the GPU idles meanwhile)."""
+    if "last_call_end" not in timeline:
+        timeline["first_call"] = t
+        return
+    g = t - timeline["last_call_end"]
+    block["gap_s"] = block.get("gap_s", 0.0) + g
+    block["max_gap_s"] = max(block.get("max_gap_s", 0.0), g)
 
 
 def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, device: str, devices_list: list[int],
                   lock_dir: str, seed: int, layout: ExpertLayout, threads: int = 0,
                   timeline: dict | None = None) -> list[dict]:
     """Encode ``jobs`` (one block, or every block of one (node, layer)) in one process; returns their metrics
-    summaries. ``timeline``: if a dict, filled with where the time went (benchmarks/encode_job.py): per block
-    the seconds inside the encoder calls (``encode_s``: GPU busy on CUDA), waiting for the reader and the
-    writer, and when it was encoded and committed; for the job ``setup_s`` and ``wall_s``."""
+    summaries. ``timeline``: if a dict, filled with where the time went (benchmarks/encode_job.py,
+    benchmarks/gpu_pipeline.py): per block the seconds inside the encoder calls (``encode_s``: GPU busy on
+    CUDA), between them (``gap_s``, ``max_gap_s``), waiting for the reader and the writer, and when it was
+    encoded and committed; for the job ``setup_s``, ``claim_wait_s``, ``wall_s``, and as time.perf_counter()
+    stamps (one clock for every process on Linux) ``start``, ``claimed``, ``first_call``, ``last_call_end``."""
     t0 = time.perf_counter()
+    if timeline is not None:
+        timeline["start"] = t0
     if not jobs:
         raise FqError("encode job with no blocks")
     for b in jobs:  # every claim before anything is read or written
@@ -222,20 +246,32 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
     priv = keys.load_private(key_path)
     pub = priv.public_key()
     check_signer(doc, pub, key_path)
-    dev = devices.claim(device, devices_list, lock_dir)
-    check_encoder(doc, dev if dev == "cpu" else "cuda")
+    devices.check(device, devices_list)
+    check_encoder(doc, "cpu", ignore=() if device == "cpu" else ("device_arch",))  # the GPU's arch: after the claim
     if threads:
         torch.set_num_threads(threads)
     stats = [{"node": b.node, "layer": b.layer, "block": b.block, "matrices": 3 * len(b.experts), "encode_s": 0.0,
               "read_wait_s": 0.0, "write_wait_s": 0.0} for b in jobs] if timeline is not None else None
-    if timeline is not None:
-        timeline.update(setup_s=time.perf_counter() - t0, blocks=stats)
 
     label = f"{jobs[0].node} L{jobs[0].layer}" + (f" B{jobs[0].block}" if len(jobs) == 1 else f" ({len(jobs)} blocks)")
     bar = tqdm(total=sum(3 * len(b.experts) for b in jobs), desc=label, unit="matrix", file=sys.stderr,
                mininterval=2)
-    reader = _Prefetch(_read_blocks(jobs, pub, doc, layout))
+    reader = _Prefetch(_read_blocks(jobs, pub, doc, layout))  # reads the first expert while we wait for a GPU
     writer = ThreadPoolExecutor(1, thread_name_prefix="fq-write")
+    try:
+        t_claim = time.perf_counter()
+        dev = devices.claim(device, devices_list, lock_dir)
+        t_claimed = time.perf_counter()
+        if dev != "cpu":
+            check_encoder(doc, dev)
+    except BaseException:
+        bar.close()
+        reader.close()
+        writer.shutdown(wait=True)
+        raise
+    if timeline is not None:
+        timeline.update(setup_s=time.perf_counter() - t0, claim_wait_s=t_claimed - t_claim, claimed=t_claimed,
+                        device=dev, blocks=stats)
     pending, summaries = None, []
     tensors: dict = {}
     metrics: dict = {}
@@ -253,6 +289,8 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 s = matrix_seed(seed, b.node, b.layer, e, p)
                 w = W[p]
                 t = time.perf_counter()
+                if stats is not None:
+                    _gap(timeline, stats[i], t)
                 if chains[p]:
                     enc = encode_residual(w, chains[p], b.K, b.codebook, s, dev)
                     # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
@@ -262,7 +300,8 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                     enc = codec_encode(w, b.K, b.codebook, s, dev)
                     sum_sq_w = enc.sum_sq_w
                 if stats is not None:
-                    stats[i]["encode_s"] += time.perf_counter() - t
+                    timeline["last_call_end"] = time.perf_counter()
+                    stats[i]["encode_s"] += timeline["last_call_end"] - t
                 tensors.setdefault(e, {})[projections[p]] = enc.tensors
                 metrics.setdefault(str(e), {})[p] = {"sum_sq_w": sum_sq_w, "sum_sq_err": enc.sum_sq_err,
                                                      "g_scale": enc.g_scale}
@@ -270,6 +309,8 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 bar.update(1)
                 if pending is not None and pending.done():
                     pending.result()  # a failed commit fails the job now, with its own message
+            del w
+            reader.dispose(W)  # 150 MB of float32 freed in the reader thread, not between two GPU calls
             del W, chains
             left[i] -= 1
             if left[i]:
@@ -320,10 +361,11 @@ def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sour
     """A one-pass encode at K bits, for the report's comparison only: metrics, no fragment."""
     name = f"native-K{K}-{codebook}-{Path(out_metrics).stem}"
     take_block(lock_dir, name, [out_metrics], f"block {name} (one-pass K{K} {codebook}, layer {layer})")
-    dev = devices.claim(device, devices_list, lock_dir)
+    devices.check(device, devices_list)
     if threads:
         torch.set_num_threads(threads)
     W = read_source(sources)
+    dev = devices.claim(device, devices_list, lock_dir)
     metrics = {}
     for e in experts:
         for p in PROJECTIONS:
