@@ -91,8 +91,9 @@ def measure(*, jobs: int, blocks_per_job: int, slots: int, experts: int, scale: 
             while pending and len(running) < slots:
                 j = pending.pop(0)
                 rows[j] = {"job": j, "launch": time.perf_counter()}
-                running[j] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(specs[j])],
-                                              env=ej._env(), cwd=str(ROOT), stderr=open(work / f"job{j}.log", "w"))
+                with open(work / f"job{j}.log", "w") as log_fh:  # the child keeps its own descriptor
+                    running[j] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child",
+                                                   str(specs[j])], env=ej._env(), cwd=str(ROOT), stderr=log_fh)
             time.sleep(0.005)
             for j, pr in list(running.items()):
                 if pr.poll() is not None:

@@ -258,26 +258,20 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                mininterval=2)
     reader = _Prefetch(_read_blocks(jobs, pub, doc, layout))  # reads the first expert while we wait for a GPU
     writer = ThreadPoolExecutor(1, thread_name_prefix="fq-write")
-    try:
-        t_claim = time.perf_counter()
-        dev = devices.claim(device, devices_list, lock_dir)
-        t_claimed = time.perf_counter()
-        if dev != "cpu":
-            check_encoder(doc, dev)
-    except BaseException:
-        bar.close()
-        reader.close()
-        writer.shutdown(wait=True)
-        raise
-    if timeline is not None:
-        timeline.update(setup_s=time.perf_counter() - t0, claim_wait_s=t_claimed - t_claim, claimed=t_claimed,
-                        device=dev, blocks=stats)
     pending, summaries = None, []
     tensors: dict = {}
     metrics: dict = {}
     left = {i: len(b.experts) for i, b in enumerate(jobs)}
     projections = dict(zip(PROJECTIONS, layout.projections))
     try:
+        t_claim = time.perf_counter()
+        dev = devices.claim(device, devices_list, lock_dir)
+        t_claimed = time.perf_counter()
+        if dev != "cpu":
+            check_encoder(doc, dev)
+        if timeline is not None:
+            timeline.update(setup_s=time.perf_counter() - t0, claim_wait_s=t_claimed - t_claim, claimed=t_claimed,
+                            device=dev, blocks=stats)
         waited = 0.0
         for i, e, W, chains, parent in reader:
             b = jobs[i]

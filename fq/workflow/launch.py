@@ -39,11 +39,10 @@ def check_launch(c, key_path: str, device: str, pending: set[str] | None) -> Non
     if pending is not None and any(is_encode_rule(r) for r in pending):
         from fq.identity import encoder_identity
 
-        if device == "cpu":
-            problem = encoder_differences(doc["encoder"], encoder_identity("cpu"))
-        else:  # everything but the GPU's architecture: the launcher never touches a GPU (it would hold a CUDA
-            # context on one for the whole campaign); each encode job checks its GPU's after claiming it
-            problem = encoder_differences(doc["encoder"], encoder_identity("cpu"), ignore=("device_arch",))
+        # on a GPU campaign everything but the GPU's architecture: the launcher never touches a GPU (it would hold
+        # a CUDA context on one for the whole campaign); each encode job checks its GPU's after claiming it
+        problem = encoder_differences(doc["encoder"], encoder_identity("cpu"),
+                                      ignore=() if device == "cpu" else ("device_arch",))
         if problem:
             raise FqError(f"{c.campaign_json}: {problem}; encode with the bound build or start a new campaign")
 
