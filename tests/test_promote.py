@@ -5,9 +5,13 @@ operational files a real campaign directory holds (logs, locks, keys, metrics, s
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +111,9 @@ def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path,
     dest = tmp_path / "dest"
     (dest / "generations" / ".staging-gen-0-1234" / "base").mkdir(parents=True)  # a killed promoter's leftovers
     (dest / ".published.tmp-1234").symlink_to("generations/gen-0")
+    (dest / "generations" / ".pruning-gen-1" / "stages").mkdir(parents=True)  # ...a killed pruner's
+    (dest / "generations" / "gen-1.replaced").write_text("{}\n")  # the marker of a generation it removed
+    (dest / "generations" / ".tmp-gen-2.replaced.x1y2").write_text("")
     assert promote(out, "--to", dest, "--key", c.pub_path) == 0
     assert sorted(p.name for p in dest.iterdir()) == [".fq-promote.lock", "generations", "promotions.jsonl", "published"]
     link = dest / "published"
@@ -121,6 +128,7 @@ def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path,
 
     # a new generation (informational summary change); a reader resolving the link meanwhile only ever
     # sees one whole generation
+    summary_v1 = (out / SUMMARY_NAME).read_bytes()
     write_summary(out, c.pub, recipe_name="provkit-v2")
     families = [set(files_under(link))]
     seen, stop = [], threading.Event()
@@ -141,9 +149,123 @@ def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path,
         t.join()
     second = os.readlink(link)
     assert second != first and all(s is not None and s == families[0] for s in seen)
-    assert not (dest / first).exists()  # --keep 1 pruned the old generation
+    # --keep 1 does not remove the generation this promotion replaced (a reader may have resolved it a moment
+    # before the swap); a later promotion does: test_local_keep_removes_replaced_generations_only_later
+    assert files_under(dest / first) == files_under(Path(os.path.realpath(link))) | {SUMMARY_NAME: summary_v1}
+    assert fq_main(["verify", str(dest / first), "--key", str(c.pub_path)]) == 0
+    said = capsys.readouterr().out
+    assert "pruned" not in said and "1 replaced kept for readers" in said
     assert [h["generation"] for h in map(canonical.loads, (dest / "promotions.jsonl").read_text().splitlines())] == \
         [first.split("/")[1], second.split("/")[1]]
+
+
+# A reader in its own process: resolves the link once, reports what it resolved, waits (holding no open file
+# of the generation: an open descriptor would survive an unlink and hide the race), then reads every file
+# of what it resolved and verifies it there.
+READER = r"""
+import contextlib, hashlib, json, os, sys
+from pathlib import Path
+from fq.cli import main
+link, key = sys.argv[1], sys.argv[2]
+gen = os.path.realpath(link)
+print(gen, flush=True)
+sys.stdin.readline()
+files = {p.relative_to(gen).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+         for p in sorted(Path(gen).rglob("*")) if p.is_file()}
+with contextlib.redirect_stdout(sys.stderr):
+    rc = main(["verify", gen, "--key", key])
+print(json.dumps({"files": files, "verify": rc}), flush=True)
+"""
+
+
+def generations(dest: Path) -> list[str]:
+    return sorted(p.name for p in (dest / "generations").iterdir())
+
+
+def current(dest: Path) -> str:
+    return os.readlink(dest / "published").split("/")[1]
+
+
+def test_local_reader_that_resolved_the_link_reads_its_whole_generation_after_promotions(camp, tmp_path):
+    out, c = camp
+    dest, link = tmp_path / "dest", tmp_path / "dest" / "published"
+    assert promote(out, "--to", dest, "--key", c.pub_path) == 0
+    a = current(dest)
+    write_summary(out, c.pub, recipe_name="provkit-v2")
+    held = {n: sha for n, (sha, _) in collect(out).digests().items()}  # generation b, as the reader will read it
+    assert promote(out, "--to", dest, "--key", c.pub_path, "--keep", "1", "--grace", "0") == 0
+    b = current(dest)
+    assert generations(dest) == sorted([a, f"{a}.replaced", b])
+
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(link), str(c.pub_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == str((dest / "generations" / b).resolve())  # it resolved b...
+        # ...then, before it reads a byte, a promotion with the harshest settings swaps and prunes
+        write_summary(out, c.pub, recipe_name="provkit-v3")
+        assert promote(out, "--to", dest, "--key", c.pub_path, "--keep", "1", "--grace", "0") == 0
+        assert current(dest) not in (a, b) and not (dest / "generations" / a).exists()  # a pruned, b not
+        said, _ = reader.communicate("read\n", timeout=120)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    assert reader.returncode == 0
+    assert json.loads(said.splitlines()[-1]) == {"files": held, "verify": 0}  # every file of b, verified
+
+
+def test_local_keep_removes_replaced_generations_only_later(camp, tmp_path, capsys):
+    out, c = camp
+    dest = tmp_path / "dest"
+    for bad in (["--grace", "0"], ["--keep", "1", "--grace", "-1"], ["--keep", "1", "--grace", "nan"]):
+        assert promote(out, "--to", dest, "--key", c.pub_path, *bad) == 2  # strict: nothing promoted
+        assert capsys.readouterr().err.startswith("fq promote: ") and not os.path.lexists(dest / "published")
+    assert promote(out, "--to", "hf://org/model", "--key", c.pub_path, "--grace", "0") == 2
+    assert "not a Hub repository" in capsys.readouterr().err
+
+    def promote_v(v, *keep):
+        write_summary(out, c.pub, recipe_name=f"provkit-v{v}")
+        assert promote(out, "--to", dest, "--key", c.pub_path, *keep) == 0
+        return current(dest)
+
+    def replaced_at_ns(g):
+        doc = canonical.loads((dest / "generations" / f"{g}.replaced").read_text())
+        assert doc["generation"] == g
+        return doc["replaced_at_ns"]
+
+    a = promote_v(1)
+    b = promote_v(2, "--keep", "1", "--grace", "0")
+    assert generations(dest) == sorted([a, f"{a}.replaced", b])  # a: just replaced, kept whatever --grace says
+    before = time.time_ns()
+    assert promote_v(1, "--keep", "1", "--grace", "0") == a  # rollback to the kept generation: one swap
+    assert generations(dest) == sorted([a, b, f"{b}.replaced"])  # a is current again: no marker; b kept
+    assert before <= replaced_at_ns(b) <= time.time_ns()
+    cc = promote_v(3, "--keep", "1", "--grace", "0")
+    assert generations(dest) == sorted([a, f"{a}.replaced", cc])  # b (replaced by the rollback) removed now
+    d = promote_v(4, "--keep", "2")  # default grace (a day): a, replaced a moment ago, stays
+    assert generations(dest) == sorted([a, f"{a}.replaced", cc, f"{cc}.replaced", d])
+    assert "1 replaced kept for readers" in capsys.readouterr().out
+    assert promote_v(4, "--keep", "2", "--grace", "0") == d  # already current: a later promotion all the same
+    assert generations(dest) == sorted([cc, f"{cc}.replaced", d])  # a removed; cc is within --keep 2
+    assert "already current" in capsys.readouterr().out
+
+    e = promote_v(5, "--keep", "1", "--grace", "3600")
+    assert generations(dest) == sorted([cc, f"{cc}.replaced", d, f"{d}.replaced", e])  # both within the grace
+    # cc was replaced two hours ago (its marker, rewritten: the only clock promotion reads), d a moment ago
+    doc = canonical.loads((dest / "generations" / f"{cc}.replaced").read_text())
+    doc["replaced_at_ns"] -= 2 * 3600 * 10 ** 9
+    (dest / "generations" / f"{cc}.replaced").write_text(canonical.dumps(doc).decode())
+    (dest / "generations" / f"{d}.replaced").unlink()  # replaced by an fq that recorded nothing: grace from now
+    before = time.time_ns()
+    assert promote_v(5, "--keep", "1", "--grace", "3600") == e
+    assert generations(dest) == sorted([d, f"{d}.replaced", e]) and replaced_at_ns(d) >= before
+    time.sleep(0.6)
+    assert promote_v(5, "--keep", "1", "--grace", "0.5") == e  # d's grace has run out: nothing is left behind
+    assert generations(dest) == [e] and "pruned 1" in capsys.readouterr().out
+    assert sorted(p.name for p in dest.iterdir()) == [".fq-promote.lock", "generations", "promotions.jsonl", "published"]
+    assert [h["generation"] for h in map(canonical.loads, (dest / "promotions.jsonl").read_text().splitlines())] == \
+        [a, b, a, cc, d, e]
+    assert fq_main(["verify", str(dest / "published"), "--key", str(c.pub_path)]) == 0
 
 
 def test_local_promotion_refuses_a_bad_campaign_and_leaves_the_link(camp, tmp_path, capsys):

@@ -19,8 +19,12 @@ def register(sub) -> None:
     where.add_argument("--repo", metavar="OWNER/NAME", help="a Hugging Face model repository (same as --to hf://...)")
     p.add_argument("--key", required=True, metavar="PUBKEY", help="the campaign signer's public key (PEM)")
     p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
-    p.add_argument("--keep", type=int, metavar="N", help="local: keep only the N most recent generations "
-                                                         "(default: keep all)")
+    p.add_argument("--keep", type=int, metavar="N",
+                   help="local: remove generations beyond the N most recent (default: keep all); never the one this "
+                        "promotion replaces, nor one replaced less than --grace seconds ago (docs/promote.md)")
+    p.add_argument("--grace", type=float, metavar="SECONDS",
+                   help="local, with --keep: how long a replaced generation stays for readers that resolved it "
+                        "(default 86400)")
     p.add_argument("--staging", metavar="BRANCH", help="hub: the staging branch (default fq-staging)")
     p.add_argument("--endpoint", metavar="URL", help="hub: API endpoint (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=run)
@@ -37,8 +41,8 @@ def run(args) -> int:
         from fq.promote.hub import DEFAULT_STAGING, parse_target, promote_hub
         from fq.verify import verify_path
 
-        if args.keep is not None:
-            raise FqError("--keep applies to a local publication directory, not a Hub repository")
+        if args.keep is not None or args.grace is not None:
+            raise FqError("--keep and --grace apply to a local publication directory, not a Hub repository")
         repo = parse_target(args.repo or args.to)
         raise_report(verify_path(pub.published, key, summary=pub.summary), f"promote {pub.campaign}")
         r = promote_hub(pub, repo, staging=args.staging or DEFAULT_STAGING, endpoint=args.endpoint)
@@ -48,10 +52,13 @@ def run(args) -> int:
         return 0
     if args.staging or args.endpoint:
         raise FqError("--staging and --endpoint apply to a Hub repository (--to hf://OWNER/NAME)")
-    from fq.promote.local import promote_local
+    from fq.promote.local import DEFAULT_GRACE_S, promote_local
 
-    r = promote_local(pub, args.to, key, keep=args.keep)
+    if args.grace is not None and args.keep is None:
+        raise FqError("--grace applies only with --keep (without --keep no generation is ever removed)")
+    r = promote_local(pub, args.to, key, keep=args.keep, grace=DEFAULT_GRACE_S if args.grace is None else args.grace)
     state = "already current" if r.unchanged else f"was {r.previous or 'none'}"
     print(f"promoted {pub.campaign} to {args.to}/published -> generations/{r.generation} ({state}; {r.files} files, "
-          f"{r.bytes} bytes verified under {fp}{f'; pruned {len(r.pruned)}' if r.pruned else ''})")
+          f"{r.bytes} bytes verified under {fp}{f'; pruned {len(r.pruned)}' if r.pruned else ''}"
+          f"{f'; {len(r.retained)} replaced kept for readers' if r.retained else ''})")
     return 0

@@ -2,6 +2,7 @@
 
     DEST/published -> generations/G          (relative symlink: what consumers open)
     DEST/generations/G/{base,stages,assemblies,campaign_summary.json}
+    DEST/generations/G.replaced              (G was current once and is no longer: when it was replaced)
     DEST/promotions.jsonl                    (one line per promotion: generation, previous, digest)
 
 G is ``gen-`` + the first 16 hex digits of the publication's content digest, so promoting the same
@@ -9,10 +10,25 @@ campaign twice names the same generation. A new generation is copied (never link
 are their own) into a hidden staging name, verified there with the pinned key, renamed to G, and only
 then is ``published`` swapped: a new link is made under a temporary name and ``os.replace``d over the old
 one, one atomic rename. A consumer resolves ``published`` to a whole verified generation, old or new,
-never to a partial one. Old generations are kept (a consumer may still be reading one, and swapping the
-link back is the rollback); ``keep=N`` prunes all but the N most recent ones this directory promoted.
+never to a partial one.
+
+Old generations are kept (a consumer may still be reading one, and swapping the link back is the
+rollback). ``keep=N`` removes generations beyond the N most recent ones this directory promoted, but never
+
+- the generation this very promotion replaced: a reader may have resolved the link a moment before the
+  swap, so it is removed, at the earliest, by a later promotion; nor
+- a generation replaced less than ``grace`` seconds ago (``G.replaced`` records when, on this host's
+  clock; a replaced generation without one is given one now, so its grace starts now).
+
+A reader that resolved ``published`` to G at time t can therefore read all of G until at least t + grace,
+and in any case until a promotion after the one that replaced G. Pruning happens only inside a promotion
+(there is no daemon): nothing is removed between promotions, and every promotion with ``keep`` removes
+whatever has become removable, so nothing accumulates forever. A pruned generation is first renamed to a
+hidden ``.pruning-G`` (one atomic step: no half-deleted tree ever bears a generation's name), then deleted.
+
 Promoters of one DEST are serialized by an flock on ``DEST/.fq-promote.lock`` (never unlinked); holding it,
-a promoter removes the staging copies and temporary links that killed promoters left behind.
+a promoter removes the staging copies, half-pruned trees and temporary links that killed promoters left
+behind.
 """
 from __future__ import annotations
 
@@ -20,6 +36,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +48,8 @@ from fq.verify import verify_path
 LINK = "published"
 GENERATIONS = "generations"
 HISTORY = "promotions.jsonl"
+REPLACED = ".replaced"  # GENERATIONS/G.replaced: when G stopped being current
+DEFAULT_GRACE_S = 24 * 3600
 
 
 @dataclass
@@ -42,6 +61,7 @@ class LocalResult:
     bytes: int
     unchanged: bool = False
     pruned: list[str] = field(default_factory=list)
+    retained: list[str] = field(default_factory=list)  # beyond keep, but a reader may still hold them
 
 
 @contextlib.contextmanager
@@ -83,12 +103,16 @@ def _history(dest: Path) -> list[dict]:
 
 
 def _remove_dead_leftovers(dest: Path) -> None:
-    """Staging copies and temporary links of promoters that were killed: with the DEST lock held, nobody
-    else is writing them."""
-    for p in (dest / GENERATIONS).glob(".staging-*"):
+    """Staging copies, half-pruned trees, temporary links and marker temp files of promoters that were
+    killed: with the DEST lock held, nobody else is writing them."""
+    gens = dest / GENERATIONS
+    for p in [*gens.glob(".staging-*"), *gens.glob(".pruning-*")]:
         shutil.rmtree(p)
-    for p in dest.glob(f".{LINK}.tmp-*"):
+    for p in [*dest.glob(f".{LINK}.tmp-*"), *gens.glob(f".tmp-*{REPLACED}.*")]:
         p.unlink()
+    for p in gens.glob(f"*{REPLACED}"):  # the marker of a generation whose removal was interrupted
+        if not (gens / p.name[:-len(REPLACED)]).is_dir():
+            p.unlink()
 
 
 def _swap(dest: Path, generation: str) -> None:
@@ -100,10 +124,33 @@ def _swap(dest: Path, generation: str) -> None:
     atomic.fsync_dir(dest)
 
 
-def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int | None = None) -> LocalResult:
-    """Stage ``pub`` as a generation of ``dest``, verify it with ``key``, swap ``dest/published`` to it."""
+def _mark_replaced(gens: Path, name: str, by: str | None, now_ns: int) -> None:
+    atomic.write_text(gens / f"{name}{REPLACED}", canonical.dumps(
+        {"generation": name, "replaced_at_ns": now_ns, "replaced_by": by}).decode() + "\n")
+
+
+def _replaced_at_ns(gens: Path, name: str, now_ns: int) -> int:
+    """When ``name`` stopped being current. No readable record (replaced by an fq that wrote none, or a
+    damaged file): its grace starts now, and the record says so."""
+    path = gens / f"{name}{REPLACED}"
+    with contextlib.suppress(FileNotFoundError, FqError, UnicodeDecodeError):
+        doc = canonical.loads(path.read_bytes(), str(path))
+        if isinstance(doc, dict) and doc.get("generation") == name and type(doc.get("replaced_at_ns")) is int:
+            return doc["replaced_at_ns"]
+    _mark_replaced(gens, name, None, now_ns)
+    return now_ns
+
+
+def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int | None = None,
+                  grace: float = DEFAULT_GRACE_S) -> LocalResult:
+    """Stage ``pub`` as a generation of ``dest``, verify it with ``key``, swap ``dest/published`` to it.
+
+    ``keep``: prune generations beyond the ``keep`` most recent, except the one this promotion replaced and
+    any replaced less than ``grace`` seconds ago (module docstring)."""
     if keep is not None and keep < 1:
         raise FqError(f"--keep {keep}: must be at least 1 (the generation being published)")
+    if not grace >= 0:  # NaN too
+        raise FqError(f"--grace {grace}: must be a number of seconds >= 0")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     gens = dest / GENERATIONS
@@ -132,25 +179,44 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
         unchanged = previous == name
         if not unchanged:
             _swap(dest, name)
+            if previous is not None:  # from this instant a reader may hold previous without knowing it is old
+                _mark_replaced(gens, previous, name, time.time_ns())
+            with contextlib.suppress(FileNotFoundError):  # current again (a rollback): not replaced
+                (gens / f"{name}{REPLACED}").unlink()
             history = _history(dest) + [{"generation": name, "previous": previous, "digest": pub.digest(),
                                          "files": len(pub.files)}]
             atomic.write_text(dest / HISTORY, "".join(canonical.dumps(h).decode() + "\n" for h in history))
-        pruned = _prune(dest, name, keep) if keep is not None else []
+        pruned, retained = _prune(dest, name, None if unchanged else previous, keep, grace) \
+            if keep is not None else ([], [])
     sizes = pub.digests()
-    return LocalResult(name, target, previous, len(pub.files), sum(z for _, z in sizes.values()), unchanged, pruned)
+    return LocalResult(name, target, previous, len(pub.files), sum(z for _, z in sizes.values()), unchanged,
+                       pruned, retained)
 
 
-def _prune(dest: Path, current: str, keep: int) -> list[str]:
-    """Delete generations this directory promoted, beyond the ``keep`` most recent (never the current)."""
+def _prune(dest: Path, current: str, replaced: str | None, keep: int, grace: float) -> tuple[list[str], list[str]]:
+    """Delete generations this directory promoted beyond the ``keep`` most recent, never the current one,
+    never ``replaced`` (the one this promotion replaced), never one replaced less than ``grace`` s ago.
+    Returns (pruned, retained: beyond ``keep`` but kept for readers)."""
+    gens = dest / GENERATIONS
     order: list[str] = []
     for h in reversed(_history(dest)):
         if h["generation"] not in order:
             order.append(h["generation"])
     keep_set = set(order[:keep]) | {current}
-    pruned = []
+    now_ns = time.time_ns()
+    pruned, retained = [], []
     for name in order[keep:]:
-        path = dest / GENERATIONS / name
-        if name not in keep_set and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-            pruned.append(name)
-    return pruned
+        path = gens / name
+        if name in keep_set or not path.is_dir() or path.is_symlink():
+            continue
+        if name == replaced or now_ns - _replaced_at_ns(gens, name, now_ns) < grace * 1e9:
+            retained.append(name)
+            continue
+        doomed = gens / f".pruning-{name}"
+        os.rename(path, doomed)  # one step: the name now means "whole" or "absent", never "half-deleted"
+        atomic.fsync_dir(gens)
+        shutil.rmtree(doomed)
+        with contextlib.suppress(FileNotFoundError):
+            (gens / f"{name}{REPLACED}").unlink()
+        pruned.append(name)
+    return pruned, retained
