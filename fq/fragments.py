@@ -21,14 +21,15 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO, Iterable, Mapping
 
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.safepath import sha256_stream
 from fq.shards import Header, RawTensor, read_header, write_shard
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "fq-fragment/1"
 ROLES = ("base", "stage")

@@ -16,12 +16,14 @@ from __future__ import annotations
 import hashlib
 import platform
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 import fq
 from fq.canonical import dumps, sha256_hex
 from fq.errors import FqError
+
+if TYPE_CHECKING:
+    import torch
 
 PACKAGE_ROOT = Path(fq.__file__).resolve().parent
 
@@ -45,6 +47,8 @@ def bundle_files(root: Path = PACKAGE_ROOT) -> list[tuple[str, str]]:
 
 def device_arch(device: str | torch.device | None) -> str:
     """``cpu-<machine>`` or ``sm_<major><minor>`` of a CUDA device; never guesses a device."""
+    import torch  # here, not at import: checking an identity (verify, finalize) needs no torch
+
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cpu":
         return f"cpu-{platform.machine() or 'unknown'}"
@@ -57,6 +61,8 @@ def device_arch(device: str | torch.device | None) -> str:
 
 
 def encoder_identity(device: str | torch.device | None = None) -> dict:
+    import torch
+
     files = bundle_files()
     ident = {
         "fq_version": fq.__version__,

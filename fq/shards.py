@@ -13,28 +13,44 @@ Byte ranges it hands out are absolute file offsets.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO, Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO, Iterable, Mapping
 
 from fq import atomic
 from fq.canonical import loads, sha256_hex
 from fq.errors import FqError
 
-# safetensors dtype -> (bytes per element, torch dtype)
-DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "BOOL": (1, torch.bool), "U8": (1, torch.uint8), "I8": (1, torch.int8),
-    "F8_E4M3": (1, torch.float8_e4m3fn), "F8_E5M2": (1, torch.float8_e5m2),
-    "I16": (2, torch.int16), "U16": (2, torch.uint16), "F16": (2, torch.float16), "BF16": (2, torch.bfloat16),
-    "I32": (4, torch.int32), "U32": (4, torch.uint32), "F32": (4, torch.float32),
-    "I64": (8, torch.int64), "U64": (8, torch.uint64), "F64": (8, torch.float64),
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype -> (bytes per element, name of the torch dtype). Names, not torch objects: reading and
+# verifying headers must not import torch (it is most of a CLI's or a Snakemake job's start-up time).
+DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"), "F8_E5M2": (1, "float8_e5m2"),
+    "I16": (2, "int16"), "U16": (2, "uint16"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"), "U32": (4, "uint32"), "F32": (4, "float32"),
+    "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64"),
 }
-_BY_TORCH = {t: name for name, (_, t) in DTYPES.items()}
+
+
+def torch_dtype(dtype: str) -> "torch.dtype":
+    """The torch dtype of a safetensors dtype name."""
+    import torch
+
+    return getattr(torch, DTYPES[dtype][1])
+
+
+@functools.cache
+def _by_torch() -> dict:
+    return {torch_dtype(name): name for name in DTYPES}
+
+
 MAX_HEADER = 100 << 20  # the safetensors limit
 
 
@@ -49,12 +65,15 @@ class RawTensor:
 
     @classmethod
     def of(cls, name: str, t: torch.Tensor) -> "RawTensor":
-        if t.dtype not in _BY_TORCH:
+        import torch
+
+        dtype = _by_torch().get(t.dtype)
+        if dtype is None:
             raise FqError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
         t = t.detach().to("cpu").contiguous()
         # a view of the tensor's bytes, not a copy (the writer writes it out; a 300 MB fragment copied cost 0.1 s)
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-        return cls(name, _BY_TORCH[t.dtype], tuple(t.shape), data)
+        return cls(name, dtype, tuple(t.shape), data)
 
 
 @dataclass(frozen=True)
@@ -207,13 +226,15 @@ def read_range(fh: BinaryIO, offset: int, length: int, source: str) -> bytes:
 
 def tensors_in_range(header: Header, names: Iterable[str], offset: int, data: bytes) -> dict[str, torch.Tensor]:
     """Materialize tensors from the bytes of a range that starts at absolute ``offset``."""
+    import torch
+
     out = {}
     for name in names:
         e = header.entry(name)
         lo = e.start - offset
         if lo < 0 or lo + e.length > len(data):
             raise FqError(f"{header.source}: tensor {name!r} lies outside the range that was read")
-        size, dtype = DTYPES[e.dtype]
+        dtype = torch_dtype(e.dtype)
         if e.length == 0:
             out[name] = torch.empty(e.shape, dtype=dtype)
         else:

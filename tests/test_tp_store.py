@@ -7,7 +7,7 @@ import provkit
 import tpkit
 from fq.codec import reconstruct_chain
 from fq.errors import FqError
-from fq.shards import DTYPES
+from fq.shards import torch_dtype
 from fq.tp import sources
 from fq.tp.manifest import Manifest, Pinned, Replicate, SplitOutput, Tied, WeightEntry
 from fq.tp.mesh import DeviceMesh, plan
@@ -286,7 +286,7 @@ def test_ties_pins_and_aliases_from_tensors_in_memory():
     assert torch.equal(loaded2.tensors(3, "lm_head"), embed) and loaded2.handle(3, "lm_head").alias_of is None
     with pytest.raises(FqError, match="no tensor for entry 'up'"):
         WeightStore(p.mesh).fulfill(p, TensorSource({"embed": embed, "stats": stats}), ["cpu", "cpu"])
-    assert DTYPES["BF16"][1] == torch.bfloat16
+    assert torch_dtype("BF16") == torch.bfloat16
 
 
 def test_pipeline_stages_load_only_their_layers(world):

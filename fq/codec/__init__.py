@@ -10,8 +10,21 @@ Public API (kept stable for the rest of fq):
     validate_tensors(tensors, name, K=None, codebook=None) -> Geometry
 """
 from fq.codec.codebook import CODEBOOKS, MARKERS, marker_value
-from fq.codec.encoder import Encoded, encode, encode_batch, encode_residual, quantize, quantize_residual
-from fq.codec.tensors import Geometry, reconstruct, reconstruct_chain, validate_tensors
+
+# The torch-backed parts load on first use (PEP 562): tensor names, markers and header checks need only the
+# codebook constants, and importing torch is most of the start-up time of `fq verify` or a Snakemake job.
+_LAZY = {"Encoded": "encoder", "encode": "encoder", "encode_batch": "encoder", "encode_residual": "encoder",
+         "quantize": "encoder", "quantize_residual": "encoder",
+         "Geometry": "tensors", "reconstruct": "tensors", "reconstruct_chain": "tensors", "validate_tensors": "tensors"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"fq.codec.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'fq.codec' has no attribute {name!r}")
+
 
 __all__ = [
     "CODEBOOKS",

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from fq.assembly import PlanState
 from fq.attest import keys
-from fq.combine import combine
 from fq.commands.verify import load_pinned
 
 
@@ -37,6 +36,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from fq.combine import combine  # torch: loaded by the command that needs it, not by every `fq` start
+
     key, fp = load_pinned(args)
     state = None if args.no_state else PlanState(args.state or default_state())
     sign_key = keys.load_private(args.sign_key) if args.sign_key else None

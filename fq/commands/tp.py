@@ -17,8 +17,6 @@ from fq.commands.combine import default_state
 from fq.commands.verify import load_pinned
 from fq.tp.manifest import ASSIGNMENTS
 from fq.tp.mesh import DeviceMesh, describe, plan
-from fq.tp.moe import moe_manifest
-from fq.tp.sources import ProductSource
 
 
 def _size(text: str) -> int:
@@ -81,6 +79,9 @@ def run_export(args) -> int:
 
 
 def run_plan(args) -> int:
+    from fq.tp.moe import moe_manifest  # torch: loaded by the command that needs it, not by every `fq` start
+    from fq.tp.sources import ProductSource
+
     key, _ = load_pinned(args)
     src = ProductSource(args.plan, key, root=args.root)
     mesh = DeviceMesh(tp=args.tp, ep=args.ep, pp=args.pp, epoch=args.epoch)

@@ -30,7 +30,7 @@ from fq.experts import ExpertLayout, expert_keys, suffixes
 from fq.fragments import attestation_name, expert_structure, fragment_meta
 from fq.manifest import read_base_manifest
 from fq.safepath import open_regular, read_regular
-from fq.shards import DTYPES, RawTensor, read_header, read_range, tensors_in_range
+from fq.shards import RawTensor, read_header, read_range, tensors_in_range, torch_dtype
 from fq.tp import records
 from fq.tp.manifest import EXL3
 from fq.tp.mesh import Plan
@@ -124,7 +124,7 @@ def _dense_items(raw: RawTensor, wants: list) -> list[tuple[str, RawTensor]]:
 
 
 def as_tensor(raw: RawTensor) -> torch.Tensor:
-    return torch.frombuffer(bytearray(raw.data), dtype=torch.uint8).view(DTYPES[raw.dtype][1]).reshape(raw.shape)
+    return torch.frombuffer(bytearray(raw.data), dtype=torch.uint8).view(torch_dtype(raw.dtype)).reshape(raw.shape)
 
 
 # -- a published product ------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 from fq.codec import MARKERS, reconstruct_chain
 from fq.errors import FqError
 from fq.experts import derive_linear
-from fq.shards import DTYPES
+from fq.shards import DTYPES, torch_dtype
 from fq.tp.manifest import EXL3
 from fq.tp.mesh import DeviceMesh, Plan, Slice
 from fq.tp.slicing import sliced_shape
@@ -229,7 +229,7 @@ class WeightStore:
         if hook is not None:
             hook(a)
         for v in u.views:
-            t = buf[v.offset:v.offset + v.length].view(DTYPES[v.dtype][1]).reshape(v.shape)
+            t = buf[v.offset:v.offset + v.length].view(torch_dtype(v.dtype)).reshape(v.shape)
             pl = where[(u.rank, v.entry)]
             h = loaded.handles.setdefault((u.rank, v.entry), Handle(v.entry, u.rank, pl.slice, a.origin))
             if v.suffix is None:
