@@ -25,6 +25,7 @@ from typing import BinaryIO, Iterable, Mapping
 
 import torch
 
+from fq.canonical import loads
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.safepath import sha256_stream
@@ -92,8 +93,10 @@ class ShardInfo:
 
 def _int(meta: Mapping[str, str], key: str, source: str) -> int:
     v = meta.get(key)
-    if not isinstance(v, str) or not re.fullmatch(r"0|[1-9][0-9]*", v):
-        raise FqError(f"{source}: header metadata {key!r} must be a non-negative decimal integer, got {v!r}")
+    if not isinstance(v, str) or not re.fullmatch(r"0|[1-9][0-9]{0,8}", v):
+        shown = v if not isinstance(v, str) or len(v) <= 24 else f"{v[:12]}… ({len(v)} characters)"
+        raise FqError(f"{source}: header metadata {key!r} must be a non-negative decimal integer of at most 9 "
+                      f"digits, got {shown!r}")
     return int(v)
 
 
@@ -114,10 +117,8 @@ def fragment_meta(header: Header) -> dict:
         raise FqError(f"{src}: fragment metadata keys {sorted(m)}, expected {sorted(want)}")
     if m["role"] not in ROLES:
         raise FqError(f"{src}: header metadata role {m['role']!r}, expected base or stage")
-    try:
-        layout = ExpertLayout.from_json(json.loads(m["layout"]), f"{src}: header metadata layout")
-    except json.JSONDecodeError:
-        raise FqError(f"{src}: header metadata layout is not JSON") from None
+    where = f"{src}: header metadata layout"
+    layout = ExpertLayout.from_json(loads(m["layout"], where), where)
     return {"kind": kind, "node": check_node(m["node"], f"{src}: node"), "role": m["role"],
             "layer": _int(m, "layer", src), "block": _int(m, "block", src), "K": _int(m, "K", src),
             "codebook": m["codebook"], "layout": layout}

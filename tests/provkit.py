@@ -171,3 +171,30 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
     for product in PRODUCTS:
         c.plans[product] = _plan(c, product, 1, EXPIRES, priv)
     return c
+
+
+# --- an insider: bytes changed after encoding, then everything re-signed with the campaign's own key ---
+def _statement_line(st: dict, key) -> bytes:
+    from fq.attest import dsse
+    return dsse.envelope_line(dsse.sign(dumps(st), key))
+
+
+def _attested(p: Path) -> dict:
+    import base64
+    from fq.canonical import loads
+    env = loads(p.with_name(p.name + ".intoto.jsonl").read_bytes())
+    return loads(base64.b64decode(env["payload"]))
+
+
+def insider_attest_as_is(c: Campaign, rel: str) -> None:
+    """Sign, with the campaign's own key, that fragment ``rel`` is exactly its current bytes (subject digest,
+    size, header digest), without reading anything else in it: a hostile header reaches the consumer's parser."""
+    import hashlib
+    import struct
+    p = c.root / rel
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    st = _attested(p)
+    st["predicate"]["shard"] = {"size": len(data), "header_sha256": hashlib.sha256(data[:8 + n]).hexdigest()}
+    st["subject"] = [{"name": p.name, "digest": {"sha256": hashlib.sha256(data).hexdigest()}}]
+    p.with_name(p.name + ".intoto.jsonl").write_bytes(_statement_line(st, c.priv))

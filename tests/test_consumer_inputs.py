@@ -1,0 +1,189 @@
+"""What a consumer's tools (fq verify, fq combine) do with hostile input (issue 15): JSON built to crash a
+parser, file names built to drive the terminal, envelopes with extra signature entries, fragments in
+another node's directory, scales a signing insider made non-finite, a base checkpoint that differs from
+its manifest. Each is refused with one line naming the file, and never stops the rest of a verification.
+"""
+import base64
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import provkit
+from fq.attest import dsse
+from fq.canonical import dumps, loads
+from fq.combine import combine
+from fq.errors import FqError
+from fq.selection import parse_selection
+from fq.verify import verify_path
+
+NOW = provkit.NOW
+
+
+def att(p):
+    return p.with_name(p.name + ".intoto.jsonl")
+
+
+def problems_of(c):
+    return verify_path(c.root, c.pub, now=NOW).problems
+
+
+def combine_error(c, tmp, **kw):
+    out = tmp / "out.safetensors"
+    with pytest.raises(FqError) as e:
+        combine(c.plans["k2r1r2"], c.pub, out, now=NOW, **kw)
+    assert not out.exists(), "nothing written on refusal"
+    return str(e.value)
+
+
+def flip(p, offset):
+    data = bytearray(p.read_bytes())
+    data[offset] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+# --- hostile JSON: one problem line naming the file; the rest is still verified ---
+DEEP = b"[" * 100_000 + b"]" * 100_000
+BIG_INT = b"1" * 5000
+
+
+def _header_shard(c, rel, body: bytes):
+    """Replace a shard's JSON header with ``body`` (the attestation stays: the shard must be refused by its header)."""
+    p = c.root / rel
+    p.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * 16)
+
+
+JSON_CASES = {
+    "deeply nested attestation": (lambda c: att(c.root / c.frag("r1", 1, 0)).write_bytes(DEEP + b"\n"),
+                                  r"stages/r1/r1-layer001-block000\.safetensors\.intoto\.jsonl: JSON nested 100000 "
+                                  r"levels deep \(at most 64 accepted\)"),
+    "5000-digit integer in an attestation": (
+        lambda c: att(c.root / c.frag("r1", 1, 1)).write_bytes(b'{"payload":' + BIG_INT + b"}\n"),
+        r"r1-layer001-block001\.safetensors\.intoto\.jsonl: integer of 5000 digits \(at most 64 accepted\)"),
+    "deeply nested safetensors header": (
+        lambda c: _header_shard(c, c.frag("r1", 3, 0), b'{"a":' + DEEP + b"}"),
+        r"r1-layer003-block000\.safetensors \(safetensors header\): JSON nested 100001 levels deep"),
+    "5000-digit data offset in a safetensors header": (
+        lambda c: _header_shard(c, c.frag("r1", 3, 1), b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,'
+                                + BIG_INT + b"]}}"),
+        r"r1-layer003-block001\.safetensors \(safetensors header\): integer of 5000 digits"),
+    "deeply nested base manifest": (lambda c: (c.root / "base/k2/fq-manifest.intoto.jsonl").write_bytes(DEEP),
+                                    r"base/k2/fq-manifest\.intoto\.jsonl: JSON nested 100000 levels deep"),
+    "deeply nested plan": (lambda c: c.plans["k2r1"].write_bytes(DEEP),
+                           r"k2r1\.assembly\.intoto\.jsonl: JSON nested 100000 levels deep"),
+    "deeply nested summary": (lambda c: (c.root / "campaign_summary.json").write_bytes(DEEP),
+                              r"campaign_summary\.json: JSON nested 100000 levels deep"),
+    "5000-digit integer in the summary": (
+        lambda c: (c.root / "campaign_summary.json").write_bytes(b'{"format":' + BIG_INT + b"}"),
+        r"campaign_summary\.json: integer of 5000 digits"),
+}
+
+
+@pytest.mark.parametrize("name", list(JSON_CASES))
+def test_hostile_json_is_one_problem_line(name, tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    mutate, pattern = JSON_CASES[name]
+    mutate(c)
+    (c.root / "stages/r2/notes.txt").write_text("x")  # another problem, which must still be reported
+    problems = problems_of(c)
+    assert any(re.search(pattern, m) for m in problems), problems
+    assert any(m.endswith("stages/r2/notes.txt: not covered by any attestation or base manifest") for m in problems)
+    assert all("\n" not in m for m in problems)
+
+
+def test_all_hostile_documents_are_reported_together(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    for name, (mutate, _) in JSON_CASES.items():
+        if "summary" not in name or name == "deeply nested summary":
+            mutate(c)
+    problems = problems_of(c)
+    for name, (_, pattern) in JSON_CASES.items():
+        if name != "5000-digit integer in the summary":
+            assert any(re.search(pattern, m) for m in problems), (name, problems)
+
+
+def test_json_limits_cost_linear_time():
+    """The depth check runs before parsing, so it must not be the slow part: strings that never end, escapes
+    everywhere, non-ASCII outside strings, millions of brackets."""
+    import time
+    from fq.canonical import nesting_depth
+    cases = {'"' + '\\"' * 500_000: 0, '"\\' * 500_000: 0, "é[" * 100 + "]" * 100: 100,
+             "[]" * 2_000_000: 1, '["]", {"a": ["[[["]}]': 3}
+    t = time.perf_counter()
+    for text, depth in cases.items():
+        assert nesting_depth(text) == depth, text[:20]
+        if depth != 3:
+            with pytest.raises(FqError, match=r"^x\.json: "):
+                loads(text.encode(), "x.json")
+    assert time.perf_counter() - t < 20  # a backtracking string pattern takes minutes on the first case
+    assert loads(b'["]", {"a": ["[[["]}]', "x.json") == ["]", {"a": ["[[["]}]
+    assert loads(b"[" * 64 + b"]" * 64, "x.json")
+    with pytest.raises(FqError, match=r"x\.json: JSON nested 65 levels deep \(at most 64 accepted\)"):
+        loads(b"[" * 65 + b"]" * 65, "x.json")
+
+
+@pytest.mark.parametrize("meta,pattern", [
+    ({"layout": "[" * 5000 + "]" * 5000}, r"header metadata layout: JSON nested 5000 levels deep"),
+    ({"layer": "1" * 5000}, r"header metadata 'layer' must be a non-negative decimal integer of at most 9 digits, "
+                            r"got '111111111111… \(5000 characters\)'"),
+])
+def test_hostile_fragment_metadata_is_one_line(meta, pattern, tmp_path):
+    from fq.shards import RawTensor, write_shard
+    from safetensors import safe_open
+    c = provkit.build_campaign(tmp_path)
+    p = c.root / c.frag("r1", 1, 0)
+    with safe_open(p, "pt") as f:
+        m, keys = f.metadata(), list(f.keys())
+        tensors = [RawTensor.of(k, f.get_tensor(k)) for k in keys]
+    order = {n: i for i, n in enumerate(json.loads(p.read_bytes()[8:8 + struct.unpack("<Q", p.read_bytes()[:8])[0]]))}
+    tensors.sort(key=lambda t: order[t.name])
+    write_shard(p, tensors, {**m, **meta})
+    provkit.insider_attest_as_is(c, c.frag("r1", 1, 0))
+    problems = problems_of(c)
+    assert any(re.search(pattern, x) for x in problems), problems
+
+
+def test_tensor_name_with_a_5000_digit_layer_is_one_line(tmp_path):
+    from fq.shards import RawTensor, write_shard
+    c = provkit.build_campaign(tmp_path)
+    p = c.root / c.frag("r1", 1, 0)
+    name = "model.layers." + "1" * 5000 + ".mlp.experts.0.gate_proj.trellis"
+    meta = {"format": "fq-fragment/1", "kind": "expert", "node": "r1", "role": "stage", "layer": "1", "block": "0",
+            "K": "1", "codebook": "mcg", "layout": json.dumps({"prefix": "model.layers.{layer}.mlp.experts.{expert}",
+                                                               "projections": ["gate_proj", "up_proj", "down_proj"]})}
+    write_shard(p, [RawTensor(name, "I16", (8, 8, 16), bytes(2048))], meta)
+    provkit.insider_attest_as_is(c, c.frag("r1", 1, 0))
+    problems = problems_of(c)
+    assert any("is not a routed-expert EXL3 tensor of this layout" in x for x in problems), problems
+
+
+def test_experts_selection_with_a_5000_digit_number():
+    for text in ("1" * 5000, "0-" + "9" * 5000, "1" * 5000 + ":0", "3:" + "1" * 5000):
+        with pytest.raises(FqError, match=r"--experts.*: number \d{12}… has 5000 digits; layer and expert numbers "
+                                          r"have at most 9"):
+            parse_selection(text)
+
+
+def _fq(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "fq", *argv], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_cli_hostile_inputs_never_show_a_traceback(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    r = _fq("combine", "--key", str(c.pub_path), "--plan", str(c.plans["k2r1r2"]), "--out", str(tmp_path / "o"),
+            "--no-state", "--experts", "1" * 5000)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("fq combine: --experts: number 111111111111… has 5000 "
+                                                              "digits"), r.stderr
+    for mutate, _ in JSON_CASES.values():
+        mutate(c)
+    r = _fq("verify", str(c.root), "--key", str(c.pub_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) >= len(JSON_CASES) - 1 and all(line.startswith("fq verify: ") for line in lines), lines
