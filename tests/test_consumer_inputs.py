@@ -187,3 +187,32 @@ def test_cli_hostile_inputs_never_show_a_traceback(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.splitlines()
     assert len(lines) >= len(JSON_CASES) - 1 and all(line.startswith("fq verify: ") for line in lines), lines
+
+
+# --- terminal injection ---
+def test_printable_escapes_controls_non_ascii_and_lookalikes():
+    from fq.display import printable
+    assert printable("plain-name_1.safetensors … — ok") == "plain-name_1.safetensors … — ok"
+    assert printable("\x1b[2K\r\nok:\t\x7f\x9b") == "\\x1b[2K\\r\\nok:\\t\\x7f\\x9b"
+    assert printable("c\u043enfig.json \u202egnp.exe \U0001d5ba") == "c\\u043enfig.json \\u202egnp.exe \\U0001d5ba"
+    assert printable(os.fsdecode(b"bad\xffname")) == "bad\\xffname"
+    once = printable("\x1b\u0430")
+    assert printable(once) == once
+    assert str(FqError("x/\x1b[31mred: bad")) == "x/\\x1b[31mred: bad"
+
+
+def test_cli_verify_escapes_a_file_name_that_forges_an_ok_line(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    fake = "\x1b[2K\r\nok: 20 shards, 1 base manifests, 2 plans verified under key " + "0" * 64
+    (c.root / "stages/r1" / fake).write_bytes(b"x")
+    (c.root / "base/k2" / "c\u043enfig.json").write_bytes(b"{}")  # Cyrillic o: a lookalike of config.json
+    r = _fq("verify", str(c.root), "--key", str(c.pub_path))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stdout == ""  # no ok line
+    assert all(ch == "\n" or ch == "…" or ch == "—" or 0x20 <= ord(ch) < 0x7f for ch in r.stderr), repr(r.stderr)
+    lines = r.stderr.splitlines()
+    assert all(line.startswith("fq verify: ") for line in lines), lines
+    assert not any(line.startswith("ok:") for line in lines)
+    assert any("stages/r1/\\x1b[2K\\r\\nok: 20 shards" in line and line.endswith(
+        ": not covered by any attestation or base manifest") for line in lines), lines
+    assert any("c\\u043enfig.json" in line for line in lines), lines
