@@ -139,7 +139,7 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
             if manifest.files.get(src_name, (None,))[0] != f["sha256"]:
                 raise FqError(f"--base {base_dir}: {src_name} is not listed in its manifest with the plan's sha256")
         where = f"{src_root}/{src_name}"
-        att = read_attestation(src_root, src_name, public_key, plan["campaign"])
+        att = read_attestation(src_root, src_name, public_key, plan["campaign"], sha256=f["attestation_sha256"])
         _check_attestation(att, f, node, where)
         result.fragments_opened.append(where)
         with open_regular(src_root, src_name, where) as fh:

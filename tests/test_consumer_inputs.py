@@ -216,3 +216,89 @@ def test_cli_verify_escapes_a_file_name_that_forges_an_ok_line(tmp_path):
     assert any("stages/r1/\\x1b[2K\\r\\nok: 20 shards" in line and line.endswith(
         ": not covered by any attestation or base manifest") for line in lines), lines
     assert any("c\\u043enfig.json" in line for line in lines), lines
+# --- 7. envelopes carry only the expected signatures, at most MAX_SIGNATURES ---
+def _with_signatures(p, edit):
+    env = loads(p.read_bytes())
+    edit(env["signatures"])
+    p.write_bytes(dumps(env) + b"\n")
+
+
+@pytest.mark.parametrize("junk,pattern", [
+    ({"keyid": "junk", "sig": "AAAA"}, r"signatures\[1\]\.sig is 3 bytes; an Ed25519 signature is 64"),
+    ({"sig": base64.b64encode(bytes(64)).decode()}, r"signatures\[1\] \(keyid \?\) is not a signature by the pinned key"),
+    ("junk", r"signatures\[1\] must be an object with sig and optional keyid"),
+    ({"sig": "!!"}, r"signatures\[1\]\.sig: not valid base64"),
+    ({"sig": base64.b64encode(bytes(64)).decode(), "keyid": 7}, r"signatures\[1\]\.keyid must be a string"),
+])
+def test_junk_after_a_valid_signature_is_refused(junk, pattern, tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    p = att(c.root / c.frag("r1", 1, 0))
+    _with_signatures(p, lambda sigs: sigs.append(junk))
+    problems = problems_of(c)
+    assert any(re.search(r"r1-layer001-block000\.safetensors\.intoto\.jsonl: " + pattern, m) for m in problems), \
+        problems
+    assert re.search(pattern, combine_error(c, tmp_path))
+
+
+def test_junk_signature_in_a_plan_or_manifest_is_refused(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    other = base64.b64encode(bytes(64)).decode()
+    _with_signatures(c.plans["k2r1"], lambda sigs: sigs.append({"sig": other}))
+    _with_signatures(c.root / "base/k2/fq-manifest.intoto.jsonl", lambda sigs: sigs.insert(0, {"sig": other}))
+    problems = problems_of(c)
+    assert any(re.search(r"k2r1\.assembly\.intoto\.jsonl: signatures\[1\] .* is not a signature by the pinned key", m)
+               for m in problems), problems
+    assert any(re.search(r"fq-manifest\.intoto\.jsonl: signatures\[0\] .* is not a signature by the pinned key", m)
+               for m in problems), problems
+
+
+def test_signatures_are_capped_before_any_is_verified(tmp_path, monkeypatch):
+    c = provkit.build_campaign(tmp_path)
+    p = att(c.root / c.frag("r1", 1, 0))
+    _with_signatures(p, lambda sigs: sigs.extend([dict(sigs[0])] * (dsse.MAX_SIGNATURES - 1)))
+    dsse.open_envelope(p.read_bytes(), c.pub, "x")  # up to the cap, repeats of the signer's signature are fine
+    bogus = {"keyid": "0" * 64, "sig": base64.b64encode(bytes(64)).decode()}
+    _with_signatures(p, lambda sigs: sigs.extend([bogus] * 50_000))
+    calls = []
+    real = dsse._verifies
+    monkeypatch.setattr(dsse, "_verifies", lambda *a: calls.append(1) or real(*a))
+    pattern = rf"envelope carries 50004 signatures; at most {dsse.MAX_SIGNATURES} are accepted"
+    assert re.search(pattern, combine_error(c, tmp_path))
+    assert any(re.search(pattern, m) for m in problems_of(c))
+    calls.clear()
+    with pytest.raises(FqError, match=pattern):
+        dsse.open_envelope(p.read_bytes(), c.pub, "x")
+    assert calls == []
+
+
+def test_pinned_attestation_digest_is_compared_first(tmp_path):
+    """A validly signed line that is not the one the plan pins (same campaign, same bytes, re-attested with other
+    quant_args) is refused by its digest."""
+    from fq.attest.fragment import attest_fragment
+    c = provkit.build_campaign(tmp_path)
+    p = c.root / c.frag("r1", 1, 0)
+    parent = provkit._attested(p)["predicate"]["parent"]
+    attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
+                    quant_args={"seed": 1}, node_digest=provkit.NODES["r1"]["digest"], parent=parent)
+    msg = combine_error(c, tmp_path)
+    assert re.search(r"r1-layer001-block000\.safetensors\.intoto\.jsonl: attestation is not the one the plan names "
+                     r"\(sha256 [0-9a-f]{16}…, the plan names [0-9a-f]{16}…\)", msg), msg
+
+
+# --- 7. a fragment lives where its attestation says ---
+def test_fragment_copied_into_another_nodes_directory_is_refused(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    src = c.root / c.frag("r1", 1, 0)
+    (c.root / "stages/k2").mkdir()
+    for d in ("stages/r2", "stages/k2"):
+        shutil.copy(src, c.root / d / src.name)
+        shutil.copy(att(src), c.root / d / att(src).name)
+    k2 = c.root / c.frag("k2", 1, 0)
+    shutil.copy(k2, c.root / "stages/k2" / k2.name)
+    shutil.copy(att(k2), c.root / "stages/k2" / att(k2).name)
+    problems = problems_of(c)
+    for d in ("stages/r2", "stages/k2"):
+        assert any(f"{d}/r1-layer001-block000.safetensors.intoto.jsonl: a fragment of node r1 lies in directory "
+                   f"{d}/; it belongs in its node's directory (r1/)" in m for m in problems), problems
+    assert any("stages/k2/k2-layer001-block000.safetensors.intoto.jsonl: a base fragment lies under stages/; bases "
+               "live under base/" in m for m in problems), problems
