@@ -13,6 +13,7 @@ Order of trust (nothing is read before what vouches for it has been verified):
    per (layer, expert, projection) every chain node has the same (in, out);
 5. with ``base_dir``: the base manifest digest and the base fragments' chosen byte ranges on disk
    must be the ones the plan pins (the parent byte ranges the first stage corrects).
+Every scale copied into the adapter is finite (``fq.scales.check_scale``).
 
 Output: ``out`` (see ``fq.adapter``) and ``out.intoto.jsonl``: an in-toto Statement (predicate
 ``fq-adapter/1``) in a DSSE envelope, signed when ``sign_key`` is given, else with no signatures
@@ -43,6 +44,7 @@ from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.fragments import expert_structure, fragment_meta
 from fq.manifest import read_base_manifest
 from fq.safepath import open_regular
+from fq.scales import SCALE_SUFFIXES, check_scale
 from fq.selection import Selection, parse_selection
 from fq.shards import RawTensor, read_header, read_range
 
@@ -182,6 +184,8 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
                     if (lin.K, lin.codebook) != (node["K"], node["codebook"]):
                         raise FqError(f"{where}: expert {ex} {proj} tensors are K={lin.K} {lin.codebook}, "
                                       f"the plan says K={node['K']} {node['codebook']}")
+                    for s in SCALE_SUFFIXES:
+                        check_scale(raws[s].data, f"{where}: expert {ex} {proj} {s}")
                     for s, r in raws.items():
                         residual[(f["layer"], ex, i, proj, s)] = r
 

@@ -302,3 +302,78 @@ def test_fragment_copied_into_another_nodes_directory_is_refused(tmp_path):
                    f"{d}/; it belongs in its node's directory (r1/)" in m for m in problems), problems
     assert any("stages/k2/k2-layer001-block000.safetensors.intoto.jsonl: a base fragment lies under stages/; bases "
                "live under base/" in m for m in problems), problems
+
+
+# --- 5. non-finite scales signed by an insider ---
+@pytest.mark.parametrize("suffix,bits,label", [("suh", 0x7E00, "NaN"), ("svh", 0x7C00, "+Inf"), ("svh", 0xFC00, "-Inf")])
+def test_insider_signed_nonfinite_stage_scale_is_refused(suffix, bits, label, tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    rel = c.frag("r1", 1, 0)
+    provkit.poison_scale(c, rel, 1, 2, "up_proj", suffix, 5, bits)
+    provkit.insider_resign(c, rel)
+    pattern = (rf"r1-layer001-block000\.safetensors: tensor 'model\.layers\.1\.mlp\.experts\.2\.up_proj\.{suffix}': "
+               r"element 5 is NaN or Inf; EXL3 channel scales must be finite")
+    problems = problems_of(c)
+    assert any(re.search(pattern, p) for p in problems), problems
+    msg = combine_error(c, tmp_path)
+    assert re.search(rf"r1-layer001-block000\.safetensors: expert 2 up_proj {suffix}: element 5 is NaN or Inf; "
+                     r"EXL3 channel scales must be finite", msg), msg
+    # a selection without the poisoned expert is still served (only chosen ranges are read)
+    combine(c.plans["k2r1r2"], c.pub, tmp_path / "ok.safetensors", now=NOW, experts="1:0-1")
+
+
+def test_scale_check_on_stream_pieces():
+    """The verifier sees a shard in chunks that may split an element (an odd data start): every split finds the
+    same first non-finite element."""
+    from fq.scales import nonfinite_f16
+    x = torch.ones(300, dtype=torch.float16)
+    x[123], x[200] = float("inf"), float("nan")
+    raw = b"\x07" + x.numpy().tobytes()  # the tensor starts at odd offset 1 of this buffer
+    assert nonfinite_f16(raw[1:]) == 123
+    for cut in (1, 2, 7, 246, 247, 248, 249, 250, 401):
+        first = nonfinite_f16(raw[1:cut], 0) if cut > 1 else None
+        second = nonfinite_f16(raw[cut:], cut - 1)
+        assert (first if first is not None else second) == 123, cut
+    assert nonfinite_f16(torch.tensor([65504.0, -65504.0, 0.0], dtype=torch.float16).numpy().tobytes()) is None
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-40, 1e-30, 1e-8, 1.0, 1e3])
+def test_encoder_scales_are_finite(scale):
+    from fq.codec.encoder import encode, encode_residual
+    W = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)) * scale
+    e = encode(W, 2, "mul1")
+    for k in ("suh", "svh"):
+        assert torch.isfinite(e.tensors[k]).all(), (scale, k)
+    r = encode_residual(W * 1.5, [e.tensors], 1, "mcg")
+    assert all(torch.isfinite(r.tensors[k]).all() for k in ("suh", "svh"))
+
+
+@pytest.mark.parametrize("W", [torch.randn(128, 256) * 1e5, torch.randn(128, 256) * 1e30,
+                               torch.randn(128, 256, dtype=torch.float64) * 1e300], ids=["1e5", "1e30", "f64-1e300"])
+def test_encoder_refuses_weights_whose_scales_overflow_fp16(W):
+    from fq.codec.encoder import encode, encode_batch
+    with pytest.raises(FqError, match=r"W: suh\[\d+\] would be .*, which float16 cannot hold .*\(max \|W\| = "):
+        encode(W, 2, "mul1")
+    with pytest.raises(FqError, match=r"Ws\[1\]: suh"):
+        encode_batch([torch.randn(128, 256), W], 2, "mul1")
+
+
+def test_encoder_refuses_a_residual_whose_scales_overflow_fp16():
+    from fq.codec.encoder import encode, encode_residual
+    W = torch.randn(128, 256, generator=torch.Generator().manual_seed(2))
+    parent = encode(W, 2, "mul1").tensors
+    with pytest.raises(FqError, match="which float16 cannot hold"):
+        encode_residual(W * 1e6, [parent], 1, "mcg")
+
+
+def test_write_fragment_refuses_nonfinite_scales(tmp_path):
+    from fq.experts import STANDARD
+    from fq.fragments import write_fragment
+    gen = torch.Generator().manual_seed(0)
+    experts = {0: {pr: provkit.random_set(o, i, 2, "mul1", gen) for pr, (o, i) in provkit.DIMS.items()}}
+    experts[0]["up_proj"]["svh"][3] = float("nan")
+    path = tmp_path / "k2-layer001-block000.safetensors"
+    with pytest.raises(FqError, match=r"expert 0 up_proj svh: element 3 is NaN or Inf"):
+        write_fragment(path, layout=STANDARD, node="k2", role="base", layer=1, block=0, K=2, codebook="mul1",
+                       experts=experts)
+    assert not path.exists()
