@@ -377,3 +377,120 @@ def test_write_fragment_refuses_nonfinite_scales(tmp_path):
         write_fragment(path, layout=STANDARD, node="k2", role="base", layer=1, block=0, K=2, codebook="mul1",
                        experts=experts)
     assert not path.exists()
+
+
+# --- 4. combine --base verifies all of the checkpoint against its manifest ---
+def _skeleton_flip(c):
+    p = c.root / "base/k2" / provkit.SOURCE_SHARD
+    flip(p, p.stat().st_size - 3)  # a byte of model.norm.weight... or whichever tensor is last
+
+
+def _config_edit(c):
+    p = c.root / "base/k2/config.json"
+    p.write_text(p.read_text().replace("tiny_moe", "tiny_moF"))
+
+
+def _stray(c):
+    (c.root / "base/k2/extra-weights.safetensors").write_bytes(b"\0" * 64)
+
+
+def _missing_skeleton(c):
+    (c.root / "base/k2" / provkit.SOURCE_SHARD).unlink()
+
+
+def _unchosen_expert_flip(c):
+    p = c.root / c.frag("k2", 3, 1)  # layer 3, experts 4-7: not chosen below
+    pred = provkit._attested(p)["predicate"]
+    e = next(e for e in pred["experts"] if e["expert"] == 6)
+    flip(p, e["offset"] + e["length"] // 2)
+
+
+BASE_CASES = {
+    "flipped byte in the skeleton shard": (_skeleton_flip, r"model-00001-of-00001\.safetensors: tensor '.*' differs "
+                                                           r"from its attested range or sha256"),
+    "edited config.json": (_config_edit, r"config\.json: sha256/size differ from fq-manifest\.intoto\.jsonl"),
+    "stray file": (_stray, r"extra-weights\.safetensors: not listed in fq-manifest\.intoto\.jsonl \(stray file"),
+    "missing listed shard": (_missing_skeleton, r"model-00001-of-00001\.safetensors: listed in "
+                                                r"fq-manifest\.intoto\.jsonl but missing"),
+    "flipped byte of an expert not chosen": (_unchosen_expert_flip, r"k2-layer003-block001\.safetensors: bytes of "
+                                                                    r"expert 6 do not match the attested sha256"),
+}
+
+
+@pytest.mark.parametrize("name", list(BASE_CASES))
+def test_combine_base_verifies_the_whole_checkpoint(name, tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    base = c.root / "base/k2"
+    combine(c.plans["k2r1r2"], c.pub, tmp_path / "before.safetensors", now=NOW, base_dir=base, experts="1:0-3")
+    mutate, pattern = BASE_CASES[name]
+    mutate(c)
+    msg = combine_error(c, tmp_path, base_dir=base, experts="1:0-3")
+    assert msg.startswith(f"--base: {base}/"), msg
+    assert re.search(pattern, msg), msg
+    assert "\n" not in msg
+    # the same problem is one of fq verify's lines for the tree
+    if name != "flipped byte of an expert not chosen":
+        assert any(re.search(pattern.split(":", 1)[0], p) for p in problems_of(c))
+
+
+def test_combine_base_reports_how_many_problems(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    _config_edit(c)
+    _stray(c)
+    msg = combine_error(c, tmp_path, base_dir=c.root / "base/k2")
+    assert msg.endswith("(and 1 more problem(s) in this base)"), msg
+
+
+def test_combine_base_reads_each_file_once(tmp_path, monkeypatch):
+    """Bounded memory, one streamed pass: every byte of the base is read about once, never a file twice."""
+    import fq.attest.fragment as fragment_mod
+    import fq.manifest as manifest_mod
+    import fq.combine as combine_mod
+    c = provkit.build_campaign(tmp_path)
+    base = c.root / "base/k2"
+    read: dict[str, int] = {}
+    real = fragment_mod.open_regular
+
+    class Counting:
+        def __init__(self, fh, key):
+            self.fh, self.key = fh, key
+
+        def read(self, n=-1):
+            data = self.fh.read(n)
+            read[self.key] = read.get(self.key, 0) + len(data)
+            return data
+
+        def __getattr__(self, a):
+            return getattr(self.fh, a)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    def counting(root, name, what=None):
+        return Counting(real(root, name, what), os.path.join(str(root), name))
+
+    for mod in (fragment_mod, manifest_mod, combine_mod):
+        monkeypatch.setattr(mod, "open_regular", counting)
+    combine(c.plans["k2r1r2"], c.pub, tmp_path / "a.safetensors", now=NOW, base_dir=base)
+    for p in sorted(base.iterdir()):
+        if p.suffix == ".safetensors":
+            size = p.stat().st_size
+            with open(p, "rb") as fh:
+                header = 8 + struct.unpack("<Q", fh.read(8))[0]
+            got = read.get(str(p), 0)
+            # the payload once; the (small) header is parsed a few times: by verify_shard, describe and combine
+            assert size <= got <= size + 8 * header, (p.name, got, size)
+
+
+def test_insider_signed_nonfinite_base_scale_is_refused_with_base(tmp_path):
+    c = provkit.build_campaign(tmp_path)
+    rel = c.frag("k2", 3, 0)
+    provkit.poison_scale(c, rel, 3, 1, "down_proj", "suh", 0, 0x7C00)
+    provkit.insider_resign(c, rel)
+    assert any("element 0 is NaN or Inf" in p for p in problems_of(c))
+    msg = combine_error(c, tmp_path, base_dir=c.root / "base/k2")
+    assert re.search(r"k2-layer003-block000\.safetensors: tensor 'model\.layers\.3\.mlp\.experts\.1\.down_proj\.suh':"
+                     r" element 0 is NaN or Inf", msg), msg
