@@ -12,7 +12,6 @@ re-derived from the fragments' tensors), ``layout`` (JSON).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fq.codec import validate_tensors
+from fq.canonical import loads
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear
 from fq.safepath import open_regular, sha256_stream, split_path
@@ -33,10 +33,10 @@ def adapter_key(layout: ExpertLayout, layer: int, expert: int, proj: str, stage:
 
 
 def _adapter_re(layout: ExpertLayout) -> re.Pattern:
-    pattern = re.escape(layout.prefix).replace(r"\{layer\}", r"(?P<layer>0|[1-9][0-9]*)") \
-        .replace(r"\{expert\}", r"(?P<expert>0|[1-9][0-9]*)")
+    pattern = re.escape(layout.prefix).replace(r"\{layer\}", r"(?P<layer>0|[1-9][0-9]{0,8})") \
+        .replace(r"\{expert\}", r"(?P<expert>0|[1-9][0-9]{0,8})")
     projs = "|".join(re.escape(p) for p in layout.projections)
-    return re.compile(rf"{pattern}\.(?P<proj>{projs})\.stage(?P<stage>[1-9][0-9]*)\.(?P<suffix>[A-Za-z0-9_]+)")
+    return re.compile(rf"{pattern}\.(?P<proj>{projs})\.stage(?P<stage>[1-9][0-9]{{0,8}})\.(?P<suffix>[A-Za-z0-9_]+)")
 
 
 def write_adapter(path: str | os.PathLike, *, tensors: list[RawTensor], meta: dict[str, str],
@@ -79,11 +79,10 @@ def read_adapter(path: str | os.PathLike) -> Adapter:
     meta = header.metadata
     if meta.get("format") != FORMAT:
         raise FqError(f"{path}: header metadata format is {meta.get('format')!r}, expected {FORMAT!r}")
-    try:
-        stages = json.loads(meta["stages"])
-        layout = ExpertLayout.from_json(json.loads(meta["layout"]), f"{path}: layout")
-    except (KeyError, json.JSONDecodeError):
-        raise FqError(f"{path}: header metadata needs JSON 'stages' and 'layout'") from None
+    if "stages" not in meta or "layout" not in meta:
+        raise FqError(f"{path}: header metadata needs JSON 'stages' and 'layout'")
+    stages = loads(meta["stages"], f"{path}: header metadata stages")
+    layout = ExpertLayout.from_json(loads(meta["layout"], f"{path}: header metadata layout"), f"{path}: layout")
     if not isinstance(stages, list) or not all(isinstance(s, dict) and {"index", "K", "codebook"} <= set(s)
                                                for s in stages):
         raise FqError(f"{path}: header metadata 'stages' must be a list of {{index, node, K, codebook}}")

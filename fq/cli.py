@@ -12,6 +12,7 @@ import pkgutil
 import sys
 
 import fq.commands
+from fq.display import printable
 from fq.errors import FqError
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except FqError as e:
-        print(f"fq {args.command}: {e}", file=sys.stderr)
+        print(f"fq {args.command}: {printable(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fq {args.command}: interrupted", file=sys.stderr)

@@ -11,8 +11,11 @@ Order of trust (nothing is read before what vouches for it has been verified):
    experts' byte ranges, each hashed against the plan;
 4. runtime constants (K, codebook) re-derived from the tensors (shapes, marker values), never copied;
    per (layer, expert, projection) every chain node has the same (in, out);
-5. with ``base_dir``: the base manifest digest and the base fragments' chosen byte ranges on disk
-   must be the ones the plan pins (the parent byte ranges the first stage corrects).
+5. with ``base_dir`` (the checkpoint that will be loaded): its manifest digest must be the one the plan
+   pins, and all of it is verified against that manifest (``fq.manifest.verify_base``: every file
+   listed and re-hashed in one streamed pass, attested shards checked against their attestations, no
+   strays); the base fragments' chosen ranges must be the plan's.
+Every scale copied into the adapter is finite (``fq.scales.check_scale``).
 
 Output: ``out`` (see ``fq.adapter``) and ``out.intoto.jsonl``: an in-toto Statement (predicate
 ``fq-adapter/1``) in a DSSE envelope, signed when ``sign_key`` is given, else with no signatures
@@ -41,8 +44,9 @@ from fq.canonical import sha256_hex
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.fragments import expert_structure, fragment_meta
-from fq.manifest import read_base_manifest
+from fq.manifest import verify_base
 from fq.safepath import open_regular
+from fq.scales import SCALE_SUFFIXES, check_scale
 from fq.selection import Selection, parse_selection
 from fq.shards import RawTensor, read_header, read_range
 
@@ -122,10 +126,9 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
 
     base_rel = plan["base"]["dir"] + "/"
     if base_dir is not None:
-        manifest = read_base_manifest(base_dir, public_key, plan["campaign"])
-        if manifest.sha256 != plan["base"]["manifest"]["sha256"]:
-            raise FqError(f"--base {base_dir}: manifest sha256 {manifest.sha256[:16]}… is not the base this plan "
-                          f"was built on ({plan['base']['manifest']['sha256'][:16]}…)")
+        base = verify_base(base_dir, public_key, plan["campaign"], sha256=plan["base"]["manifest"]["sha256"],
+                           option="--base")
+        manifest = base.manifest
 
     result = Combined(Path(out), "", Path(str(out) + ".intoto.jsonl"), chosen, [])
     geometry: dict[tuple[int, int, str], tuple[int, int]] = {}
@@ -139,7 +142,7 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
             if manifest.files.get(src_name, (None,))[0] != f["sha256"]:
                 raise FqError(f"--base {base_dir}: {src_name} is not listed in its manifest with the plan's sha256")
         where = f"{src_root}/{src_name}"
-        att = read_attestation(src_root, src_name, public_key, plan["campaign"])
+        att = read_attestation(src_root, src_name, public_key, plan["campaign"], sha256=f["attestation_sha256"])
         _check_attestation(att, f, node, where)
         result.fragments_opened.append(where)
         with open_regular(src_root, src_name, where) as fh:
@@ -162,12 +165,16 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
                                       f"its parent chain has {g[0]}x{g[1]}")
                 if i == 0 and base_dir is None:
                     continue  # the base's payload is the consumer's own; only --base compares it
+                if i == 0:  # --base: verify_base read the file once, whole; its digest of this range
+                    got = next(r.sha256 for r in base.shards[src_name].info.experts if r.expert == ex)
+                    result.payload_bytes_read += e["length"]
+                    if got != e["sha256"]:
+                        raise range_mismatch(att, ex, got, where)
+                    continue
                 data = read_range(fh, e["offset"], e["length"], where)
                 result.payload_bytes_read += len(data)
                 if sha256_hex(data) != e["sha256"]:
                     raise range_mismatch(att, ex, sha256_hex(data), where)
-                if i == 0:
-                    continue
                 for proj in layout.projections:
                     specs, raws = {}, {}
                     for s in suffixes(meta["codebook"]):
@@ -182,6 +189,8 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
                     if (lin.K, lin.codebook) != (node["K"], node["codebook"]):
                         raise FqError(f"{where}: expert {ex} {proj} tensors are K={lin.K} {lin.codebook}, "
                                       f"the plan says K={node['K']} {node['codebook']}")
+                    for s in SCALE_SUFFIXES:
+                        check_scale(raws[s].data, f"{where}: expert {ex} {proj} {s}")
                     for s, r in raws.items():
                         residual[(f["layer"], ex, i, proj, s)] = r
 

@@ -43,8 +43,8 @@ class ExpertLayout:
         if (not isinstance(projs, tuple) or len(projs) != 3 or len(set(projs)) != 3
                 or not all(isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9_]+", x) for x in projs)):
             raise FqError(f"expert layout: projections {projs!r} must be three distinct names (gate, up, down)")
-        pattern = re.escape(p).replace(r"\{layer\}", r"(?P<layer>0|[1-9][0-9]*)") \
-            .replace(r"\{expert\}", r"(?P<expert>0|[1-9][0-9]*)")
+        pattern = re.escape(p).replace(r"\{layer\}", r"(?P<layer>0|[1-9][0-9]{0,8})") \
+            .replace(r"\{expert\}", r"(?P<expert>0|[1-9][0-9]{0,8})")
         proj = "|".join(re.escape(x) for x in projs)
         object.__setattr__(self, "_re", re.compile(rf"{pattern}\.(?P<proj>{proj})\.(?P<suffix>[A-Za-z0-9_]+)"))
 

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Iterable, Mapping
 
+from fq.canonical import loads
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.safepath import sha256_stream
+from fq.scales import SCALE_SUFFIXES, check_scale
 from fq.shards import Header, RawTensor, read_header, write_shard
 
 if TYPE_CHECKING:
@@ -93,8 +95,10 @@ class ShardInfo:
 
 def _int(meta: Mapping[str, str], key: str, source: str) -> int:
     v = meta.get(key)
-    if not isinstance(v, str) or not re.fullmatch(r"0|[1-9][0-9]*", v):
-        raise FqError(f"{source}: header metadata {key!r} must be a non-negative decimal integer, got {v!r}")
+    if not isinstance(v, str) or not re.fullmatch(r"0|[1-9][0-9]{0,8}", v):
+        shown = v if not isinstance(v, str) or len(v) <= 24 else f"{v[:12]}… ({len(v)} characters)"
+        raise FqError(f"{source}: header metadata {key!r} must be a non-negative decimal integer of at most 9 "
+                      f"digits, got {shown!r}")
     return int(v)
 
 
@@ -115,10 +119,8 @@ def fragment_meta(header: Header) -> dict:
         raise FqError(f"{src}: fragment metadata keys {sorted(m)}, expected {sorted(want)}")
     if m["role"] not in ROLES:
         raise FqError(f"{src}: header metadata role {m['role']!r}, expected base or stage")
-    try:
-        layout = ExpertLayout.from_json(json.loads(m["layout"]), f"{src}: header metadata layout")
-    except json.JSONDecodeError:
-        raise FqError(f"{src}: header metadata layout is not JSON") from None
+    where = f"{src}: header metadata layout"
+    layout = ExpertLayout.from_json(loads(m["layout"], where), where)
     return {"kind": kind, "node": check_node(m["node"], f"{src}: node"), "role": m["role"],
             "layer": _int(m, "layer", src), "block": _int(m, "block", src), "K": _int(m, "K", src),
             "codebook": m["codebook"], "layout": layout}
@@ -163,9 +165,16 @@ def expert_structure(header: Header, meta: dict) -> tuple[list[int], dict]:
     return order, linears
 
 
+def _scale_taps(header: Header, layout: ExpertLayout) -> list:
+    """Stream taps that refuse a NaN/Inf in any suh/svh (fq.scales) during describe's one pass."""
+    def tap(e):
+        return lambda at, piece: check_scale(piece, f"{header.source}: tensor {e.name!r}", at)
+    return [(e.start, e.length, tap(e)) for e in header.entries if layout.parse(e.name)[3] in SCALE_SUFFIXES]
+
+
 def describe(fh: BinaryIO, name: str, source: str | None = None) -> ShardInfo:
     """Validate an open shard and digest it in one pass: file sha256, header sha256, per-expert or
-    per-tensor ranges. Does not consult any attestation."""
+    per-tensor ranges, and every expert scale finite (fq.scales). Does not consult any attestation."""
     src = source or name
     header = read_header(fh, src)
     meta = fragment_meta(header)
@@ -173,7 +182,7 @@ def describe(fh: BinaryIO, name: str, source: str | None = None) -> ShardInfo:
         order, linears = expert_structure(header, meta)
         layout = meta["layout"]
         spans = [header.span(expert_keys(layout, meta["layer"], ex, meta["codebook"]), f"expert {ex}") for ex in order]
-        whole, size, digests = sha256_stream(fh, spans)
+        whole, size, digests = sha256_stream(fh, spans, _scale_taps(header, layout))
         experts = tuple(ExpertRange(ex, off, n, d) for ex, (off, n), d in zip(order, spans, digests))
         return ShardInfo(name, whole, size, header, "expert", meta, experts=experts, linears=linears)
     spans = [(e.start, e.length) for e in header.entries]
@@ -217,6 +226,8 @@ def write_fragment(path: str | os.PathLike, *, layout: ExpertLayout, node: str, 
             lin = derive_linear({s: (r.dtype, r.shape) for s, r in rs.items()}, where, value)
             if (lin.K, lin.codebook) != (K, codebook):
                 raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, fragment declares K={K} {codebook}")
+            for s in SCALE_SUFFIXES:
+                check_scale(rs[s].data, f"{where} {s}")
             raws.extend(rs[s] for s in suffixes(codebook))
     meta = {"format": FORMAT, "kind": "expert", "node": node, "role": role, "layer": str(layer), "block": str(block),
             "K": str(K), "codebook": codebook, "layout": json.dumps(layout.to_json(), separators=(",", ":"))}

@@ -7,8 +7,17 @@ digest* that plans pin is the sha256 of this line's bytes; ``fq combine --base D
 the base actually on disk.
 
     write_base_manifest(base_dir, node=, campaign=, key=) -> (path, sha256)
-    read_base_manifest(base_dir, public_key, campaign=None) -> Manifest   # signature first
-    check_base_files(base_dir, manifest) -> list[str]                    # re-hash; strays and misses
+    read_base_manifest(base_dir, public_key, campaign=None, sha256=None) -> Manifest   # digest pin, then signature
+    check_base_files(base_dir, manifest, public_key=None) -> list[str]  # re-hash; strays and misses
+    verify_base(base_dir, public_key, campaign=None, sha256=None) -> VerifiedBase     # all of it, or raise
+
+``check_base_files`` is the one check of a base directory against its manifest (``fq verify`` of a tree
+or a manifest, ``fq combine --base``): every file present must be listed, every listed file present
+with the listed sha256 and size; each file is read once, streaming (8 MiB chunks). Given the public
+key, a listed shard whose attestation is listed too is verified against it in that same pass
+(``verify_shard``: header, per-expert/per-tensor ranges, finite scales), and its digest compared with
+the manifest's. ``verify_base`` is what ``--base`` runs: the manifest (its digest first when a plan
+pins it), then ``check_base_files`` with the key; any problem refuses the checkpoint.
 """
 from __future__ import annotations
 
@@ -21,10 +30,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from fq import atomic
 from fq.attest import dsse
 from fq.attest.campaign import require_same
+from fq.attest.fragment import verify_shard
 from fq.attest.keys import fingerprint
 from fq.attest.statement import MANIFEST, parse_statement, statement
 from fq.canonical import sha256_hex
 from fq.errors import FqError
+from fq.fragments import attestation_name
 from fq.safepath import check_name, open_regular, read_regular, sha256_stream
 
 MANIFEST_NAME = "fq-manifest.intoto.jsonl"
@@ -38,20 +49,32 @@ class Manifest:
     files: dict  # name -> (sha256, size)
 
 
+def _walk(base_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(relative names of every file under ``base_dir`` except the manifest, problems): a symlinked
+    directory or a name that is not a safe relative path is a problem, and the walk goes on."""
+    base = Path(base_dir)
+    names, problems = [], []
+    for dirpath, dirnames, filenames in os.walk(base):
+        for d in sorted(dirnames):
+            if os.path.islink(os.path.join(dirpath, d)):
+                problems.append(f"{os.path.join(dirpath, d)}: is a symlink; a base holds only real files")
+        for f in sorted(filenames):
+            rel = Path(dirpath, f).relative_to(base).as_posix()
+            if rel != MANIFEST_NAME and not f.startswith(".tmp-"):
+                try:
+                    names.append(check_name(rel, f"{base}/{rel}"))
+                except FqError as e:
+                    problems.append(str(e))
+    return sorted(names), problems
+
+
 def list_files(base_dir: str | os.PathLike) -> list[str]:
     """Relative names of every file under ``base_dir`` except the manifest; refuses symlinks and
     anything that is not a regular file or directory."""
-    base = Path(base_dir)
-    names = []
-    for dirpath, dirnames, filenames in os.walk(base):
-        for d in dirnames:
-            if os.path.islink(os.path.join(dirpath, d)):
-                raise FqError(f"{os.path.join(dirpath, d)}: is a symlink; a base holds only real files")
-        for f in filenames:
-            rel = Path(dirpath, f).relative_to(base).as_posix()
-            if rel != MANIFEST_NAME and not f.startswith(".tmp-"):
-                names.append(check_name(rel, f"{base}/{rel}"))
-    return sorted(names)
+    names, problems = _walk(base_dir)
+    if problems:
+        raise FqError(problems[0])
+    return names
 
 
 def _hash(base_dir, name: str) -> tuple[str, int]:
@@ -77,9 +100,20 @@ def write_base_manifest(base_dir: str | os.PathLike, *, node: str, campaign: dic
 
 
 def read_base_manifest(base_dir: str | os.PathLike, public_key: Ed25519PublicKey,
-                       campaign: dict | None = None) -> Manifest:
+                       campaign: dict | None = None, *, sha256: str | None = None, label: str | None = None) -> Manifest:
+    """``sha256``: the manifest digest a plan pins, compared before the signature is checked or the line
+    parsed (``label`` names the base in that error; default the manifest's path)."""
     where = f"{base_dir}/{MANIFEST_NAME}"
     data = read_regular(base_dir, MANIFEST_NAME, where)
+    if sha256 is not None and sha256_hex(data) != sha256:
+        # refused: not the manifest the plan pins; its own problem, if any, is the better message (bounded work)
+        _parse_manifest(data, where, public_key, campaign)
+        raise FqError(f"{label or where}: manifest sha256 {sha256_hex(data)[:16]}… is not the base this plan was "
+                      f"built on ({sha256[:16]}…)")
+    return _parse_manifest(data, where, public_key, campaign)
+
+
+def _parse_manifest(data: bytes, where: str, public_key: Ed25519PublicKey, campaign: dict | None) -> Manifest:
     subjects, pred = parse_statement(dsse.open_envelope(data, public_key, where), where, MANIFEST)
     if pred["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{where}: campaign identity names another signer than the pinned key")
@@ -93,13 +127,16 @@ def read_base_manifest(base_dir: str | os.PathLike, public_key: Ed25519PublicKey
     return Manifest(sha256_hex(data), pred["node"], pred["campaign"], {n: (d, sizes[n]) for n, d in subjects})
 
 
-def check_base_files(base_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
-    """One line per problem: a listed file missing or different, or a file the manifest does not list."""
-    problems = []
-    try:
-        present = set(list_files(base_dir))
-    except FqError as e:
-        return [str(e)]
+@dataclass(frozen=True)
+class VerifiedBase:
+    manifest: Manifest
+    shards: dict  # name -> Attested (with .info: the one pass over the file) of every attested shard
+
+
+def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | None) -> tuple[list[str], dict]:
+    present, problems = _walk(base_dir)
+    present = set(present)
+    shards = {}
     for name in sorted(present - set(manifest.files)):
         problems.append(f"{base_dir}/{name}: not listed in {MANIFEST_NAME} (stray file in a published base)")
     for name, (digest, size) in sorted(manifest.files.items()):
@@ -107,10 +144,36 @@ def check_base_files(base_dir: str | os.PathLike, manifest: Manifest) -> list[st
             problems.append(f"{base_dir}/{name}: listed in {MANIFEST_NAME} but missing")
             continue
         try:
-            got, got_size = _hash(base_dir, name)
-        except FqError as e:
-            problems.append(str(e))
+            if public_key is not None and name.endswith(".safetensors") and attestation_name(name) in manifest.files:
+                att = verify_shard(base_dir, name, public_key, manifest.campaign)  # the file's one pass
+                shards[name] = att
+                got, got_size = att.info.sha256, att.info.size
+            else:
+                got, got_size = _hash(base_dir, name)
+        except FqError as e:  # verify_shard names files relative to base_dir: name them in full here
+            problems.append(f"{base_dir}/{e}" if str(e).startswith(name) else str(e))
             continue
         if (got, got_size) != (digest, size):
             problems.append(f"{base_dir}/{name}: sha256/size differ from {MANIFEST_NAME}")
-    return problems
+    return problems, shards
+
+
+def check_base_files(base_dir: str | os.PathLike, manifest: Manifest,
+                     public_key: Ed25519PublicKey | None = None) -> list[str]:
+    """One line per problem: a listed file missing or different, or a file the manifest does not list.
+    With ``public_key``, attested shards are also verified against their attestations (same pass)."""
+    return _check_files(base_dir, manifest, public_key)[0]
+
+
+def verify_base(base_dir: str | os.PathLike, public_key: Ed25519PublicKey, campaign: dict | None = None, *,
+                sha256: str | None = None, option: str | None = None) -> VerifiedBase:
+    """All of a base checkpoint against its manifest (``fq combine --base``); the first problem raises,
+    saying how many more there are. ``option``: the command-line option that named ``base_dir``, prefixed
+    to the error."""
+    label = f"{option} {base_dir}" if option else None
+    manifest = read_base_manifest(base_dir, public_key, campaign, sha256=sha256, label=label)
+    problems, shards = _check_files(base_dir, manifest, public_key)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s) in this base)" if len(problems) > 1 else ""
+        raise FqError(f"{option + ': ' if option else ''}{problems[0]}{more}")
+    return VerifiedBase(manifest, shards)

@@ -17,7 +17,7 @@ import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from fq.errors import FqError
 
@@ -105,11 +105,14 @@ def split_path(path: str | os.PathLike) -> tuple[Path, str]:
     return (p.parent if str(p.parent) else Path(".")), p.name
 
 
-def sha256_stream(fh: BinaryIO, ranges: list[tuple[int, int]] = ()) -> tuple[str, int, list[str]]:
+def sha256_stream(fh: BinaryIO, ranges: list[tuple[int, int]] = (),
+                  taps: list[tuple[int, int, Callable[[int, memoryview], None]]] = ()) -> tuple[str, int, list[str]]:
     """One pass over ``fh`` from offset 0: (sha256 of everything, size, sha256 of each (offset, length)).
 
     ``ranges`` must be sorted and non-overlapping; shards are verified in one read instead of one
-    read for the file plus one per expert.
+    read for the file plus one per expert. ``taps``: (offset, length, fn) — ``fn(at, piece)`` sees the
+    bytes of that range as they stream by, ``at`` = the piece's offset within the range (pieces may split
+    anywhere); what it raises ends the pass.
     """
     fh.seek(0)
     whole = hashlib.sha256()
@@ -132,5 +135,9 @@ def sha256_stream(fh: BinaryIO, ranges: list[tuple[int, int]] = ()) -> tuple[str
                 lo, hi = max(off, pos), min(off + length, end)
                 if lo < hi:
                     h.update(view[lo - pos: hi - pos])
+            for off, length, fn in taps:
+                lo, hi = max(off, pos), min(off + length, end)
+                if lo < hi:
+                    fn(lo - off, view[lo - pos: hi - pos])
             pos = end
     return whole.hexdigest(), pos, [h.hexdigest() for h in parts]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fq.errors import FqError
 
 _NUM = r"(?:0|[1-9][0-9]*)"
+MAX_DIGITS = 9
 _LIST = re.compile(rf"{_NUM}(?:-{_NUM})?(?:,{_NUM}(?:-{_NUM})?)*")
 
 
@@ -46,13 +47,21 @@ def _fmt(experts) -> str:
     return ",".join(str(e) for e in sorted(experts))
 
 
+def _number(text: str, where: str) -> int:
+    """A decimal already matched by _NUM; more than MAX_DIGITS digits is refused before ``int`` sees it."""
+    if len(text) > MAX_DIGITS:
+        raise FqError(f"{where}: number {text[:12]}… has {len(text)} digits; layer and expert numbers have at most "
+                      f"{MAX_DIGITS}")
+    return int(text)
+
+
 def _parse_list(text: str, where: str) -> frozenset[int]:
     if not _LIST.fullmatch(text):
         raise FqError(f"{where}: {text!r} is not a list of expert numbers and ranges like 0-7,12")
     out = set()
     for part in text.split(","):
         lo, _, hi = part.partition("-")
-        a, b = int(lo), int(hi or lo)
+        a, b = _number(lo, where), _number(hi or lo, where)
         if b < a:
             raise FqError(f"{where}: range {part!r} runs backwards")
         if b - a > 1 << 20:
@@ -72,7 +81,7 @@ def parse_selection(text: str) -> Selection:
         layer, sep, experts = group.partition(":")
         if not sep or not re.fullmatch(_NUM, layer):
             raise FqError(f"{where}: group {group!r} must be LAYER:EXPERTS, e.g. 3:0-7,12")
-        if int(layer) in per_layer:
+        if _number(layer, where) in per_layer:
             raise FqError(f"{where}: layer {layer} named twice")
         per_layer[int(layer)] = _parse_list(experts, f"{where} layer {layer}")
     return Selection(None, per_layer)

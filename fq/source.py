@@ -15,7 +15,6 @@ Recognized naming families (routed expert tensors; everything else is skeleton):
 """
 from __future__ import annotations
 
-import json
 import re
 import struct
 from dataclasses import dataclass, field
@@ -344,11 +343,11 @@ def _safetensors_names(path: Path) -> list[str]:
             (n,) = struct.unpack("<Q", head)
             if n > 100_000_000:
                 raise FqError(f"{path}: header length {n} is implausible for safetensors")
-            header = json.loads(fh.read(n))
+            header = canonical.loads(fh.read(n), f"{path} (safetensors header)", max_bytes=100_000_000)
     except OSError as e:
         raise FqError(f"{path}: cannot read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise FqError(f"{path}: safetensors header is not JSON ({e.msg})") from None
+    if not isinstance(header, dict):
+        raise FqError(f"{path}: safetensors header must be a JSON object")
     return [k for k in header if k != "__metadata__"]
 
 

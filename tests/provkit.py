@@ -171,3 +171,88 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
     for product in PRODUCTS:
         c.plans[product] = _plan(c, product, 1, EXPIRES, priv)
     return c
+
+
+# --- an insider: bytes changed after encoding, then everything re-signed with the campaign's own key ---
+def _statement_line(st: dict, key) -> bytes:
+    from fq.attest import dsse
+    return dsse.envelope_line(dsse.sign(dumps(st), key))
+
+
+def _attested(p: Path) -> dict:
+    import base64
+    from fq.canonical import loads
+    env = loads(p.with_name(p.name + ".intoto.jsonl").read_bytes())
+    return loads(base64.b64decode(env["payload"]))
+
+
+def insider_attest_as_is(c: Campaign, rel: str) -> None:
+    """Sign, with the campaign's own key, that fragment ``rel`` is exactly its current bytes (subject digest,
+    size, header digest), without reading anything else in it: a hostile header reaches the consumer's parser."""
+    import hashlib
+    import struct
+    p = c.root / rel
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    st = _attested(p)
+    st["predicate"]["shard"] = {"size": len(data), "header_sha256": hashlib.sha256(data[:8 + n]).hexdigest()}
+    st["subject"] = [{"name": p.name, "digest": {"sha256": hashlib.sha256(data).hexdigest()}}]
+    p.with_name(p.name + ".intoto.jsonl").write_bytes(_statement_line(st, c.priv))
+
+
+def insider_resign(c: Campaign, rel: str) -> None:
+    """Re-attest fragment ``rel`` as its bytes now are, with the campaign's own key and none of the producer's
+    checks (a compromised or buggy pipeline): its attestation, its children's parent edges, the base manifest
+    (for a base fragment) and every plan. Only the consumer's own checks stand between these bytes and a user."""
+    from fq.assembly import read_assembly, sign_assembly
+    from fq.safepath import sha256_stream
+    from fq.shards import read_header
+    p = c.root / rel
+    st = _attested(p)
+    with open(p, "rb") as fh:
+        header = read_header(fh, p.name)
+        groups: dict = {}
+        for e in header.entries:
+            groups.setdefault(STANDARD.parse(e.name)[1], []).append(e.name)
+        spans = [header.span(groups[k], str(k)) for k in sorted(groups)]
+        whole, size, digests = sha256_stream(fh, spans)
+    pred = st["predicate"]
+    pred["experts"] = [{"expert": k, "offset": o, "length": n, "sha256": d}
+                       for k, (o, n), d in zip(sorted(groups), spans, digests)]
+    pred["shard"] = {"size": size, "header_sha256": header.sha256}
+    st["subject"] = [{"name": p.name, "digest": {"sha256": whole}}]
+    lines = {rel: _statement_line(st, c.priv)}
+    for child in sorted(c.root.rglob("*.safetensors")):
+        cst = _attested(child)
+        if cst["predicate"]["parent"] and cst["predicate"]["parent"]["name"] == p.name:
+            cst["predicate"]["parent"]["sha256"] = whole
+            lines[child.relative_to(c.root).as_posix()] = _statement_line(cst, c.priv)
+    for name, line in lines.items():
+        (c.root / (name + ".intoto.jsonl")).write_bytes(line)
+    manifest_sha = None
+    if rel.startswith("base/"):
+        _, manifest_sha = write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv)
+    for product, plan_path in c.plans.items():
+        plan = read_assembly(plan_path, c.pub, now=NOW).predicate
+        for f in plan["fragments"]:
+            if f["name"] == rel:
+                f.update(sha256=whole, size=size, header_sha256=header.sha256, experts=pred["experts"])
+            if f["parent"] and f["parent"]["name"] == p.name:
+                f["parent"]["sha256"] = whole
+            if f["name"] in lines:
+                f["attestation_sha256"] = sha256_hex(lines[f["name"]])
+        if manifest_sha is not None:
+            plan["base"]["manifest"]["sha256"] = manifest_sha
+        plan_path.write_bytes(sign_assembly(plan, c.priv))
+
+
+def poison_scale(c: Campaign, rel: str, layer: int, expert: int, proj: str, suffix: str, index: int,
+                 bits: int = 0x7E00) -> None:
+    """Overwrite one float16 element of a scale tensor in place (0x7E00 NaN, 0x7C00 +Inf, 0xFC00 -Inf)."""
+    from fq.shards import read_header
+    p = c.root / rel
+    with open(p, "rb") as fh:
+        e = read_header(fh, p.name).entry(STANDARD.key(layer, expert, proj, suffix))
+    data = bytearray(p.read_bytes())
+    data[e.start + 2 * index: e.start + 2 * index + 2] = bits.to_bytes(2, "little")
+    p.write_bytes(bytes(data))

@@ -5,9 +5,14 @@ Signature = Sign(PAE(payloadType, payload)), with
 bytes). An envelope on disk is one line of canonical JSON:
 ``{"payload": b64, "payloadType": ..., "signatures": [{"keyid": fingerprint, "sig": b64}]}``.
 
-``open_envelope`` is eager: it checks the envelope's own shape, decodes, verifies a signature by
+``open_envelope`` is eager: it checks the envelope's own shape, decodes, verifies the signatures by
 the pinned key over the PAE, checks the payload type, and only then returns the payload bytes for
 parsing. ``keyid`` is an unauthenticated hint and never decides anything.
+
+Strict signatures: an fq envelope carries 1 to ``MAX_SIGNATURES`` entries, each ``{"sig": base64 of 64
+bytes[, "keyid": string]}``, and every entry must verify under the pinned key: a junk, malformed or
+foreign entry beside a valid signature refuses the envelope (nothing in a signed document goes
+unchecked), and the cap bounds the work a hostile document can cause before it is refused.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from fq.canonical import dumps, loads
 from fq.errors import FqError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
+MAX_SIGNATURES = 4  # fq writes one; as every entry must verify under the pinned key, more are only repeats
+SIG_BYTES = 64  # an Ed25519 signature
 
 
 def pae(payload_type: str, body: bytes) -> bytes:
@@ -57,6 +64,14 @@ def b64decode(text: object, where: str) -> bytes:
         raise FqError(f"{where}: not valid base64") from None
 
 
+def _verifies(public_key: Ed25519PublicKey, sig: bytes, message: bytes) -> bool:
+    try:
+        public_key.verify(sig, message)
+        return True
+    except InvalidSignature:
+        return False
+
+
 def open_envelope(data: bytes, public_key: Ed25519PublicKey, source: str,
                   payload_type: str = PAYLOAD_TYPE) -> bytes:
     """Verified payload bytes of an envelope line; raises naming ``source`` and the problem."""
@@ -73,21 +88,30 @@ def open_envelope(data: bytes, public_key: Ed25519PublicKey, source: str,
     sigs = env["signatures"]
     if not isinstance(sigs, list) or not sigs:
         raise FqError(f"{source}: envelope has no signatures")
-    message = pae(ptype, body)
-    want = fingerprint(public_key)
-    seen = []
+    if len(sigs) > MAX_SIGNATURES:
+        raise FqError(f"{source}: envelope carries {len(sigs)} signatures; at most {MAX_SIGNATURES} are accepted")
+    entries = []
     for i, s in enumerate(sigs):
         if not isinstance(s, dict) or "sig" not in s or not set(s) <= {"sig", "keyid"}:
             raise FqError(f"{source}: signatures[{i}] must be an object with sig and optional keyid")
-        seen.append(str(s.get("keyid", "?"))[:16])
-        try:
-            public_key.verify(b64decode(s["sig"], f"{source}: signatures[{i}].sig"), message)
-            break
-        except InvalidSignature:
-            continue
-    else:
+        if not isinstance(s.get("keyid", ""), str):
+            raise FqError(f"{source}: signatures[{i}].keyid must be a string")
+        raw = b64decode(s["sig"], f"{source}: signatures[{i}].sig")
+        if len(raw) != SIG_BYTES:
+            raise FqError(f"{source}: signatures[{i}].sig is {len(raw)} bytes; an Ed25519 signature is {SIG_BYTES}")
+        entries.append((str(s.get("keyid", "?"))[:16], raw))
+    message = pae(ptype, body)
+    want = fingerprint(public_key)
+    valid = [_verifies(public_key, raw, message) for _, raw in entries]
+    if not any(valid):
         raise FqError(f"{source}: no valid signature by the pinned key {want[:16]}… "
-                      f"(signature keyids: {', '.join(seen)}); signed by another key or altered after signing")
+                      f"(signature keyids: {', '.join(k for k, _ in entries)}); signed by another key or altered "
+                      "after signing")
+    if not all(valid):
+        i = valid.index(False)
+        raise FqError(f"{source}: signatures[{i}] (keyid {entries[i][0]}) is not a signature by the pinned key "
+                      f"{want[:16]}…; an fq envelope carries only its signer's signatures")
     if ptype != payload_type:
         raise FqError(f"{source}: payloadType {ptype!r}, expected {payload_type!r}")
     return body
+

@@ -128,11 +128,43 @@ def attest_skeleton(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
     return _sign_and_write(p, info, predicate, key)
 
 
+def check_location(name: str, pred: dict, att: str) -> None:
+    """A fragment lives where its attestation says: file NODE-layerLLL-blockBBB.safetensors, and when its
+    name has directories (a name in a tree), in its node's directory (``base/NODE/``, ``stages/NODE/``,
+    ``fragments/NODE/``), a base under ``base/`` and a stage under ``stages/`` — a validly signed fragment
+    copied into another node's directory is refused. (A skeleton names no node; its subject binds its name.)"""
+    parts = name.split("/")
+    base = parts[-1]
+    if pred["kind"] != "expert":
+        return
+    if base != fragment_filename(pred["node"], pred["layer"], pred["block"]):
+        raise FqError(f"{att}: attests node {pred['node']} layer {pred['layer']} block {pred['block']}, "
+                      f"which is not file {base!r}")
+    if len(parts) >= 2 and parts[-2] != pred["node"]:
+        raise FqError(f"{att}: a fragment of node {pred['node']} lies in directory {'/'.join(parts[:-1])}/; "
+                      f"it belongs in its node's directory ({pred['node']}/)")
+    area = {"base": "base", "stage": "stages"}[pred["role"]]
+    if len(parts) >= 3 and parts[-3] in ("base", "stages") and parts[-3] != area:
+        raise FqError(f"{att}: a {pred['role']} fragment lies under {parts[-3]}/; {pred['role']}s live under {area}/")
+
+
 def read_attestation(root: str | os.PathLike, name: str, public_key: Ed25519PublicKey,
-                     campaign: dict | None = None) -> Attested:
-    """Verify the attestation of shard ``root/name`` without touching the shard."""
+                     campaign: dict | None = None, sha256: str | None = None) -> Attested:
+    """Verify the attestation of shard ``root/name`` without touching the shard. ``sha256``: the
+    attestation digest a plan pins, compared first: a line that is not the pinned one is refused whatever
+    else it holds (its own problems, found with bounded work, only word the refusal)."""
     att = attestation_name(name)
     data = read_regular(root, att, att)
+    if sha256 is not None and sha256_hex(data) != sha256:
+        # refused: not the line the plan pins. Its own problem, if it has one, says more than "another digest";
+        # finding it is bounded work (capped signatures, size and depth limits)
+        _check_line(data, att, name, public_key, campaign)
+        raise FqError(f"{att}: attestation is not the one the plan names (sha256 {sha256_hex(data)[:16]}…, the "
+                      f"plan names {sha256[:16]}…)")
+    return _check_line(data, att, name, public_key, campaign)
+
+
+def _check_line(data: bytes, att: str, name: str, public_key: Ed25519PublicKey, campaign: dict | None) -> Attested:
     payload = dsse.open_envelope(data, public_key, att)
     subjects, pred = parse_statement(payload, att, FRAGMENT)
     base = name.rsplit("/", 1)[-1]
@@ -141,9 +173,7 @@ def read_attestation(root: str | os.PathLike, name: str, public_key: Ed25519Publ
     subj_name, subj_sha = subjects[0]
     if subj_name != base:
         raise FqError(f"{att}: attests {subj_name!r}, not {base!r} (attestation replayed from another shard?)")
-    if pred["kind"] == "expert" and base != fragment_filename(pred["node"], pred["layer"], pred["block"]):
-        raise FqError(f"{att}: attests node {pred['node']} layer {pred['layer']} block {pred['block']}, "
-                      f"which is not file {base!r}")
+    check_location(name, pred, att)
     if pred["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{att}: campaign identity names signer {pred['campaign']['signer'][:16]}…, "
                       f"not the pinned key {fingerprint(public_key)[:16]}…")

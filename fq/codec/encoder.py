@@ -173,6 +173,21 @@ def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).to(torch.float16)
 
 
+def check_scales(W64: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, g: float, name: str) -> None:
+    """Refuse, before any trellis is searched, a weight whose channel scales do not fit in float16: EXL3
+    stores ``suh = su / g`` and ``svh = sv`` as fp16, and an overflow would ship Inf/NaN scales that every
+    consumer refuses (fq verify, fq combine, read_adapter). Weights above ~1e4 times a typical weight's
+    magnitude overflow suh; NaN appears only from overflowing float64 sums (|W| ~1e150 and beyond)."""
+    for key, x in (("suh", div(su, g)), ("svh", sv)):
+        bad = ~torch.isfinite(_fp16(x))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            peak = float(W64.abs().max())
+            raise FqError(f"{name}: {key}[{i}] would be {float(x[i]):.4g}, which float16 cannot hold (|x| <= 65504): "
+                          f"the weight's magnitude (max |W| = {peak:.4g}) is beyond EXL3's fp16 channel scales; "
+                          "rescale the weight (or its residual) before encoding")
+
+
 def _finish(W64, su, sv, g: float, states, K: int, codebook: str, clock) -> Encoded:
     """Pack one matrix's states, reconstruct from them and measure the error, all on the states' device."""
     dev = states.device
@@ -218,6 +233,8 @@ def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> lis
         regs.append(regularize(W64.t(), seed))
         clock("regularize")
     gs = search_scales([x for x, _, _ in regs], K, codebook, device)
+    for (_, su, sv), g, W64, name in zip(regs, gs, W64s, names):
+        check_scales(W64, su, sv, g, name)
     clock("search")
     out = []
     for group in _groups([W.numel() // TILE_LEN for W in W64s], GROUP_TILES):

@@ -11,6 +11,7 @@ from pathlib import Path
 from fq.assembly import PlanState
 from fq.attest import keys
 from fq.commands.verify import load_pinned
+from fq.display import printable
 
 
 def default_state() -> Path:
@@ -44,6 +45,6 @@ def run(args) -> int:
     result = combine(args.plan, key, args.out, experts=args.experts, base_dir=args.base, root=args.root,
                      state=state, min_version=args.min_version, sign_key=sign_key)
     stages = ", ".join(f"{s['node']} (K={s['K']} {s['codebook']})" for s in result.stages)
-    print(f"wrote {result.path} ({len(result.experts)} experts, stages: {stages}; sha256 {result.sha256})")
-    print(f"attestation: {result.attestation}")
+    print(printable(f"wrote {result.path} ({len(result.experts)} experts, stages: {stages}; sha256 {result.sha256})"))
+    print(printable(f"attestation: {result.attestation}"))
     return 0

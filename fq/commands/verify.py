@@ -8,6 +8,7 @@ import sys
 
 from fq.assembly import PlanState
 from fq.attest import keys
+from fq.display import printable
 from fq.verify import verify_path
 
 
@@ -34,8 +35,8 @@ def load_pinned(args):
 def run(args) -> int:
     key, fp = load_pinned(args)
     report = verify_path(args.path, key, state=PlanState(args.state) if args.state else None)
-    for problem in report.problems:
-        print(f"fq verify: {problem}", file=sys.stderr)
+    for problem in report.problems:  # names in problem lines come from the tree: shown escaped
+        print(f"fq verify: {printable(problem)}", file=sys.stderr)
     if not report.ok:
         return 1
     print(f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans "
