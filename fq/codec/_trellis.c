@@ -121,11 +121,6 @@ static const pass_fn PASSES_GENERIC[9] = {NULL, forward_1_generic, forward_2_gen
                                           forward_7_generic, forward_8_generic};
 
 #if FQ_X86
-DEFINE_PASSES(avx512, FQ_TARGET_AVX512)
-static const pass_fn PASSES_AVX512[9] = {NULL, forward_1_avx512, forward_2_avx512, forward_3_avx512,
-                                         forward_4_avx512, forward_5_avx512, forward_6_avx512,
-                                         forward_7_avx512, forward_8_avx512};
-
 /* The AVX2 pass: the same keys, never stored. For a block of 16 columns j (two vectors of 8 lanes) it runs
  * over the Q predecessors' rows h, computing the candidates s = h*E + j directly and keeping their running
  * min in two registers: M_i[j] = min_h key(v[s] - x_i, M_{i-1}[s >> K], h). Per 8 candidates that is one
@@ -218,6 +213,86 @@ DEFINE_AVX2(1) DEFINE_AVX2(2) DEFINE_AVX2(3) DEFINE_AVX2(4)
 DEFINE_AVX2(5) DEFINE_AVX2(6) DEFINE_AVX2(7) DEFINE_AVX2(8)
 static const pass_fn PASSES_AVX2[9] = {NULL, forward_1_avx2, forward_2_avx2, forward_3_avx2, forward_4_avx2,
                                        forward_5_avx2, forward_6_avx2, forward_7_avx2, forward_8_avx2};
+
+/* The AVX-512 pass: the AVX2 pass with 16 lanes (a block of 32 columns), the and-or in one ternary-logic
+ * instruction and the back pointers narrowed by vpmovdb. */
+static inline FQ_TARGET_AVX512 __attribute__((always_inline)) __m512i
+key_avx512(const float *restrict v, int s, __m512 xi, __m512 m, __m512i mask, __m512i h)
+{
+    __m512 d = _mm512_sub_ps(xi, _mm512_loadu_ps(v + s));
+    __m512 c = _mm512_fmadd_ps(d, d, m);
+    return _mm512_ternarylogic_epi32(_mm512_castps_si512(c), mask, h, 0xEA); /* (c & mask) | h */
+}
+
+static inline FQ_TARGET_AVX512 __attribute__((always_inline)) const uint32_t *
+forward_avx512(const int K, const float *x, int roll, int pre, const float *v, work_t *w)
+{
+    const int Q = 1 << K, E = NSTATES >> K, F = E >> K;
+    const __m512i mask = _mm512_set1_epi32((int) ~(uint32_t) (Q - 1));
+    /* lane l of the first vector takes M[b + (l >> K)], of the second M[b + ((16 + l) >> K)] (K <= 3) */
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i spread_a = _mm512_srli_epi32(iota, K);
+    const __m512i spread_b = _mm512_srli_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(16)), K);
+    uint32_t *restrict Mp = w->M;
+    uint32_t *restrict Mn = w->M2;
+    for (int j = 0; j < E; ++j) Mp[j] = (pre < 0 || j == pre) ? 0u : BIG_BITS;
+    const int bp_lo = pre < 0 ? L / 2 - 1 : 0;
+    for (int i = 0; i < L; ++i) {
+        const int pos = (i + roll) & (L - 1);
+        const int keep_bp = i >= bp_lo && i < L - 1;
+        uint8_t *restrict bp = w->bp + (size_t) pos * E;
+        const __m512 xi = _mm512_set1_ps(x[pos]);
+        const float *Mf = (const float *) Mp;
+        for (int j0 = 0; j0 < E; j0 += 32) {
+            __m512i a = _mm512_set1_epi32(-1), b = a;
+            __m512i hv = _mm512_setzero_si512();
+            const __m512i one = _mm512_set1_epi32(1);
+            for (int h = 0; h < Q; ++h, hv = _mm512_add_epi32(hv, one)) {
+                const int s = h * (E + VPAD) + j0;
+                const float *mrow = Mf + h * F + (j0 >> K);
+                __m512 ma, mb;
+                if (K == 1) {
+                    __m512 m16 = _mm512_load_ps(mrow);
+                    ma = _mm512_permutexvar_ps(spread_a, m16);
+                    mb = _mm512_permutexvar_ps(spread_b, m16);
+                } else if (K == 2) {
+                    __m512 m8 = _mm512_castps256_ps512(_mm256_load_ps(mrow));
+                    ma = _mm512_permutexvar_ps(spread_a, m8);
+                    mb = _mm512_permutexvar_ps(spread_b, m8);
+                } else if (K == 3) {
+                    __m512 m4 = _mm512_castps128_ps512(_mm_load_ps(mrow));
+                    ma = _mm512_permutexvar_ps(spread_a, m4);
+                    mb = _mm512_permutexvar_ps(spread_b, m4);
+                } else if (K == 4) {
+                    ma = _mm512_set1_ps(mrow[0]);
+                    mb = _mm512_set1_ps(mrow[1]);
+                } else {
+                    ma = mb = _mm512_set1_ps(mrow[0]);
+                }
+                a = _mm512_min_epu32(a, key_avx512(v, s, xi, ma, mask, hv));
+                b = _mm512_min_epu32(b, key_avx512(v, s + 16, xi, mb, mask, hv));
+            }
+            _mm512_store_si512((__m512i *) (Mn + j0), a);
+            _mm512_store_si512((__m512i *) (Mn + j0 + 16), b);
+            if (keep_bp) {
+                _mm_storeu_si128((__m128i *) (bp + j0), _mm512_cvtepi32_epi8(a));
+                _mm_storeu_si128((__m128i *) (bp + j0 + 16), _mm512_cvtepi32_epi8(b));
+            }
+        }
+        uint32_t *t = Mp; Mp = Mn; Mn = t;
+    }
+    return Mp;
+}
+
+#define DEFINE_AVX512(KK)                                                                                 \
+FQ_TARGET_AVX512 static const uint32_t *forward_##KK##_avx512(const float *x, int roll, int pre,         \
+                                                              const float *v, work_t *w)                  \
+{ return forward_avx512(KK, x, roll, pre, v, w); }
+DEFINE_AVX512(1) DEFINE_AVX512(2) DEFINE_AVX512(3) DEFINE_AVX512(4)
+DEFINE_AVX512(5) DEFINE_AVX512(6) DEFINE_AVX512(7) DEFINE_AVX512(8)
+static const pass_fn PASSES_AVX512[9] = {NULL, forward_1_avx512, forward_2_avx512, forward_3_avx512,
+                                         forward_4_avx512, forward_5_avx512, forward_6_avx512,
+                                         forward_7_avx512, forward_8_avx512};
 #endif
 
 static const pass_fn *PASSES = PASSES_GENERIC;
@@ -360,7 +435,7 @@ static int select_isa(const char *name)
 #if FQ_X86
     if (strcmp(name, "avx512") == 0) table = PASSES_AVX512;
     else if (strcmp(name, "avx2") == 0) table = PASSES_AVX2;
-    PADDED_V = table == PASSES_AVX2;
+    PADDED_V = table == PASSES_AVX2 || table == PASSES_AVX512;
 #endif
     for (int k = 0; k < 3; ++k)
         if (strcmp(name, ISA_NAMES[k]) == 0) { ISA = ISA_NAMES[k]; PASSES = table; return 0; }
