@@ -29,9 +29,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ISA dispatch, chosen once when the module is imported (isa() names it): "avx512" (x86-64-v4, GCC's own
- * vectorization of the portable pass below), "avx2" (AVX2 + FMA, the hand-vectorized pass further down), or
- * "generic" (the portable pass built for the baseline ISA; on x86-64 its fmaf is libm's, exact but slow).
+/* ISA dispatch, chosen once when the module is imported (isa() names it): "avx512" (x86-64-v4) and "avx2"
+ * (AVX2 + FMA), the hand-vectorized passes below, or "generic" (the portable pass, built for the baseline
+ * ISA; on x86-64 its fmaf is libm's, exact but slow).
  * The environment variable FQ_CPU_ISA picks one of those (the import refuses a name it does not know or one
  * this CPU cannot run); unset, the widest one the CPU runs. Every one computes the same IEEE float32
  * operations in the same order -- fmaf is one rounding everywhere (the FMA instruction, or libm), there is
@@ -71,9 +71,10 @@ static inline float bitsf(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
  * pointers in the bp row of its position, and returns M_{L-1}: all a tile's end needs (below). */
 typedef const uint32_t *(*pass_fn)(const float *, int, int, const float *, work_t *);
 
-/* The portable pass: plain C, all 65536 keys of a position stored in C, then the min over h. GCC
- * vectorizes it well for AVX-512; its candidate loop (Q consecutive lanes sharing one M[j]) it vectorizes
- * for AVX2 only with a de-interleave and re-interleave shuffle per vector, hence the AVX2 pass below. */
+/* The portable pass: plain C, all 65536 keys of a position stored in C, then the min over h. (Built with
+ * target_clones this was the whole kernel; GCC vectorized its candidate loop, Q consecutive lanes sharing
+ * one M[j], for AVX2 with a de-interleave and re-interleave shuffle per vector, at ~1/3 of its AVX-512
+ * speed. The vector passes below restructure the loops instead.) */
 #define DEFINE_PASS(KK, NAME, ATTR)                                                                       \
 ATTR static const uint32_t *NAME(const float *x, int roll, int pre, const float *v, work_t *w)           \
 {                                                                                                         \
