@@ -8,6 +8,8 @@ multiply-add per candidate, costs truncated to 23-K mantissa bits with the candi
 one unsigned min -- so they return the same states.
 
 ``FQ_VITERBI_CUDA=torch`` forces the torch path on CUDA (benchmarks, or to rule the kernel out).
+``FQ_CPU_ISA=avx512|avx2|generic`` forces the C kernel's instruction set (default: the widest the CPU runs;
+``_trellis.isa()`` says which runs); every one gives the same states (tests/test_codec_isa.py).
 """
 from __future__ import annotations
 
