@@ -15,8 +15,11 @@ $(STAMP): requirements.lock pyproject.toml setup.py fq/codec/_trellis.c
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Two workers (pytest-xdist), one test module each at a time: CI has 2 cores, and a module's campaign fixture is
+# built once, on the worker that runs the module. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 # The main job: the Snakemake campaign on the embedded demo model (config/config.yaml), end to end,
 # then what a consumer does (fq verify with the pinned key), then the Snakemake report.

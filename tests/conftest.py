@@ -30,3 +30,13 @@ def glm5():
 
     c, i, s = glm5_like()
     return parse_source(c, i, s, origin="glm5")
+
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with the most slow tests first (order kept otherwise): under `make test`'s xdist (--dist loadfile)
+    a long module that started last would run alone on one core at the end."""
+    from collections import Counter
+
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
