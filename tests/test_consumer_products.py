@@ -263,10 +263,15 @@ def test_promote_refuses_a_publication_version_not_above_the_destinations(tmp_pa
     assert main(["promote", str(outs["newer"]), "--to", str(dest), "--key", key]) == 0
     assert os.readlink(dest / "published") != first
     capsys.readouterr()
-    assert main(["promote", str(outs["a"]), "--to", str(dest), "--key", key]) == 2  # back to an older generation
-    assert "publication version 2 is not above version 3" in capsys.readouterr().err
+    assert main(["promote", str(outs["a"]), "--to", str(dest), "--key", key]) == 0  # back to a generation promoted
+    assert os.readlink(dest / "published") == first  # before: the operator's rollback, said to be one
+    assert f"rollback: {first.split('/')[1]}'s publication version is below version 3 promoted before; consumers " \
+           "holding a state file refuse it" in capsys.readouterr().out
+    assert main(["promote", str(outs["older"]), "--to", str(dest), "--key", key]) == 2  # never promoted: refused
+    assert "publication version 1 is not above version 3" in capsys.readouterr().err
     history = [json.loads(line) for line in (dest / "promotions.jsonl").read_text().splitlines()]
-    assert [(h["version"], h["signer"]) for h in history] == [(2, a.campaign["signer"]), (3, a.campaign["signer"])]
+    assert [(h["version"], h["signer"]) for h in history] == [(2, a.campaign["signer"]), (3, a.campaign["signer"]),
+                                                              (2, a.campaign["signer"])]
 
 
 @pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")  # huggingface_hub's LFS upload

@@ -62,4 +62,7 @@ def run(args) -> int:
     print(f"promoted {pub.campaign} to {args.to}/published -> generations/{r.generation} ({state}; {r.files} files, "
           f"{r.bytes} bytes verified under {fp}{f'; pruned {len(r.pruned)}' if r.pruned else ''}"
           f"{f'; {len(r.retained)} replaced kept for readers' if r.retained else ''})")
+    if r.behind is not None:
+        print(f"rollback: {r.generation}'s publication version is below version {r.behind} promoted before; consumers "
+              f"holding a state file refuse it (to roll back for them too, publish it again with a higher version)")
     return 0

@@ -35,8 +35,10 @@ A new generation's publication version (its signed publication statement's) must
 this directory promoted under the same key (``promotions.jsonl``) and above the current generation's: the
 same content again is the same generation and changes nothing, but an older campaign, or a changed one under
 a version already promoted, is refused before anything is copied (and checked again on the verified copy).
-Swapping ``published`` back to an old generation by hand stays possible, and consumers holding a state file
-will refuse it: to roll content back, publish it again with a higher version.
+Promoting again a generation this directory promoted before (``promotions.jsonl``) is the operator's rollback
+and is exempt: ``LocalResult.behind`` then names the highest version promoted when the generation's own is
+below it, because consumers holding a state file refuse it (to roll content back for them, publish it again
+with a higher version).
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class LocalResult:
     unchanged: bool = False
     pruned: list[str] = field(default_factory=list)
     retained: list[str] = field(default_factory=list)  # beyond keep, but a reader may still hold them
+    behind: int | None = None  # a rollback: the highest version promoted, above this generation's
 
 
 @contextlib.contextmanager
@@ -192,7 +195,8 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
         name = f"gen-{pub.digest()[:16]}"
         target = gens / name
         where = f"promote {pub.campaign} to {dest}"
-        if name != previous:  # before copying anything; a statement that does not verify is verify_path's to report
+        rollback = name != previous and target.is_dir() and any(h.get("generation") == name for h in _history(dest))
+        if name != previous and not rollback:  # before copying; a statement that does not verify is verify_path's
             early = _readable_publication(pub.published, key)
             if early is not None:
                 try:
@@ -219,8 +223,12 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
         else:  # same content promoted before: the link never points at a tree verified by someone else
             raise_report(verify_path(target, key), f"promote {pub.campaign}: existing generation {target}")
             stmt = read_publication(target, key)
-            if name != previous:  # promoted before, and not current: going back to it is a rollback
+            if name != previous and not rollback:  # renamed into place by a promoter killed before its swap
                 check_version(stmt, _promoted_versions(dest, previous, stmt.signer, key), where)
+        behind = None
+        if rollback:  # promoted before: the operator's rollback, whatever its version
+            highest = max((v for _, v in _promoted_versions(dest, previous, stmt.signer, key)), default=0)
+            behind = highest if highest > stmt.version else None
         unchanged = previous == name
         if not unchanged:
             _swap(dest, name)
@@ -235,7 +243,7 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
             if keep is not None else ([], [])
     sizes = pub.digests()
     return LocalResult(name, target, previous, len(pub.files), sum(z for _, z in sizes.values()), unchanged,
-                       pruned, retained)
+                       pruned, retained, behind)
 
 
 def _prune(dest: Path, current: str, replaced: str | None, keep: int, grace: float) -> tuple[list[str], list[str]]:
