@@ -260,7 +260,8 @@ def insider_attest_as_is(c: Campaign, rel: str) -> None:
 def insider_resign(c: Campaign, rel: str) -> None:
     """Re-attest fragment ``rel`` as its bytes now are, with the campaign's own key and none of the producer's
     checks (a compromised or buggy pipeline): its attestation, its children's parent edges, the base manifest
-    (for a base fragment) and every plan. Only the consumer's own checks stand between these bytes and a user."""
+    (for a base fragment), every plan and the publication statement. Only the consumer's own checks stand between
+    these bytes and a user."""
     from fq.assembly import read_assembly, sign_assembly
     from fq.safepath import sha256_stream
     from fq.shards import read_header
@@ -301,6 +302,7 @@ def insider_resign(c: Campaign, rel: str) -> None:
         if manifest_sha is not None:
             plan["base"]["manifest"]["sha256"] = manifest_sha
         plan_path.write_bytes(sign_assembly(plan, c.priv))
+    publish(c)  # and the publication statement listing all of it
 
 
 def poison_scale(c: Campaign, rel: str, layer: int, expert: int, proj: str, suffix: str, index: int,
