@@ -234,7 +234,7 @@ def read_publication(root: str | os.PathLike, public_key: Ed25519PublicKey, camp
     return Statement(where, sha256_hex(data), sha256_hex(payload), pred, files)
 
 
-def plan_problems(stmt: Statement, plans: dict[str, Plan], refused: set[str]) -> list[str]:
+def plan_problems(stmt: Statement, plans: dict[str, Plan]) -> list[str]:
     """Every verified plan (tree-relative file -> Plan) against its product entry; a plan file the statement
     does not list at all is left to ``file_problems`` (reported there once)."""
     out = []

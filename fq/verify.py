@@ -45,7 +45,7 @@ from fq.attest.keys import fingerprint
 from fq.errors import FqError, SignatureError
 from fq.fragments import attestation_name
 from fq.manifest import MANIFEST_NAME, check_base_files, read_base_manifest
-from fq.product import open_product
+from fq.product import BESIDE, open_product
 from fq.publication import NAME as PUBLICATION_NAME, Statement, file_problems, plan_problems, read_publication
 from fq.safepath import describe_mode, read_regular, split_path
 from fq.summary import SUMMARY_NAME, check_summary, check_summary_publication
@@ -102,14 +102,12 @@ def _kind(path: Path) -> str:
 
 def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, verified: dict[str, Attested],
                 failed: frozenset[str] = frozenset(), missing: dict[str, list[str]] | None = None,
-                publication=None):
+                publication: str | None = BESIDE):
     """A plan as every consumer opens it, then each fragment it names. ``verified``/``failed``: fragments
     already checked (or refused) on their own; ``missing`` (tree mode): fragment name -> products needing it,
-    filled here and reported once by the caller; without it a missing fragment is this plan's problem."""
-    from fq.product import BESIDE
-
-    product = open_product(path, public_key, root=root, now=now, state=state,
-                           publication=BESIDE if publication is None else publication or None)
+    filled here and reported once by the caller; without it a missing fragment is this plan's problem.
+    ``publication``: None in tree mode, where the tree's statement is checked against every plan at once."""
+    product = open_product(path, public_key, root=root, now=now, state=state, publication=publication)
     plan = product.predicate
     report.campaign(plan["campaign"], str(path))
     manifest_name = plan["base"]["manifest"]["name"]
@@ -291,7 +289,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
             scoped_verified = {k: verified[full] for full, k in _scoped(verified, prefix).items()}
             need: dict[str, list[str]] = {}
             plans[rel] = _check_plan(report, root / rel, plan_root, public_key, now, state, scoped_verified,
-                                     frozenset(_scoped(failed, prefix).values()), need, False)
+                                     frozenset(_scoped(failed, prefix).values()), need, None)
             for name, products in need.items():
                 missing.setdefault(name if prefix == "." else f"{prefix}/{name}", []).extend(products)
             digests[rel] = plans[rel].sha256
@@ -316,8 +314,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
         report.problems += file_problems(stmt, root if scope == "." else root / scope, inside,
                                          {k: digests[full] for full, k in scoped.items() if full in digests},
                                          set(_scoped(reported_missing | unusable, scope).values()))
-        report.problems += plan_problems(stmt, {k: plans[full] for full, k in _scoped(plans, scope).items()},
-                                         set(_scoped(set(plan_files) - set(plans), scope).values()))
+        report.problems += plan_problems(stmt, {k: plans[full] for full, k in _scoped(plans, scope).items()})
 
     if SUMMARY_NAME in present or summary is not None:
         covered.add(SUMMARY_NAME)
