@@ -7,7 +7,7 @@ recipe's node digest of every chain node (K, codebook, digest: every fragment of
 that ``node_digest``, so a fragment encoded for an older definition of its node is refused), and
 every fragment with its sha256, attestation digest, header digest, parent edge and per-expert byte ranges — so a
 consumer can narrow to chosen experts before reading any payload. ``version`` is monotonic per
-(campaign, product); ``expires`` is an explicit UTC timestamp (``YYYY-MM-DDTHH:MM:SSZ``). The plan is
+(signer, product), across campaigns; ``expires`` is an explicit UTC timestamp (``YYYY-MM-DDTHH:MM:SSZ``). The plan is
 an in-toto Statement (subjects: every fragment and the base manifest) in the same DSSE envelope as
 fragments, stored at ``ROOT/assemblies/PRODUCT.assembly.intoto.jsonl``; fragment names are relative
 to ROOT.
@@ -16,7 +16,9 @@ to ROOT.
                    public_key=) -> dict
     write_assembly(root, plan, key) -> Path
     read_assembly(path, public_key, now=, state=None, min_version=None) -> Plan
-    PlanState(path)   # highest version seen per (campaign, product): refuses rollback and same-version swaps
+    PlanState(path)   # highest version seen per (signer, product) and per signer's publication: refuses
+                      # rollback (across campaigns) and same-version swaps
+    check_product_name(plan)  # the file name PRODUCT.assembly.intoto.jsonl is the product the signed plan names
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from fq.attest.campaign import campaign_digest
 from fq.attest.fragment import SHA256_HEX, check_node_digest, verify_shard
 from fq.attest.keys import fingerprint
 from fq.attest.statement import ASSEMBLY, parse_statement, statement, validate_predicate
-from fq.canonical import dumps, load, pretty, sha256_hex
+from fq.canonical import dumps, load, loads as load_bytes, pretty, sha256_hex
 from fq.errors import FqError
 from fq.fragments import check_node
 from fq.manifest import MANIFEST_NAME, read_base_manifest
@@ -80,7 +82,8 @@ def check_chain(chain: list[dict], where: str) -> None:
 
 def check_fragments(plan: dict, where: str) -> None:
     """Internal consistency of a plan: unique (node, layer, block), constants from the chain, every stage
-    fragment's parent edge names the parent node's fragment of the same block, experts nested."""
+    fragment's parent edge names the parent node's fragment of the same block, experts nested, each
+    fragment's expert ranges contiguous and ending at its size (fq's fragment layout)."""
     chain = {n["node"]: n for n in plan["chain"]}
     base_dir = plan["base"]["dir"]
     by_key = {}
@@ -98,6 +101,12 @@ def check_fragments(plan: dict, where: str) -> None:
         if [e["expert"] for e in f["experts"]] != sorted({e["expert"] for e in f["experts"]}) or \
                 any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
             raise FqError(f"{where}: fragment {f['name']}: experts must be ascending with disjoint ranges")
+        if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+            raise FqError(f"{where}: fragment {f['name']}: expert byte ranges leave gaps; a fragment's experts are "
+                          "contiguous")
+        if f["size"] != ranges[-1][1]:
+            raise FqError(f"{where}: fragment {f['name']}: size {f['size']} is not where its last expert's bytes end "
+                          f"({ranges[-1][1]}); a fragment holds nothing after its experts")
     for (node, layer, block), f in by_key.items():
         parent = chain[node]["parent"]
         if parent is None:
@@ -209,19 +218,33 @@ def write_assembly(root: str | os.PathLike, plan: dict, key: Ed25519PrivateKey) 
 @dataclass(frozen=True)
 class Plan:
     path: str
-    sha256: str  # of the envelope line: what state files and adapters record
+    sha256: str  # of the envelope line: what state files, adapters and the publication statement record
     predicate: dict
+    statement_sha256: str = ""  # of the signed statement inside the envelope (the same for a re-encoded line)
+    canonical: bool = True  # the line is fq's canonical encoding of its envelope (what finalize writes)
 
     @property
     def campaign_digest(self) -> str:
         return campaign_digest(self.predicate["campaign"])
 
+    @property
+    def signer(self) -> str:
+        return self.predicate["campaign"]["signer"]
+
 
 class PlanState:
-    """Highest plan version seen per (campaign digest, product), kept in a small JSON file.
+    """Highest version seen per signer and product name, and of the signer's publication statements,
+    kept in a small JSON file (``--state``).
 
-    Refuses an older version (rollback) and a different plan under an already-seen version.
+    Keys: ``SIGNER/product/NAME`` (a plan) and ``SIGNER/publication`` (a publication statement), SIGNER
+    being the key's fingerprint: versions are monotonic across every campaign that key signed, so a
+    complete older campaign is refused as a rollback too. Values: ``{version, sha256, statement_sha256}``
+    (the envelope line's digest and its signed statement's). Refuses an older version (rollback) and a
+    different document under an already-seen version. Entries of older fq versions (keyed by campaign
+    digest) are kept and no longer consulted.
     """
+
+    FIELDS = {"version", "sha256", "statement_sha256"}
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -230,30 +253,57 @@ class PlanState:
         if not self.path.exists():
             return {}
         obj = load(self.path)
-        if not isinstance(obj, dict) or not all(isinstance(v, dict) and set(v) == {"version", "sha256"}
+        if not isinstance(obj, dict) or not all(isinstance(v, dict) and {"version", "sha256"} <= set(v) <= self.FIELDS
                                                  and type(v["version"]) is int and isinstance(v["sha256"], str)
+                                                 and isinstance(v.get("statement_sha256", ""), str)
                                                  for v in obj.values()):
-            raise FqError(f"{self.path}: plan state must map campaign/product to {{version, sha256}}")
+            raise FqError(f"{self.path}: plan state must map signer/product to {{version, sha256, statement_sha256}}")
         return obj
 
-    def check(self, plan: Plan) -> None:
-        p = plan.predicate
-        seen = self._load().get(f"{plan.campaign_digest}/{p['product']}")
+    @staticmethod
+    def plan_key(plan: Plan) -> str:
+        return f"{plan.signer}/product/{plan.predicate['product']}"
+
+    @staticmethod
+    def publication_key(signer: str) -> str:
+        return f"{signer}/publication"
+
+    def _check(self, key: str, version: int, sha256: str, statement_sha256: str, where: str, what: str,
+               label: str) -> None:
+        seen = self._load().get(key)
         if seen is None:
             return
-        if p["version"] < seen["version"]:
-            raise FqError(f"{plan.path}: plan version {p['version']} is older than version {seen['version']} already "
-                          f"seen for {p['product']} (rollback refused)")
-        if p["version"] == seen["version"] and plan.sha256 != seen["sha256"]:
-            raise FqError(f"{plan.path}: a different plan with the same version {p['version']} was already seen "
-                          f"for {p['product']}; a changed plan needs a higher version")
+        if version < seen["version"]:
+            raise FqError(f"{where}: {what} version {version} is older than version {seen['version']} already "
+                          f"seen for {label} (rollback refused); versions rise per signer, across its campaigns")
+        if version == seen["version"] and sha256 != seen["sha256"]:
+            if statement_sha256 and seen.get("statement_sha256") == statement_sha256:
+                raise FqError(f"{where}: the envelope is encoded differently from the {what} seen for {label} "
+                              f"version {version}: the same signed statement, but line sha256 {sha256[:16]}…, not "
+                              f"{seen['sha256'][:16]}… (a re-encoded copy of the published line; fetch the original)")
+            raise FqError(f"{where}: a different {what} with the same version {version} was already seen "
+                          f"for {label}; a changed {what} needs a higher version")
+
+    def check(self, plan: Plan) -> None:
+        self._check(self.plan_key(plan), plan.predicate["version"], plan.sha256, plan.statement_sha256, plan.path,
+                    "plan", plan.predicate["product"])
+
+    def check_publication(self, pub) -> None:
+        """``pub``: a verified ``fq.publication.Statement``."""
+        self._check(self.publication_key(pub.signer), pub.version, pub.sha256, pub.statement_sha256, pub.path,
+                    "publication", f"signer {pub.signer[:16]}…")
+
+    def _record(self, key: str, version: int, sha256: str, statement_sha256: str) -> None:
+        state = self._load()
+        if state.get(key, {}).get("version", 0) <= version:
+            state[key] = {"version": version, "sha256": sha256, "statement_sha256": statement_sha256}
+            atomic.write_text(self.path, pretty(state))
 
     def record(self, plan: Plan) -> None:
-        state = self._load()
-        key = f"{plan.campaign_digest}/{plan.predicate['product']}"
-        if state.get(key, {}).get("version", 0) <= plan.predicate["version"]:
-            state[key] = {"version": plan.predicate["version"], "sha256": plan.sha256}
-            atomic.write_text(self.path, pretty(state))
+        self._record(self.plan_key(plan), plan.predicate["version"], plan.sha256, plan.statement_sha256)
+
+    def record_publication(self, pub) -> None:
+        self._record(self.publication_key(pub.signer), pub.version, pub.sha256, pub.statement_sha256)
 
 
 def read_assembly(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
@@ -262,7 +312,8 @@ def read_assembly(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now:
     directory, name = split_path(path)
     where = str(path)
     data = read_regular(directory, name, where)
-    subjects, plan = parse_statement(dsse.open_envelope(data, public_key, where), where, ASSEMBLY)
+    payload = dsse.open_envelope(data, public_key, where)
+    subjects, plan = parse_statement(payload, where, ASSEMBLY)
     if plan["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{where}: campaign identity names signer {plan['campaign']['signer'][:16]}…, not the pinned key")
     want = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
@@ -277,13 +328,36 @@ def read_assembly(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now:
         raise FqError(f"{where}: plan expired at {plan['expires']} (now {now.strftime(TIME_FORMAT)})")
     if min_version is not None and plan["version"] < min_version:
         raise FqError(f"{where}: plan version {plan['version']} is older than the required minimum {min_version}")
-    result = Plan(where, sha256_hex(data), plan)
+    result = Plan(where, sha256_hex(data), plan, sha256_hex(payload), is_canonical_line(data))
     if state is not None:
         state.check(result)
     return result
 
 
 PRODUCT_FILE = re.compile(r"(.+)" + re.escape(SUFFIX))
+
+
+def is_canonical_line(data: bytes) -> bool:
+    """Whether an envelope line is byte for byte what fq writes (``dsse.envelope_line``): a re-encoded copy of a
+    signed line (other whitespace, key order or escapes) still verifies, but has another sha256."""
+    try:
+        return dsse.envelope_line(load_bytes(data)) == data
+    except (FqError, ValueError):
+        return False
+
+
+def check_product_name(plan: Plan) -> None:
+    """The consumer names the product it wants by the plan's file name, ``PRODUCT.assembly.intoto.jsonl``:
+    a plan signed for another product (copied over this one's file) is refused, naming what it is."""
+    name = Path(plan.path).name
+    m = PRODUCT_FILE.fullmatch(name)
+    product = plan.predicate["product"]
+    if not m:
+        raise FqError(f"{plan.path}: file name does not match its product {product!r} (a plan is "
+                      f"PRODUCT{SUFFIX}, and the consumer asks for a product by that name)")
+    if m[1] != product:
+        raise FqError(f"{plan.path}: file name does not match its product {product!r}: the file asks for product "
+                      f"{m[1]!r}, the signed plan is product {product!r} (a plan copied under another product's name)")
 
 
 def campaign_root(plan_path: str | os.PathLike) -> Path:

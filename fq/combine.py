@@ -2,7 +2,9 @@
 
 Order of trust (nothing is read before what vouches for it has been verified):
 
-1. the plan: signature under the pinned key, schema, chain, edges, expiry, version (``read_assembly``);
+1. the plan (``fq.product.open_product``, the checks every consumer shares): signature under the pinned key,
+   schema, chain, edges, expiry, its file name (the product asked for), version state, and the
+   publication statement beside ROOT when present (the plan must be the one it lists);
 2. narrowing: from the signed plan alone, the fragments and byte ranges holding the chosen experts —
    fragments without chosen experts are never opened;
 3. per fragment used: its attestation (digest named by the plan, signature, same campaign identity,
@@ -36,15 +38,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from fq import atomic
 from fq.adapter import FORMAT as ADAPTER_FORMAT, adapter_key, write_adapter
-from fq.assembly import PlanState, campaign_root, read_assembly
+from fq.assembly import PlanState
 from fq.attest import dsse
-from fq.attest.fragment import check_header, check_node_digest, range_mismatch, read_attestation
+from fq.attest.fragment import range_mismatch, read_attestation
 from fq.attest.statement import ADAPTER, statement
 from fq.canonical import sha256_hex
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.fragments import expert_structure, fragment_meta
 from fq.manifest import verify_base
+from fq.product import open_product
 from fq.safepath import open_regular
 from fq.scales import SCALE_SUFFIXES, check_scale
 from fq.selection import Selection, parse_selection
@@ -90,30 +93,12 @@ def _narrow(plan: dict, sel: Selection) -> tuple[list[tuple[dict, list[dict]]], 
     return work, chosen
 
 
-def _check_attestation(att, f: dict, node: dict, where: str) -> None:
-    p = att.predicate
-    if att.attestation_sha256 != f["attestation_sha256"]:
-        raise FqError(f"{where}: attestation is not the one the plan names (digest differs)")
-    if att.sha256 != f["sha256"]:
-        raise FqError(f"{where}: attested sha256 differs from the plan's")
-    for k in ("node", "layer", "block", "parent", "experts"):
-        if p[k] != f[k]:
-            raise FqError(f"{where}: attestation and plan disagree on {k}")
-    if (p["shard"]["size"], p["shard"]["header_sha256"]) != (f["size"], f["header_sha256"]):
-        raise FqError(f"{where}: attestation and plan disagree on the shard's size or header")
-    check_node_digest(att, node["digest"], where)
-    if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
-        raise FqError(f"{where}: attested {p['role']} K={p['K']} {p['codebook']}, the plan's chain says "
-                      f"{node['role']} K={node['K']} {node['codebook']}")
-
-
 def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *,
             experts: str | Selection = "all", base_dir: str | os.PathLike | None = None,
             root: str | os.PathLike | None = None, now: dt.datetime | None = None, state: PlanState | None = None,
             min_version: int | None = None, sign_key: Ed25519PrivateKey | None = None) -> Combined:
-    plan_obj = read_assembly(plan_path, public_key, now=now, state=state, min_version=min_version)
-    plan = plan_obj.predicate
-    root = Path(root) if root is not None else campaign_root(plan_path)
+    product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
+    plan_obj, plan, root = product.plan, product.predicate, product.root
     layout = ExpertLayout.from_json(plan["layout"], f"{plan_path}: layout")
     chain = plan["chain"]
     index = {n["node"]: i for i, n in enumerate(chain)}
@@ -143,15 +128,13 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
                 raise FqError(f"--base {base_dir}: {src_name} is not listed in its manifest with the plan's sha256")
         where = f"{src_root}/{src_name}"
         att = read_attestation(src_root, src_name, public_key, plan["campaign"], sha256=f["attestation_sha256"])
-        _check_attestation(att, f, node, where)
+        product.check_fragment(att, f, where)
         result.fragments_opened.append(where)
         with open_regular(src_root, src_name, where) as fh:
             header = read_header(fh, where)
-            check_header(att, header, where)
+            product.check_header(att, header, f, where)
             meta = fragment_meta(header)
             _, linears = expert_structure(header, meta)
-            if header.file_size != f["size"]:
-                raise FqError(f"{where}: {header.file_size} bytes, the plan says {f['size']}")
             for e in ranges:
                 ex = e["expert"]
                 keys = expert_keys(layout, f["layer"], ex, meta["codebook"])
@@ -212,8 +195,7 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
     payload = statement([(Path(out).name, sha)], ADAPTER, predicate)
     envelope = dsse.sign(payload, sign_key) if sign_key is not None else dsse.unsigned(payload)
     atomic.write_bytes(result.attestation, dsse.envelope_line(envelope))
-    if state is not None:
-        state.record(plan_obj)
+    product.record(state)
     result.sha256, result.stages = sha, stages
     return result
 

@@ -13,3 +13,12 @@ class FqError(ValueError):
 
     def __init__(self, message: object = "", *args):
         super().__init__(printable(str(message)), *args)
+
+
+class SignatureError(FqError):
+    """A signed document with no valid signature by the pinned key: signed by another key, or altered after
+    signing. ``keyids``: the (unauthenticated) key ids its signatures name, for a one-line wrong-key report."""
+
+    def __init__(self, message: str, keyids: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keyids = tuple(keyids)

@@ -1,12 +1,14 @@
-"""The campaign summary (``campaign_summary.json``): unsigned, but every checkable value it states is
-bound to the signed documents of the tree it describes.
+"""The campaign summary (``campaign_summary.json``): unsigned, but every value it states is bound to the
+signed documents of the tree it describes.
 
 finalize writes it beside ``published/``; promotion ships it at the root of the published tree (a local
 generation, a Hub repository), where ``fq verify`` would otherwise have to call it an unaccounted file.
-``check_summary`` accounts for it: the campaign identity, every product's plan file and its sha256, the
-chain, the payload bytes, the recipe digest and each base's manifest digest must be what the verified
-plans say, and the products must be exactly the plans in ``assemblies/``. Only the informational fields
-(recipe name, bpw, plan identity) are taken as written.
+It is a view of the signed publication statement (``fq.publication``): ``summary_view(predicate)`` is what
+finalize writes, and ``check_summary_publication`` requires the file to be exactly that, field by field
+(recipe name, bpw and plan identity included). Without a verified publication statement (it is missing or
+refused, which is its own problem) ``check_summary`` still binds what the verified plans state: the campaign
+identity, every product's plan file and its sha256, the chain, the payload bytes, the recipe digest and each
+base's manifest digest, and the products must be exactly the plans in ``assemblies/``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,61 @@ from fq.assembly import SUFFIX, Plan
 
 SUMMARY_NAME = "campaign_summary.json"
 FORMAT = "fq-campaign-summary/1"
+
+
+SUMMARY_FIELDS = ("file", "sha256", "chain", "bpw", "bytes")  # of a product, as the summary states them
+
+
+def summary_view(pred: dict) -> dict:
+    """The campaign summary a publication statement's predicate implies."""
+    return {"format": FORMAT, "campaign": pred["campaign"], "recipe": pred["recipe"],
+            "plan_identity_sha256": pred["plan_identity_sha256"],
+            "bases": {b: {"manifest_sha256": e["manifest_sha256"]} for b, e in pred["bases"].items()},
+            "products": {p: {k: e[k] for k in SUMMARY_FIELDS} for p, e in pred["products"].items()}}
+
+
+def _differences(got, want, path: str) -> list[tuple[str, object, object]]:
+    """(path, got, want) of every leaf where two JSON values differ; objects are compared key by key."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        out = []
+        for k in sorted(set(got) | set(want)):
+            sub = f"{path}.{k}" if path else k
+            if k not in want:
+                out.append((sub, got[k], None))
+            elif k not in got:
+                out.append((sub, None, want[k]))
+            else:
+                out += _differences(got[k], want[k], sub)
+        return out
+    if got != want or type(got) is not type(want):
+        return [(path or "(document)", got, want)]
+    return []
+
+
+def check_summary_publication(data: bytes, where: str, publication: dict, signed_by: str) -> list[str]:
+    """Problems of a summary against a verified publication statement's predicate: it must state exactly
+    what ``summary_view`` derives from it; one line per differing field. ``signed_by``: the statement's
+    file, named in the messages."""
+    try:
+        doc = canonical.loads(data, where)
+    except ValueError as e:
+        return [str(e)]
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return [f"{where}: not an {FORMAT} document"]
+    out = []
+    for path, got, want in _differences(doc, summary_view(publication), ""):
+        if want is None:
+            out.append(f"{where}: {path} is not in the signed publication ({signed_by})")
+        elif got is None:
+            out.append(f"{where}: {path} is missing; the signed publication ({signed_by}) says {_short(want)}")
+        else:
+            out.append(f"{where}: {path} is {_short(got)}, the signed publication ({signed_by}) says {_short(want)}")
+    return out
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _plan_name(product: str) -> str:

@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from fq.workflow.campaign import load_campaign
-from fq.workflow.finalize import INDEX, SUMMARY
+from fq.workflow.finalize import INDEX, PUBLICATION_NAME, SUMMARY
 from fq.workflow.launch import on_start
 
 C = load_campaign(config)

@@ -1,4 +1,5 @@
-# Finalize: verify, refuse strays, publish, sign assemblies; then verify the published tree as a consumer would.
+# Finalize: verify, refuse strays, publish, sign assemblies and the publication statement; then verify the
+# published tree as a consumer would.
 
 
 rule finalize:
@@ -13,6 +14,7 @@ rule finalize:
     output:
         summary=f"{OUT}/{SUMMARY}",
         assemblies=assembly_files(),
+        publication=f"{OUT}/published/{PUBLICATION_NAME}",
     conda:
         "../envs/fq.yaml"
     log:
@@ -43,6 +45,7 @@ rule verify_published:
     input:
         summary=f"{OUT}/{SUMMARY}",
         assemblies=assembly_files(),
+        publication=f"{OUT}/published/{PUBLICATION_NAME}",
         campaign=ancient(C.campaign_json),
     output:
         verified=f"{OUT}/published.verified",
@@ -53,7 +56,7 @@ rule verify_published:
     benchmark:
         f"{OUT}/benchmarks/verify_published.tsv"
     params:
-        published=lambda wc, input: str(Path(input.assemblies[0]).parent.parent),
+        published=lambda wc, input: str(Path(input.publication).parent),
         pub=f"{OUT}/signer.pub",
     script:
         "../scripts/verify_published.py"

@@ -11,6 +11,9 @@ to provenance); ``codec_sets`` substitutes real encoder output where a test need
                   fq-manifest.intoto.jsonl}
     ROOT/stages/r1/..., ROOT/stages/r2/...
     ROOT/assemblies/{k2r1,k2r1r2}.assembly.intoto.jsonl
+    ROOT/publication.intoto.jsonl   (the signed publication statement, as finalize writes it: ``publish``)
+
+``Campaign.replan`` re-signs the publication statement too, as finalize would after re-planning.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fq.assembly import build_assembly, write_assembly
+from fq.assembly import Plan, build_assembly, write_assembly
 from fq.attest import keys
 from fq.attest.campaign import campaign_identity
 from fq.attest.fragment import attest_fragment, attest_skeleton
@@ -31,6 +34,7 @@ from fq.experts import STANDARD
 from fq.fragments import fragment_filename, write_fragment, write_skeleton
 from fq.identity import encoder_identity
 from fq.manifest import write_base_manifest
+from fq.publication import build_publication, write_publication
 
 LAYERS = (1, 3)
 N_EXPERTS = 8
@@ -109,7 +113,54 @@ class Campaign:
         return self.root / name
 
     def replan(self, product: str, version: int, expires=EXPIRES, key=None) -> Path:
-        return _plan(self, product, version, expires, key or self.priv)
+        path = _plan(self, product, version, expires, key or self.priv)
+        publish(self, key=key)
+        return path
+
+
+PLAN_IDENTITY = "0" * 64
+
+
+def sign_plan(c: Campaign, plan: dict, product: str, publish_too: bool = True) -> Path:
+    """Sign ``plan`` as given under the campaign key, bypassing every producer-side check (an insider, or a
+    buggy pipeline), and by default the publication statement listing it, as that pipeline's finalize would."""
+    from fq.attest import dsse
+    from fq.attest.statement import ASSEMBLY, STATEMENT_TYPE
+
+    subjects = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
+               [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
+    payload = dumps({"_type": STATEMENT_TYPE, "predicateType": ASSEMBLY, "predicate": plan,
+                     "subject": [{"name": n, "digest": {"sha256": d}} for n, d in subjects]})
+    c.plans[product].write_bytes(dsse.envelope_line(dsse.sign(payload, c.priv)))
+    if publish_too:
+        publish(c)
+    return c.plans[product]
+
+
+def _read_signed_plan(path: Path, c: Campaign) -> Plan:
+    """A plan as its signer knows it: signature and statement only (a producer lists expired plans, and an
+    insider what it signed, without the consumer's checks)."""
+    from fq.attest import dsse
+    from fq.attest.statement import ASSEMBLY, parse_statement
+
+    data = path.read_bytes()
+    payload = dsse.open_envelope(data, c.pub, str(path))
+    _, pred = parse_statement(payload, str(path), ASSEMBLY)
+    return Plan(str(path), sha256_hex(data), pred, sha256_hex(payload))
+
+
+def publish(c: Campaign, version: int | None = None, key=None, recipe_name: str = "provkit",
+            root: Path | None = None) -> Path:
+    """Sign ``ROOT/publication.intoto.jsonl`` over the tree as it is (every plan in assemblies/, read back under
+    the campaign key); ``version`` defaults to the highest plan version."""
+    root = Path(root or c.root)
+    plans = [_read_signed_plan(p, c) for p in sorted((root / "assemblies").glob("*.assembly.intoto.jsonl"))]
+    version = version or max(p.predicate["version"] for p in plans)
+    subjects, pred = build_publication(root, version=version, campaign=c.campaign,
+                                       recipe={"name": recipe_name, "sha256": RECIPE_SHA256},
+                                       plan_identity_sha256=PLAN_IDENTITY, plans=plans, public_key=c.pub)
+    path, _ = write_publication(root, subjects, pred, key or c.priv)
+    return path
 
 
 def _plan(c: Campaign, product: str, version: int, expires, key) -> Path:
@@ -122,15 +173,20 @@ def _plan(c: Campaign, product: str, version: int, expires, key) -> Path:
     return write_assembly(c.root, plan, key)
 
 
-def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dims: dict | None = None) -> Campaign:
+def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dims: dict | None = None,
+                   signer: "Campaign | None" = None, name: str = "test", version: int = 1) -> Campaign:
     """``codec_sets[(node, layer, expert, proj)]`` overrides the random set of that linear; ``dims``
-    overrides DIMS (torch (out, in) per projection)."""
+    overrides DIMS (torch (out, in) per projection); ``signer``: another campaign whose key signs this one
+    (two campaigns of one signer), ``name`` the campaign's name, ``version`` its plans' and publication's."""
     dims = dims or DIMS
     tmp = Path(tmp)
-    key_path, pub_path, fp = keys.generate(tmp / "signer")
+    if signer is None:
+        key_path, pub_path, fp = keys.generate(tmp / "signer")
+    else:
+        key_path, pub_path, fp = signer.key_path, signer.pub_path, keys.fingerprint(signer.pub)
     priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
     enc = encoder()
-    camp = campaign_identity(name="test", source_repo="fq-test/tiny-moe", source_revision="0" * 40,
+    camp = campaign_identity(name=name, source_repo="fq-test/tiny-moe", source_revision="0" * 40,
                              block_size=BLOCK, signer=fp, encoder=enc["digest"])
     root = tmp / "campaign"
     source = {"repo": "fq-test/tiny-moe", "revision": "0" * 40, "shards": [{"name": SOURCE_SHARD, "sha256": "2" * 64}]}
@@ -169,7 +225,8 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
                                 node_digest=spec["digest"], parent=parent)
     write_base_manifest(base, node="k2", campaign=camp, key=priv)
     for product in PRODUCTS:
-        c.plans[product] = _plan(c, product, 1, EXPIRES, priv)
+        c.plans[product] = _plan(c, product, version, EXPIRES, priv)
+    publish(c)
     return c
 
 
@@ -203,7 +260,8 @@ def insider_attest_as_is(c: Campaign, rel: str) -> None:
 def insider_resign(c: Campaign, rel: str) -> None:
     """Re-attest fragment ``rel`` as its bytes now are, with the campaign's own key and none of the producer's
     checks (a compromised or buggy pipeline): its attestation, its children's parent edges, the base manifest
-    (for a base fragment) and every plan. Only the consumer's own checks stand between these bytes and a user."""
+    (for a base fragment), every plan and the publication statement. Only the consumer's own checks stand between
+    these bytes and a user."""
     from fq.assembly import read_assembly, sign_assembly
     from fq.safepath import sha256_stream
     from fq.shards import read_header
@@ -244,6 +302,7 @@ def insider_resign(c: Campaign, rel: str) -> None:
         if manifest_sha is not None:
             plan["base"]["manifest"]["sha256"] = manifest_sha
         plan_path.write_bytes(sign_assembly(plan, c.priv))
+    publish(c)  # and the publication statement listing all of it
 
 
 def poison_scale(c: Campaign, rel: str, layer: int, expert: int, proj: str, suffix: str, index: int,

@@ -1,6 +1,6 @@
 """fq promote: a local publication directory for real, and a Hub repository against a fake Hub (tests/hubfake.py).
 
-The campaign is provkit's signed tree placed as OUT/published, with a summary bound to its plans and the
+The campaign is provkit's signed tree placed as OUT/published, with a summary bound to its publication statement and the
 operational files a real campaign directory holds (logs, locks, keys, metrics, staging, fragments) beside it.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ import pytest
 
 import provkit
 from fq import canonical
-from fq.assembly import read_assembly
 from fq.cli import main as fq_main
 from fq.errors import FqError
 from fq.promote import collect, is_publishable
-from fq.summary import SUMMARY_NAME
+from fq.publication import NAME as PUBLICATION_NAME, read_publication
+from fq.summary import SUMMARY_NAME, summary_view
 from fq.verify import verify_path
 from hubfake import FakeHub
 
@@ -34,20 +34,12 @@ OPERATIONAL = ("logs/encode/k2-layer001-block000.log", "locks/gpu-0.lock", "keys
                "campaign.json", "benchmarks/finalize.tsv", ".snakemake/log/x.log")
 
 
-def write_summary(out: Path, pub, recipe_name: str = "provkit") -> None:
-    products, bases = {}, {}
-    for path in sorted((out / "published" / "assemblies").iterdir()):
-        plan = read_assembly(path, pub)
-        p = plan.predicate
-        products[p["product"]] = {"file": f"assemblies/{path.name}", "sha256": plan.sha256,
-                                  "chain": [n["node"] for n in p["chain"]], "bpw": 3.0,
-                                  "bytes": sum(f["size"] for f in p["fragments"])}
-        bases[p["base"]["node"]] = {"manifest_sha256": p["base"]["manifest"]["sha256"]}
-        ident = p["campaign"]
-    summary = {"format": "fq-campaign-summary/1", "campaign": ident,
-               "recipe": {"name": recipe_name, "sha256": provkit.RECIPE_SHA256},
-               "plan_identity_sha256": "0" * 64, "bases": bases, "products": products}
-    (out / SUMMARY_NAME).write_text(canonical.pretty(summary))
+def write_summary(out: Path, c, recipe_name: str = "provkit", version: int = 1) -> None:
+    """What finalize writes: the signed publication statement (re-signed, with ``version``, when what it states
+    changes) and the summary, its view (fq.summary.summary_view)."""
+    provkit.publish(c, version=version, recipe_name=recipe_name, root=out / "published")
+    stmt = read_publication(out / "published", c.pub)
+    (out / SUMMARY_NAME).write_text(canonical.pretty(summary_view(stmt.predicate)))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def built(tmp_path_factory):
     out = tmp / "out"
     out.mkdir()
     os.rename(c.root, out / "published")
-    write_summary(out, c.pub)
+    write_summary(out, c)
     for rel in OPERATIONAL:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(b"operational " + rel.encode())
@@ -126,10 +118,11 @@ def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path,
     assert promote(out, "--to", dest, "--key", c.pub_path) == 0  # same content: same generation, no swap
     assert os.readlink(link) == first and "already current" in capsys.readouterr().out
 
-    # a new generation (informational summary change); a reader resolving the link meanwhile only ever
-    # sees one whole generation
+    # a new generation (a changed recipe name: a new publication statement, with a higher version); a reader
+    # resolving the link meanwhile only ever sees one whole generation
     summary_v1 = (out / SUMMARY_NAME).read_bytes()
-    write_summary(out, c.pub, recipe_name="provkit-v2")
+    publication_v1 = (out / "published" / PUBLICATION_NAME).read_bytes()
+    write_summary(out, c, recipe_name="provkit-v2", version=2)
     families = [set(files_under(link))]
     seen, stop = [], threading.Event()
 
@@ -151,7 +144,8 @@ def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path,
     assert second != first and all(s is not None and s == families[0] for s in seen)
     # --keep 1 does not remove the generation this promotion replaced (a reader may have resolved it a moment
     # before the swap); a later promotion does: test_local_keep_removes_replaced_generations_only_later
-    assert files_under(dest / first) == files_under(Path(os.path.realpath(link))) | {SUMMARY_NAME: summary_v1}
+    assert files_under(dest / first) == files_under(Path(os.path.realpath(link))) | {SUMMARY_NAME: summary_v1,
+                                                                                      PUBLICATION_NAME: publication_v1}
     assert fq_main(["verify", str(dest / first), "--key", str(c.pub_path)]) == 0
     said = capsys.readouterr().out
     assert "pruned" not in said and "1 replaced kept for readers" in said
@@ -191,7 +185,7 @@ def test_local_reader_that_resolved_the_link_reads_its_whole_generation_after_pr
     dest, link = tmp_path / "dest", tmp_path / "dest" / "published"
     assert promote(out, "--to", dest, "--key", c.pub_path) == 0
     a = current(dest)
-    write_summary(out, c.pub, recipe_name="provkit-v2")
+    write_summary(out, c, recipe_name="provkit-v2", version=2)
     held = {n: sha for n, (sha, _) in collect(out).digests().items()}  # generation b, as the reader will read it
     assert promote(out, "--to", dest, "--key", c.pub_path, "--keep", "1", "--grace", "0") == 0
     b = current(dest)
@@ -202,7 +196,7 @@ def test_local_reader_that_resolved_the_link_reads_its_whole_generation_after_pr
     try:
         assert reader.stdout.readline().strip() == str((dest / "generations" / b).resolve())  # it resolved b...
         # ...then, before it reads a byte, a promotion with the harshest settings swaps and prunes
-        write_summary(out, c.pub, recipe_name="provkit-v3")
+        write_summary(out, c, recipe_name="provkit-v3", version=3)
         assert promote(out, "--to", dest, "--key", c.pub_path, "--keep", "1", "--grace", "0") == 0
         assert current(dest) not in (a, b) and not (dest / "generations" / a).exists()  # a pruned, b not
         said, _ = reader.communicate("read\n", timeout=120)
@@ -224,7 +218,7 @@ def test_local_keep_removes_replaced_generations_only_later(camp, tmp_path, caps
     assert "not a Hub repository" in capsys.readouterr().err
 
     def promote_v(v, *keep):
-        write_summary(out, c.pub, recipe_name=f"provkit-v{v}")
+        write_summary(out, c, recipe_name=f"provkit-v{v}", version=v)
         assert promote(out, "--to", dest, "--key", c.pub_path, *keep) == 0
         return current(dest)
 

@@ -67,7 +67,9 @@ def plan_of(c, product="k2r1r2"):
 
 
 def write_signed_plan(c, plan, product="k2r1r2", key=None, raw_payload=None):
-    """Sign a plan as given, bypassing every producer-side check (a compromised or buggy pipeline)."""
+    """Sign a plan as given, bypassing every producer-side check (a compromised or buggy pipeline), and (a
+    readable plan) the publication statement that lists it, as that pipeline's finalize would."""
+    republish = raw_payload is None and key is None
     if raw_payload is None:
         subjects = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
                    [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
@@ -75,6 +77,11 @@ def write_signed_plan(c, plan, product="k2r1r2", key=None, raw_payload=None):
                              "predicate": plan,
                              "subject": [{"name": n, "digest": {"sha256": d}} for n, d in subjects]})
     c.plans[product].write_bytes(dsse.envelope_line(dsse.sign(raw_payload, key or c.priv)))
+    if republish:
+        try:
+            provkit.publish(c)
+        except FqError:
+            pass  # a plan that does not even read back (a broken edge, a bad name) keeps the old statement
 
 
 def header_edit(p, edit):

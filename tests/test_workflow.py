@@ -131,6 +131,24 @@ def test_full_run_publishes_a_verified_campaign_and_report(run):
     assert not any((out / "staging").glob("*.safetensors")), "every staged shard is deleted after its last use"
 
 
+def test_finalize_signs_the_publication_statement_and_the_summary_is_its_view(run):
+    """Issue 15: finalize signs what the campaign published (every file, each product's plan, each base's
+    manifest) with assembly.version; campaign_summary.json is that statement's view."""
+    from fq.attest import keys
+    from fq.publication import read_publication
+    from fq.summary import summary_view
+
+    d, _ = run
+    out = d / "campaign"
+    stmt = read_publication(out / "published", keys.load_public(out / "signer.pub"))
+    assert stmt.version == 1 and set(stmt.predicate["products"]) == {"a", "a.r1", "a.r1.h2"}
+    assert {p: e["bpw"] for p, e in stmt.predicate["products"].items()} == {"a": 1, "a.r1": 2, "a.r1.h2": 3}
+    published = {p.relative_to(out / "published").as_posix() for p in (out / "published").rglob("*") if p.is_file()}
+    assert set(stmt.files) == published - {"publication.intoto.jsonl"}
+    assert canonical.load(out / "campaign_summary.json") == summary_view(stmt.predicate)
+    assert ", publication version 1 verified under key " in (out / "published.verified").read_text()
+
+
 def test_second_run_does_nothing(run):
     d, _ = run
     p = smk(d, "-n")

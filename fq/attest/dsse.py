@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from fq.attest.keys import fingerprint
 from fq.canonical import dumps, loads
-from fq.errors import FqError
+from fq.errors import FqError, SignatureError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 MAX_SIGNATURES = 4  # fq writes one; as every entry must verify under the pinned key, more are only repeats
@@ -104,9 +104,9 @@ def open_envelope(data: bytes, public_key: Ed25519PublicKey, source: str,
     want = fingerprint(public_key)
     valid = [_verifies(public_key, raw, message) for _, raw in entries]
     if not any(valid):
-        raise FqError(f"{source}: no valid signature by the pinned key {want[:16]}… "
-                      f"(signature keyids: {', '.join(k for k, _ in entries)}); signed by another key or altered "
-                      "after signing")
+        raise SignatureError(f"{source}: no valid signature by the pinned key {want[:16]}… "
+                             f"(signature keyids: {', '.join(k for k, _ in entries)}); signed by another key or altered "
+                             "after signing", tuple(k for k, _ in entries))
     if not all(valid):
         i = valid.index(False)
         raise FqError(f"{source}: signatures[{i}] (keyid {entries[i][0]}) is not a signature by the pinned key "

@@ -25,6 +25,7 @@ FRAGMENT = "https://fq.dev/attestation/v1"  # fq-attestation/1, profiles "expert
 ASSEMBLY = "https://fq.dev/assembly/v1"
 MANIFEST = "https://fq.dev/base-manifest/v1"
 ADAPTER = "https://fq.dev/adapter/v1"
+PUBLICATION = "https://fq.dev/publication/v1"
 
 SCHEMAS = {
     (FRAGMENT, "expert"): "fq-attestation-expert.schema.json",
@@ -32,6 +33,7 @@ SCHEMAS = {
     (ASSEMBLY, None): "fq-assembly.schema.json",
     (MANIFEST, None): "fq-base-manifest.schema.json",
     (ADAPTER, None): "fq-adapter.schema.json",
+    (PUBLICATION, None): "fq-publication.schema.json",
 }
 _BASE_URI = "https://fq.dev/schemas/"
 

@@ -12,7 +12,8 @@ from fq.commands.verify import load_pinned
 def register(sub) -> None:
     p = sub.add_parser("promote", help="publish a finalized campaign to a directory or a Hub repository, atomically",
                        description="CAMPAIGN: the campaign directory (holding published/ and campaign_summary.json). "
-                                   "Only base/, stages/, assemblies/ and the summary are published.")
+                                   "Only base/, stages/, assemblies/, publication.intoto.jsonl and the summary are "
+                                   "published; the publication version must be above the destination's.")
     p.add_argument("campaign", metavar="CAMPAIGN")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--to", metavar="DEST", help="a local publication directory, or hf://OWNER/NAME")
@@ -45,7 +46,7 @@ def run(args) -> int:
             raise FqError("--keep and --grace apply to a local publication directory, not a Hub repository")
         repo = parse_target(args.repo or args.to)
         raise_report(verify_path(pub.published, key, summary=pub.summary), f"promote {pub.campaign}")
-        r = promote_hub(pub, repo, staging=args.staging or DEFAULT_STAGING, endpoint=args.endpoint)
+        r = promote_hub(pub, repo, staging=args.staging or DEFAULT_STAGING, endpoint=args.endpoint, key=key)
         print(f"promoted {pub.campaign} to hf://{r.repo}: main {r.previous_main[:12]} -> {r.main_sha[:12]}, "
               f"a copy of {r.staging}@{r.staged_sha[:12]} ({r.files} files"
               f"{f', {len(r.deleted)} stale removed' if r.deleted else ''}); signer {fp}")
@@ -61,4 +62,7 @@ def run(args) -> int:
     print(f"promoted {pub.campaign} to {args.to}/published -> generations/{r.generation} ({state}; {r.files} files, "
           f"{r.bytes} bytes verified under {fp}{f'; pruned {len(r.pruned)}' if r.pruned else ''}"
           f"{f'; {len(r.retained)} replaced kept for readers' if r.retained else ''})")
+    if r.behind is not None:
+        print(f"rollback: {r.generation}'s publication version is below version {r.behind} promoted before; consumers "
+              f"holding a state file refuse it (to roll back for them too, publish it again with a higher version)")
     return 0

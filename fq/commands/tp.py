@@ -69,8 +69,7 @@ def run_export(args) -> int:
     res = tp_export(args.plan, key, args.out, tp=args.tp, ep=args.ep, assign=args.assign,
                     sign_key=keys.load_private(args.sign_key), root=args.root, state=state,
                     min_version=args.min_version)
-    if state is not None:
-        state.record(res.assembly)
+    res.product.record(state)
     print(f"wrote {res.path}: {res.files} shards for tp={args.tp} ep={args.ep} ({args.assign}); "
           f"index sha256 {res.index_sha256}")
     for (g, t), n in sorted(res.bytes_per_rank.items()):

@@ -19,7 +19,8 @@ def register(sub) -> None:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--key", required=True, metavar="PUBKEY", help="the signer's public key (PEM)")
     p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
-    p.add_argument("--state", metavar="FILE", help="plan-version state file: refuse plans older than seen ones")
+    p.add_argument("--state", metavar="FILE", help="plan-version state file: refuse plans and publications older "
+                                                   "than ones seen (per signer, across its campaigns)")
     p.set_defaults(func=run)
 
 
@@ -32,6 +33,14 @@ def load_pinned(args):
     return key, fp
 
 
+def published(report) -> str:
+    """", publication version N" for the publication statements a report verified (nothing without one)."""
+    versions = sorted({p.version for p in report.publications})
+    if not versions:
+        return ""
+    return f", publication version{'s' if len(versions) > 1 else ''} {', '.join(map(str, versions))}"
+
+
 def run(args) -> int:
     key, fp = load_pinned(args)
     report = verify_path(args.path, key, state=PlanState(args.state) if args.state else None)
@@ -39,6 +48,6 @@ def run(args) -> int:
         print(f"fq verify: {printable(problem)}", file=sys.stderr)
     if not report.ok:
         return 1
-    print(f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans "
-          f"verified under key {fp}")
+    print(f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans"
+          f"{published(report)} verified under key {fp}")
     return 0

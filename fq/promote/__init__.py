@@ -4,6 +4,7 @@ A campaign directory (``OUT``) holds much more than its products: logs, locks, k
 committed fragments. What it *publishes* is exactly
 
     base/NODE/...  stages/NODE/...  assemblies/...   (from OUT/published)
+    publication.intoto.jsonl                        (OUT/published: the signed publication statement)
     campaign_summary.json                           (OUT/campaign_summary.json)
 
 and that set is enumerated here, never derived by excluding operational files: whatever else a
@@ -11,7 +12,11 @@ campaign directory accumulates can never leak into a publication. Anything else 
 is refused by name (finalize refuses such strays too).
 
 Destinations: a local publication directory (``fq.promote.local``) or a Hugging Face repository
-(``fq.promote.hub``). Both verify with the pinned key before anything becomes visible.
+(``fq.promote.hub``). Both verify with the pinned key before anything becomes visible, and both refuse a
+publication whose version (its signed publication statement's, the operator's ``assembly.version``) is not
+above the version the destination already published (``check_version``): consumers keep the highest
+version they saw per signer, so a lower one would be refused by them anyway, and a changed publication under
+the same version would be called a different one.
 """
 from __future__ import annotations
 
@@ -23,15 +28,17 @@ from pathlib import Path
 
 from fq import canonical
 from fq.errors import FqError
+from fq.publication import NAME as PUBLICATION_NAME, Statement, read_publication
 from fq.safepath import check_name, describe_mode
 from fq.summary import SUMMARY_NAME
 
 PUBLISHABLE_DIRS = ("base", "stages", "assemblies")
+PUBLISHABLE_FILES = (PUBLICATION_NAME,)  # at the root of published/
 
 
 def is_publishable(name: str) -> bool:
     """A path a publication may hold (repository-relative)."""
-    return name == SUMMARY_NAME or name.split("/", 1)[0] in PUBLISHABLE_DIRS and "/" in name
+    return name in (SUMMARY_NAME, *PUBLISHABLE_FILES) or name.split("/", 1)[0] in PUBLISHABLE_DIRS and "/" in name
 
 
 def sha256_file(path: Path) -> str:
@@ -92,8 +99,10 @@ def collect(campaign: str | os.PathLike) -> Publication:
             path = Path(dirpath, name)
             rel = name if rel_dir == "." else f"{rel_dir}/{name}"
             mode = os.lstat(path).st_mode
-            if rel_dir == "." and not (stat.S_ISDIR(mode) and name in PUBLISHABLE_DIRS):
-                problems.append(f"{path}: not a publishable path (only {', '.join(d + '/' for d in PUBLISHABLE_DIRS)})")
+            if rel_dir == "." and not (stat.S_ISDIR(mode) and name in PUBLISHABLE_DIRS or
+                                       stat.S_ISREG(mode) and name in PUBLISHABLE_FILES):
+                problems.append(f"{path}: not a publishable path (only "
+                                f"{', '.join([d + '/' for d in PUBLISHABLE_DIRS] + list(PUBLISHABLE_FILES))})")
             elif name.startswith(".tmp-"):
                 problems.append(f"{path}: leftover temp file of an interrupted write; re-run finalize")
             elif stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
@@ -110,6 +119,23 @@ def collect(campaign: str | os.PathLike) -> Publication:
     if len(files) == 1:
         raise FqError(f"{published}: nothing published; finalize the campaign first")
     return Publication(campaign, dict(sorted(files.items())))
+
+
+def publication_of(pub: Publication, key) -> Statement:
+    """The campaign's signed publication statement (verified under ``key``)."""
+    if PUBLICATION_NAME not in pub.files:
+        raise FqError(f"{pub.published / PUBLICATION_NAME}: missing; finalize the campaign with this fq version "
+                      "(it signs the publication statement)")
+    return read_publication(pub.published, key)
+
+
+def check_version(new: Statement, previous: list[tuple[str, int]], where: str) -> None:
+    """``previous``: (what, version) of every publication the destination has held under this key."""
+    for what, version in sorted(previous, key=lambda p: -p[1])[:1]:  # the highest version held
+        if new.version <= version:
+            raise FqError(f"{where}: publication version {new.version} is not above version {version} of {what}; "
+                          f"consumers refuse a lower version and a changed publication under the same one "
+                          f"(raise assembly.version and finalize again)")
 
 
 def raise_report(report, what: str) -> None:

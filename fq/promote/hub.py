@@ -1,6 +1,9 @@
 """Promotion into a Hugging Face repository: upload to a staging branch, then move main in one commit.
 
-1. The campaign is verified locally with the pinned key (tree and summary) before a byte is uploaded.
+1. The campaign is verified locally with the pinned key (tree and summary) before a byte is uploaded, and
+   its publication version must be above the one main publishes under the same key (main's
+   ``publication.intoto.jsonl``, read at main's resolved sha; a publication signed by another key, or none,
+   is not this key's sequence).
 2. One commit on the staging branch adds every publishable file and deletes publishable paths the
    campaign no longer has (parent_commit pins the branch head it was computed from).
 3. The staging branch is resolved to a commit sha, once. Its publishable tree, as listed by that sha,
@@ -19,8 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fq.errors import FqError
-from fq.promote import Publication, is_publishable
+import tempfile
+from pathlib import Path
+
+from fq.errors import FqError, SignatureError
+from fq.promote import Publication, check_version, is_publishable
+from fq.publication import NAME as PUBLICATION_NAME, read_publication
 
 DEFAULT_STAGING = "fq-staging"
 
@@ -85,9 +92,28 @@ def _one_line(e: Exception) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
+def _main_versions(api, repo: str, main, key) -> list[tuple[str, int]]:
+    """(what, version) of the publication statement main holds, when it is one signed by ``key``."""
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    if PUBLICATION_NAME not in {s.rfilename for s in (main.siblings or [])}:
+        return []
+    r = get_session().get(f"{api.endpoint}/{repo}/resolve/{main.sha}/{PUBLICATION_NAME}",
+                          headers=build_hf_headers(token=api.token), follow_redirects=True)
+    hf_raise_for_status(r)
+    with tempfile.TemporaryDirectory(prefix="fq-promote-") as d:
+        (Path(d) / PUBLICATION_NAME).write_bytes(r.content)
+        try:
+            stmt = read_publication(d, key)
+        except SignatureError:
+            return []
+    return [(f"hf://{repo}@main ({main.sha[:12]})", stmt.version)]
+
+
 def promote_hub(pub: Publication, repo: str, *, staging: str = DEFAULT_STAGING, endpoint: str | None = None,
-                token: str | None = None, api=None) -> HubResult:
-    """Upload ``pub`` (already verified by the caller) to ``staging`` and make main equal to it."""
+                token: str | None = None, api=None, key=None) -> HubResult:
+    """Upload ``pub`` (already verified by the caller) to ``staging`` and make main equal to it. With ``key``
+    (the pinned public key), main's publication version under that key must be below ``pub``'s."""
     import httpx2  # huggingface_hub's HTTP client: its transport errors (refused, reset, timeout)
     from huggingface_hub import CommitOperationAdd, CommitOperationCopy, CommitOperationDelete, HfApi
     from huggingface_hub.utils import HfHubHTTPError
@@ -98,6 +124,10 @@ def promote_hub(pub: Publication, repo: str, *, staging: str = DEFAULT_STAGING, 
     where = f"hf://{repo}"
     try:
         main = _info(api, repo, "main")
+        if key is not None:
+            stmt = read_publication(pub.published, key)
+            if _differences(pub, _publishable_tree(main)):  # the same publication again changes nothing
+                check_version(stmt, _main_versions(api, repo, main, key), f"promote {pub.campaign} to {where}")
         api.create_branch(repo, branch=staging, revision=main.sha, exist_ok=True)
 
         # 2. upload: every publishable file, and deletions of publishable paths the campaign lacks

@@ -1,9 +1,10 @@
 """Promotion into a local publication directory: stage, verify, then swap one link.
 
     DEST/published -> generations/G          (relative symlink: what consumers open)
-    DEST/generations/G/{base,stages,assemblies,campaign_summary.json}
+    DEST/generations/G/{base,stages,assemblies,publication.intoto.jsonl,campaign_summary.json}
     DEST/generations/G.replaced              (G was current once and is no longer: when it was replaced)
-    DEST/promotions.jsonl                    (one line per promotion: generation, previous, digest)
+    DEST/promotions.jsonl                    (one line per promotion: generation, previous, digest, files,
+                                              signer, version)
 
 G is ``gen-`` + the first 16 hex digits of the publication's content digest, so promoting the same
 campaign twice names the same generation. A new generation is copied (never linked: published bytes
@@ -29,6 +30,15 @@ hidden ``.pruning-G`` (one atomic step: no half-deleted tree ever bears a genera
 Promoters of one DEST are serialized by an flock on ``DEST/.fq-promote.lock`` (never unlinked); holding it,
 a promoter removes the staging copies, half-pruned trees and temporary links that killed promoters left
 behind.
+
+A new generation's publication version (its signed publication statement's) must be above every version
+this directory promoted under the same key (``promotions.jsonl``) and above the current generation's: the
+same content again is the same generation and changes nothing, but an older campaign, or a changed one under
+a version already promoted, is refused before anything is copied (and checked again on the verified copy).
+Promoting again a generation this directory promoted before (``promotions.jsonl``) is the operator's rollback
+and is exempt: ``LocalResult.behind`` then names the highest version promoted when the generation's own is
+below it, because consumers holding a state file refuse it (to roll content back for them, publish it again
+with a higher version).
 """
 from __future__ import annotations
 
@@ -41,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fq import atomic, canonical
-from fq.errors import FqError
-from fq.promote import Publication, raise_report
+from fq.errors import FqError, SignatureError
+from fq.promote import Publication, check_version, raise_report
+from fq.publication import NAME as PUBLICATION_NAME, read_publication
 from fq.verify import verify_path
 
 LINK = "published"
@@ -62,6 +73,7 @@ class LocalResult:
     unchanged: bool = False
     pruned: list[str] = field(default_factory=list)
     retained: list[str] = field(default_factory=list)  # beyond keep, but a reader may still hold them
+    behind: int | None = None  # a rollback: the highest version promoted, above this generation's
 
 
 @contextlib.contextmanager
@@ -124,6 +136,28 @@ def _swap(dest: Path, generation: str) -> None:
     atomic.fsync_dir(dest)
 
 
+def _promoted_versions(dest: Path, current: str | None, signer: str, key) -> list[tuple[str, int]]:
+    """(what, version) of the publications this directory holds or held under ``signer``'s key."""
+    out = [(f"generation {h['generation']} (promoted before)", h["version"]) for h in _history(dest)
+           if h.get("signer") == signer and type(h.get("version")) is int]
+    if current is not None and os.path.lexists(dest / GENERATIONS / current / PUBLICATION_NAME):
+        try:
+            stmt = read_publication(dest / GENERATIONS / current, key)
+        except SignatureError:
+            return out  # another signer's publication: not this key's version sequence
+        out.append((f"the current generation {current}", stmt.version))
+    return out
+
+
+def _readable_publication(directory: Path, key):
+    try:
+        return read_publication(directory, key)
+    except FqError:
+        return None
+
+
+
+
 def _mark_replaced(gens: Path, name: str, by: str | None, now_ns: int) -> None:
     atomic.write_text(gens / f"{name}{REPLACED}", canonical.dumps(
         {"generation": name, "replaced_at_ns": now_ns, "replaced_by": by}).decode() + "\n")
@@ -160,6 +194,16 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
         previous = current_generation(dest)
         name = f"gen-{pub.digest()[:16]}"
         target = gens / name
+        where = f"promote {pub.campaign} to {dest}"
+        rollback = name != previous and target.is_dir() and any(h.get("generation") == name for h in _history(dest))
+        if name != previous and not rollback:  # before copying; a statement that does not verify is verify_path's
+            early = _readable_publication(pub.published, key)
+            if early is not None:
+                try:
+                    check_version(early, _promoted_versions(dest, previous, early.signer, key), where)
+                except FqError:  # refused without copying; a campaign that does not verify says so first
+                    raise_report(verify_path(pub.published, key, summary=pub.summary), f"promote {pub.campaign}")
+                    raise
         if not target.exists():
             stage = gens / f".staging-{name}-{os.getpid()}"
             if stage.exists():
@@ -169,6 +213,8 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
                     _copy(src, stage / rel)
                 # verify the copy, not the source: what consumers will read is what was checked
                 raise_report(verify_path(stage, key), f"promote {pub.campaign}: staged generation {stage}")
+                stmt = read_publication(stage, key)
+                check_version(stmt, _promoted_versions(dest, previous, stmt.signer, key), where)
                 os.rename(stage, target)
             except BaseException:
                 shutil.rmtree(stage, ignore_errors=True)
@@ -176,6 +222,13 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
             atomic.fsync_dir(gens)
         else:  # same content promoted before: the link never points at a tree verified by someone else
             raise_report(verify_path(target, key), f"promote {pub.campaign}: existing generation {target}")
+            stmt = read_publication(target, key)
+            if name != previous and not rollback:  # renamed into place by a promoter killed before its swap
+                check_version(stmt, _promoted_versions(dest, previous, stmt.signer, key), where)
+        behind = None
+        if rollback:  # promoted before: the operator's rollback, whatever its version
+            highest = max((v for _, v in _promoted_versions(dest, previous, stmt.signer, key)), default=0)
+            behind = highest if highest > stmt.version else None
         unchanged = previous == name
         if not unchanged:
             _swap(dest, name)
@@ -184,13 +237,13 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
             with contextlib.suppress(FileNotFoundError):  # current again (a rollback): not replaced
                 (gens / f"{name}{REPLACED}").unlink()
             history = _history(dest) + [{"generation": name, "previous": previous, "digest": pub.digest(),
-                                         "files": len(pub.files)}]
+                                         "files": len(pub.files), "signer": stmt.signer, "version": stmt.version}]
             atomic.write_text(dest / HISTORY, "".join(canonical.dumps(h).decode() + "\n" for h in history))
         pruned, retained = _prune(dest, name, None if unchanged else previous, keep, grace) \
             if keep is not None else ([], [])
     sizes = pub.digests()
     return LocalResult(name, target, previous, len(pub.files), sum(z for _, z in sizes.values()), unchanged,
-                       pruned, retained)
+                       pruned, retained, behind)
 
 
 def _prune(dest: Path, current: str, replaced: str | None, keep: int, grace: float) -> tuple[list[str], list[str]]:

@@ -1,7 +1,8 @@
 """``fq tp-export``: cut a published product into per-rank shards by whole 128-aligned tiles.
 
 Input: a published product, i.e. its signed assembly ``ROOT/assemblies/PRODUCT.assembly.intoto.jsonl``
-verified under the campaign's pinned key exactly as ``fq combine`` verifies it (every fragment's
+verified under the campaign's pinned key exactly as ``fq combine`` verifies it (``fq.product.open_product``:
+file name, version state, the publication statement beside ROOT) (every fragment's
 attestation, header and expert byte ranges are checked before their tensors are used). The product's
 routers come from the base's skeleton shards, checked against the base manifest the plan pins.
 
@@ -59,6 +60,7 @@ class Exported:
     plan: Plan  # the tp x ep plan (pp=1, epoch 0) the export was cut for
     assembly: object  # the verified product plan (fq.assembly.Plan)
     bytes_per_rank: dict  # (ep, tp) -> bytes of its shards
+    product: object = None  # the opened product (fq.product.Product): what a state file records
 
 
 def _written(path: Path, groups: list[list[str]]) -> tuple[str, int, str, list[tuple[int, int, str]]]:
@@ -106,7 +108,7 @@ def tp_export(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: s
         if f["coords"] is not None:
             key = (f["coords"]["ep"], f["coords"]["tp"])
             per_rank[key] = per_rank.get(key, 0) + (out / f["name"]).stat().st_size
-    return Exported(out, sha256_hex(line), len(files), cut, src.assembly, per_rank)
+    return Exported(out, sha256_hex(line), len(files), cut, src.assembly, per_rank, src.product)
 
 
 def _umask() -> int:

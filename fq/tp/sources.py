@@ -21,14 +21,13 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fq.assembly import campaign_root, read_assembly
 from fq.attest.fragment import check_header, range_mismatch, read_attestation
 from fq.canonical import sha256_hex
-from fq.combine import _check_attestation as check_fragment_attestation  # the same checks fq combine makes
 from fq.errors import FqError
 from fq.experts import ExpertLayout, expert_keys, suffixes
 from fq.fragments import attestation_name, expert_structure, fragment_meta
 from fq.manifest import read_base_manifest
+from fq.product import open_product
 from fq.safepath import open_regular, read_regular
 from fq.shards import RawTensor, read_header, read_range, tensors_in_range, torch_dtype
 from fq.tp import records
@@ -135,9 +134,9 @@ class ProductSource:
     def __init__(self, plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, root=None, now=None,
                  state=None, min_version=None):
         self.plan_path, self.key = plan_path, public_key
-        self.root = Path(root) if root is not None else campaign_root(plan_path)
-        self._args = {"now": now, "state": state, "min_version": min_version}
-        self.assembly = read_assembly(plan_path, public_key, **self._args)
+        self._args = {"root": root, "now": now, "state": state, "min_version": min_version}
+        self.product = open_product(plan_path, public_key, **self._args)  # the checks every consumer shares
+        self.assembly, self.root = self.product.plan, self.product.root
         self.layout = ExpertLayout.from_json(self.predicate["layout"], f"{plan_path}: layout")
         self._spec = None
 
@@ -147,20 +146,17 @@ class ProductSource:
 
     def _reverify(self) -> None:
         """Admission starts from the signed plan again: a retry sees the files as they are now."""
-        fresh = read_assembly(self.plan_path, self.key, **self._args)
+        fresh = open_product(self.plan_path, self.key, **self._args).plan
         if fresh.sha256 != self.assembly.sha256:
             raise FqError(f"{self.plan_path}: the plan changed since this source was opened; open it again")
 
     def _fragment(self, f: dict, fh) -> tuple:
-        """Attestation (as fq combine checks it), then header; returns (attestation, header, meta)."""
-        chain = {n["node"]: n for n in self.predicate["chain"]}
+        """Attestation and header, as every consumer checks them (``fq.product``); returns (attestation, header, meta)."""
         where = f"{self.root}/{f['name']}"
-        att = read_attestation(self.root, f["name"], self.key, self.predicate["campaign"])
-        check_fragment_attestation(att, f, chain[f["node"]], where)
+        att = read_attestation(self.root, f["name"], self.key, self.predicate["campaign"], sha256=f["attestation_sha256"])
+        self.product.check_fragment(att, f, where)
         header = read_header(fh, where)
-        check_header(att, header, where)
-        if header.file_size != f["size"]:
-            raise FqError(f"{where}: {header.file_size} bytes, the plan says {f['size']}")
+        self.product.check_header(att, header, f, where)
         meta = fragment_meta(header)
         expert_structure(header, meta)
         return att, header, meta

@@ -11,9 +11,12 @@ Published layout (``OUT/published``)::
                      fq-manifest.intoto.jsonl            (every shard with its .intoto.jsonl beside it)
     stages/NODE/     NODE's fragments
     assemblies/      PRODUCT.assembly.intoto.jsonl
+    publication.intoto.jsonl   the signed publication statement (fq.publication): every file above with its
+                               sha256, the products, plans and bases, and the version (assembly.version)
 
-and ``OUT/campaign_summary.json`` beside it (unsigned, informational: products, sizes, digests), so
-that every file under ``published/`` is attested or listed by a signed manifest.
+and ``OUT/campaign_summary.json`` beside it (unsigned: the view of the publication statement that
+``fq.summary.summary_view`` derives, checked against it field by field), so that every file under
+``published/`` is attested or listed by a signed document.
 
 Finalize holds ``OUT/locks/workers.lock`` exclusively for its whole body (verify and publish), so no
 worker -- not even an orphan of a killed Snakemake -- can write into the campaign meanwhile, and it
@@ -35,12 +38,14 @@ import time
 from pathlib import Path
 
 from fq import atomic, canonical
-from fq.assembly import build_assembly, write_assembly
+from fq.assembly import Plan, build_assembly, write_assembly
 from fq.attest import keys
 from fq.attest.fragment import check_node_digest, verify_shard
 from fq.errors import FqError
 from fq.fragments import attestation_name
 from fq.manifest import MANIFEST_NAME, write_base_manifest
+from fq.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
+from fq.summary import summary_view
 from fq.workflow import locks
 from fq.workflow.campaign import Campaign, sha256_file
 
@@ -227,7 +232,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     root = c.out / "published"
     plan = _published_plan(c)
     ours = set(plan) | {f"base/{b.name}/{n}" for b in c.recipe.bases for n in (INDEX, MANIFEST_NAME)}
-    ours |= {f"assemblies/{p.name}.assembly.intoto.jsonl" for p in c.recipe.products}
+    ours |= {f"assemblies/{p.name}.assembly.intoto.jsonl" for p in c.recipe.products} | {PUBLICATION_NAME}
     problems = Problems()
     if root.exists():
         for dirpath, _, filenames in os.walk(root):
@@ -249,7 +254,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         with disk_full_is_one_line(d / MANIFEST_NAME):
             _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv)
 
-    assemblies = {}
+    plans = []
     for prod in c.recipe.products:
         chain, names = [], []
         for n in prod.chain:
@@ -263,15 +268,20 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
                                   public_key=pub)
         with disk_full_is_one_line(root / "assemblies" / f"{prod.name}.assembly.intoto.jsonl"):
             path = write_assembly(root, plan_doc, priv)
-        assemblies[prod.name] = {"file": path.relative_to(root).as_posix(), "sha256": sha256_file(path),
-                                 "chain": list(prod.chain), "bpw": c.recipe.product_bpw(prod),
-                                 "bytes": sum((root / n).stat().st_size for n in names)}
-    summary = {"format": "fq-campaign-summary/1", "campaign": ident, "recipe": {"name": c.recipe.name, "sha256": c.recipe.sha256},
-               "plan_identity_sha256": c.plan.identity_sha256, "bases": {b: {"manifest_sha256": d} for b, d in manifests.items()},
-               "products": assemblies}
+        plans.append(Plan(str(path), sha256_file(path), plan_doc))
+    _log(f"signing the publication statement (version {version})")
+    subjects, publication = build_publication(
+        root, version=version, campaign=ident, recipe={"name": c.recipe.name, "sha256": c.recipe.sha256},
+        plan_identity_sha256=c.plan.identity_sha256, plans=plans, public_key=pub)
+    if {b: e["manifest_sha256"] for b, e in publication["bases"].items()} != manifests:
+        raise FqError(f"finalize {root}: the plans pin bases {sorted(publication['bases'])}, "
+                      f"finalize signed manifests of {sorted(manifests)}")
+    with disk_full_is_one_line(root / PUBLICATION_NAME):
+        write_publication(root, subjects, publication, priv)
+    summary = summary_view(publication)
     with disk_full_is_one_line(c.out / SUMMARY):
         atomic.write_text(c.out / SUMMARY, canonical.pretty(summary))
-    _log(f"done: {len(assemblies)} products published")
+    _log(f"done: {len(plans)} products published")
     return summary
 
 
@@ -280,8 +290,10 @@ def verify_published(published: str, pub_path: str, out: str) -> None:
     from fq.verify import verify_path
 
     pub = keys.load_public(pub_path)
+    from fq.commands.verify import published as publication_versions
+
     report = verify_path(published, pub)
     if not report.ok:
         raise FqError(f"fq verify {published}: {len(report.problems)} problem(s): " + "; ".join(report.problems))
-    atomic.write_text(out, f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans "
-                           f"verified under key {keys.fingerprint(pub)}\n")
+    atomic.write_text(out, f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans"
+                           f"{publication_versions(report)} verified under key {keys.fingerprint(pub)}\n")
