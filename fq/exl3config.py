@@ -224,7 +224,7 @@ def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str) -> l
     if not (base_dir / SOURCE_CONFIG).is_file():
         raise FqError(f"{base_dir}/{SOURCE_CONFIG}: missing; a published base keeps its source's config.json "
                       "under that name and derives config.json from it")
-    listed = sorted(p.name for p in base_dir.iterdir() if p.is_file())
+    listed = sorted(p.name for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
     out = specs(bits, codebook)
     for spec in out:
         rule = RULES[spec["rule"]]
