@@ -219,8 +219,8 @@ def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) ->
     if len(data) != header.file_size:
         raise FqError(f"{where}: changed while it was read")
     meta = header.metadata
-    want = {"format": ADAPTER_FORMAT, "product": plan["product"], "version": str(plan["version"]),
-            "plan_sha256": product.plan.sha256}
+    want = {"format": ADAPTER_FORMAT, "plan_sha256": product.plan.sha256, "product": plan["product"],
+            "version": str(plan["version"])}
     for k, v in want.items():
         if meta.get(k) != v:
             raise FqError(f"{where}: header metadata {k} is {meta.get(k)!r}; the plan it is checked against says {v!r}"
