@@ -120,15 +120,16 @@ def native_block(wc):
 
 def native_inputs(wc):
     b = native_block(wc)
-    out = C.native_metrics(int(wc.K), wc.codebook, b)
-    return {"shards": staged_shards(b)} if not Path(out).is_file() else {}
+    K = int(wc.K)
+    done = Path(C.native_metrics(K, wc.codebook, b)).is_file() and Path(C.native_tensors(K, wc.codebook, b)).is_file()
+    return {"shards": staged_shards(b)} if not done else {}
 
 
 def native_spec(wc):
     b = native_block(wc)
     experts = list(C.native_jobs[(int(wc.K), wc.codebook)][b])
-    return {"K": int(wc.K), "codebook": wc.codebook, "layer": b.layer, "experts": experts,
-            "sources": C.expert_sources(b.layer, experts)}
+    return {"K": int(wc.K), "codebook": wc.codebook, "layer": b.layer, "block": C.block_index(b), "experts": experts,
+            "sources": C.expert_sources(b.layer, experts), "layout": C.layout.to_json()}
 
 
 def skeleton_inputs(wc):

@@ -10,7 +10,9 @@ approximation of it whose error shrinks with each stage.
 
     ROOT/base/k2/{model.safetensors (skeleton), config.json, k2-layer00L-block00B.safetensors, fq-manifest...}
     ROOT/stages/{r1,h2}/..., ROOT/assemblies/*.assembly.intoto.jsonl, ROOT/publication.intoto.jsonl
-    SOURCE/{config.json, model.safetensors}   (float32)
+    SOURCE/{config.json, model.safetensors (float32), tokenizer.json (byte-level BPE, 512 ids)}
+    NATIVE/K5-mul1/layer00L-block00B.safetensors   (a one-pass comparison encode of h2's experts, random sets)
+    TEXT/heldout.txt
 """
 from __future__ import annotations
 
@@ -95,6 +97,27 @@ def model_config() -> dict:
     return json.loads(cfg.to_json_string())
 
 
+def texts() -> tuple[str, str]:
+    """(training text of the tokenizer, held-out text): Python's own sources, always there."""
+    import inspect
+    import json as j
+    import textwrap
+
+    return inspect.getsource(j.decoder) + inspect.getsource(j.encoder), inspect.getsource(textwrap)
+
+
+def tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=CONFIG["vocab_size"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator([texts()[0]], trainer)
+    return tok.to_str()
+
+
 @dataclass
 class Kit:
     root: Path
@@ -105,6 +128,9 @@ class Kit:
     campaign: dict
     sets: dict = field(default_factory=dict)  # (node, layer, expert, proj) -> tensor set
     source_tensors: dict = field(default_factory=dict)
+    native: Path | None = None
+    native_sets: dict = field(default_factory=dict)  # (layer, expert, proj) -> K5 mul1 tensor set
+    heldout: Path | None = None
 
     def plan(self, product: str) -> Path:
         return self.root / "assemblies" / f"{product}.assembly.intoto.jsonl"
@@ -166,6 +192,22 @@ def build(tmp: Path, seed: int = 0) -> Kit:
     config = model_config()
     (kit.source / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(kit.source / "model.safetensors"), metadata={"format": "pt"})
+    (kit.source / "tokenizer.json").write_text(tokenizer_json())
+    kit.heldout = tmp / "text" / "heldout.txt"
+    kit.heldout.parent.mkdir()
+    kit.heldout.write_text(texts()[1])
+    # the one-pass comparison of k2.r1.h2 (5 bits on h2's experts), as the campaign's native jobs write it
+    kit.native = tmp / "native"
+    for layer in LAYERS:
+        for b in range(N_EXPERTS // BLOCK):
+            experts = {}
+            for e in experts_of("h2", b):
+                experts[e] = {}
+                for proj, (o, i) in DIMS.items():
+                    kit.native_sets[(layer, e, proj)] = experts[e][proj] = random_set(o, i, 5, "mul1", 0.06, gen)
+            write_fragment(kit.native / "K5-mul1" / f"layer{layer:03d}-block{b:03d}.safetensors", layout=STANDARD,
+                           node="native-K5-mul1", role="base", layer=layer, block=b, K=5, codebook="mul1",
+                           experts=experts)
 
     base = kit.base_dir
     skel = [(k, v) for k, v in sorted(tensors.items()) if not STANDARD.is_routed_weight(k)]

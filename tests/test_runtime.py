@@ -218,3 +218,50 @@ def test_quality_is_deterministic_whatever_the_thread_count(loaded, source, wind
         assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(before)
+
+
+def test_fq_eval_measures_every_product_and_native_point_deterministically(kit, tmp_path):
+    """The CLI on the kit's published tree: every product, the native K5 point of k2.r1.h2; the full chain is the
+    source (KL 0); two runs write the same bytes."""
+    import subprocess
+    import sys
+
+    from fq import canonical
+
+    outs = []
+    for run in ("a", "b"):
+        out, tsv = tmp_path / f"{run}.json", tmp_path / f"{run}.tsv"
+        p = subprocess.run([sys.executable, "-m", "fq", "eval", str(kit.root), "--key", str(kit.pub_path),
+                            "--source", str(kit.source), "--text", str(kit.heldout), "--native", str(kit.native),
+                            "--tokens", "1024", "--seq-len", "128", "--out", str(out), "--tsv", str(tsv)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        outs.append((out.read_bytes(), tsv.read_bytes()))
+    assert outs[0] == outs[1]
+    doc = canonical.loads(outs[0][0])
+    assert doc["format"] == "fq-eval/1" and doc["text"]["positions"] == 8 * 127
+    prods = doc["products"]
+    assert sorted(prods) == sorted(rk.PRODUCTS)
+    assert prods["k2.r1.h2"]["kl"] == 0.0 and prods["k2.r1.h2"]["top1"] == 1.0
+    assert prods["k2"]["kl"] > prods["k2.r1"]["kl"] > 0
+    assert prods["k2"]["effective_bpw"] == 2 and prods["k2.r1"]["effective_bpw"] == 3
+    assert prods["k2.r1.h2"]["effective_bpw"] == pytest.approx(3 + 2 * 3 / 8)
+    native = doc["native"]["native K5 mul1 for k2.r1.h2"]
+    assert prods["k2.r1.h2"]["native"] == "native K5 mul1 for k2.r1.h2"
+    assert native["experts"] == 2 * len(rk.HOT) and native["chain"] == ["k2", "r1", "native-K5-mul1"]
+    assert native["kl"] > 0  # random one-pass sets, not the source's experts
+    assert prods["k2"]["native"] is None and prods["k2.r1"]["native"] is None  # no K3 base, no K3 native here
+    lines = outs[0][1].decode().splitlines()
+    assert lines[0].split("\t")[:3] == ["name", "kind", "chain"] and len(lines) == 1 + 3 + 1
+
+
+def test_fq_eval_refuses_a_tampered_product_before_measuring(kit, tmp_path):
+    import subprocess
+    import sys
+
+    root = copy_tree(kit, tmp_path)
+    flip(root / "stages/h2/h2-layer001-block000.safetensors")
+    out = tmp_path / "e.json"
+    p = subprocess.run([sys.executable, "-m", "fq", "eval", str(root), "--key", str(kit.pub_path), "--source",
+                        str(kit.source), "--text", str(kit.heldout), "--out", str(out)], capture_output=True, text=True)
+    assert p.returncode == 2 and "h2-layer001-block000" in p.stderr and not out.exists()

@@ -62,6 +62,7 @@ class ProductState:
 
     product: str
     plan_sha256: str
+    plan: dict  # the verified plan's predicate
     chain: list[str]
     config: dict
     tensors: dict  # name -> float32 tensor (skeleton verbatim, routed experts the chain's sum)
@@ -169,7 +170,7 @@ def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dic
     stray = sorted(set(stage_sets) - set(base_sets))
     if stray:
         raise FqError(f"stage tensors for linears the base does not have: {stray[:3]}")
-    return ProductState(plan["product"], product.plan.sha256, [n["node"] for n in plan["chain"]], config, tensors,
+    return ProductState(plan["product"], product.plan.sha256, plan, [n["node"] for n in plan["chain"]], config, tensors,
                         layout, stages)
 
 

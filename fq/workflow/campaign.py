@@ -106,6 +106,10 @@ class Campaign:
     def native_metrics(self, K: int, codebook: str, block: Block) -> str:
         return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.json")
 
+    def native_tensors(self, K: int, codebook: str, block: Block) -> str:
+        """The one-pass encode's tensor sets (an unsigned fragment of node ``native_node(K, codebook)``), for fq eval."""
+        return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.safetensors")
+
     def retired(self, window: int) -> str:
         return self.p("windows", f"window-{window}.retired")
 
@@ -287,7 +291,7 @@ class Campaign:
         that produce the missing files, their descendants, and finalize itself."""
         expected = self.committed_files()
         for (K, cb), blocks in self.native_jobs.items():
-            expected += [self.native_metrics(K, cb, b) for b in blocks]
+            expected += [self.native_metrics(K, cb, b) for b in blocks] + [self.native_tensors(K, cb, b) for b in blocks]
         expected += [self.p("published", "base", b.name, "fq-manifest.intoto.jsonl") for b in self.recipe.bases]
         return sorted(p for p in expected if not Path(p).is_file())
 
