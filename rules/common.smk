@@ -187,12 +187,17 @@ def metrics_files():
     ]
 
 
+def native_tensor_files():
+    return [C.native_tensors(K, cb, b) for (K, cb), blocks in C.native_jobs.items() for b in blocks]
+
+
 def assembly_files():
     return [f"{OUT}/published/assemblies/{p.name}.assembly.intoto.jsonl" for p in C.recipe.products]
 
 
 def report_files():
-    return [f"{OUT}/report/{name}" for name in ("products.tsv", "quality.png", "layers.png", "products.json")]
+    names = ("products.tsv", "quality.png", "layers.png", "products.json") + (("kl.png",) if C.eval_config else ())
+    return [f"{OUT}/report/{name}" for name in names]
 
 
 def all_targets():
@@ -201,5 +206,6 @@ def all_targets():
         f"{OUT}/{SUMMARY}",
         f"{OUT}/published.verified",
         *report_files(),
+        *C.eval_files(),
         *repair_marker(),
     ]
