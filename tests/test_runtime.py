@@ -265,3 +265,27 @@ def test_fq_eval_refuses_a_tampered_product_before_measuring(kit, tmp_path):
     p = subprocess.run([sys.executable, "-m", "fq", "eval", str(root), "--key", str(kit.pub_path), "--source",
                         str(kit.source), "--text", str(kit.heldout), "--out", str(out)], capture_output=True, text=True)
     assert p.returncode == 2 and "h2-layer001-block000" in p.stderr and not out.exists()
+
+
+def test_an_adapter_relabelled_for_another_plan_is_refused(kit, tmp_path, no_model):
+    """k2.r1's adapter with its metadata rewritten to name k2.r1.h2's plan: the hot experts lack h2's stage."""
+    import json
+
+    from fq.adapter import write_adapter
+    from fq.assembly import read_assembly
+    from fq.shards import RawTensor, read_header
+
+    src = tmp_path / "r1.safetensors"
+    combine(kit.plan("k2.r1"), kit.pub, src, base_dir=kit.base_dir)
+    with open(src, "rb") as fh:
+        header = read_header(fh, str(src))
+        data = src.read_bytes()
+    plan = read_assembly(kit.plan("k2.r1.h2"), kit.pub)
+    meta = dict(header.metadata, product="k2.r1.h2", plan_sha256=plan.sha256,
+                stages=json.dumps([{"index": 1, "node": "r1", "K": 1, "codebook": "mul1"},
+                                   {"index": 2, "node": "h2", "K": 2, "codebook": "mcg"}], separators=(",", ":")))
+    forged = tmp_path / "forged.safetensors"
+    write_adapter(forged, tensors=[RawTensor(e.name, e.dtype, e.shape, data[e.start:e.end]) for e in header.entries],
+                  meta=meta, layout=STANDARD)
+    with pytest.raises(FqError, match="are not the stages the plan's chain has for this expert"):
+        rt.load_adapter(kit.base_dir, forged, kit.plan("k2.r1.h2"), kit.pub)
