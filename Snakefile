@@ -18,6 +18,7 @@ include: "rules/common.smk"
 include: "rules/source.smk"
 include: "rules/encode.smk"
 include: "rules/finalize.smk"
+include: "rules/eval.smk"
 include: "rules/report.smk"
 
 

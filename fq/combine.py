@@ -25,6 +25,13 @@ Output: ``out`` (see ``fq.adapter``) and ``out.intoto.jsonl``: an in-toto Statem
 
     combine(plan_path, public_key, out, experts="all", base_dir=None, root=None, now=None,
             state=None, min_version=None, sign_key=None) -> Combined
+
+Shared with ``fq.runtime`` (which loads a product into a model instead of writing an adapter), so that a
+consumer that runs a product checks exactly what ``fq combine`` checks:
+
+    narrow(plan, selection) -> (work, chosen)                       # step 2
+    verify_fragments(product, key, work, chosen, base_dir=None) -> Verified   # steps 3-5, tensors in memory
+    verify_adapter(path, product, geometry) -> Verified             # an adapter against its signed plan
 """
 from __future__ import annotations
 
@@ -37,18 +44,18 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fq import atomic
-from fq.adapter import FORMAT as ADAPTER_FORMAT, adapter_key, write_adapter
+from fq.adapter import FORMAT as ADAPTER_FORMAT, _adapter_re, adapter_key, write_adapter
 from fq.assembly import PlanState
 from fq.attest import dsse
 from fq.attest.fragment import range_mismatch, read_attestation
 from fq.attest.statement import ADAPTER, statement
-from fq.canonical import sha256_hex
+from fq.canonical import loads, sha256_hex
 from fq.errors import FqError
 from fq.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.fragments import expert_structure, fragment_meta
-from fq.manifest import verify_base
-from fq.product import open_product
-from fq.safepath import open_regular
+from fq.manifest import VerifiedBase, verify_base
+from fq.product import Product, open_product
+from fq.safepath import open_regular, split_path
 from fq.scales import SCALE_SUFFIXES, check_scale
 from fq.selection import Selection, parse_selection
 from fq.shards import RawTensor, read_header, read_range
@@ -65,7 +72,7 @@ class Combined:
     payload_bytes_read: int = 0
 
 
-def _narrow(plan: dict, sel: Selection) -> tuple[list[tuple[dict, list[dict]]], list[tuple[int, int]]]:
+def narrow(plan: dict, sel: Selection) -> tuple[list[tuple[dict, list[dict]]], list[tuple[int, int]]]:
     """(fragment, chosen expert ranges) for every fragment holding a chosen expert; from the plan alone."""
     base = plan["chain"][0]["node"]
     in_base: dict[int, set[int]] = {}
@@ -93,31 +100,38 @@ def _narrow(plan: dict, sel: Selection) -> tuple[list[tuple[dict, list[dict]]], 
     return work, chosen
 
 
-def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *,
-            experts: str | Selection = "all", base_dir: str | os.PathLike | None = None,
-            root: str | os.PathLike | None = None, now: dt.datetime | None = None, state: PlanState | None = None,
-            min_version: int | None = None, sign_key: Ed25519PrivateKey | None = None) -> Combined:
-    product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
-    plan_obj, plan, root = product.plan, product.predicate, product.root
-    layout = ExpertLayout.from_json(plan["layout"], f"{plan_path}: layout")
+@dataclass
+class Verified:
+    """What the checks below verified, in memory: per (layer, expert, chain index, projection, suffix) the stage
+    tensors of the chosen experts (``RawTensor`` named by ``fq.adapter.adapter_key``; bytes read once and hashed
+    against the plan), each linear's (in, out) along its chain, and with a base directory the verified base."""
+    layout: ExpertLayout
+    work: list
+    chosen: list[tuple[int, int]]
+    residual: dict = field(default_factory=dict)
+    geometry: dict = field(default_factory=dict)
+    base: VerifiedBase | None = None
+    fragments_opened: list[str] = field(default_factory=list)
+    payload_bytes_read: int = 0
+
+
+def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[tuple[dict, list[dict]]],
+                     chosen: list[tuple[int, int]], *, base_dir: str | os.PathLike | None = None) -> Verified:
+    """Steps 3-5 of the module docstring for the fragments ``work`` names (``narrow``), in the plan's order: what
+    ``fq combine`` writes into an adapter, and what ``fq.runtime`` loads. With ``base_dir``, the base checkpoint
+    is verified whole first and the base fragments' chosen ranges are checked against the plan; without it, the
+    base's payload is not read (its geometry still comes from the attested header)."""
+    plan, root = product.predicate, product.root
+    layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
     chain = plan["chain"]
     index = {n["node"]: i for i, n in enumerate(chain)}
-    if len(chain) < 2:
-        raise FqError(f"{plan_path}: product {plan['product']} is a bare base; it has no residual to combine")
-    sel = parse_selection(experts) if isinstance(experts, str) else experts
-    work, chosen = _narrow(plan, sel)
-    if not any(index[f["node"]] > 0 for f, _ in work):
-        raise FqError(f"--experts {sel.describe()}: no stage of {plan['product']} corrects any chosen expert")
-
     base_rel = plan["base"]["dir"] + "/"
+    result = Verified(layout, work, chosen)
     if base_dir is not None:
         base = verify_base(base_dir, public_key, plan["campaign"], sha256=plan["base"]["manifest"]["sha256"],
                            option="--base")
-        manifest = base.manifest
-
-    result = Combined(Path(out), "", Path(str(out) + ".intoto.jsonl"), chosen, [])
-    geometry: dict[tuple[int, int, str], tuple[int, int]] = {}
-    residual: dict[tuple[int, int, int, str, str], RawTensor] = {}
+        result.base, manifest = base, base.manifest
+    geometry, residual = result.geometry, result.residual
     for f, ranges in work:
         i = index[f["node"]]
         node = chain[i]
@@ -159,23 +173,134 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
                 if sha256_hex(data) != e["sha256"]:
                     raise range_mismatch(att, ex, sha256_hex(data), where)
                 for proj in layout.projections:
-                    specs, raws = {}, {}
+                    raws = {}
                     for s in suffixes(meta["codebook"]):
                         ent = header.entry(layout.key(f["layer"], ex, proj, s))
                         lo = ent.start - e["offset"]
                         raws[s] = RawTensor(adapter_key(layout, f["layer"], ex, proj, i, s), ent.dtype, ent.shape,
                                             data[lo: lo + ent.length])
-                        specs[s] = (ent.dtype, ent.shape)
-                    m = raws.get(meta["codebook"])
-                    value = int.from_bytes(m.data, "little", signed=True) if m is not None else None
-                    lin = derive_linear(specs, f"{where}: expert {ex} {proj}", value)
-                    if (lin.K, lin.codebook) != (node["K"], node["codebook"]):
-                        raise FqError(f"{where}: expert {ex} {proj} tensors are K={lin.K} {lin.codebook}, "
-                                      f"the plan says K={node['K']} {node['codebook']}")
-                    for s in SCALE_SUFFIXES:
-                        check_scale(raws[s].data, f"{where}: expert {ex} {proj} {s}")
+                    check_stage_linear(raws, node, f"{where}: expert {ex} {proj}")
                     for s, r in raws.items():
                         residual[(f["layer"], ex, i, proj, s)] = r
+    return result
+
+
+def check_stage_linear(raws: dict[str, RawTensor], node: dict, where: str) -> None:
+    """One stage linear's tensors: K and codebook re-derived from them (shapes, marker value) must be the chain
+    node's, and every scale finite."""
+    m = raws.get(node["codebook"])
+    value = int.from_bytes(m.data, "little", signed=True) if m is not None else None
+    lin = derive_linear({s: (r.dtype, r.shape) for s, r in raws.items()}, where, value)
+    if (lin.K, lin.codebook) != (node["K"], node["codebook"]):
+        raise FqError(f"{where} tensors are K={lin.K} {lin.codebook}, the plan says K={node['K']} {node['codebook']}")
+    for s in SCALE_SUFFIXES:
+        check_scale(raws[s].data, f"{where} {s}")
+
+
+def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) -> Verified:
+    """An adapter ``fq combine`` wrote, checked against the signed plan it was built from (``product``, opened by
+    ``open_product``) before any of it is used: the adapter is a copy its holder made, so what vouches for its
+    bytes is the plan. Its header metadata must name that plan (product, version, sha256, layout; stages equal to
+    the chain's nodes). Every (layer, expert) it holds must carry exactly the chain's stages that cover that
+    expert, each stage's tensors in the order a fragment lays them out (so a stage's bytes of one expert are the
+    fragment's expert range byte for byte), and their sha256 must be the one the plan names for that range; then,
+    per linear, what ``verify_fragments`` checks: K and codebook re-derived from the tensors, finite scales, (in,
+    out) equal to the base's (``geometry``: ``Verified.geometry`` of the verified base fragments). An adapter
+    narrowed to some experts holds only those; the others keep the base alone."""
+    directory, name = split_path(path)
+    where = str(path)
+    plan = product.predicate
+    chain = plan["chain"]
+    layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
+    with open_regular(directory, name, where) as fh:
+        header = read_header(fh, where)
+        fh.seek(0)
+        data = fh.read()
+    if len(data) != header.file_size:
+        raise FqError(f"{where}: changed while it was read")
+    meta = header.metadata
+    want = {"format": ADAPTER_FORMAT, "plan_sha256": product.plan.sha256, "product": plan["product"],
+            "version": str(plan["version"])}
+    for k, v in want.items():
+        if meta.get(k) != v:
+            raise FqError(f"{where}: header metadata {k} is {meta.get(k)!r}; the plan it is checked against says {v!r}"
+                          + (" (an adapter built from another plan)" if k == "plan_sha256" else ""))
+    if loads(meta.get("layout", "null"), f"{where}: header metadata layout") != layout.to_json():
+        raise FqError(f"{where}: header metadata layout is not the plan's")
+    stages = loads(meta.get("stages", "null"), f"{where}: header metadata stages")
+    chain_stages = {i: {"index": i, "node": n["node"], "K": n["K"], "codebook": n["codebook"]}
+                    for i, n in enumerate(chain) if i > 0}
+    if not isinstance(stages, list) or not stages or any(
+            not isinstance(st, dict) or chain_stages.get(st.get("index")) != st for st in stages):
+        raise FqError(f"{where}: header metadata stages {stages!r} are not stages of the plan's chain")
+    # the plan's ranges of every stage: (layer, expert, chain index) -> expert range
+    index = {n["node"]: i for i, n in enumerate(chain)}
+    ranges = {(f["layer"], e["expert"], index[f["node"]]): e for f in plan["fragments"] if index[f["node"]] > 0
+              for e in f["experts"]}
+    rx = _adapter_re(layout)
+    groups: dict[tuple[int, int], list] = {}
+    for e in header.entries:
+        m = rx.fullmatch(e.name)
+        if m is None:
+            raise FqError(f"{where}: tensor {e.name!r} is not an adapter key of the plan's layout")
+        groups.setdefault((int(m["layer"]), int(m["expert"])), []).append(e)
+    result = Verified(layout, [], sorted(groups))
+    for (layer, ex), entries in sorted(groups.items()):
+        label = f"{where}: layer {layer} expert {ex}"
+        if not all((layer, ex, proj) in geometry for proj in layout.projections):
+            raise FqError(f"{label}: not an expert of product {plan['product']}'s base")
+        need = sorted(i for (L, E, i) in ranges if (L, E) == (layer, ex))
+        got = [e.name for e in entries]
+        keys = [adapter_key(layout, layer, ex, proj, i, s) for i in need for proj in layout.projections
+                for s in suffixes(chain[i]["codebook"])]
+        if got != keys:
+            nodes = [chain[i]["node"] for i in need]
+            raise FqError(f"{label}: tensors {got[:4]}{'…' if len(got) > 4 else ''} are not the stages the plan's chain "
+                          f"has for this expert ({', '.join(nodes) or 'none'}), in fragment order")
+        for i in need:
+            e = ranges[(layer, ex, i)]
+            own = [adapter_key(layout, layer, ex, proj, i, s) for proj in layout.projections
+                   for s in suffixes(chain[i]["codebook"])]
+            off, n = header.span(own, f"layer {layer} expert {ex} stage {i}")
+            piece = data[off: off + n]
+            result.payload_bytes_read += n
+            if n != e["length"] or sha256_hex(piece) != e["sha256"]:
+                raise FqError(f"{label} stage {i} ({chain[i]['node']}): bytes differ from the range the plan names "
+                              "(sha256 or length)")
+            for proj in layout.projections:
+                raws = {}
+                for s in suffixes(chain[i]["codebook"]):
+                    ent = header.entry(adapter_key(layout, layer, ex, proj, i, s))
+                    raws[s] = RawTensor(ent.name, ent.dtype, ent.shape, data[ent.start: ent.end])
+                lw = f"{label} {proj} stage {i}"
+                check_stage_linear(raws, chain[i], lw)
+                lin = derive_linear({s: (r.dtype, r.shape) for s, r in raws.items()}, lw)
+                g = geometry.get((layer, ex, proj))
+                if g != (lin.in_features, lin.out_features):
+                    raise FqError(f"{lw}: is {lin.in_features}x{lin.out_features}, its base is {g[0]}x{g[1]}")
+                for s, r in raws.items():
+                    result.residual[(layer, ex, i, proj, s)] = r
+    return result
+
+
+def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *,
+            experts: str | Selection = "all", base_dir: str | os.PathLike | None = None,
+            root: str | os.PathLike | None = None, now: dt.datetime | None = None, state: PlanState | None = None,
+            min_version: int | None = None, sign_key: Ed25519PrivateKey | None = None) -> Combined:
+    product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
+    plan_obj, plan = product.plan, product.predicate
+    chain = plan["chain"]
+    index = {n["node"]: i for i, n in enumerate(chain)}
+    if len(chain) < 2:
+        raise FqError(f"{plan_path}: product {plan['product']} is a bare base; it has no residual to combine")
+    sel = parse_selection(experts) if isinstance(experts, str) else experts
+    work, chosen = narrow(plan, sel)
+    if not any(index[f["node"]] > 0 for f, _ in work):
+        raise FqError(f"--experts {sel.describe()}: no stage of {plan['product']} corrects any chosen expert")
+    v = verify_fragments(product, public_key, work, chosen, base_dir=base_dir)
+    layout, residual = v.layout, v.residual
+    result = Combined(Path(out), "", Path(str(out) + ".intoto.jsonl"), chosen, [], v.fragments_opened,
+                      v.payload_bytes_read)
 
     order = {p: n for n, p in enumerate(layout.projections)}
     sfx = {s: n for n, s in enumerate(("trellis", "suh", "svh", "mcg", "mul1"))}

@@ -120,15 +120,16 @@ def native_block(wc):
 
 def native_inputs(wc):
     b = native_block(wc)
-    out = C.native_metrics(int(wc.K), wc.codebook, b)
-    return {"shards": staged_shards(b)} if not Path(out).is_file() else {}
+    K = int(wc.K)
+    done = Path(C.native_metrics(K, wc.codebook, b)).is_file() and Path(C.native_tensors(K, wc.codebook, b)).is_file()
+    return {"shards": staged_shards(b)} if not done else {}
 
 
 def native_spec(wc):
     b = native_block(wc)
     experts = list(C.native_jobs[(int(wc.K), wc.codebook)][b])
-    return {"K": int(wc.K), "codebook": wc.codebook, "layer": b.layer, "experts": experts,
-            "sources": C.expert_sources(b.layer, experts)}
+    return {"K": int(wc.K), "codebook": wc.codebook, "layer": b.layer, "block": C.block_index(b), "experts": experts,
+            "sources": C.expert_sources(b.layer, experts), "layout": C.layout.to_json()}
 
 
 def skeleton_inputs(wc):
@@ -186,12 +187,17 @@ def metrics_files():
     ]
 
 
+def native_tensor_files():
+    return [C.native_tensors(K, cb, b) for (K, cb), blocks in C.native_jobs.items() for b in blocks]
+
+
 def assembly_files():
     return [f"{OUT}/published/assemblies/{p.name}.assembly.intoto.jsonl" for p in C.recipe.products]
 
 
 def report_files():
-    return [f"{OUT}/report/{name}" for name in ("products.tsv", "quality.png", "layers.png", "products.json")]
+    names = ("products.tsv", "quality.png", "layers.png", "products.json") + (("kl.png",) if C.eval_config else ())
+    return [f"{OUT}/report/{name}" for name in names]
 
 
 def all_targets():
@@ -200,5 +206,6 @@ def all_targets():
         f"{OUT}/{SUMMARY}",
         f"{OUT}/published.verified",
         *report_files(),
+        *C.eval_files(),
         *repair_marker(),
     ]

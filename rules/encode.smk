@@ -109,6 +109,7 @@ rule native:
         unpack(native_inputs),
     output:
         metrics=f"{OUT}/native/K{{K}}-{{codebook}}/layer{{layer}}-block{{block}}.json",
+        tensors=f"{OUT}/native/K{{K}}-{{codebook}}/layer{{layer}}-block{{block}}.safetensors",
     conda:
         "../envs/fq.yaml"
     log:

@@ -3,5 +3,6 @@ from fq.workflow.campaign import load_campaign
 from fq.workflow.report import make_report
 
 to_log(snakemake, clear_temps=True)
-o = snakemake.output
-make_report(load_campaign(snakemake.config), snakemake.input.summary, o.table, o.quality, o.layers, o.rows)
+i, o = snakemake.input, snakemake.output
+make_report(load_campaign(snakemake.config), i.summary, o.table, o.quality, o.layers, o.rows,
+            eval_json=i.eval[0] if i.eval else None, kl_png=o.get("kl"))

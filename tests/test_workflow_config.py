@@ -50,3 +50,22 @@ def test_layer_rules_cover_every_node_and_layer_once_with_its_blocks():
             for n, l in {(f.node, f.block.layer) for f in c.fragments}}
     assert len(served) == len(want) and {(n, l): b for n, l, b in served} == want
     assert c.per_job == "block" and load_campaign(_cfg(encode={"device": "cpu", "per_job": "layer"})).per_job == "layer"
+
+
+def test_eval_config():
+    """eval: an eval job (fq eval after finalize) only where the source is on disk; the demo brings its own text."""
+    c = load_campaign(_cfg())
+    assert c.eval_config is None and c.eval_files() == []
+    c = load_campaign(_cfg(eval={"text": None, "tokens": 1024, "seq_len": 128}))
+    assert c.eval_config == {"text": None, "tokens": 1024, "seq_len": 128}
+    assert c.eval_text == "o/demo-text/heldout.txt" and c.eval_files() == ["o/eval/eval.json", "o/eval/eval.tsv"]
+    cfg = _cfg(eval={"tokens": "512"})
+    normalize_config(cfg)
+    assert cfg["eval"]["tokens"] == 512
+    c = load_campaign(_cfg(eval={"text": None}))
+    c.config["source"] = {"kind": "local", "path": "x"}
+    with pytest.raises(FqError, match="eval.text"):
+        c.eval_config
+    c.config["source"] = {"kind": "hub", "repo": "a/b", "revision": "0" * 40}
+    with pytest.raises(FqError, match="local disk"):
+        c.eval_config

@@ -106,6 +106,33 @@ class Campaign:
     def native_metrics(self, K: int, codebook: str, block: Block) -> str:
         return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.json")
 
+    def native_tensors(self, K: int, codebook: str, block: Block) -> str:
+        """The one-pass encode's tensor sets (an unsigned fragment of node ``native_node(K, codebook)``), for fq eval."""
+        return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.safetensors")
+
+    # -- output-level evaluation (fq eval) -----------------------------------------------------------
+    @property
+    def eval_config(self) -> dict | None:
+        """``eval:`` of the config (None: no eval job). It needs the source checkpoint on disk, and text."""
+        cfg = self.config.get("eval")
+        if not cfg:
+            return None
+        if self.source_kind == "hub":
+            raise FqError("eval: needs the source checkpoint on local disk (source.kind demo or local); a hub source's "
+                          "shards are staged per window and deleted: set eval: null, or run fq eval where it fits")
+        if not cfg.get("text") and self.source_kind != "demo":
+            raise FqError("eval.text: name a held-out text file (only the demo source brings its own)")
+        return {"tokens": cfg.get("tokens", 4096), "seq_len": cfg.get("seq_len", 256), "text": cfg.get("text")}
+
+    @property
+    def eval_text(self) -> str:
+        """The held-out text fq eval measures on: eval.text, or the demo's held-out split."""
+        cfg = self.eval_config
+        return cfg["text"] or self.p("demo-text", "heldout.txt")
+
+    def eval_files(self) -> list[str]:
+        return [self.p("eval", "eval.json"), self.p("eval", "eval.tsv")] if self.eval_config else []
+
     def retired(self, window: int) -> str:
         return self.p("windows", f"window-{window}.retired")
 
@@ -287,7 +314,7 @@ class Campaign:
         that produce the missing files, their descendants, and finalize itself."""
         expected = self.committed_files()
         for (K, cb), blocks in self.native_jobs.items():
-            expected += [self.native_metrics(K, cb, b) for b in blocks]
+            expected += [self.native_metrics(K, cb, b) for b in blocks] + [self.native_tensors(K, cb, b) for b in blocks]
         expected += [self.p("published", "base", b.name, "fq-manifest.intoto.jsonl") for b in self.recipe.bases]
         return sorted(p for p in expected if not Path(p).is_file())
 
@@ -327,6 +354,10 @@ def normalize_config(config: dict) -> dict:
     for k in ("block_size", "windows_on_disk", "disk_budget"):
         if k in config:
             config[k] = fix(config[k])
+    if isinstance(config.get("eval"), dict):
+        for k in ("tokens", "seq_len"):
+            if k in config["eval"]:
+                config["eval"][k] = fix(config["eval"][k])
     if isinstance(config.get("assembly"), dict) and "version" in config["assembly"]:
         config["assembly"]["version"] = fix(config["assembly"]["version"])
     return config

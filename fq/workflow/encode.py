@@ -350,22 +350,37 @@ def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: 
                          devices_list=devices_list, lock_dir=lock_dir, seed=seed, threads=threads, layout=layout)[0]
 
 
+def native_node(K: int, codebook: str) -> str:
+    """The node name a one-pass comparison encode's tensors carry (``Campaign.native_tensors``)."""
+    return f"native-K{K}-{codebook}"
+
+
 def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sources: dict, out_metrics: str,
-                  device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0) -> dict:
-    """A one-pass encode at K bits, for the report's comparison only: metrics, no fragment."""
+                  device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
+                  out_tensors: str | None = None, layout: dict | None = None, block: int | None = None) -> dict:
+    """A one-pass encode at K bits, for the report's comparison only: metrics, and with ``out_tensors`` the tensor
+    sets (an unsigned fragment of node ``native_node(K, codebook)``, for fq eval: a comparison point measured at
+    the model's output; nothing publishes it). The metrics file is written last: it says the job is done."""
     name = f"native-K{K}-{codebook}-{Path(out_metrics).stem}"
-    take_block(lock_dir, name, [out_metrics], f"block {name} (one-pass K{K} {codebook}, layer {layer})")
+    outs = [out_metrics] + ([out_tensors] if out_tensors else [])
+    take_block(lock_dir, name, outs, f"block {name} (one-pass K{K} {codebook}, layer {layer})")
     devices.check(device, devices_list)
     if threads:
         torch.set_num_threads(threads)
     W = read_source(sources)
     dev = devices.claim(device, devices_list, lock_dir)
-    metrics = {}
+    lay = ExpertLayout.from_json(layout) if layout is not None else None
+    metrics, tensors = {}, {}
     for e in experts:
         for p in PROJECTIONS:
             w = W[e][p]
             enc = codec_encode(w, K, codebook, matrix_seed(seed, f"native-K{K}", layer, e, p), dev)
             metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w, "sum_sq_err": enc.sum_sq_err}
+            if lay is not None:
+                tensors.setdefault(e, {})[dict(zip(PROJECTIONS, lay.projections))[p]] = enc.tensors
+    if out_tensors:
+        write_fragment(out_tensors, layout=lay, node=native_node(K, codebook), role="base", layer=layer, block=block,
+                       K=K, codebook=codebook, experts=tensors)
     summary = {"native": True, "K": K, "codebook": codebook, "layer": layer, "experts": metrics}
     atomic.write_text(out_metrics, canonical.pretty(summary))
     return summary

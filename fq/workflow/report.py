@@ -5,6 +5,12 @@ Quality comes from the metrics each encode job writes (per expert and projection
 weights, sum of squared errors of the chain reconstruction up to that node). A product's error for an
 expert is that of the deepest node of its chain that encodes the expert (a hot stage covers only
 some experts; the others keep their parent's reconstruction).
+
+With the eval job's ``fq-eval/1`` file (``fq eval``: each product measured at the model's output against the
+source), the rows gain ``kl``, ``ppl``, ``top1`` and the native comparison's ``native_kl``/``native_top1``, and
+``kl.png`` plots KL (and top-1 agreement) against effective bits per weight, native points beside. Those numbers
+are measurements, not signed claims: they stay in ``eval/eval.json`` and the report, never in
+``campaign_summary.json`` (the signed publication statement's view, checked field by field by ``fq verify``).
 """
 from __future__ import annotations
 
@@ -85,9 +91,24 @@ def build_rows(c: Campaign, summary: dict) -> list[dict]:
     return rows
 
 
+EVAL_FIELDS = ("kl", "ppl", "top1", "native_kl", "native_top1")
+
+
+def add_eval(rows: list[dict], doc: dict | None) -> list[dict]:
+    """Each row's output-level numbers from an fq-eval/1 document (None: the columns stay empty)."""
+    for r in rows:
+        e = (doc or {}).get("products", {}).get(r["product"])
+        native = None
+        if e is not None and e.get("native"):
+            native = doc["native"].get(e["native"]) or doc["products"].get(e["native"])
+        r.update({"kl": e and e["kl"], "ppl": e and e["ppl"], "top1": e and e["top1"],
+                  "native_kl": native and native["kl"], "native_top1": native and native["top1"]})
+    return rows
+
+
 def write_table(rows: list[dict], path: str) -> None:
     cols = ["product", "chain", "nominal_bpw", "effective_bpw", "rel_mse", "native", "native_rel_mse",
-            "vs_native", "bytes", "assembly_sha256"]
+            "vs_native", "kl", "ppl", "top1", "native_kl", "native_top1", "bytes", "assembly_sha256"]
     lines = ["\t".join(cols)]
     for r in rows:
         vals = []
@@ -123,6 +144,40 @@ def plot_quality(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_kl(doc: dict, path: str) -> None:
+    """KL against the source and top-1 agreement, per product and native point, against effective bits per weight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fq.runtime.evaluate import table
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
+    floor = min([r["kl"] for r in table(doc) if r["kl"] > 0] or [1e-6]) / 10  # KL 0 (the source itself) drawn here
+    for r in table(doc):
+        native = r["kind"] == "native"
+        style = {"marker": "x", "color": "gray", "zorder": 2} if native else {"s": 40, "zorder": 3}
+        label = r["name"] if not native else f"{r['name']} ({r['experts']} experts one-pass)"
+        for a, y in ((ax, max(r["kl"], floor)), (ax2, r["top1"])):
+            a.scatter(r["effective_bpw"], y, **style)
+            a.annotate(label, (r["effective_bpw"], y), textcoords="offset points", xytext=(5, -10 if native else 4),
+                       fontsize=7 if native else 8, color="gray" if native else "black")
+    ax.set_yscale("log")
+    ax.set_ylabel("KL(source || product), nats per token")
+    ax2.set_ylabel("top-1 agreement with the source")
+    for a in (ax, ax2):
+        a.margins(x=0.3, y=0.1)
+        a.set_xlabel("bits per weight (trellis, averaged over experts)")
+        a.grid(True, which="both", alpha=0.3)
+    t = doc["text"]
+    fig.suptitle(f"Output quality on {t['positions']} held-out positions ({t['file']}); x: one-pass at the same bits")
+    fig.tight_layout()
+    with atomic.atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
 def plot_layers(rows: list[dict], layers, path: str) -> None:
     import matplotlib
 
@@ -147,9 +202,13 @@ def plot_layers(rows: list[dict], layers, path: str) -> None:
     plt.close(fig)
 
 
-def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, layers_png: str, rows_json: str) -> list[dict]:
+def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, layers_png: str, rows_json: str,
+                eval_json: str | None = None, kl_png: str | None = None) -> list[dict]:
     summary = canonical.load(summary_path)
-    rows = build_rows(c, summary)
+    doc = canonical.load(eval_json) if eval_json else None
+    rows = add_eval(build_rows(c, summary), doc)
+    if kl_png:
+        plot_kl(doc, kl_png)
     write_table(rows, table)
     plot_quality(rows, quality_png)
     plot_layers(rows, list(c.source.moe_layers), layers_png)

@@ -1,0 +1,53 @@
+"""``fq eval PUBLISHED --key PUBKEY --source DIR --text FILE --out FILE.json [--tsv FILE] [--native DIR]
+[--campaign-json FILE] [--tokens N] [--seq-len N]``.
+
+Every product of a published campaign (and every one-pass comparison point under ``--native``) loaded on the CPU,
+verified first, and measured against the source model on the text: KL, perplexity, top-1 agreement
+(``fq.runtime.evaluate``).
+"""
+from __future__ import annotations
+
+import sys
+
+from fq import canonical
+from fq.commands.verify import load_pinned
+from fq.display import printable
+from fq.errors import FqError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="measure every product of a published campaign against its source model")
+    p.add_argument("published", metavar="PUBLISHED", help="the published tree (holds publication.intoto.jsonl)")
+    p.add_argument("--key", required=True, metavar="PUBKEY", help="the signer's public key (PEM)")
+    p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
+    p.add_argument("--source", required=True, metavar="DIR", help="the source checkpoint (config, shards, tokenizer.json)")
+    p.add_argument("--text", required=True, metavar="FILE", help="held-out text (UTF-8)")
+    p.add_argument("--native", metavar="DIR", help="the campaign's one-pass encodes (OUT/native)")
+    p.add_argument("--campaign-json", metavar="FILE",
+                   help="campaign.json: check each source shard against the sha256 fq init recorded")
+    p.add_argument("--tokens", type=int, default=4096, metavar="N", help="tokens of text to measure (default 4096)")
+    p.add_argument("--seq-len", type=int, default=256, metavar="N", help="tokens per window (default 256)")
+    p.add_argument("--out", required=True, metavar="FILE", help="fq-eval/1 JSON to write")
+    p.add_argument("--tsv", metavar="FILE", help="also write the rows as TSV")
+    p.set_defaults(func=run)
+
+
+def recorded_shards(path: str) -> dict[str, str]:
+    """shard name -> sha256 that ``fq init`` recorded in campaign.json."""
+    doc = canonical.load(path)
+    try:
+        return {name: e["sha256"] for name, e in doc["source"]["shards"].items()}
+    except (KeyError, TypeError, AttributeError):
+        raise FqError(f"{path}: no source.shards with sha256 (not a campaign.json written by fq init)") from None
+
+
+def run(args) -> int:
+    from fq.runtime.evaluate import evaluate  # torch and transformers: only for this command
+
+    key, _ = load_pinned(args)
+    shas = recorded_shards(args.campaign_json) if args.campaign_json else None
+    evaluate(args.published, key, source=args.source, text=args.text, out_json=args.out, native_dir=args.native,
+             source_sha256=shas, tokens=args.tokens, seq_len=args.seq_len, out_tsv=args.tsv,
+             progress=lambda m: print(printable(m), file=sys.stderr))
+    print(printable(f"wrote {args.out}" + (f" and {args.tsv}" if args.tsv else "")))
+    return 0

@@ -1,0 +1,190 @@
+"""``fq eval``: every product of a published campaign, and every one-pass ("native") comparison point the campaign
+encoded, measured at the model's output against the SOURCE model on held-out text.
+
+- Products: every product the tree's signed publication statement lists, each loaded by ``fq.runtime.load``
+  (verified under the pinned key first, exactly as ``fq combine`` verifies; nothing unverified runs).
+- Native points: for a product of more than one node at B = the chain's K summed (B <= 8), the recipe's base at
+  B bits when one is published (a product of its own, already measured: named in ``native``), else the one-pass
+  K=B encode of the experts the chain's last node covers (``NATIVE_DIR/K{B}-{codebook}/*.safetensors``, written
+  by the campaign's native jobs: comparison material, never published or signed) in place of the chain on
+  exactly those experts, the other experts keeping the product's weights: the same bits per weight on every
+  expert, encoded in one pass instead of a chain. The model is the product's verified state with those experts
+  replaced.
+- Source: the checkpoint directory (with ``source_sha256``, each shard is checked against the digest ``fq init``
+  recorded before it is parsed); its ``tokenizer.json`` (``tokenizers``) turns the text into ids; the first
+  ``tokens`` ids, in windows of ``seq_len``, are the measured positions (``fq.runtime.quality``).
+
+Output (``fq-eval/1``, canonical JSON, and a TSV of the same rows): text and tokenizer digests, windows and
+positions, the method, versions, the source's own perplexity, and per product / native point: chain, nominal and
+effective bits per weight (the effective one weights each node's K by the share of experts it covers), KL (nats,
+mean over positions, KL(source || model)), perplexity, top-1 agreement, mean NLL. Deterministic (one thread,
+fixed batches, exact sums): the same inputs give the same file, byte for byte, on one machine and build.
+
+    evaluate(published, public_key, *, source, text, native_dir=None, source_sha256=None, tokens=4096,
+             seq_len=256, out_json, out_tsv=None, progress=None) -> dict
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from fq import atomic, canonical
+from fq.canonical import sha256_hex
+from fq.errors import FqError
+from fq.experts import ExpertLayout
+
+FORMAT = "fq-eval/1"
+TSV_COLUMNS = ("name", "kind", "chain", "nominal_bpw", "effective_bpw", "kl", "ppl", "top1", "nll", "native")
+
+
+def tokenize(source: Path, text: str) -> tuple[list[int], str]:
+    """Token ids of ``text`` with the source checkpoint's ``tokenizer.json``; and that file's sha256."""
+    from tokenizers import Tokenizer
+
+    path = Path(source) / "tokenizer.json"
+    if not path.is_file():
+        raise FqError(f"{source}: no tokenizer.json; fq eval tokenizes the text with the source's tokenizer")
+    data = path.read_bytes()
+    return Tokenizer.from_str(data.decode("utf-8")).encode(text, add_special_tokens=False).ids, sha256_hex(data)
+
+
+def effective_bpw(plan: dict) -> float:
+    """Bits per weight over all routed experts: each chain node's K times the share of the base's experts it covers."""
+    covered: dict[str, set] = {}
+    for f in plan["fragments"]:
+        covered.setdefault(f["node"], set()).update((f["layer"], e["expert"]) for e in f["experts"])
+    total = len(covered[plan["chain"][0]["node"]])
+    return sum(n["K"] * len(covered.get(n["node"], ())) / total for n in plan["chain"])
+
+
+def native_sets(native_dir: Path | None) -> dict:
+    """(K, codebook) -> {(layer, expert, proj): tensor set} of the one-pass encodes under ``native_dir``
+    (``K{K}-{codebook}/*.safetensors``, fragments of node ``native-K{K}-{codebook}``, structure validated)."""
+    from safetensors.torch import load_file
+
+    from fq.fragments import describe
+
+    out: dict = {}
+    if native_dir is None or not Path(native_dir).is_dir():
+        return out
+    for path in sorted(Path(native_dir).glob("K*-*/*.safetensors")):
+        with open(path, "rb") as fh:
+            info = describe(fh, path.name, str(path))
+        meta = info.meta
+        if info.kind != "expert" or meta["node"] != f"native-K{meta['K']}-{meta['codebook']}" \
+                or path.parent.name != f"K{meta['K']}-{meta['codebook']}":
+            raise FqError(f"{path}: not a one-pass comparison encode of {path.parent.name}")
+        layout: ExpertLayout = meta["layout"]
+        sets = out.setdefault((meta["K"], meta["codebook"]), {})
+        for name, t in load_file(str(path)).items():
+            layer, expert, proj, suffix = layout.parse(name)
+            sets.setdefault((layer, expert, proj), {})[suffix] = t
+    return out
+
+
+def _row(q, **extra) -> dict:
+    return {**extra, "kl": q.kl, "ppl": q.ppl, "top1": q.top1, "nll": q.nll}
+
+
+def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, source: str | os.PathLike,
+             text: str | os.PathLike, out_json: str | os.PathLike, native_dir: str | os.PathLike | None = None,
+             source_sha256: dict | None = None, tokens: int = 4096, seq_len: int = 256,
+             out_tsv: str | os.PathLike | None = None, progress=None) -> dict:
+    import torch
+    import transformers
+
+    from fq.codec import reconstruct
+    from fq.product import open_product
+    from fq.publication import read_publication
+    from fq.runtime import quality
+    from fq.runtime.load import build_model, load_checkpoint, product_state
+
+    say = progress or (lambda msg: None)
+    root = Path(published)
+    stmt = read_publication(root, public_key)
+    products = stmt.predicate["products"]
+    plans = {name: open_product(root / e["file"], public_key, root=root).predicate for name, e in products.items()}
+    bare = {(p["chain"][0]["K"], p["chain"][0]["codebook"]): name for name, p in sorted(plans.items())
+            if len(p["chain"]) == 1}
+    natives = native_sets(Path(native_dir) if native_dir is not None else None)
+
+    raw = Path(text).read_bytes()
+    ids, tokenizer_sha256 = tokenize(Path(source), raw.decode("utf-8"))
+    windows = quality.token_windows(ids, seq_len, tokens)
+    ref = quality.Reference(load_checkpoint(source, source_sha256), windows)
+    say(f"source: perplexity {ref.ppl:.4f} over {ref.positions} positions")
+
+    rows: dict = {}
+    native_rows: dict = {}
+    for name in sorted(products):
+        state = product_state(root / products[name]["file"], public_key, root=root)  # verified first, whole
+        plan = state.plan
+        chain = plan["chain"]
+        q = quality.compare(build_model(state.config, state.tensors), ref)
+        bits, cb = sum(n["K"] for n in chain), chain[0]["codebook"]
+        row = rows[name] = _row(q, chain=[n["node"] for n in chain], nominal_bpw=bits,
+                                effective_bpw=effective_bpw(plan), plan_sha256=state.plan_sha256, native=None)
+        say(f"{name}: KL {q.kl:.6g}, perplexity {q.ppl:.4f}, top-1 {q.top1:.4f}")
+        if len(chain) == 1 or bits > 8:
+            continue
+        if (bits, cb) in bare:
+            row["native"] = bare[(bits, cb)]
+            continue
+        if (bits, cb) not in natives:
+            continue
+        last = chain[-1]["node"]
+        experts = sorted((f["layer"], e["expert"]) for f in plan["fragments"] if f["node"] == last for e in f["experts"])
+        sets = natives[(bits, cb)]
+        tensors = dict(state.tensors)
+        for layer, expert in experts:
+            for proj in state.layout.projections:
+                tset = sets.get((layer, expert, proj))
+                if tset is None:
+                    raise FqError(f"{native_dir}: K{bits}-{cb} has no one-pass encode of layer {layer} expert {expert} "
+                                  f"{proj}, which {name}'s last node {last} covers")
+                tensors[state.expert_key(layer, expert, proj)] = reconstruct(tset, f"native K{bits} {cb} {proj}")
+        nq = quality.compare(build_model(state.config, tensors), ref)
+        nname = f"native K{bits} {cb} for {name}"
+        native_rows[nname] = _row(nq, product=name, K=bits, codebook=cb, experts=len(experts),
+                                  chain=[n["node"] for n in chain[:-1]] + [f"native-K{bits}-{cb}"], nominal_bpw=bits,
+                                  effective_bpw=row["effective_bpw"])
+        row["native"] = nname
+        say(f"{nname}: KL {nq.kl:.6g}, perplexity {nq.ppl:.4f}, top-1 {nq.top1:.4f}")
+
+    doc = {"format": FORMAT, "campaign": stmt.predicate["campaign"], "publication_version": stmt.version,
+           "publication_sha256": stmt.sha256,
+           "text": {"file": Path(text).name, "sha256": sha256_hex(raw), "tokens": int(windows.numel()),
+                    "seq_len": seq_len, "windows": int(windows.shape[0]), "positions": ref.positions},
+           "tokenizer_sha256": tokenizer_sha256,
+           "method": {"kl": "KL(source || model) of next-token distributions, nats, mean over positions",
+                      "ppl": "exp(mean negative log-likelihood of the next token)",
+                      "top1": "share of positions whose most likely next token is the source's",
+                      "forward": "float32 on the CPU, log-softmax in float64, exact sums",
+                      "threads": quality.THREADS, "batch": quality.BATCH},
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+           "source": {"nll": ref.nll, "ppl": ref.ppl},
+           "products": rows, "native": native_rows}
+    atomic.write_text(out_json, canonical.pretty(doc))
+    if out_tsv is not None:
+        write_tsv(doc, out_tsv)
+    return doc
+
+
+def table(doc: dict) -> list[dict]:
+    """The rows of an fq-eval/1 document: products, then native points, each with its name and kind."""
+    out = [{"name": n, "kind": "product", **r} for n, r in sorted(doc["products"].items())]
+    return out + [{"name": n, "kind": "native", **r} for n, r in sorted(doc["native"].items())]
+
+
+def write_tsv(doc: dict, path: str | os.PathLike) -> None:
+    lines = ["\t".join(TSV_COLUMNS)]
+    for r in table(doc):
+        vals = []
+        for k in TSV_COLUMNS:
+            v = r.get(k)
+            vals.append("" if v is None else " > ".join(v) if isinstance(v, list) else
+                        f"{v:.6g}" if isinstance(v, float) else str(v))
+        lines.append("\t".join(vals))
+    atomic.write_text(path, "\n".join(lines) + "\n")

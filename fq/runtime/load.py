@@ -1,0 +1,314 @@
+"""Load a chain product into a transformers model on the CPU, after verifying everything under the pinned key.
+
+Two ways in, one set of checks (``fq combine``'s: ``fq.combine``, ``fq.product``, ``fq.manifest``):
+
+(a) ``product_state(plan)``: a published tree and one of its signed plans. The plan is opened as every consumer
+    opens it (``open_product``: signature, schema, chain, edges, expiry, file name, version state, the publication
+    statement beside ROOT); the base directory the plan pins is verified whole (``verify_base``: its manifest's
+    digest is the plan's, every file listed and re-hashed, attested shards against their attestations); every
+    fragment passes ``verify_fragments`` (attestation, header, ranges hashed against the plan, K/codebook
+    re-derived, finite scales, geometry along the chain).
+(b) ``adapter_state(base_dir, adapter, plan)``: a base checkpoint, the adapter ``fq combine`` wrote from that plan
+    (all experts, or narrowed to some) and the plan itself (a few kB: the adapter is the holder's own copy, and
+    what vouches for its bytes is the plan). The plan and the base as in (a); the adapter by
+    ``fq.combine.verify_adapter`` (every stage's bytes of every expert it holds equal the plan's digest of that
+    fragment range; an expert carries all of the chain's stages that cover it, or is absent and keeps its base).
+
+Then, from the verified bytes only (each base file is read once into memory and its sha256 compared with the
+manifest's before it is parsed): the skeleton tensors verbatim (upcast to float32, exact), and per routed-expert
+linear the float32 sum of its chain's reconstructions (``reconstruct_chain``: base, then the stages in chain
+order). ``build_model`` hands that state to transformers (``from_pretrained(None, state_dict=...)``: its own weight
+conversion fuses per-expert linears into 3-D parameters where the architecture does), refuses missing, unexpected
+or mismatched keys, and reads the loaded model back through transformers' reverse conversion to check every
+tensor equals the one handed over. ``quantization_config`` is dropped from the config: the weights are dense.
+
+    product_state(plan_path, public_key, *, root=None, now=None, state=None, min_version=None) -> ProductState
+    adapter_state(base_dir, adapter, plan_path, public_key, *, root=None, now=None, state=None,
+                  min_version=None) -> ProductState
+    load_product(...) / load_adapter(...) -> Loaded      # the same, built into a model
+    build_model(config, tensors) -> transformers model (float32, eval mode)
+    checkpoint_state(directory, sha256=None) -> (config, tensors)   # a source checkpoint (the reference)
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from fq.assembly import PlanState, campaign_root
+from fq.canonical import loads, sha256_hex
+from fq.combine import Verified, narrow, verify_adapter, verify_fragments
+from fq.errors import FqError
+from fq.experts import ExpertLayout, suffixes
+from fq.manifest import VerifiedBase
+from fq.product import Product, open_product
+from fq.safepath import open_regular
+from fq.selection import parse_selection
+from fq.shards import Header, read_header
+
+if TYPE_CHECKING:
+    import torch
+
+CONFIG = "config.json"
+
+
+@dataclass
+class ProductState:
+    """A verified product as tensors: what ``build_model`` loads."""
+
+    product: str
+    plan_sha256: str
+    plan: dict  # the verified plan's predicate
+    chain: list[str]
+    config: dict
+    tensors: dict  # name -> float32 tensor (skeleton verbatim, routed experts the chain's sum)
+    layout: ExpertLayout
+    stages: dict = field(default_factory=dict)  # (layer, expert) -> chain indices summed (0 = base)
+
+    def expert_key(self, layer: int, expert: int, proj: str) -> str:
+        return self.layout.key(layer, expert, proj, "weight")
+
+
+@dataclass
+class Loaded:
+    model: object
+    state: ProductState
+
+
+def _read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[Header, bytes]:
+    """A base file's bytes, read once, whose sha256 and size are the manifest's (so what is parsed is what was
+    verified, whatever happens to the file afterwards); and its safetensors header parsed from those bytes."""
+    where = f"{base_dir}/{name}"
+    with open_regular(base_dir, name, where) as fh:
+        header = read_header(fh, where) if name.endswith(".safetensors") else None
+        fh.seek(0)
+        data = fh.read(size + 1)
+    if len(data) != size or sha256_hex(data) != digest:
+        raise FqError(f"{where}: changed since it was verified (sha256/size differ from the manifest)")
+    if header is not None and data[:header.data_start] != header.raw:
+        raise FqError(f"{where}: changed since it was verified (header)")
+    return header, data
+
+
+def _tensor(dtype: str, shape, data) -> "torch.Tensor":
+    import torch
+
+    from fq.shards import torch_dtype
+
+    if not len(data):
+        return torch.empty(tuple(shape), dtype=torch_dtype(dtype))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(dtype)).reshape(tuple(shape))
+
+
+def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: ExpertLayout) -> tuple[dict, dict, dict]:
+    """(config, skeleton tensors by name, base tensor sets by (layer, expert, proj)) of a verified base. Every
+    tensor file of the base must be an attested shard; its expert fragments must be the plan's base fragments."""
+    files = base.manifest.files
+    if CONFIG not in files:
+        raise FqError(f"{base_dir}: no {CONFIG} in its manifest; a base a runtime loads carries its model config")
+    _, raw = _read_verified(base_dir, CONFIG, *files[CONFIG])
+    config = loads(raw, f"{base_dir}/{CONFIG}")
+    if not isinstance(config, dict):
+        raise FqError(f"{base_dir}/{CONFIG}: not a JSON object")
+    base_rel = plan["base"]["dir"] + "/"
+    want = {f["name"][len(base_rel):]: f["sha256"] for f in plan["fragments"] if f["node"] == plan["base"]["node"]}
+    skeleton: dict = {}
+    sets: dict = {}
+    for name in sorted(n for n in files if n.endswith(".safetensors")):
+        att = base.shards.get(name)
+        if att is None:
+            raise FqError(f"{base_dir}/{name}: a tensor file without an attestation; a runtime loads attested shards only")
+        header, data = _read_verified(base_dir, name, *files[name])
+        if att.info.kind == "skeleton":
+            for e in header.entries:
+                if e.name in skeleton:
+                    raise FqError(f"{base_dir}/{name}: tensor {e.name!r} is in two skeleton shards")
+                if layout.is_routed_weight(e.name):
+                    raise FqError(f"{base_dir}/{name}: skeleton shard holds routed-expert weight {e.name!r}")
+                skeleton[e.name] = _tensor(e.dtype, e.shape, data[e.start:e.end])
+            continue
+        if want.get(name) != files[name][0]:
+            raise FqError(f"{base_dir}/{name}: an expert fragment the plan does not name as a base fragment")
+        for e in header.entries:
+            layer, expert, proj, suffix = layout.parse(e.name)
+            sets.setdefault((layer, expert, proj), {})[suffix] = _tensor(e.dtype, e.shape, data[e.start:e.end])
+    missing = sorted(set(want) - set(files))
+    if missing:
+        raise FqError(f"{base_dir}: base fragments {missing} of the plan are not in the base")
+    return config, skeleton, sets
+
+
+def _stage_sets(v: Verified, chain: list[dict]) -> dict:
+    """(layer, expert, proj) -> [(chain index, tensor set)] of the verified stage tensors, in chain order."""
+    out: dict = {}
+    for (layer, ex, i, proj, s), r in v.residual.items():
+        out.setdefault((layer, ex, proj), {}).setdefault(i, {})[s] = _tensor(r.dtype, r.shape, r.data)
+    for (layer, ex, proj), by_index in out.items():
+        for i, tset in by_index.items():
+            if set(tset) != set(suffixes(chain[i]["codebook"])):
+                raise FqError(f"layer {layer} expert {ex} {proj} stage {i}: incomplete tensor set")
+    return {k: sorted(d.items()) for k, d in out.items()}
+
+
+def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dict) -> ProductState:
+    from fq.codec import reconstruct_chain
+
+    plan = product.predicate
+    layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
+    config, skeleton, base_sets = _base_tensors(base_dir, base, plan, layout)
+    tensors = {name: (t.float() if t.is_floating_point() else t) for name, t in skeleton.items()}
+    stages: dict = {}
+    for (layer, ex, proj), base_set in sorted(base_sets.items()):
+        chain_sets = stage_sets.get((layer, ex, proj), [])
+        name = layout.key(layer, ex, proj, "weight")
+        tensors[name] = reconstruct_chain([base_set] + [s for _, s in chain_sets], name)
+        stages[(layer, ex)] = [0] + [i for i, _ in chain_sets]
+    stray = sorted(set(stage_sets) - set(base_sets))
+    if stray:
+        raise FqError(f"stage tensors for linears the base does not have: {stray[:3]}")
+    return ProductState(plan["product"], product.plan.sha256, plan, [n["node"] for n in plan["chain"]], config, tensors,
+                        layout, stages)
+
+
+def _all(plan: dict) -> tuple[list, list]:
+    return narrow(plan, parse_selection("all"))
+
+
+def product_state(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
+                  now: dt.datetime | None = None, state: PlanState | None = None,
+                  min_version: int | None = None) -> ProductState:
+    """(a): a published tree's product, every fragment and the whole base verified first."""
+    product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
+    plan = product.predicate
+    base_dir = product.root / plan["base"]["dir"]
+    work, chosen = _all(plan)
+    v = verify_fragments(product, public_key, work, chosen, base_dir=base_dir)
+    result = _state(product, base_dir, v.base, _stage_sets(v, plan["chain"]))
+    product.record(state)
+    return result
+
+
+def adapter_state(base_dir: str | os.PathLike, adapter: str | os.PathLike, plan_path: str | os.PathLike,
+                  public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
+                  now: dt.datetime | None = None, state: PlanState | None = None,
+                  min_version: int | None = None) -> ProductState:
+    """(b): a base checkpoint plus the adapter ``fq combine`` wrote from ``plan_path``; the plan, the whole base
+    and every byte of the adapter verified first. ``root``: where the plan's publication statement is looked for
+    (default: the tree holding ``assemblies/``, or the plan's own directory when it is not in one)."""
+    if root is None:
+        try:
+            root = campaign_root(plan_path)
+        except FqError:
+            root = Path(plan_path).parent
+    product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
+    plan = product.predicate
+    work, chosen = _all(plan)
+    base_node = plan["base"]["node"]
+    v = verify_fragments(product, public_key, [(f, rs) for f, rs in work if f["node"] == base_node], chosen,
+                         base_dir=base_dir)
+    a = verify_adapter(adapter, product, v.geometry)
+    result = _state(product, Path(base_dir), v.base, _stage_sets(a, plan["chain"]))
+    product.record(state)
+    return result
+
+
+def load_product(plan_path, public_key, **kw) -> Loaded:
+    s = product_state(plan_path, public_key, **kw)
+    return Loaded(build_model(s.config, s.tensors), s)
+
+
+def load_adapter(base_dir, adapter, plan_path, public_key, **kw) -> Loaded:
+    s = adapter_state(base_dir, adapter, plan_path, public_key, **kw)
+    return Loaded(build_model(s.config, s.tensors), s)
+
+
+# -- transformers --------------------------------------------------------------------------------------------
+def model_class(config: dict):
+    import transformers
+
+    arch = config.get("architectures")
+    if not isinstance(arch, list) or len(arch) != 1 or not isinstance(arch[0], str):
+        raise FqError(f"config.json: architectures must name exactly one model class, got {arch!r}")
+    cls = getattr(transformers, arch[0], None)
+    if cls is None or not isinstance(cls, type):
+        raise FqError(f"config.json: architecture {arch[0]!r} is not a model class of transformers "
+                      f"{transformers.__version__}")
+    return cls
+
+
+def build_model(config: dict, tensors: dict):
+    """A float32 transformers model holding exactly ``tensors`` (checkpoint names; transformers converts them to
+    its own layout on load). Refuses missing, unexpected or mismatched keys, and checks every tensor read back
+    (transformers' reverse conversion) equals the one given."""
+    import torch
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cfg = {k: v for k, v in config.items() if k != "quantization_config"}  # dense weights: no quantizer
+    cls = model_class(cfg)
+    model_type = cfg.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise FqError("config.json: no model_type")
+    hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        model, info = cls.from_pretrained(None, config=hf_config, state_dict=dict(tensors), dtype=torch.float32,
+                                          output_loading_info=True)
+    except (RuntimeError, ValueError) as e:  # transformers refuses a size mismatch itself
+        first = str(e).strip().splitlines()
+        raise FqError(f"{cls.__name__}: the verified tensors do not fill the model ({first[-1] if first else e})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
+    problems = [f"{k}: {sorted(info.get(k) or ())[:5]}" for k in ("missing_keys", "unexpected_keys", "mismatched_keys",
+                                                                   "error_msgs") if info.get(k)]
+    if problems:
+        raise FqError(f"{cls.__name__}: the verified tensors do not fill the model ({'; '.join(problems)})")
+    model.eval()
+    with torch.no_grad():
+        back = revert_weight_conversion(model, model.state_dict())
+    for name, t in tensors.items():
+        got = back.get(name)
+        if got is None or got.shape != t.shape or not torch.equal(got.to(t.dtype), t):
+            raise FqError(f"{cls.__name__}: tensor {name} as loaded differs from the one handed over "
+                          "(weight conversion changed it)")
+    return model
+
+
+def checkpoint_state(directory: str | os.PathLike, sha256: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """(config, float32 tensors) of a Hugging Face checkpoint directory (config.json, the shard index or one
+    model.safetensors). ``sha256``: shard name -> digest (what ``fq init`` recorded): each shard is read once and
+    compared before it is parsed."""
+    d = Path(directory)
+    config = loads((d / CONFIG).read_bytes(), str(d / CONFIG))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(loads(index.read_bytes(), str(index))["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    tensors: dict = {}
+    for name in shards:
+        where = f"{d}/{name}"
+        with open_regular(d, name, where) as fh:
+            header = read_header(fh, where)
+            fh.seek(0)
+            data = fh.read()
+        if sha256 is not None and sha256.get(name) != sha256_hex(data):
+            raise FqError(f"{where}: sha256 is not the one the campaign recorded for this source shard")
+        if data[:header.data_start] != header.raw:
+            raise FqError(f"{where}: changed while it was read")
+        for e in header.entries:
+            t = _tensor(e.dtype, e.shape, data[e.start:e.end])
+            tensors[e.name] = t.float() if t.is_floating_point() else t
+    return config, tensors
+
+
+def load_checkpoint(directory: str | os.PathLike, sha256: dict[str, str] | None = None):
+    config, tensors = checkpoint_state(directory, sha256)
+    return build_model(config, tensors)

@@ -1,0 +1,33 @@
+# Quality at the model's output (fq eval): after finalize and the consumer's verification, every product and every
+# native comparison point loaded on the CPU (verified under the pinned key first) and measured against the source
+# on held-out text. Only with eval: in the config (a source on local disk).
+if C.eval_config:
+
+    rule eval:
+        input:
+            verified=f"{OUT}/published.verified",
+            publication=f"{OUT}/published/{PUBLICATION_NAME}",
+            assemblies=assembly_files(),
+            campaign=ancient(C.campaign_json),
+            source=source_files() + [str(C.source_dir / name) for name in ("config.json", "tokenizer.json")],
+            text=C.eval_text,
+            native=native_tensor_files(),
+        output:
+            json=C.eval_files()[0],
+            tsv=C.eval_files()[1],
+        conda:
+            "../envs/fq.yaml"
+        log:
+            f"{OUT}/logs/eval.log",
+        benchmark:
+            f"{OUT}/benchmarks/eval.tsv"
+        params:
+            published=lambda wc, input: str(Path(input.publication).parent),
+            pub=f"{OUT}/signer.pub",
+            source=str(C.source_dir),
+            native=f"{OUT}/native",
+            tokens=C.eval_config["tokens"],
+            seq_len=C.eval_config["seq_len"],
+        threads: 1  # fq.runtime.quality measures on one thread (its numbers do not depend on the machine's cores)
+        script:
+            "../scripts/eval.py"
