@@ -3,6 +3,7 @@ import hashlib
 import re
 from pathlib import Path
 
+from fq.demo_model import SIDE_FILES as DEMO_SIDE_FILES, TEXT_SPLITS as DEMO_TEXT_SPLITS
 from fq.workflow.campaign import load_campaign
 from fq.workflow.finalize import INDEX, SUMMARY
 from fq.workflow.launch import on_start

@@ -3,8 +3,9 @@
 
 rule demo_model:
     output:
-        files=[f"{OUT}/demo-model/{name}" for name in ("config.json", "model.safetensors.index.json", "expert_usage.json")]
+        files=[f"{OUT}/demo-model/{name}" for name in DEMO_SIDE_FILES + ("model.safetensors.index.json",)]
         + [f"{OUT}/demo-model/{s}" for s in C.source.shards],
+        text=[f"{OUT}/demo-text/{split}.txt" for split in DEMO_TEXT_SPLITS],
     conda:
         "../envs/fq.yaml"
     log:
@@ -13,6 +14,7 @@ rule demo_model:
         f"{OUT}/benchmarks/demo_model.tsv"
     params:
         out=lambda wc, output: str(Path(output.files[0]).parent),
+        text=lambda wc, output: str(Path(output.text[0]).parent),
     script:
         "../scripts/demo_model.py"
 
