@@ -49,6 +49,8 @@ def encode_inputs(wc):
         "key": ancient(KEY),
         "ancestors": [C.fragment(a, f.block) for f in frags for a in C.ancestors(wc.node)],
     }
+    if C.usage_file and C.reads_usage(wc.node):
+        inputs["usage"] = ancient(C.usage_file)  # a hot stage encodes the experts the measurement ranks first
     if "block" in wc.keys():
         needs = C.fragment_needs_source(wc.node, frags[0].block)
     else:
@@ -122,7 +124,8 @@ def native_block(wc):
 def native_inputs(wc):
     b = native_block(wc)
     out = C.native_metrics(int(wc.K), wc.codebook, b)
-    return {"shards": staged_shards(b)} if not Path(out).is_file() else {}
+    inputs = {"usage": ancient(C.usage_file)} if C.usage_file else {}  # its experts may be a hot stage's
+    return {**inputs, "shards": staged_shards(b)} if not Path(out).is_file() else inputs
 
 
 def native_spec(wc):
