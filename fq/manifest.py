@@ -6,7 +6,7 @@ config/tokenizer files), predicateType ``https://fq.dev/base-manifest/v1``. The 
 digest* that plans pin is the sha256 of this line's bytes; ``fq combine --base DIR`` compares it with
 the base actually on disk.
 
-    write_base_manifest(base_dir, node=, campaign=, key=) -> (path, sha256)
+    write_base_manifest(base_dir, node=, campaign=, key=, derived=) -> (path, sha256)
     read_base_manifest(base_dir, public_key, campaign=None, sha256=None) -> Manifest   # digest pin, then signature
     check_base_files(base_dir, manifest, public_key=None) -> list[str]  # re-hash; strays and misses
     verify_base(base_dir, public_key, campaign=None, sha256=None) -> VerifiedBase     # all of it, or raise
@@ -33,12 +33,14 @@ from fq.attest.campaign import require_same
 from fq.attest.fragment import verify_shard
 from fq.attest.keys import fingerprint
 from fq.attest.statement import MANIFEST, parse_statement, statement
-from fq.canonical import sha256_hex
+from fq.canonical import dumps as canonical_dumps, sha256_hex
 from fq.errors import FqError
+from fq.exl3config import CONFIG, QUANTIZATION_CONFIG, RULES, check_derived, rule_inputs
 from fq.fragments import attestation_name
 from fq.safepath import check_name, open_regular, read_regular, sha256_stream
 
 MANIFEST_NAME = "fq-manifest.intoto.jsonl"
+DERIVED_FILES = (CONFIG, QUANTIZATION_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Manifest:
     node: str
     campaign: dict
     files: dict  # name -> (sha256, size)
+    derived: tuple = ()  # {name, rule, params, from} of each declared derived file
 
 
 def _walk(base_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
@@ -84,7 +87,9 @@ def _hash(base_dir, name: str) -> tuple[str, int]:
 
 
 def write_base_manifest(base_dir: str | os.PathLike, *, node: str, campaign: dict,
-                        key: Ed25519PrivateKey) -> tuple[Path, str]:
+                        key: Ed25519PrivateKey, derived: list[dict]) -> tuple[Path, str]:
+    """``derived``: ``[{name, rule, params}]`` (``fq.exl3config.write_derived``'s specs): the base's config.json
+    and quantization_config.json; their ``from`` is filled here, and each must be its rule's output."""
     names = list_files(base_dir)
     if not names:
         raise FqError(f"{base_dir}: empty base; nothing to manifest")
@@ -93,6 +98,22 @@ def write_base_manifest(base_dir: str | os.PathLike, *, node: str, campaign: dic
     hashed = [(n, *_hash(base_dir, n)) for n in names]
     predicate = {"format": "fq-base-manifest/1", "node": node, "campaign": campaign,
                  "files": [{"name": n, "size": size} for n, _, size in hashed]}
+    digests = {n: d for n, d, _ in hashed}
+    entries = []
+    for spec in derived:
+        if spec["rule"] not in RULES:
+            raise FqError(f"{base_dir}/{spec['name']}: unknown derivation rule {spec['rule']!r}")
+        inputs = rule_inputs(spec["rule"], names)
+        missing = [n for n in inputs + [spec["name"]] if n not in digests]
+        if missing:
+            raise FqError(f"{base_dir}/{missing[0]}: missing; {spec['name']} is derived by rule {spec['rule']}")
+        entry = {**spec, "from": [{"name": n, "sha256": digests[n]} for n in inputs]}
+        problem, _, _ = check_derived(base_dir, entry, f"{base_dir}/{spec['name']}")
+        if problem:
+            raise FqError(problem)
+        entries.append(entry)
+    predicate["derived"] = entries
+    _check_declared(entries, {n: (d, size) for n, d, size in hashed}, f"{base_dir}/{MANIFEST_NAME}")
     line = dsse.envelope_line(dsse.sign(statement([(n, d) for n, d, _ in hashed], MANIFEST, predicate), key))
     path = Path(base_dir) / MANIFEST_NAME
     atomic.write_bytes(path, line)
@@ -124,7 +145,41 @@ def _parse_manifest(data: bytes, where: str, public_key: Ed25519PublicKey, campa
         raise FqError(f"{where}: subjects and predicate files name different files")
     for n, _ in subjects:
         check_name(n, f"{where}: subject")
-    return Manifest(sha256_hex(data), pred["node"], pred["campaign"], {n: (d, sizes[n]) for n, d in subjects})
+    files = {n: (d, sizes[n]) for n, d in subjects}
+    return Manifest(sha256_hex(data), pred["node"], pred["campaign"], files, _check_declared(pred["derived"], files, where))
+
+
+def _check_declared(derived: list[dict], files: dict, where: str) -> tuple:
+    """The manifest's ``derived`` against its own listing: config.json and quantization_config.json, each by a
+    rule that derives that file, with the same params (so config.json's bits and codebook are those the
+    quantization_config rule checks against the tensors), and ``from`` exactly the rule's inputs among the
+    listed files with their listed digests."""
+    outputs = sorted(d["name"] for d in derived)
+    if outputs != sorted(DERIVED_FILES):
+        raise FqError(f"{where}: declares derived files {outputs}; a base declares {sorted(DERIVED_FILES)} (each "
+                      "recomputed by every consumer)")
+    if len({canonical_dumps(d["params"]) for d in derived}) != 1:
+        raise FqError(f"{where}: derived files declare different params "
+                      f"({'; '.join(d['name'] + ': ' + canonical_dumps(d['params']).decode() for d in derived)})")
+    seen = set()
+    for d in derived:
+        name, rule = d["name"], d["rule"]
+        if name in seen:
+            raise FqError(f"{where}: derived file {name} is declared twice")
+        seen.add(name)
+        if name not in files:
+            raise FqError(f"{where}: derived file {name} is not among the files it lists")
+        if RULES[rule].output != name:
+            raise FqError(f"{where}: derived {name}: rule {rule} derives {RULES[rule].output}, not {name}")
+        inputs = rule_inputs(rule, list(files))
+        if [f["name"] for f in d["from"]] != inputs:
+            raise FqError(f"{where}: derived {name}: from {[f['name'] for f in d['from']][:4]} is not what rule "
+                          f"{rule} derives it from among the listed files ({inputs[:4]}{'…' if len(inputs) > 4 else ''})")
+        for f in d["from"]:
+            if f["sha256"] != files[f["name"]][0]:
+                raise FqError(f"{where}: derived {name}: input {f['name']} sha256 {f['sha256'][:16]}… is not the "
+                              f"listed {files[f['name']][0][:16]}…")
+    return tuple(derived)
 
 
 @dataclass(frozen=True)
@@ -137,12 +192,17 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
     present, problems = _walk(base_dir)
     present = set(present)
     shards = {}
+    derived = {d["name"]: d for d in manifest.derived}
+    bad = set()  # listed files missing or not as listed
     for name in sorted(present - set(manifest.files)):
         problems.append(f"{base_dir}/{name}: not listed in {MANIFEST_NAME} (stray file in a published base)")
     for name, (digest, size) in sorted(manifest.files.items()):
         if name not in present:
             problems.append(f"{base_dir}/{name}: listed in {MANIFEST_NAME} but missing")
+            bad.add(name)
             continue
+        if name in derived:
+            continue  # recomputed below, once its inputs are checked
         try:
             if public_key is not None and name.endswith(".safetensors") and attestation_name(name) in manifest.files:
                 att = verify_shard(base_dir, name, public_key, manifest.campaign)  # the file's one pass
@@ -152,9 +212,23 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
                 got, got_size = _hash(base_dir, name)
         except FqError as e:  # verify_shard names files relative to base_dir: name them in full here
             problems.append(f"{base_dir}/{e}" if str(e).startswith(name) else str(e))
+            bad.add(name)
             continue
         if (got, got_size) != (digest, size):
             problems.append(f"{base_dir}/{name}: sha256/size differ from {MANIFEST_NAME}")
+            bad.add(name)
+    for name, d in sorted(derived.items()):
+        if name in bad or any(f["name"] in bad for f in d["from"]):
+            continue  # its own problem, or an input's, is already reported
+        try:
+            problem, got, got_size = check_derived(base_dir, d, f"{base_dir}/{name}")
+        except FqError as e:
+            problems.append(str(e))
+            continue
+        if problem is None and (got, got_size) != manifest.files[name]:
+            problem = f"{base_dir}/{name}: sha256/size differ from {MANIFEST_NAME} (which lists another output of rule {d['rule']})"
+        if problem:
+            problems.append(problem)
     return problems, shards
 
 

@@ -52,12 +52,9 @@ def check_summary_publication(data: bytes, where: str, publication: dict, signed
     """Problems of a summary against a verified publication statement's predicate: it must state exactly
     what ``summary_view`` derives from it; one line per differing field. ``signed_by``: the statement's
     file, named in the messages."""
-    try:
-        doc = canonical.loads(data, where)
-    except ValueError as e:
-        return [str(e)]
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        return [f"{where}: not an {FORMAT} document"]
+    doc, problem = _parse(data, where)
+    if problem:
+        return [problem]
     out = []
     for path, got, want in _differences(doc, summary_view(publication), ""):
         if want is None:
@@ -67,6 +64,17 @@ def check_summary_publication(data: bytes, where: str, publication: dict, signed
         else:
             out.append(f"{where}: {path} is {_short(got)}, the signed publication ({signed_by}) says {_short(want)}")
     return out
+
+
+def _parse(data: bytes, where: str) -> tuple[dict | None, str | None]:
+    """The summary document, or the one problem that stops its checks."""
+    try:
+        doc = canonical.loads(data, where)
+    except ValueError as e:
+        return None, str(e)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return None, f"{where}: not an {FORMAT} document"
+    return doc, None
 
 
 def _short(value) -> str:
@@ -83,12 +91,9 @@ def check_summary(data: bytes, where: str, plans: dict[str, Plan], campaign: dic
     """Problems of a summary against ``plans`` (tree-relative plan name -> verified Plan) and the tree's
     campaign identity; one line each. ``unverified``: plan files present but refused (already reported
     as their own problems, so not again here)."""
-    try:
-        doc = canonical.loads(data, where)
-    except ValueError as e:
-        return [str(e)]
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        return [f"{where}: not an {FORMAT} document"]
+    doc, problem = _parse(data, where)
+    if problem:
+        return [problem]
     problems = []
     if campaign is not None and doc.get("campaign") != campaign:
         problems.append(f"{where}: campaign identity is not the one the tree's signed documents carry")

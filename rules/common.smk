@@ -3,6 +3,7 @@ import hashlib
 import re
 from pathlib import Path
 
+from fq.demo_model import SIDE_FILES as DEMO_SIDE_FILES, TEXT_SPLITS as DEMO_TEXT_SPLITS
 from fq.workflow.campaign import load_campaign
 from fq.workflow.finalize import INDEX, PUBLICATION_NAME, SUMMARY
 from fq.workflow.launch import on_start
@@ -48,6 +49,8 @@ def encode_inputs(wc):
         "key": ancient(KEY),
         "ancestors": [C.fragment(a, f.block) for f in frags for a in C.ancestors(wc.node)],
     }
+    if C.usage_file and C.reads_usage(wc.node):
+        inputs["usage"] = ancient(C.usage_file)  # a hot stage encodes the experts the measurement ranks first
     if "block" in wc.keys():
         needs = C.fragment_needs_source(wc.node, frags[0].block)
     else:
@@ -122,7 +125,8 @@ def native_inputs(wc):
     b = native_block(wc)
     K = int(wc.K)
     done = Path(C.native_metrics(K, wc.codebook, b)).is_file() and Path(C.native_tensors(K, wc.codebook, b)).is_file()
-    return {"shards": staged_shards(b)} if not done else {}
+    inputs = {"usage": ancient(C.usage_file)} if C.usage_file else {}  # its experts may be a hot stage's
+    return {**inputs, "shards": staged_shards(b)} if not done else inputs
 
 
 def native_spec(wc):

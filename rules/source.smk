@@ -3,8 +3,9 @@
 
 rule demo_model:
     output:
-        files=[f"{OUT}/demo-model/{name}" for name in ("config.json", "model.safetensors.index.json", "expert_usage.json")]
+        files=[f"{OUT}/demo-model/{name}" for name in DEMO_SIDE_FILES + ("model.safetensors.index.json",)]
         + [f"{OUT}/demo-model/{s}" for s in C.source.shards],
+        text=[f"{OUT}/demo-text/{split}.txt" for split in DEMO_TEXT_SPLITS],
     conda:
         "../envs/fq.yaml"
     log:
@@ -13,8 +14,36 @@ rule demo_model:
         f"{OUT}/benchmarks/demo_model.tsv"
     params:
         out=lambda wc, output: str(Path(output.files[0]).parent),
+        text=lambda wc, output: str(Path(output.text[0]).parent),
     script:
         "../scripts/demo_model.py"
+
+
+# The demo's expert usage, measured: its calibration text routed through the checkpoint by transformers, each
+# layer's router top-k selections counted (fq usage). Hot stages select from it; a real campaign passes its own
+# file (config usage:, made with `fq usage`) and has no such job. The DAG is planned before any job runs, from
+# the usage recorded with the demo model until this file exists; the job refuses a measurement that selects
+# other hot experts (fq.usage.measure_job).
+if C.usage_file:
+
+    rule usage:
+        input:
+            model=rules.demo_model.output.files,
+            text=f"{OUT}/demo-text/calibration.txt",
+        output:
+            usage=C.usage_file,
+        conda:
+            "../envs/fq.yaml"
+        log:
+            f"{OUT}/logs/usage.log",
+        benchmark:
+            f"{OUT}/benchmarks/usage.tsv"
+        params:
+            model=lambda wc, input: str(Path(input.model[0]).parent),
+            hot=sorted({n.experts.hot for n in C.recipe.nodes if n.experts.mode == "hot"}),
+        threads: 2
+        script:
+            "../scripts/usage.py"
 
 
 rule keygen:
@@ -57,6 +86,8 @@ rule init:
 rule plan:
     input:
         recipe=config["recipe"],
+        # the measured usage: plan.json's hot selections come from it (the params trigger reruns on new counts)
+        usage=[ancient(C.usage_file)] if C.usage_file else [],
     output:
         plan=C.plan_json,
     conda:

@@ -2,4 +2,4 @@ from _log import to_log
 from fq import demo_model
 
 to_log(snakemake)
-demo_model.write(snakemake.params.out)
+demo_model.write(snakemake.params.out, snakemake.params.text)

@@ -7,8 +7,9 @@ which every fragment of the node attests; plans record ``RECIPE_SHA256``. Produc
 ``k2r1`` and ``k2r1r2``. Tensor sets are random but valid EXL3 sets (the codec's quality is irrelevant
 to provenance); ``codec_sets`` substitutes real encoder output where a test needs it.
 
-    ROOT/base/k2/{model-00001-of-00001.safetensors (skeleton), config.json, k2-layer001-block000.safetensors, ...,
-                  fq-manifest.intoto.jsonl}
+    ROOT/base/k2/{model-00001-of-00001.safetensors (skeleton), source_config.json, config.json and
+                  quantization_config.json (derived, as finalize writes them: fq.exl3config),
+                  k2-layer001-block000.safetensors, ..., fq-manifest.intoto.jsonl}
     ROOT/stages/r1/..., ROOT/stages/r2/...
     ROOT/assemblies/{k2r1,k2r1r2}.assembly.intoto.jsonl
     ROOT/publication.intoto.jsonl   (the signed publication statement, as finalize writes it: ``publish``)
@@ -30,6 +31,7 @@ from fq.attest.campaign import campaign_identity
 from fq.attest.fragment import attest_fragment, attest_skeleton
 from fq.canonical import dumps, sha256_hex
 from fq.codec.codebook import marker_value
+from fq.exl3config import specs as derived_specs, write_derived
 from fq.experts import STANDARD
 from fq.fragments import fragment_filename, write_fragment, write_skeleton
 from fq.identity import encoder_identity
@@ -65,6 +67,8 @@ PRODUCTS = {"k2r1": ["k2", "r1"], "k2r1r2": ["k2", "r1", "r2"]}
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 EXPIRES = dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc)  # CLI tests run on the real clock
 SOURCE_SHARD = "model-00001-of-00001.safetensors"
+DERIVED = derived_specs(2, "mul1")  # what base k2's manifest declares derived (config.json, quantization_config.json)
+SOURCE_CONFIG = {"model_type": "tiny_moe", "num_experts": N_EXPERTS}
 
 _ENCODER = None
 
@@ -199,7 +203,7 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
              for layer in LAYERS]
     write_skeleton(base / SOURCE_SHARD, tensors=skel, source_shard=SOURCE_SHARD)
     attest_skeleton(base / SOURCE_SHARD, key=priv, campaign=camp, source=source, encoder=enc)
-    (base / "config.json").write_text(json.dumps({"model_type": "tiny_moe", "num_experts": N_EXPERTS}))
+    (base / "source_config.json").write_text(json.dumps(SOURCE_CONFIG))
     for node in ("k2", "r1", "r2"):
         spec = NODES[node]
         for layer in LAYERS:
@@ -223,7 +227,8 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
                 attest_fragment(path, key=priv, campaign=camp, source=source, encoder=enc,
                                 quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
                                 node_digest=spec["digest"], parent=parent)
-    write_base_manifest(base, node="k2", campaign=camp, key=priv)
+    write_derived(base, bits=2, codebook="mul1")
+    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=DERIVED)
     for product in PRODUCTS:
         c.plans[product] = _plan(c, product, version, EXPIRES, priv)
     publish(c)
@@ -289,7 +294,8 @@ def insider_resign(c: Campaign, rel: str) -> None:
         (c.root / (name + ".intoto.jsonl")).write_bytes(line)
     manifest_sha = None
     if rel.startswith("base/"):
-        _, manifest_sha = write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv)
+        _, manifest_sha = write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv,
+                                              derived=DERIVED)
     for product, plan_path in c.plans.items():
         plan = read_assembly(plan_path, c.pub, now=NOW).predicate
         for f in plan["fragments"]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from fq.exl3config import SOURCE_CONFIG, specs as derived_specs, write_derived
 from fq.assembly import build_assembly, write_assembly
 from fq.attest import keys
 from fq.attest.campaign import campaign_identity
@@ -213,7 +214,7 @@ def build(tmp: Path, seed: int = 0) -> Kit:
     skel = [(k, v) for k, v in sorted(tensors.items()) if not STANDARD.is_routed_weight(k)]
     write_skeleton(base / SKELETON, tensors=skel, source_shard=SKELETON)
     attest_skeleton(base / SKELETON, key=priv, campaign=camp, source=source_meta, encoder=enc)
-    (base / "config.json").write_text(json.dumps(config, indent=2))
+    (base / SOURCE_CONFIG).write_text(json.dumps(config, indent=2))  # config.json is derived from it (fq.exl3config)
     for node, spec in NODES.items():
         for layer in LAYERS:
             for b in range(N_EXPERTS // BLOCK):
@@ -228,7 +229,8 @@ def build(tmp: Path, seed: int = 0) -> Kit:
                 attest_fragment(path, key=priv, campaign=camp, source=source_meta, encoder=enc,
                                 quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
                                 node_digest=node_digest(node), parent=parent)
-    write_base_manifest(base, node="k2", campaign=camp, key=priv)
+    write_derived(base, bits=2, codebook="mul1")
+    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived_specs(2, "mul1"))
     plans = []
     for product, chain in PRODUCTS.items():
         names = [kit.frag(n, layer, b) for n in chain for layer in LAYERS for b in range(N_EXPERTS // BLOCK)]

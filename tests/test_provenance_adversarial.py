@@ -27,6 +27,7 @@ from fq.combine import combine
 from fq.errors import FqError
 from fq.experts import STANDARD
 from fq.fragments import fragment_filename, write_fragment
+from fq.exl3config import write_derived
 from fq.manifest import write_base_manifest
 from fq.safepath import sha256_stream
 from fq.shards import read_header
@@ -194,7 +195,7 @@ def _(c, tmp):
     write_fragment(p, layout=STANDARD, node="k2", role="base", layer=1, block=0, K=2, codebook="mul1", experts=experts)
     attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
                     quant_args={"seed": 0, "K": 2, "codebook": "mul1"}, node_digest=provkit.NODES["k2"]["digest"])
-    write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv)
+    write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv, derived=provkit.DERIVED)
     with pytest.raises(FqError, match="chain edge broken"):  # the producer refuses to plan it
         c.replan("k2r1r2", 2)
     plan = plan_of(c)  # still the old plan; make it name the new base so only the edge is wrong
@@ -400,8 +401,9 @@ def _(c, tmp):
 @case("--base is another base than the plan's", r"manifest sha256 .* is not the base this plan was built on",
       via=("combine",), base="base/k2")
 def _(c, tmp):
-    (c.root / "base/k2/config.json").write_text('{"model_type": "tampered"}')
-    write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv)
+    (c.root / "base/k2/source_config.json").write_text('{"model_type": "tampered"}')
+    write_derived(c.root / "base/k2", bits=2, codebook="mul1")
+    write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv, derived=provkit.DERIVED)
 
 
 @case("--base whose parent byte ranges differ from the plan's", r"bytes of expert 1 do not match",

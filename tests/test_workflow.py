@@ -112,7 +112,7 @@ def test_dry_run_lists_every_job_of_the_campaign(run):
     assert counts["stage"] == len(c.source.shards) == 4
     assert counts["skeleton"] == len(c.skeleton_shards) == 3
     assert counts["retire"] == 2 and counts["finalize"] == 1 and counts["report"] == 1
-    assert counts["init"] == counts["plan"] == counts["demo_model"] == counts["keygen"] == 1
+    assert counts["init"] == counts["plan"] == counts["demo_model"] == counts["keygen"] == counts["usage"] == 1
 
 
 def test_full_run_publishes_a_verified_campaign_and_report(run):
@@ -147,6 +147,25 @@ def test_finalize_signs_the_publication_statement_and_the_summary_is_its_view(ru
     assert set(stmt.files) == published - {"publication.intoto.jsonl"}
     assert canonical.load(out / "campaign_summary.json") == summary_view(stmt.predicate)
     assert ", publication version 1 verified under key " in (out / "published.verified").read_text()
+
+
+def test_hot_stage_encodes_the_experts_the_usage_job_measured(run):
+    """The usage job routed the calibration text through the demo checkpoint; the plan's hot selections are that
+    file's hottest experts (the same as the usage recorded with the model, which the DAG was first planned from)."""
+    from fq import demo_model
+    from fq.usage import load_usage
+
+    d, _ = run
+    c = campaign(d)
+    measured = d / "campaign" / "usage" / "expert_usage.json"
+    assert measured.read_bytes() == demo_model.data()["usage.json"]
+    assert (d / c.usage.source).resolve() == measured.resolve()  # planned from the measured file
+    u = load_usage(measured)
+    plan = canonical.load(d / "campaign" / "plan.json")
+    assert plan["identity"]["usage_sha256"] == u.sha256
+    for layer in (1, 2):
+        assert c.plan.experts_of("a.r1.h2", layer) == u.hottest(layer, 2, 8)
+    assert "usage/expert_usage.json" in (d / "campaign" / "logs" / "usage.log").read_text()
 
 
 def test_second_run_does_nothing(run):

@@ -66,6 +66,17 @@ class Campaign:
         return self.out / "meta"
 
     @property
+    def usage_file(self) -> str | None:
+        """The expert-usage file this workflow measures (rule usage): the demo's, unless config names one."""
+        if self.source_kind == "demo" and not self.config.get("usage"):
+            return self.p(USAGE_FILE)
+        return None
+
+    def reads_usage(self, node: str) -> bool:
+        """Whether ``node`` selects its experts from the usage statistics (a hot stage)."""
+        return self.recipe.node(node).experts.mode == "hot"
+
+    @property
     def source_repo(self) -> str:
         src = self.config["source"]
         if self.source_kind == "demo":
@@ -329,13 +340,23 @@ def attested_node_digest(att_path: Path) -> str | None:
         return None
 
 
-def _demo_source() -> tuple[SourceModel, ExpertUsage]:
+USAGE_FILE = "usage/expert_usage.json"  # the demo campaign's measured expert usage, under OUT (rule usage)
+
+
+def _demo_source(out: Path) -> tuple[SourceModel, ExpertUsage]:
+    """The demo checkpoint's metadata, and the expert usage its hot stages select from: what the usage rule
+    measured (OUT/usage/expert_usage.json) once it has run; before that -- the DAG is planned before any job
+    runs -- the usage recorded with the model (fq/data/demo/usage.json, measured the same way), which the usage
+    rule checks its measurement against (fq.usage.measure_job: the same ranking of experts in every layer)."""
     from fq import demo_model
 
     config, index, sizes = demo_model.metadata()
     src = parse_source(config, index, sizes, origin="fq-demo", config_bytes=demo_model.files()["config.json"],
                        index_bytes=demo_model.files()["model.safetensors.index.json"])
-    return src, parse_usage(demo_model.usage(), "fq demo model expert_usage.json")
+    measured = out / USAGE_FILE
+    if measured.is_file():
+        return src, load_usage(measured)
+    return src, parse_usage(demo_model.usage(), "expert usage recorded with the demo model (fq/data/demo/usage.json)")
 
 
 def normalize_config(config: dict) -> dict:
@@ -369,7 +390,7 @@ def load_campaign(config: dict) -> Campaign:
     kind = src_cfg["kind"]
     usage = None
     if kind == "demo":
-        source, usage = _demo_source()
+        source, usage = _demo_source(Path(config["out"]))
     elif kind == "local":
         source = load_source(src_cfg["path"], revision=src_cfg.get("revision"))
     elif kind == "hub":

@@ -7,7 +7,9 @@ assemblies are deterministic (Ed25519 signatures are), so finalizing twice gives
 
 Published layout (``OUT/published``)::
 
-    base/NODE/       config + tokenizer files, skeleton shards, NODE's fragments, model.safetensors.index.json,
+    base/NODE/       a directory an EXL3 runtime loads: source_config.json (the source's config.json, verbatim),
+                     config.json and quantization_config.json (derived from it and the shards: fq.exl3config),
+                     tokenizer and generation files, skeleton shards, NODE's fragments, model.safetensors.index.json,
                      fq-manifest.intoto.jsonl            (every shard with its .intoto.jsonl beside it)
     stages/NODE/     NODE's fragments
     assemblies/      PRODUCT.assembly.intoto.jsonl
@@ -42,6 +44,7 @@ from fq.assembly import Plan, build_assembly, write_assembly
 from fq.attest import keys
 from fq.attest.fragment import check_node_digest, verify_shard
 from fq.errors import FqError
+from fq.exl3config import CONFIG, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
 from fq.fragments import attestation_name
 from fq.manifest import MANIFEST_NAME, write_base_manifest
 from fq.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
@@ -51,7 +54,8 @@ from fq.workflow.campaign import Campaign, sha256_file
 
 SUMMARY = "campaign_summary.json"
 INDEX = "model.safetensors.index.json"
-# Non-weight files of a checkpoint that a loadable base carries verbatim.
+# Non-weight files of a checkpoint that a loadable base carries verbatim (config.json as source_config.json:
+# the base's config.json is derived from it, fq.exl3config).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -194,7 +198,7 @@ def _published_plan(c: Campaign) -> dict[str, Path]:
             out[f"base/{base.name}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
         for side in SIDE_FILES:
             if (c.source_dir / side).is_file():
-                out[f"base/{base.name}/{side}"] = c.source_dir / side
+                out[f"base/{base.name}/{SOURCE_CONFIG if side == CONFIG else side}"] = c.source_dir / side
     return out
 
 
@@ -231,7 +235,8 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
 
     root = c.out / "published"
     plan = _published_plan(c)
-    ours = set(plan) | {f"base/{b.name}/{n}" for b in c.recipe.bases for n in (INDEX, MANIFEST_NAME)}
+    ours = set(plan) | {f"base/{b.name}/{n}" for b in c.recipe.bases
+                        for n in (INDEX, MANIFEST_NAME, CONFIG, QUANTIZATION_CONFIG)}
     ours |= {f"assemblies/{p.name}.assembly.intoto.jsonl" for p in c.recipe.products} | {PUBLICATION_NAME}
     problems = Problems()
     if root.exists():
@@ -251,8 +256,10 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         d = root / "base" / base.name
         with disk_full_is_one_line(d / INDEX):
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
+        with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # and config.json: both derived, declared below
+            derived = write_derived(d, bits=base.K, codebook=base.codebook)
         with disk_full_is_one_line(d / MANIFEST_NAME):
-            _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv)
+            _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv, derived=derived)
 
     plans = []
     for prod in c.recipe.products:

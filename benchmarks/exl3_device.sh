@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU session for issue 16: a published demo campaign in exllamav3 1.6.5 (tests/test_exl3_runtime.py), then the
+# codec's CUDA tests against the C kernel as built on that machine. Everything lands in $OUT (default ./device-out).
+#
+#   bash benchmarks/exl3_device.sh CAMPAIGN_DIR     (repository root; .whl/ carried with exllamav3 1.6.5 and the
+#                                                   wheels docs/benchmarks.md lists; CAMPAIGN_DIR carried too)
+# exllamav3 JIT-builds its extension (194 files, ~4 min with 16 jobs) into .exl3-ext/ at first import; a later call on
+# the same warm machine reuses it.
+set -u
+CAMPAIGN=${1:?usage: exl3_device.sh CAMPAIGN_DIR}
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+step() { echo; echo "=== [$(($(date +%s) - T0)) s] $*"; }
+{
+    step install carried wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >"$OUT/pip.log" 2>&1
+    echo "pip rc=$?"
+    export PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.exl3-ext MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+
+    step build fq C extension
+    python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1
+    echo "build_ext rc=$?"
+
+    step "exllamav3 extension (JIT build, or reuse)"
+    timeout 480 python3 -c "import exllamav3, exllamav3.ext; print('exllamav3', exllamav3.__version__ if hasattr(exllamav3, '__version__') else '')" 2>&1 | tail -3
+
+    step "exllamav3 loads each base; logits against fq's reference forward"
+    FQ_EXL3_CAMPAIGN=$CAMPAIGN FQ_EXL3_JSON=$OUT/exl3_agreement.json timeout 300 \
+        python3 -m pytest -q -s -p no:cacheprovider tests/test_exl3_runtime.py 2>&1 | tail -30
+
+    step "codec CUDA tests"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_codec_cuda.py tests/test_codec_golden.py \
+        tests/test_codec_isa.py 2>&1 | tail -5
+    step done
+} 2>&1 | tee "$OUT/run.log"

@@ -1,0 +1,85 @@
+"""Published bases in a real EXL3 runtime: exllamav3 1.6.5 loads each base directory of a published campaign and
+runs a forward on held-out tokens; its logits must agree with fq's own reference forward (fq.runtime: the verified
+product in transformers, routed experts = fq's reconstruction in float32) within fp16 tolerance.
+
+Needs CUDA and exllamav3 (skipped otherwise, as in CI). The campaign is FQ_EXL3_CAMPAIGN (a campaign directory:
+published/, signer.pub, demo-model/), built on the CPU and carried to the GPU box; docs/benchmarks.md has the
+command. FQ_EXL3_JSON names a file for the measured agreement.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cuda
+
+TOKENS, SEQ = 512, 128
+
+
+def _exllamav3():
+    try:
+        import exllamav3  # noqa: F401  (JIT-builds its extension at first import: minutes)
+    except Exception as e:  # noqa: BLE001  a missing wheel, or an extension that does not build
+        pytest.skip(f"exllamav3 unavailable: {type(e).__name__}: {e}")
+    return exllamav3
+
+
+@pytest.fixture(scope="module")
+def published_campaign():
+    d = os.environ.get("FQ_EXL3_CAMPAIGN")
+    if not d:
+        pytest.skip("set FQ_EXL3_CAMPAIGN to a published demo campaign directory")
+    return Path(d)
+
+
+def _windows(campaign: Path) -> torch.Tensor:
+    from fq.demo_model import text
+    from fq.runtime.evaluate import tokenize
+    from fq.runtime.quality import token_windows
+
+    ids, _ = tokenize(campaign / "demo-model", text("heldout"))
+    return torch.stack([torch.as_tensor(w, dtype=torch.long) for w in token_windows(ids, SEQ, TOKENS)])
+
+
+@cuda
+def test_exllamav3_loads_every_published_base_and_matches_the_reference_forward(published_campaign):
+    ex = _exllamav3()
+    from fq.attest import keys
+    from fq.publication import read_publication
+    from fq.runtime.load import load_product
+
+    root = published_campaign / "published"
+    key = keys.load_public(published_campaign / "signer.pub")
+    products = read_publication(root, key).predicate["products"]
+    bases = sorted(name for name, e in products.items() if len(e["chain"]) == 1)
+    assert bases, "the campaign publishes no bare base"
+    ids = _windows(published_campaign)
+    results = {}
+    for name in bases:
+        ref_model = load_product(root / products[name]["file"], key, state=None).model.to("cuda:0")
+        with torch.no_grad():
+            ref = ref_model(ids.to("cuda:0")).logits.float()
+        del ref_model
+        config = ex.Config.from_directory(str(root / "base" / name))
+        model = ex.Model.from_config(config)
+        model.load("cuda:0")
+        try:
+            got = torch.cat([model.forward(w[None], {"attn_mode": "flash_attn_nc"}).float().to("cuda:0") for w in ids])
+        finally:
+            model.unload()
+        assert got.shape == ref.shape, (got.shape, ref.shape)
+        lp_ref, lp_got = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+        kl = (lp_ref.exp() * (lp_ref - lp_got)).sum(-1).mean().item()
+        results[name] = {"max_abs_logit_diff": (got - ref).abs().max().item(), "logit_abs_max": ref.abs().max().item(),
+                         "kl_ref_exl3": kl, "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                         "positions": int(ids.numel())}
+        print(name, results[name])
+    if os.environ.get("FQ_EXL3_JSON"):
+        Path(os.environ["FQ_EXL3_JSON"]).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    for name, r in results.items():
+        # fp16 activations and fp16 scales in the runtime against float32 in the reference
+        assert r["kl_ref_exl3"] < 1e-3 and r["top1_agreement"] > 0.98, (name, r)
