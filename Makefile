@@ -32,6 +32,7 @@ demo: $(STAMP)
 	@echo "products (signed):   $(DEMO_OUT)/published   (assemblies in $(DEMO_OUT)/published/assemblies)"
 	@echo "summary:             $(DEMO_OUT)/campaign_summary.json"
 	@echo "report:              $(DEMO_OUT)/report.html  (tables and plots also in $(DEMO_OUT)/report/)"
+	@echo "output quality:      $(DEMO_OUT)/eval/eval.tsv  (fq eval: KL, perplexity, top-1 against the source; docs/eval.md)"
 	@echo "verify it yourself:  $(VENV)/bin/fq verify $(DEMO_OUT)/published --key $(DEMO_OUT)/signer.pub"
 
 lint: $(STAMP)

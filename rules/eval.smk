@@ -24,8 +24,8 @@ if C.eval_config:
         params:
             published=lambda wc, input: str(Path(input.publication).parent),
             pub=f"{OUT}/signer.pub",
-            source=str(C.source_dir),
-            native=f"{OUT}/native",
+            source=lambda wc, input: str(Path(input.source[-1]).parent),  # the directory of its tokenizer.json
+            native=lambda wc, input: str(Path(input.native[0]).parent.parent) if input.native else None,
             tokens=C.eval_config["tokens"],
             seq_len=C.eval_config["seq_len"],
         threads: 1  # fq.runtime.quality measures on one thread (its numbers do not depend on the machine's cores)

@@ -95,10 +95,13 @@ def job_counts(out: str) -> dict[str, int]:
     return counts
 
 
+EVAL = {"text": None, "tokens": 1024, "seq_len": 256}  # the demo's held-out split, a quarter of make demo's tokens
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("wf")
-    write_config(d, RECIPE)
+    write_config(d, RECIPE, eval=EVAL)
     dry = smk(d, "-n")
     smk(d)
     return d, dry.stdout + dry.stderr
@@ -111,7 +114,7 @@ def test_dry_run_lists_every_job_of_the_campaign(run):
     assert counts["encode"] == len(c.fragments) == 4 + 4 + 2  # a, a.r1 over 2 layers x 2 blocks; hot 2 of 8
     assert counts["stage"] == len(c.source.shards) == 4
     assert counts["skeleton"] == len(c.skeleton_shards) == 3
-    assert counts["retire"] == 2 and counts["finalize"] == 1 and counts["report"] == 1
+    assert counts["retire"] == 2 and counts["finalize"] == 1 and counts["report"] == 1 and counts["eval"] == 1
     assert counts["init"] == counts["plan"] == counts["demo_model"] == counts["keygen"] == counts["usage"] == 1
 
 
@@ -129,6 +132,33 @@ def test_full_run_publishes_a_verified_campaign_and_report(run):
     assert by["a.r1"]["rel_mse"] < by["a"]["rel_mse"] * 0.5  # a residual stage improves its base
     assert by["a.r1.h2"]["rel_mse"] < by["a.r1"]["rel_mse"]
     assert not any((out / "staging").glob("*.safetensors")), "every staged shard is deleted after its last use"
+
+
+def test_eval_measures_every_product_at_the_output_and_feeds_the_report(run):
+    """The eval job (after finalize): every published product, verified and loaded by fq.runtime, against the trained
+    demo model on its held-out split; the report's table gains the columns and kl.png; the summary stays the signed
+    statement's view."""
+    from fq.attest import keys
+    from fq.publication import read_publication
+    from fq.summary import summary_view
+
+    d, _ = run
+    out = d / "campaign"
+    doc = canonical.load(out / "eval" / "eval.json")
+    assert doc["format"] == "fq-eval/1" and doc["text"]["file"] == "heldout.txt"
+    assert doc["text"]["positions"] == 4 * 255 and doc["native"] == {}  # compare_native off here
+    kl = {p: r["kl"] for p, r in doc["products"].items()}
+    assert set(kl) == {"a", "a.r1", "a.r1.h2"}
+    assert kl["a"] > kl["a.r1"] > kl["a.r1.h2"] > 0  # each stage brings the output closer to the source
+    assert doc["source"]["ppl"] < doc["products"]["a"]["ppl"]
+    rows = {r["product"]: r for r in canonical.load(out / "report" / "products.json")}
+    assert all(rows[p]["kl"] == kl[p] and rows[p]["top1"] == doc["products"][p]["top1"] for p in kl)
+    header = (out / "report" / "products.tsv").read_text().splitlines()[0].split("\t")
+    assert {"kl", "ppl", "top1"} <= set(header)
+    assert (out / "report" / "kl.png").stat().st_size > 0
+    assert (out / "eval" / "eval.tsv").read_text().count("\n") == 1 + 3
+    stmt = read_publication(out / "published", keys.load_public(out / "signer.pub"))
+    assert canonical.load(out / "campaign_summary.json") == summary_view(stmt.predicate)  # no eval numbers in it
 
 
 def test_finalize_signs_the_publication_statement_and_the_summary_is_its_view(run):
@@ -211,14 +241,14 @@ def test_changing_a_stage_K_reruns_only_that_node_and_descendants(run, tmp_path)
     d, _ = run
     recipe = json.loads(json.dumps(RECIPE))
     recipe["nodes"][2]["K"] = 2  # a.r1.h2: K1 -> K2
-    write_config(d, recipe)
+    write_config(d, recipe, eval=EVAL)
     before = fragment_mtimes(d)
     smk(d)
     after = fragment_mtimes(d)
     changed = {k.split("/")[2] for k in after if after[k] != before.get(k)}
     assert changed == {"a.r1.h2"}
     assert (d / "campaign" / "published.verified").read_text().startswith("ok: ")
-    write_config(d, RECIPE)
+    write_config(d, RECIPE, eval=EVAL)
     smk(d)  # back to the module's recipe for the tests that follow
 
 

@@ -17,7 +17,9 @@ encoded, measured at the model's output against the SOURCE model on held-out tex
 Output (``fq-eval/1``, canonical JSON, and a TSV of the same rows): text and tokenizer digests, windows and
 positions, the method, versions, the source's own perplexity, and per product / native point: chain, nominal and
 effective bits per weight (the effective one weights each node's K by the share of experts it covers), KL (nats,
-mean over positions, KL(source || model)), perplexity, top-1 agreement, mean NLL. Deterministic (one thread,
+mean over positions, KL(source || model); ``kl_se`` its standard error over windows, ``kl_windows`` per window),
+perplexity, top-1 agreement, mean NLL; for a product with a native comparison, ``kl_minus_native`` (its KL minus
+the comparison's) and the standard error of that paired difference over windows. Deterministic (one thread,
 fixed batches, exact sums): the same inputs give the same file, byte for byte, on one machine and build.
 
     evaluate(published, public_key, *, source, text, native_dir=None, source_sha256=None, tokens=4096,
@@ -36,7 +38,8 @@ from fq.errors import FqError
 from fq.experts import ExpertLayout
 
 FORMAT = "fq-eval/1"
-TSV_COLUMNS = ("name", "kind", "chain", "nominal_bpw", "effective_bpw", "kl", "ppl", "top1", "nll", "native")
+TSV_COLUMNS = ("name", "kind", "chain", "nominal_bpw", "effective_bpw", "kl", "kl_se", "ppl", "top1", "nll", "native",
+               "kl_minus_native", "kl_minus_native_se")
 
 
 def tokenize(source: Path, text: str) -> tuple[list[int], str]:
@@ -85,7 +88,8 @@ def native_sets(native_dir: Path | None) -> dict:
 
 
 def _row(q, **extra) -> dict:
-    return {**extra, "kl": q.kl, "ppl": q.ppl, "top1": q.top1, "nll": q.nll}
+    return {**extra, "kl": q.kl, "kl_se": q.kl_se, "ppl": q.ppl, "top1": q.top1, "nll": q.nll,
+            "kl_windows": list(q.kl_windows)}
 
 
 def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, source: str | os.PathLike,
@@ -152,6 +156,11 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
                                   effective_bpw=row["effective_bpw"])
         row["native"] = nname
         say(f"{nname}: KL {nq.kl:.6g}, perplexity {nq.ppl:.4f}, top-1 {nq.top1:.4f}")
+    for row in rows.values():  # paired on the same windows: the product's KL minus its native comparison's
+        other = native_rows.get(row["native"]) or rows.get(row["native"])
+        diff = [a - b for a, b in zip(row["kl_windows"], other["kl_windows"])] if other else []
+        row["kl_minus_native"] = quality.mean(diff) if diff else None
+        row["kl_minus_native_se"] = quality.standard_error(diff)
 
     doc = {"format": FORMAT, "campaign": stmt.predicate["campaign"], "publication_version": stmt.version,
            "publication_sha256": stmt.sha256,

@@ -20,7 +20,8 @@ linear the float32 sum of its chain's reconstructions (``reconstruct_chain``: ba
 order). ``build_model`` hands that state to transformers (``from_pretrained(None, state_dict=...)``: its own weight
 conversion fuses per-expert linears into 3-D parameters where the architecture does), refuses missing, unexpected
 or mismatched keys, and reads the loaded model back through transformers' reverse conversion to check every
-tensor equals the one handed over. ``quantization_config`` is dropped from the config: the weights are dense.
+tensor equals the one handed over. The model config is the base's ``source_config.json`` (the source's, verbatim)
+when it has one, else its ``config.json``; a ``quantization_config`` is dropped either way: the weights are dense.
 
     product_state(plan_path, public_key, *, root=None, now=None, state=None, min_version=None) -> ProductState
     adapter_state(base_dir, adapter, plan_path, public_key, *, root=None, now=None, state=None,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     import torch
 
 CONFIG = "config.json"
+SOURCE_CONFIG = "source_config.json"  # fq.exl3config: the source's config.json, verbatim; config.json adds quantization_config
 
 
 @dataclass
@@ -108,12 +110,13 @@ def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: Expert
     """(config, skeleton tensors by name, base tensor sets by (layer, expert, proj)) of a verified base. Every
     tensor file of the base must be an attested shard; its expert fragments must be the plan's base fragments."""
     files = base.manifest.files
-    if CONFIG not in files:
+    name = SOURCE_CONFIG if SOURCE_CONFIG in files else CONFIG  # the source's own, verbatim, when the base keeps it
+    if name not in files:
         raise FqError(f"{base_dir}: no {CONFIG} in its manifest; a base a runtime loads carries its model config")
-    _, raw = _read_verified(base_dir, CONFIG, *files[CONFIG])
-    config = loads(raw, f"{base_dir}/{CONFIG}")
+    _, raw = _read_verified(base_dir, name, *files[name])
+    config = loads(raw, f"{base_dir}/{name}")
     if not isinstance(config, dict):
-        raise FqError(f"{base_dir}/{CONFIG}: not a JSON object")
+        raise FqError(f"{base_dir}/{name}: not a JSON object")
     base_rel = plan["base"]["dir"] + "/"
     want = {f["name"][len(base_rel):]: f["sha256"] for f in plan["fragments"] if f["node"] == plan["base"]["node"]}
     skeleton: dict = {}

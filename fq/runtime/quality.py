@@ -6,7 +6,10 @@ reference's next-token distribution and Q the model's (log-softmax of float32 lo
 - ``kl``: KL(P || Q) = sum_v P(v) (log P(v) - log Q(v)), in nats, averaged over positions;
 - ``ppl``: exp of the mean negative log-likelihood of the actual next token under Q (the reference's own is
   ``Reference.ppl``);
-- ``top1``: the share of positions where Q's most likely token is P's (``argmax``, first index on ties).
+- ``top1``: the share of positions where Q's most likely token is P's (``argmax``, first index on ties);
+- ``kl_windows``: the mean KL of each window, and ``kl_se`` the standard error of ``kl`` from them (windows are
+  the independent samples; positions within one are not): two models' KL differ meaningfully only by more than a
+  few of these (for a paired comparison on the same windows, use the per-window differences).
 
 Deterministic on the CPU: forwards run with one intra-op thread (``torch.set_num_threads(1)``, restored after)
 and a fixed batch size, so every matrix product reduces in the same order on every run and on any number of
@@ -73,9 +76,11 @@ class Quality:
     ppl: float
     top1: float
     nll: float
+    kl_se: float | None = None
+    kl_windows: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "kl_windows": list(self.kl_windows)}
 
 
 class Reference:
@@ -86,14 +91,14 @@ class Reference:
         self.argmax = [lp.argmax(dim=-1) for lp in self.log_probs]
         nll = [-lp.gather(-1, self._labels(i)[..., None])[..., 0] for i, lp in enumerate(self.log_probs)]
         self.positions = self.labels.numel()
-        self.nll = _mean([v for t in nll for v in t.flatten().tolist()])
+        self.nll = mean([v for t in nll for v in t.flatten().tolist()])
         self.ppl = math.exp(self.nll)
 
     def _labels(self, batch: int):
         return self.labels[batch * BATCH: (batch + 1) * BATCH]
 
 
-def _mean(values: list[float]) -> float:
+def mean(values: list[float]) -> float:
     return math.fsum(values) / len(values)
 
 
@@ -101,11 +106,23 @@ def compare(model, ref: Reference) -> Quality:
     """``model`` against the reference on the reference's windows."""
     import torch
 
-    kl, nll, agree = [], [], 0
+    kl, nll, agree, per_window = [], [], 0, []
     for i, lq in enumerate(_log_probs(model, ref.windows)):
         lp = ref.log_probs[i]
-        kl += (lp.exp() * (lp - lq)).sum(dim=-1).flatten().tolist()
+        rows = (lp.exp() * (lp - lq)).sum(dim=-1).tolist()
+        per_window += [mean(r) for r in rows]
+        kl += [v for r in rows for v in r]
         nll += (-lq.gather(-1, ref._labels(i)[..., None])[..., 0]).flatten().tolist()
         agree += int(torch.eq(lq.argmax(dim=-1), ref.argmax[i]).sum())
-    mean_nll = _mean(nll)
-    return Quality(positions=len(kl), kl=_mean(kl), ppl=math.exp(mean_nll), top1=agree / len(kl), nll=mean_nll)
+    mean_nll = mean(nll)
+    return Quality(positions=len(kl), kl=mean(kl), ppl=math.exp(mean_nll), top1=agree / len(kl), nll=mean_nll,
+                   kl_se=standard_error(per_window), kl_windows=tuple(per_window))
+
+
+def standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean of ``values`` (sample standard deviation / sqrt(n)); None below two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    m = mean(values)
+    return math.sqrt(math.fsum((v - m) ** 2 for v in values) / (n - 1) / n)

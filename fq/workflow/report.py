@@ -158,7 +158,7 @@ def plot_kl(doc: dict, path: str) -> None:
     for r in table(doc):
         native = r["kind"] == "native"
         style = {"marker": "x", "color": "gray", "zorder": 2} if native else {"s": 40, "zorder": 3}
-        label = r["name"] if not native else f"{r['name']} ({r['experts']} experts one-pass)"
+        label = r["name"] if not native else f"one-pass K{r['K']} on {r['product']}'s {r['experts']} experts"
         for a, y in ((ax, max(r["kl"], floor)), (ax2, r["top1"])):
             a.scatter(r["effective_bpw"], y, **style)
             a.annotate(label, (r["effective_bpw"], y), textcoords="offset points", xytext=(5, -10 if native else 4),
@@ -167,7 +167,7 @@ def plot_kl(doc: dict, path: str) -> None:
     ax.set_ylabel("KL(source || product), nats per token")
     ax2.set_ylabel("top-1 agreement with the source")
     for a in (ax, ax2):
-        a.margins(x=0.3, y=0.1)
+        a.margins(x=0.45, y=0.1)
         a.set_xlabel("bits per weight (trellis, averaged over experts)")
         a.grid(True, which="both", alpha=0.3)
     t = doc["text"]
