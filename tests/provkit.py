@@ -177,6 +177,16 @@ def _plan(c: Campaign, product: str, version: int, expires, key) -> Path:
     return write_assembly(c.root, plan, key)
 
 
+def private_copy(pristine: Campaign, dest: Path) -> Campaign:
+    """A copy of a built campaign under ``dest`` (tests tamper with it); same key, same tensors."""
+    import shutil
+
+    shutil.copytree(pristine.root.parent, dest)
+    root = dest / pristine.root.name
+    return Campaign(root, pristine.key_path, pristine.pub_path, pristine.priv, pristine.pub, pristine.campaign,
+                    pristine.source, pristine.sets, {p: root / path.relative_to(pristine.root) for p, path in pristine.plans.items()})
+
+
 def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dims: dict | None = None,
                    signer: "Campaign | None" = None, name: str = "test", version: int = 1) -> Campaign:
     """``codec_sets[(node, layer, expert, proj)]`` overrides the random set of that linear; ``dims``

@@ -44,12 +44,7 @@ def pristine(tmp_path_factory):
 @pytest.fixture
 def c(pristine, tmp_path):
     """A private copy of the module's campaign (tests tamper with it); same key."""
-    shutil.copytree(pristine.root.parent, tmp_path / "c")
-    root = tmp_path / "c" / "campaign"
-    copy = provkit.Campaign(root, pristine.key_path, pristine.pub_path, pristine.priv, pristine.pub, pristine.campaign,
-                            pristine.source, pristine.sets,
-                            {p: root / path.relative_to(pristine.root) for p, path in pristine.plans.items()})
-    return copy
+    return provkit.private_copy(pristine, tmp_path / "c")
 
 
 def consumers(c, plan, tmp_path, capsys) -> dict[str, str]:
