@@ -91,7 +91,7 @@ def write_config(d: Path, source: Path, key: Path | None = None, *, out: str = "
     cfg = {"campaign": "crash", "out": out, "source": {"kind": "local", "path": str(source), "revision": "tiny-1"},
            "recipe": str(d / "recipe.json"), "block_size": 2, "windows": "1,2", "windows_on_disk": 1,
            "signer_key": str(key) if key else None,
-           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False,
+           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False, "eval": None,
            "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}, **over}
     path = d / "config.yaml"
     path.write_text(json.dumps(cfg))  # YAML is a superset of JSON

@@ -39,7 +39,7 @@ def write_config(d: Path, recipe: dict, **over) -> Path:
     (d / "recipe.json").write_text(json.dumps(recipe))
     cfg = {"campaign": "wftest", "out": "campaign", "source": {"kind": "demo"}, "recipe": str(d / "recipe.json"),
            "block_size": 4, "windows": "1,2", "windows_on_disk": 1,
-           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False,
+           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False, "eval": None,
            "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}, **over}
     path = d / "config.yaml"
     path.write_text(json.dumps(cfg))  # YAML is a superset of JSON
