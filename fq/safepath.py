@@ -105,6 +105,15 @@ def split_path(path: str | os.PathLike) -> tuple[Path, str]:
     return (p.parent if str(p.parent) else Path(".")), p.name
 
 
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """sha256 of a whole file, read in chunks (bounded memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while data := fh.read(chunk):
+            h.update(data)
+    return h.hexdigest()
+
+
 def sha256_stream(fh: BinaryIO, ranges: list[tuple[int, int]] = (),
                   taps: list[tuple[int, int, Callable[[int, memoryview], None]]] = ()) -> tuple[str, int, list[str]]:
     """One pass over ``fh`` from offset 0: (sha256 of everything, size, sha256 of each (offset, length)).

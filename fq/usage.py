@@ -13,6 +13,7 @@ from typing import Mapping
 
 from fq import canonical
 from fq.errors import FqError
+from fq.safepath import sha256_file
 from fq.schema_check import validate
 
 FORMAT = "fq-expert-usage/1"
@@ -109,16 +110,6 @@ def count_selections(model, ids, *, seq_len: int = 256, batch: int = 8, progress
     return {L: c.tolist() for L, c in sorted(counts.items())}
 
 
-def _file_sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def measure_usage(model_dir: str | Path, text: str, *, seq_len: int = 256, batch: int = 8, hash_weights: bool = True,
                   text_name: str | None = None, progress: bool = False) -> dict:
     """fq-expert-usage/1 of the checkpoint in ``model_dir`` (transformers' own model class, float32 on the
@@ -137,13 +128,13 @@ def measure_usage(model_dir: str | Path, text: str, *, seq_len: int = 256, batch
         raise FqError("expert usage: the text is empty")
     counts = count_selections(model, ids, seq_len=seq_len, batch=batch, progress=progress)
     text_bytes = text.encode("utf-8")
-    model_prov = {"config_sha256": _file_sha256(model_dir / "config.json")}
+    model_prov = {"config_sha256": sha256_file(model_dir / "config.json")}
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        model_prov["index_sha256"] = _file_sha256(index)
+        model_prov["index_sha256"] = sha256_file(index)
     if hash_weights:
         shards = sorted(set(canonical.load(index)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-        model_prov["shards_sha256"] = {s: _file_sha256(model_dir / s) for s in shards}
+        model_prov["shards_sha256"] = {s: sha256_file(model_dir / s) for s in shards}
     cfg = model.config
     top_k = getattr(cfg, "num_experts_per_tok", None)
     doc = {

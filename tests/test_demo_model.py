@@ -45,14 +45,17 @@ def written(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def offline():
-    old = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    """Offline for this module only. huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported: import it
+    before the variable is set and patch its constant too, or every later test in this process stays offline (the
+    hub promotion tests did, on the same xdist worker)."""
+    from huggingface_hub import constants
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("TRANSFORMERS_OFFLINE", "1")
+    mp.setattr(constants, "HF_HUB_OFFLINE", True)
     yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    mp.undo()
 
 
 def test_checkpoint_files_and_shards(written):

@@ -116,7 +116,10 @@ def test_hub_metadata_kept_in_the_campaign_plans_without_the_hub(tmp_path, monke
     hub.persist_metadata(C, meta, listing=listing, fetch=lambda name: (src / name).read_bytes())
     assert sorted(p.name for p in meta.iterdir()) == sorted(["config.json", "model.safetensors.index.json",
                                                             "tokenizer_config.json", hub.META_DOC])
+    from huggingface_hub import constants  # read HF_HUB_OFFLINE once, at import: patch the constant too, restored after
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     got = hub.load_persisted(meta, "org/tiny", rev)
     assert got.summary() | {"origin": None} == local.summary() | {"origin": None}
     assert hub.load_persisted(meta, "org/tiny", "f" * 40) is None  # another revision: not these files

@@ -20,7 +20,6 @@ the same version would be called a different one.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 from fq import canonical
 from fq.errors import FqError
 from fq.publication import NAME as PUBLICATION_NAME, Statement, read_publication
-from fq.safepath import check_name, describe_mode
+from fq.safepath import check_name, describe_mode, sha256_file
 from fq.summary import SUMMARY_NAME
 
 PUBLISHABLE_DIRS = ("base", "stages", "assemblies")
@@ -39,14 +38,6 @@ PUBLISHABLE_FILES = (PUBLICATION_NAME,)  # at the root of published/
 def is_publishable(name: str) -> bool:
     """A path a publication may hold (repository-relative)."""
     return name in (SUMMARY_NAME, *PUBLISHABLE_FILES) or name.split("/", 1)[0] in PUBLISHABLE_DIRS and "/" in name
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while data := fh.read(1 << 22):
-            h.update(data)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

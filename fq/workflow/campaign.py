@@ -5,7 +5,6 @@ the shard index), so ``snakemake -n`` lists every job before a byte of payload i
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -407,14 +406,6 @@ def load_campaign(config: dict) -> Campaign:
     plan = make_plan(recipe, source, usage=usage, block_size=config["block_size"], windows=config.get("windows"),
                      disk_budget=config.get("disk_budget"), windows_on_disk=config["windows_on_disk"])
     return Campaign(config, Path(config["out"]), source, recipe, usage, plan)
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while data := fh.read(chunk):
-            h.update(data)
-    return h.hexdigest()
 
 
 def load_campaign_json(path: str | os.PathLike) -> dict:

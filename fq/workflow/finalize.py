@@ -50,7 +50,8 @@ from fq.manifest import MANIFEST_NAME, write_base_manifest
 from fq.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
 from fq.summary import summary_view
 from fq.workflow import locks
-from fq.workflow.campaign import Campaign, sha256_file
+from fq.safepath import sha256_file
+from fq.workflow.campaign import Campaign
 
 SUMMARY = "campaign_summary.json"
 INDEX = "model.safetensors.index.json"

@@ -17,7 +17,8 @@ from fq.attest import keys
 from fq.attest.campaign import campaign_identity
 from fq.errors import FqError
 from fq.identity import encoder_identity
-from fq.workflow.campaign import Campaign, sha256_file
+from fq.safepath import sha256_file
+from fq.workflow.campaign import Campaign
 
 FORMAT = "fq-campaign/1"
 
