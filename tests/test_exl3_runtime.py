@@ -83,3 +83,67 @@ def test_exllamav3_loads_every_published_base_and_matches_the_reference_forward(
     for name, r in results.items():
         # fp16 activations and fp16 scales in the runtime against float32 in the reference
         assert r["kl_ref_exl3"] < 1e-3 and r["top1_agreement"] > 0.98, (name, r)
+
+
+def _agreement(ref: torch.Tensor, got: torch.Tensor, positions: int) -> dict:
+    lp_ref, lp_got = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    return {"max_abs_logit_diff": (got - ref).abs().max().item(), "logit_abs_max": ref.abs().max().item(),
+            "kl_cpu_path_exl3": (lp_ref.exp() * (lp_ref - lp_got)).sum(-1).mean().item(),
+            "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), "positions": positions}
+
+
+def _reference_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
+    """The CPU path's model (float32, dense chain sums), run on the GPU only for time: the same float32 weights."""
+    model = loaded.model.to("cuda:0")
+    with torch.no_grad():
+        out = model(ids.to("cuda:0")).logits.float()
+    model.to("cpu")
+    return out
+
+
+@cuda
+def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaign, tmp_path):
+    """Every published chain product (base + stages), and one expert-narrowed ``fq combine`` adapter on its base:
+    fq.runtime.exl3 in exllamav3 against the CPU path (fq.runtime.load) on held-out tokens."""
+    _exllamav3()
+    from fq.attest import keys
+    from fq.combine import combine
+    from fq.publication import read_publication
+    from fq.runtime.exl3 import load_exl3_adapter, load_exl3_product
+    from fq.runtime.load import load_adapter, load_product
+
+    root = published_campaign / "published"
+    key = keys.load_public(published_campaign / "signer.pub")
+    products = read_publication(root, key).predicate["products"]
+    chains = sorted(name for name, e in products.items() if len(e["chain"]) > 1)
+    assert chains, "the campaign publishes no chain product"
+    ids = _windows(published_campaign)
+    results = {}
+
+    def measure(label, ref_loaded, exl3_loader):
+        ref = _reference_logits(ref_loaded, ids)
+        with exl3_loader() as p:
+            assert p.chained and any(p.chained.values()), (label, p.chained)  # stages really ran
+            got = torch.cat([p.forward(w[None]).to("cuda:0") for w in ids])
+            chained = dict(p.chained)
+        assert got.shape == ref.shape
+        results[label] = dict(_agreement(ref, got, int(ids.numel())), chained_linears_per_layer=chained)
+        print(label, results[label])
+
+    for name in chains:
+        plan = root / products[name]["file"]
+        measure(name, load_product(plan, key, state=None), lambda: load_exl3_product(plan, key, state=None))
+
+    # (b): the longest chain's adapter, narrowed to two experts of each MoE layer, on the published base
+    name = max(chains, key=lambda n: len(products[n]["chain"]))
+    plan = root / products[name]["file"]
+    base_dir = root / "base" / products[name]["chain"][0]
+    adapter = tmp_path / "narrow.safetensors"
+    combine(plan, key, adapter, experts="0-1", base_dir=base_dir, state=None)
+    measure(f"{name} adapter experts 0-1", load_adapter(base_dir, adapter, plan, key, state=None),
+            lambda: load_exl3_adapter(base_dir, adapter, plan, key, state=None))
+
+    if os.environ.get("FQ_EXL3_CHAIN_JSON"):
+        Path(os.environ["FQ_EXL3_CHAIN_JSON"]).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    for label, r in results.items():
+        assert r["kl_cpu_path_exl3"] < 1e-3 and r["top1_agreement"] > 0.98, (label, r)

@@ -289,3 +289,34 @@ def test_an_adapter_relabelled_for_another_plan_is_refused(kit, tmp_path, no_mod
                   meta=meta, layout=STANDARD)
     with pytest.raises(FqError, match="are not the stages the plan's chain has for this expert"):
         rt.load_adapter(kit.base_dir, forged, kit.plan("k2.r1.h2"), kit.pub)
+
+
+def test_the_exllamav3_path_stages_exactly_the_verified_base_bytes(kit, tmp_path):
+    """fq.runtime.exl3 hands exllamav3 a private copy written from the buffers whose sha256 was checked (CPU part
+    of that path; the CUDA part is tests/test_exl3_runtime.py). Every manifest file lands byte-identical."""
+    from fq.runtime.exl3 import stage_base
+
+    vc = rt.verify_product(kit.plan("k2.r1.h2"), kit.pub)
+    assert sorted(vc.stage_sets) and all(i > 0 for sets in vc.stage_sets.values() for i, _ in sets)
+    dest = tmp_path / "staged"
+    dest.mkdir()
+    stage_base(vc, dest)
+    listed = vc.base.manifest.files
+    assert sorted(p.name for p in dest.iterdir()) == sorted(listed)
+    for name in listed:
+        assert (dest / name).read_bytes() == (kit.base_dir / name).read_bytes()
+
+
+def test_the_exllamav3_path_refuses_a_base_file_swapped_after_verification(kit, tmp_path):
+    """A shard replaced between verification and staging (the window a lazily reading runtime would expose) is
+    refused, and nothing of it is staged."""
+    from fq.runtime.exl3 import stage_base
+
+    root = copy_tree(kit, tmp_path)
+    vc = rt.verify_product(root / "assemblies" / kit.plan("k2.r1").name, kit.pub)
+    flip(vc.base_dir / rk.SKELETON)
+    dest = tmp_path / "staged"
+    dest.mkdir()
+    with pytest.raises(FqError, match="changed since it was verified"):
+        stage_base(vc, dest)
+    assert not (dest / rk.SKELETON).exists()

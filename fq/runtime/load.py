@@ -81,7 +81,7 @@ class Loaded:
     state: ProductState
 
 
-def _read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[Header, bytes]:
+def read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[Header, bytes]:
     """A base file's bytes, read once, whose sha256 and size are the manifest's (so what is parsed is what was
     verified, whatever happens to the file afterwards); and its safetensors header parsed from those bytes."""
     where = f"{base_dir}/{name}"
@@ -96,7 +96,7 @@ def _read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[H
     return header, data
 
 
-def _tensor(dtype: str, shape, data) -> "torch.Tensor":
+def tensor_from(dtype: str, shape, data) -> "torch.Tensor":
     import torch
 
     from fq.shards import torch_dtype
@@ -106,6 +106,29 @@ def _tensor(dtype: str, shape, data) -> "torch.Tensor":
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(dtype)).reshape(tuple(shape))
 
 
+def check_tensor_file(base_dir: Path, name: str, base: VerifiedBase, plan: dict) -> str:
+    """The kind ("skeleton" or "expert") of one tensor file of a verified base, which a runtime may load only if it
+    is an attested shard and, for expert fragments, one of the plan's base fragments with the plan's digest."""
+    att = base.shards.get(name)
+    if att is None:
+        raise FqError(f"{base_dir}/{name}: a tensor file without an attestation; a runtime loads attested shards only")
+    if att.info.kind == "skeleton":
+        return "skeleton"
+    base_rel = plan["base"]["dir"] + "/"
+    want = {f["name"][len(base_rel):]: f["sha256"] for f in plan["fragments"] if f["node"] == plan["base"]["node"]}
+    if want.get(name) != base.manifest.files[name][0]:
+        raise FqError(f"{base_dir}/{name}: an expert fragment the plan does not name as a base fragment")
+    return "expert"
+
+
+def check_base_fragments(base_dir: Path, base: VerifiedBase, plan: dict) -> None:
+    base_rel = plan["base"]["dir"] + "/"
+    want = {f["name"][len(base_rel):] for f in plan["fragments"] if f["node"] == plan["base"]["node"]}
+    missing = sorted(want - set(base.manifest.files))
+    if missing:
+        raise FqError(f"{base_dir}: base fragments {missing} of the plan are not in the base")
+
+
 def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: ExpertLayout) -> tuple[dict, dict, dict]:
     """(config, skeleton tensors by name, base tensor sets by (layer, expert, proj)) of a verified base. Every
     tensor file of the base must be an attested shard; its expert fragments must be the plan's base fragments."""
@@ -113,43 +136,35 @@ def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: Expert
     name = SOURCE_CONFIG if SOURCE_CONFIG in files else CONFIG  # the source's own, verbatim, when the base keeps it
     if name not in files:
         raise FqError(f"{base_dir}: no {CONFIG} in its manifest; a base a runtime loads carries its model config")
-    _, raw = _read_verified(base_dir, name, *files[name])
+    _, raw = read_verified(base_dir, name, *files[name])
     config = loads(raw, f"{base_dir}/{name}")
     if not isinstance(config, dict):
         raise FqError(f"{base_dir}/{name}: not a JSON object")
-    base_rel = plan["base"]["dir"] + "/"
-    want = {f["name"][len(base_rel):]: f["sha256"] for f in plan["fragments"] if f["node"] == plan["base"]["node"]}
     skeleton: dict = {}
     sets: dict = {}
     for name in sorted(n for n in files if n.endswith(".safetensors")):
-        att = base.shards.get(name)
-        if att is None:
-            raise FqError(f"{base_dir}/{name}: a tensor file without an attestation; a runtime loads attested shards only")
-        header, data = _read_verified(base_dir, name, *files[name])
-        if att.info.kind == "skeleton":
+        kind = check_tensor_file(base_dir, name, base, plan)
+        header, data = read_verified(base_dir, name, *files[name])
+        if kind == "skeleton":
             for e in header.entries:
                 if e.name in skeleton:
                     raise FqError(f"{base_dir}/{name}: tensor {e.name!r} is in two skeleton shards")
                 if layout.is_routed_weight(e.name):
                     raise FqError(f"{base_dir}/{name}: skeleton shard holds routed-expert weight {e.name!r}")
-                skeleton[e.name] = _tensor(e.dtype, e.shape, data[e.start:e.end])
+                skeleton[e.name] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
             continue
-        if want.get(name) != files[name][0]:
-            raise FqError(f"{base_dir}/{name}: an expert fragment the plan does not name as a base fragment")
         for e in header.entries:
             layer, expert, proj, suffix = layout.parse(e.name)
-            sets.setdefault((layer, expert, proj), {})[suffix] = _tensor(e.dtype, e.shape, data[e.start:e.end])
-    missing = sorted(set(want) - set(files))
-    if missing:
-        raise FqError(f"{base_dir}: base fragments {missing} of the plan are not in the base")
+            sets.setdefault((layer, expert, proj), {})[suffix] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
+    check_base_fragments(base_dir, base, plan)
     return config, skeleton, sets
 
 
-def _stage_sets(v: Verified, chain: list[dict]) -> dict:
+def stage_sets(v: Verified, chain: list[dict]) -> dict:
     """(layer, expert, proj) -> [(chain index, tensor set)] of the verified stage tensors, in chain order."""
     out: dict = {}
     for (layer, ex, i, proj, s), r in v.residual.items():
-        out.setdefault((layer, ex, proj), {}).setdefault(i, {})[s] = _tensor(r.dtype, r.shape, r.data)
+        out.setdefault((layer, ex, proj), {}).setdefault(i, {})[s] = tensor_from(r.dtype, r.shape, r.data)
     for (layer, ex, proj), by_index in out.items():
         for i, tset in by_index.items():
             if set(tset) != set(suffixes(chain[i]["codebook"])):
@@ -181,26 +196,42 @@ def _all(plan: dict) -> tuple[list, list]:
     return narrow(plan, parse_selection("all"))
 
 
-def product_state(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
-                  now: dt.datetime | None = None, state: PlanState | None = None,
-                  min_version: int | None = None) -> ProductState:
-    """(a): a published tree's product, every fragment and the whole base verified first."""
+@dataclass
+class VerifiedChain:
+    """A product whose plan, whole base and every stage byte were verified: what a runtime builds from."""
+
+    product: Product
+    base_dir: Path
+    base: VerifiedBase
+    stage_sets: dict  # (layer, expert, proj) -> [(chain index, tensor set)], chain order
+
+    @property
+    def plan(self) -> dict:
+        return self.product.predicate
+
+    def layout(self) -> ExpertLayout:
+        return ExpertLayout.from_json(self.plan["layout"], f"{self.product.plan.path}: layout")
+
+
+def verify_product(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
+                   now: dt.datetime | None = None, state: PlanState | None = None,
+                   min_version: int | None = None) -> VerifiedChain:
+    """(a): a published tree's product, every fragment and the whole base verified. The caller records the plan
+    in ``state`` (``.product.record``) once it has used it."""
     product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
     plan = product.predicate
     base_dir = product.root / plan["base"]["dir"]
     work, chosen = _all(plan)
     v = verify_fragments(product, public_key, work, chosen, base_dir=base_dir)
-    result = _state(product, base_dir, v.base, _stage_sets(v, plan["chain"]))
-    product.record(state)
-    return result
+    return VerifiedChain(product, base_dir, v.base, stage_sets(v, plan["chain"]))
 
 
-def adapter_state(base_dir: str | os.PathLike, adapter: str | os.PathLike, plan_path: str | os.PathLike,
-                  public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
-                  now: dt.datetime | None = None, state: PlanState | None = None,
-                  min_version: int | None = None) -> ProductState:
+def verify_adapter_product(base_dir: str | os.PathLike, adapter: str | os.PathLike, plan_path: str | os.PathLike,
+                           public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
+                           now: dt.datetime | None = None, state: PlanState | None = None,
+                           min_version: int | None = None) -> VerifiedChain:
     """(b): a base checkpoint plus the adapter ``fq combine`` wrote from ``plan_path``; the plan, the whole base
-    and every byte of the adapter verified first. ``root``: where the plan's publication statement is looked for
+    and every byte of the adapter verified. ``root``: where the plan's publication statement is looked for
     (default: the tree holding ``assemblies/``, or the plan's own directory when it is not in one)."""
     if root is None:
         try:
@@ -214,8 +245,24 @@ def adapter_state(base_dir: str | os.PathLike, adapter: str | os.PathLike, plan_
     v = verify_fragments(product, public_key, [(f, rs) for f, rs in work if f["node"] == base_node], chosen,
                          base_dir=base_dir)
     a = verify_adapter(adapter, product, v.geometry)
-    result = _state(product, Path(base_dir), v.base, _stage_sets(a, plan["chain"]))
-    product.record(state)
+    return VerifiedChain(product, Path(base_dir), v.base, stage_sets(a, plan["chain"]))
+
+
+def product_state(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, state: PlanState | None = None,
+                  **kw) -> ProductState:
+    """(a), as dense float32 tensors."""
+    vc = verify_product(plan_path, public_key, state=state, **kw)
+    result = _state(vc.product, vc.base_dir, vc.base, vc.stage_sets)
+    vc.product.record(state)
+    return result
+
+
+def adapter_state(base_dir: str | os.PathLike, adapter: str | os.PathLike, plan_path: str | os.PathLike,
+                  public_key: Ed25519PublicKey, *, state: PlanState | None = None, **kw) -> ProductState:
+    """(b), as dense float32 tensors."""
+    vc = verify_adapter_product(base_dir, adapter, plan_path, public_key, state=state, **kw)
+    result = _state(vc.product, vc.base_dir, vc.base, vc.stage_sets)
+    vc.product.record(state)
     return result
 
 
@@ -307,7 +354,7 @@ def checkpoint_state(directory: str | os.PathLike, sha256: dict[str, str] | None
         if data[:header.data_start] != header.raw:
             raise FqError(f"{where}: changed while it was read")
         for e in header.entries:
-            t = _tensor(e.dtype, e.shape, data[e.start:e.end])
+            t = tensor_from(e.dtype, e.shape, data[e.start:e.end])
             tensors[e.name] = t.float() if t.is_floating_point() else t
     return config, tensors
 
