@@ -92,6 +92,23 @@ def _agreement(ref: torch.Tensor, got: torch.Tensor, positions: int) -> dict:
             "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), "positions": positions}
 
 
+def _linear_errors(p, dense: dict) -> dict:
+    """Each chain linear as a GEMM on its own: Σ_stage exl3_gemm(x) against x @ (fq's float32 chain sum)ᵀ, for the
+    same fp16 inputs: relative Frobenius error, worst over the linears, and over those that carry stages."""
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+    worst, worst_staged = 0.0, 0.0
+    for name, lin in sorted(p.linears.items()):
+        w = dense[name].to("cuda:0")
+        x = torch.randn(64, lin.in_features, generator=g, device="cuda:0").half()
+        want = x.float() @ w.T
+        got = lin.forward(x, {}, torch.float)
+        err = ((got - want).norm() / want.norm()).item()
+        worst = max(worst, err)
+        if len(lin.parts) > 1:
+            worst_staged = max(worst_staged, err)
+    return {"linear_rel_err_max": worst, "staged_linear_rel_err_max": worst_staged, "linears": len(p.linears)}
+
+
 def _reference_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
     """The CPU path's model (float32, dense chain sums), run on the GPU only for time: the same float32 weights."""
     model = loaded.model.to("cuda:0")
@@ -126,8 +143,12 @@ def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaig
             assert p.chained and any(p.chained.values()), (label, p.chained)  # stages really ran
             got = torch.cat([p.forward(w[None]).to("cuda:0") for w in ids])
             chained = dict(p.chained)
+            linear_err = _linear_errors(p, ref_loaded.state.tensors)
         assert got.shape == ref.shape
-        results[label] = dict(_agreement(ref, got, int(ids.numel())), chained_linears_per_layer=chained)
+        per_pos = (got - ref).abs().amax(-1).flatten()
+        results[label] = dict(_agreement(ref, got, int(ids.numel())), chained_linears_per_layer=chained,
+                              positions_logit_diff_over_0_05=int((per_pos > 0.05).sum()),
+                              median_position_max_logit_diff=per_pos.median().item(), **linear_err)
         print(label, results[label])
 
     for name in chains:
@@ -146,4 +167,5 @@ def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaig
     if os.environ.get("FQ_EXL3_CHAIN_JSON"):
         Path(os.environ["FQ_EXL3_CHAIN_JSON"]).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     for label, r in results.items():
+        assert r["staged_linear_rel_err_max"] < 1e-3 and r["linear_rel_err_max"] < 1e-3, (label, r)
         assert r["kl_cpu_path_exl3"] < 1e-3 and r["top1_agreement"] > 0.98, (label, r)

@@ -106,6 +106,7 @@ class Exl3Product:
     model: object
     config: object
     chained: dict = field(default_factory=dict)  # layer -> number of expert linears carrying stages
+    linears: dict = field(default_factory=dict)  # checkpoint weight name -> ChainLinear (chained layers only)
     _tmp: tempfile.TemporaryDirectory | None = None
 
     def forward(self, ids, params: dict | None = None):
@@ -144,12 +145,13 @@ def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = Fals
         for (layer, ex_, proj), sets in vc.stage_sets.items():
             by_layer.setdefault(layer, {})[(ex_, proj)] = sets
         chained: dict = {}
+        linears: dict = {}
         for m in model:
             if not (hasattr(m, "ups") and hasattr(m, "downs") and hasattr(m, "fused_mode_buffers")):
                 continue
-            linears = list(m.gates) + list(m.ups) + list(m.downs)
+            own = list(m.gates) + list(m.ups) + list(m.downs)
             layer = None
-            for lin in linears:
+            for lin in own:
                 try:
                     layer, _, _, _ = layout.parse(lin.key + ".weight")
                     break
@@ -159,20 +161,21 @@ def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = Fals
                 continue
             mine = by_layer.get(layer, {})
             n = 0
-            for lin in linears:
+            for lin in own:
                 _, expert, proj, _ = layout.parse(lin.key + ".weight")
                 if getattr(lin, "quant_type", None) != "exl3":
                     raise FqError(f"{lin.key}: not an EXL3 linear in the base as exllamav3 loaded it")
                 stages = [_stage_linear(config, tset, lin.in_features, lin.out_features, device, f"{lin.key}.stage{i}")
                           for i, tset in mine.get((expert, proj), [])]
-                lin.inner = ChainLinear(lin.inner, stages)
+                lin.inner = linears[lin.key + ".weight"] = ChainLinear(lin.inner, stages)
                 n += bool(stages)
             _per_expert_path(m)
             chained[layer] = n
         missing = sorted(set(by_layer) - set(chained))
         if missing:
             raise FqError(f"{vc.product.plan.path}: stages for layers {missing} whose MoE block exllamav3 did not build")
-        return Exl3Product(plan["product"], [n["node"] for n in plan["chain"]], model, config, chained, tmp)
+        return Exl3Product(plan["product"], [n["node"] for n in plan["chain"]], model, config, chained, linears,
+                            tmp)
     except BaseException:
         tmp.cleanup()
         raise
