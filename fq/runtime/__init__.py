@@ -9,10 +9,13 @@ What it owns:
   (``fq.product.open_product``, ``fq.combine.verify_fragments`` / ``verify_adapter``, ``fq.manifest.verify_base``);
   the bytes then used are the ones hashed. After transformers' weight conversion (it fuses experts into 3-D
   parameters) the loaded model is read back and compared with what was handed over, tensor by tensor.
+- ``fq.runtime.exl3``: the same verified product in exllamav3 on CUDA: the base staged from the verified bytes into
+  a private directory and loaded by exllamav3; in each chained MoE layer every expert linear is the float32 sum of
+  its stages' EXL3 GEMMs (``ChainLinear``), never a dequantized weight.
 - ``fq.runtime.quality``: KL divergence of next-token distributions against a reference model, perplexity and
   top-1 agreement on token windows; deterministic on the CPU (one thread, fixed batches, exact sums).
 
 What it may import: fq's consumer side (product, combine, manifest, adapter, codec, shards, experts, selection,
-errors), torch, transformers and tokenizers (lazily: ``import fq.runtime`` loads neither). Never fq.workflow:
+errors), torch, transformers, tokenizers and exllamav3 (lazily: ``import fq.runtime`` loads neither). Never fq.workflow:
 the campaign side (``fq.workflow.eval``) imports this package, not the other way round.
 """
