@@ -6,7 +6,7 @@
 Builds a synthetic base with fq's own writers and signer (one skeleton shard of bf16 tensors, expert
 fragments of random trellis codes at K=4 with 1024x2048 experts, their attestations, config.json and the
 signed base manifest: about 70% of the bytes in fragments, as in a real MoE base), then times
-``fq.manifest.verify_base`` (what ``--base`` runs: the manifest, then every file listed and re-hashed in one
+``fq.provenance.manifest.verify_base`` (what ``--base`` runs: the manifest, then every file listed and re-hashed in one
 streamed pass, every attested shard checked against its attestation) with the page cache warm (the files were
 just written; a cold read adds the disk's time), and, for scale, one plain sha256 pass over the same files
 (8 MiB reads). Prints one JSON object; ``--json`` also writes it.
@@ -29,14 +29,14 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fq.attest import keys  # noqa: E402
-from fq.attest.campaign import campaign_identity  # noqa: E402
-from fq.attest.fragment import attest_fragment, attest_skeleton  # noqa: E402
 from fq.codec.codebook import marker_value  # noqa: E402
-from fq.experts import STANDARD  # noqa: E402
-from fq.fragments import fragment_filename, write_fragment, write_skeleton  # noqa: E402
-from fq.identity import encoder_identity  # noqa: E402
-from fq.manifest import verify_base, write_base_manifest  # noqa: E402
+from fq.model.experts import STANDARD  # noqa: E402
+from fq.provenance.attest import keys  # noqa: E402
+from fq.provenance.attest.campaign import campaign_identity  # noqa: E402
+from fq.provenance.attest.fragment import attest_fragment, attest_skeleton  # noqa: E402
+from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton  # noqa: E402
+from fq.provenance.identity import encoder_identity  # noqa: E402
+from fq.provenance.manifest import verify_base, write_base_manifest  # noqa: E402
 
 IN, OUT, K, EXPERTS_PER_BLOCK = 1024, 2048, 4, 8  # torch (out, in) = (OUT, IN) per projection
 

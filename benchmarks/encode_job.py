@@ -106,7 +106,7 @@ def make_source(work: Path, experts: int, scale: int = 1, seed: int = 0, shapes:
     returns it and {expert: {proj: tensor name}}."""
     from safetensors.torch import save_file
 
-    from fq.experts import STANDARD
+    from fq.model.experts import STANDARD
 
     gen = torch.Generator().manual_seed(seed)
     shard = work / "model-00001-of-00001.safetensors"
@@ -122,10 +122,10 @@ def make_source(work: Path, experts: int, scale: int = 1, seed: int = 0, shapes:
 
 def make_campaign(work: Path, kind: str, experts: int, shard: Path) -> tuple[Path, Path]:
     """A campaign.json binding a fresh signer and this encoder build, as init writes it."""
-    from fq import canonical
-    from fq.attest import keys
-    from fq.attest.campaign import campaign_identity
-    from fq.identity import encoder_identity
+    from fq.core import canonical
+    from fq.provenance.attest import keys
+    from fq.provenance.attest.campaign import campaign_identity
+    from fq.provenance.identity import encoder_identity
 
     key_path, _, fp = keys.generate(work / "signer")
     enc = encoder_identity(kind)
@@ -141,7 +141,7 @@ def make_campaign(work: Path, kind: str, experts: int, shard: Path) -> tuple[Pat
 
 
 def block_jobs(out: Path, blocks: int, experts: int, shard: Path, names: dict, K: int, codebook: str) -> list:
-    from fq.fragments import fragment_filename
+    from fq.provenance.fragments import fragment_filename
     from fq.workflow.encode import BlockJob
 
     jobs = []
@@ -158,7 +158,7 @@ def block_jobs(out: Path, blocks: int, experts: int, shard: Path, names: dict, K
 
 def run_mode(mode: str, work: Path, *, campaign: Path, key: Path, shard: Path, names: dict, blocks: int, experts: int,
              K: int, codebook: str, device: str, devices: list[int], threads: int, fixed_s: float) -> dict:
-    from fq.experts import STANDARD
+    from fq.model.experts import STANDARD
     from fq.workflow.encode import encode_blocks
 
     out = work / mode

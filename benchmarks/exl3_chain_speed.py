@@ -68,9 +68,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fq.attest import keys
-    from fq.demo_model import text
-    from fq.publication import read_publication
+    from fq.model.demo_model import text
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
     from fq.runtime.evaluate import tokenize
     from fq.runtime.exl3 import load_exl3_product
     from fq.runtime.quality import token_windows

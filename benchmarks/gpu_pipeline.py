@@ -46,7 +46,7 @@ EXIT_LAG_S = 0.2  # how long before this process sees a job's exit its GPU lock 
 
 def child(spec_path: str) -> int:
     """One encode job, as scripts/encode.py runs it; writes its timeline next to the spec."""
-    from fq.experts import STANDARD
+    from fq.model.experts import STANDARD
     from fq.workflow.encode import BlockJob, encode_blocks
 
     spec = json.loads(Path(spec_path).read_text())

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     key = work / "signer.key"
     if not key.exists():
         sys.path.insert(0, str(ROOT))
-        from fq.attest import keys
+        from fq.provenance.attest import keys
 
         keys.generate(work / "signer")
     runs = [run_campaign(work, "multi", devices, key, a.interval),

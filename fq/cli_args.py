@@ -1,12 +1,12 @@
 """Command-line options shared by the planning commands (plan, price): which source checkpoint,
-which windows. Parsing only; the checks live in fq.source, fq.layer_ranges and fq.plan."""
+which windows. Parsing only; the checks live in fq.model.source, fq.core.layer_ranges and fq.planning.plan."""
 from __future__ import annotations
 
 import argparse
 
-from fq.plan import DEFAULT_WINDOWS_ON_DISK
-from fq.source import SourceModel, load_sizes, load_source
-from fq.units import parse_bytes
+from fq.core.units import parse_bytes
+from fq.model.source import SourceModel, load_sizes, load_source
+from fq.planning.plan import DEFAULT_WINDOWS_ON_DISK
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:

@@ -3,9 +3,10 @@ import hashlib
 import re
 from pathlib import Path
 
-from fq.demo_model import SIDE_FILES as DEMO_SIDE_FILES, TEXT_SPLITS as DEMO_TEXT_SPLITS
+from fq.model.demo_model import SIDE_FILES as DEMO_SIDE_FILES, TEXT_SPLITS as DEMO_TEXT_SPLITS
+from fq.provenance.publication import NAME as PUBLICATION_NAME
 from fq.workflow.campaign import load_campaign
-from fq.workflow.finalize import INDEX, PUBLICATION_NAME, SUMMARY
+from fq.workflow.common import INDEX, SUMMARY
 from fq.workflow.launch import on_start
 
 C = load_campaign(config)

@@ -23,7 +23,7 @@ rule demo_model:
 # layer's router top-k selections counted (fq usage). Hot stages select from it; a real campaign passes its own
 # file (config usage:, made with `fq usage`) and has no such job. The DAG is planned before any job runs, from
 # the usage recorded with the demo model until this file exists; the job refuses a measurement that selects
-# other hot experts (fq.usage.measure_job).
+# other hot experts (fq.model.usage.measure_job).
 if C.usage_file:
 
     rule usage:

@@ -1,5 +1,5 @@
 from _log import to_log
-from fq import demo_model
+from fq.model import demo_model
 
 to_log(snakemake)
 demo_model.write(snakemake.params.out, snakemake.params.text)

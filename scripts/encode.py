@@ -1,6 +1,6 @@
 from _log import to_log
 from fq.errors import FqError
-from fq.experts import ExpertLayout
+from fq.model.experts import ExpertLayout
 from fq.workflow.encode import BlockJob, encode_blocks
 
 to_log(snakemake)

@@ -1,5 +1,5 @@
 from _log import to_log
-from fq.attest import keys
+from fq.provenance.attest import keys
 
 to_log(snakemake)
 keys.generate(snakemake.params.prefix)

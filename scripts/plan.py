@@ -1,5 +1,5 @@
 from _log import to_log
-from fq.plan import write_plan
+from fq.planning.plan import write_plan
 from fq.workflow.campaign import load_campaign
 
 to_log(snakemake, clear_temps=True)

@@ -25,8 +25,8 @@ def golden_matrices():
 @pytest.fixture(scope="module")
 def glm5():
     """The synthetic GLM-5-shaped source (metadata only) that planning and pricing tests share."""
-    from fq.source import parse_source
-    from fq.source_synth import glm5_like
+    from fq.model.source import parse_source
+    from fq.model.source_synth import glm5_like
 
     c, i, s = glm5_like()
     return parse_source(c, i, s, origin="glm5")

@@ -99,7 +99,7 @@ def write_config(d: Path, source: Path, key: Path | None = None, *, out: str = "
 
 
 def keygen(prefix: Path) -> Path:
-    from fq.attest import keys
+    from fq.provenance.attest import keys
 
     prefix.parent.mkdir(parents=True, exist_ok=True)
     keys.generate(str(prefix))

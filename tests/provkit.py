@@ -8,7 +8,7 @@ which every fragment of the node attests; plans record ``RECIPE_SHA256``. Produc
 to provenance); ``codec_sets`` substitutes real encoder output where a test needs it.
 
     ROOT/base/k2/{model-00001-of-00001.safetensors (skeleton), source_config.json, config.json and
-                  quantization_config.json (derived, as finalize writes them: fq.exl3config),
+                  quantization_config.json (derived, as finalize writes them: fq.provenance.exl3config),
                   k2-layer001-block000.safetensors, ..., fq-manifest.intoto.jsonl}
     ROOT/stages/r1/..., ROOT/stages/r2/...
     ROOT/assemblies/{k2r1,k2r1r2}.assembly.intoto.jsonl
@@ -25,18 +25,18 @@ from pathlib import Path
 
 import torch
 
-from fq.assembly import Plan, build_assembly, write_assembly
-from fq.attest import keys
-from fq.attest.campaign import campaign_identity
-from fq.attest.fragment import attest_fragment, attest_skeleton
-from fq.canonical import dumps, sha256_hex
 from fq.codec.codebook import marker_value
-from fq.exl3config import specs as derived_specs, write_derived
-from fq.experts import STANDARD
-from fq.fragments import fragment_filename, write_fragment, write_skeleton
-from fq.identity import encoder_identity
-from fq.manifest import write_base_manifest
-from fq.publication import build_publication, write_publication
+from fq.core.canonical import dumps, sha256_hex
+from fq.model.experts import STANDARD
+from fq.provenance.assembly import Plan, build_assembly, write_assembly
+from fq.provenance.attest import keys
+from fq.provenance.attest.campaign import campaign_identity
+from fq.provenance.attest.fragment import attest_fragment, attest_skeleton
+from fq.provenance.exl3config import specs as derived_specs, write_derived
+from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton
+from fq.provenance.identity import encoder_identity
+from fq.provenance.manifest import write_base_manifest
+from fq.provenance.publication import build_publication, write_publication
 
 LAYERS = (1, 3)
 N_EXPERTS = 8
@@ -128,8 +128,8 @@ PLAN_IDENTITY = "0" * 64
 def sign_plan(c: Campaign, plan: dict, product: str, publish_too: bool = True) -> Path:
     """Sign ``plan`` as given under the campaign key, bypassing every producer-side check (an insider, or a
     buggy pipeline), and by default the publication statement listing it, as that pipeline's finalize would."""
-    from fq.attest import dsse
-    from fq.attest.statement import ASSEMBLY, STATEMENT_TYPE
+    from fq.provenance.attest import dsse
+    from fq.provenance.attest.statement import ASSEMBLY, STATEMENT_TYPE
 
     subjects = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
                [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
@@ -144,8 +144,8 @@ def sign_plan(c: Campaign, plan: dict, product: str, publish_too: bool = True) -
 def _read_signed_plan(path: Path, c: Campaign) -> Plan:
     """A plan as its signer knows it: signature and statement only (a producer lists expired plans, and an
     insider what it signed, without the consumer's checks)."""
-    from fq.attest import dsse
-    from fq.attest.statement import ASSEMBLY, parse_statement
+    from fq.provenance.attest import dsse
+    from fq.provenance.attest.statement import ASSEMBLY, parse_statement
 
     data = path.read_bytes()
     payload = dsse.open_envelope(data, c.pub, str(path))
@@ -247,13 +247,13 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
 
 # --- an insider: bytes changed after encoding, then everything re-signed with the campaign's own key ---
 def _statement_line(st: dict, key) -> bytes:
-    from fq.attest import dsse
+    from fq.provenance.attest import dsse
     return dsse.envelope_line(dsse.sign(dumps(st), key))
 
 
 def _attested(p: Path) -> dict:
     import base64
-    from fq.canonical import loads
+    from fq.core.canonical import loads
     env = loads(p.with_name(p.name + ".intoto.jsonl").read_bytes())
     return loads(base64.b64decode(env["payload"]))
 
@@ -277,9 +277,9 @@ def insider_resign(c: Campaign, rel: str) -> None:
     checks (a compromised or buggy pipeline): its attestation, its children's parent edges, the base manifest
     (for a base fragment), every plan and the publication statement. Only the consumer's own checks stand between
     these bytes and a user."""
-    from fq.assembly import read_assembly, sign_assembly
-    from fq.safepath import sha256_stream
-    from fq.shards import read_header
+    from fq.core.safepath import sha256_stream
+    from fq.model.shards import read_header
+    from fq.provenance.assembly import read_assembly, sign_assembly
     p = c.root / rel
     st = _attested(p)
     with open(p, "rb") as fh:
@@ -324,7 +324,7 @@ def insider_resign(c: Campaign, rel: str) -> None:
 def poison_scale(c: Campaign, rel: str, layer: int, expert: int, proj: str, suffix: str, index: int,
                  bits: int = 0x7E00) -> None:
     """Overwrite one float16 element of a scale tensor in place (0x7E00 NaN, 0x7C00 +Inf, 0xFC00 -Inf)."""
-    from fq.shards import read_header
+    from fq.model.shards import read_header
     p = c.root / rel
     with open(p, "rb") as fh:
         e = read_header(fh, p.name).entry(STANDARD.key(layer, expert, proj, suffix))

@@ -22,18 +22,18 @@ from pathlib import Path
 
 import torch
 
-from fq.exl3config import SOURCE_CONFIG, specs as derived_specs, write_derived
-from fq.assembly import build_assembly, write_assembly
-from fq.attest import keys
-from fq.attest.campaign import campaign_identity
-from fq.attest.fragment import attest_fragment, attest_skeleton
-from fq.canonical import dumps, sha256_hex
 from fq.codec import reconstruct_chain
 from fq.codec.codebook import marker_value
-from fq.experts import STANDARD
-from fq.fragments import fragment_filename, write_fragment, write_skeleton
-from fq.manifest import write_base_manifest
-from fq.publication import build_publication, write_publication
+from fq.core.canonical import dumps, sha256_hex
+from fq.model.experts import STANDARD
+from fq.provenance.assembly import build_assembly, write_assembly
+from fq.provenance.attest import keys
+from fq.provenance.attest.campaign import campaign_identity
+from fq.provenance.attest.fragment import attest_fragment, attest_skeleton
+from fq.provenance.exl3config import SOURCE_CONFIG, specs as derived_specs, write_derived
+from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton
+from fq.provenance.manifest import write_base_manifest
+from fq.provenance.publication import build_publication, write_publication
 
 from provkit import EXPIRES, encoder
 
@@ -214,7 +214,8 @@ def build(tmp: Path, seed: int = 0) -> Kit:
     skel = [(k, v) for k, v in sorted(tensors.items()) if not STANDARD.is_routed_weight(k)]
     write_skeleton(base / SKELETON, tensors=skel, source_shard=SKELETON)
     attest_skeleton(base / SKELETON, key=priv, campaign=camp, source=source_meta, encoder=enc)
-    (base / SOURCE_CONFIG).write_text(json.dumps(config, indent=2))  # config.json is derived from it (fq.exl3config)
+    # config.json is derived from it (fq.provenance.exl3config)
+    (base / SOURCE_CONFIG).write_text(json.dumps(config, indent=2))
     for node, spec in NODES.items():
         for layer in LAYERS:
             for b in range(N_EXPERTS // BLOCK):

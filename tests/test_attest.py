@@ -10,11 +10,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
-from fq.attest import dsse, keys
-from fq.attest.statement import FRAGMENT, parse_statement, validate_predicate
-from fq.canonical import dumps
+from fq.core.canonical import dumps
 from fq.errors import FqError
-from fq.identity import bundle_files, check_identity, determinism_scope, encoder_identity
+from fq.provenance.attest import dsse, keys
+from fq.provenance.attest.statement import FRAGMENT, parse_statement, validate_predicate
+from fq.provenance.identity import bundle_files, check_identity, determinism_scope, encoder_identity
 
 
 # --- DSSE: the test vector of secure-systems-lab/dsse protocol.md (ECDSA P-256, RFC 6979) ---
@@ -169,9 +169,11 @@ def test_encoder_identity_is_deterministic_and_self_checking():
 
 def test_bundle_covers_payload_sources_and_compiled_kernel(tmp_path):
     (tmp_path / "codec").mkdir()
+    (tmp_path / "model").mkdir()
     (tmp_path / "workflow").mkdir()
     (tmp_path / "codec" / "a.py").write_text("x = 1\n")
-    (tmp_path / "shards.py").write_text("x = 2\n")
+    (tmp_path / "model" / "shards.py").write_text("x = 2\n")
+    (tmp_path / "shards.py").write_text("# not at a bundled path: outside the bundle\n")
     (tmp_path / "workflow" / "encode.py").write_text("x = 3\n")
     (tmp_path / "codec" / "k.c").write_text("int x;\n")
     (tmp_path / "codec" / "_trellis.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
@@ -179,9 +181,22 @@ def test_bundle_covers_payload_sources_and_compiled_kernel(tmp_path):
     (tmp_path / "cli.py").write_text("# cannot change a payload byte: outside the bundle\n")
     before = bundle_files(tmp_path)
     assert [p for p, _ in before] == ["codec/_trellis.cpython-311-x86_64-linux-gnu.so", "codec/a.py", "codec/k.c",
-                                      "shards.py", "workflow/encode.py"]
+                                      "model/shards.py", "workflow/encode.py"]
     (tmp_path / "codec" / "_trellis.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF rebuilt")
     assert bundle_files(tmp_path) != before
+
+
+def test_every_bundle_pattern_names_files_of_the_package():
+    """A module of the bundle that moves must take its pattern along: a pattern that matches nothing would silently
+    drop the file from every identity."""
+    from fq.provenance.identity import ENCODER_FILES, PACKAGE_ROOT
+
+    bundled = {p for p, _ in bundle_files()}
+    for pattern in ENCODER_FILES:
+        if pattern.endswith(".so"):
+            continue  # the compiled kernel exists once built (make install); a checkout without it is still a package
+        assert any(PACKAGE_ROOT.joinpath(p).match(pattern) for p in bundled), f"{pattern} matches no file of fq"
+    assert {"model/shards.py", "provenance/fragments.py", "model/experts.py", "workflow/encode.py"} <= bundled
 
 
 def test_identity_refuses_an_absent_cuda_device():

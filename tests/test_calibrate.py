@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from fq.calibrate import measure, merge_table, parse_ks, parse_shapes, table_section
 from fq.cli import main
 from fq.errors import FqError
-from fq.price import default_cost_table_path, load_cost_table, parse_cost_table
+from fq.planning.calibrate import measure, merge_table, parse_ks, parse_shapes, table_section
+from fq.planning.price import default_cost_table_path, load_cost_table, parse_cost_table
 
 
 def fake_encoder(cost):

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import provkit
-from fq.attest import dsse
-from fq.canonical import dumps, loads
-from fq.combine import combine
+from fq.core.canonical import dumps, loads
 from fq.errors import FqError
-from fq.selection import parse_selection
-from fq.verify import verify_path
+from fq.provenance.attest import dsse
+from fq.provenance.combine import combine
+from fq.provenance.selection import parse_selection
+from fq.provenance.verify import verify_path
 
 NOW = provkit.NOW
 
@@ -112,7 +112,7 @@ def test_json_limits_cost_linear_time():
     """The depth check runs before parsing, so it must not be the slow part: strings that never end, escapes
     everywhere, non-ASCII outside strings, millions of brackets."""
     import time
-    from fq.canonical import nesting_depth
+    from fq.core.canonical import nesting_depth
     cases = {'"' + '\\"' * 500_000: 0, '"\\' * 500_000: 0, "é[" * 100 + "]" * 100: 100,
              "[]" * 2_000_000: 1, '["]", {"a": ["[[["]}]': 3}
     t = time.perf_counter()
@@ -134,7 +134,7 @@ def test_json_limits_cost_linear_time():
                             r"got '111111111111… \(5000 characters\)'"),
 ])
 def test_hostile_fragment_metadata_is_one_line(meta, pattern, tmp_path):
-    from fq.shards import RawTensor, write_shard
+    from fq.model.shards import RawTensor, write_shard
     from safetensors import safe_open
     c = provkit.build_campaign(tmp_path)
     p = c.root / c.frag("r1", 1, 0)
@@ -150,7 +150,7 @@ def test_hostile_fragment_metadata_is_one_line(meta, pattern, tmp_path):
 
 
 def test_tensor_name_with_a_5000_digit_layer_is_one_line(tmp_path):
-    from fq.shards import RawTensor, write_shard
+    from fq.model.shards import RawTensor, write_shard
     c = provkit.build_campaign(tmp_path)
     p = c.root / c.frag("r1", 1, 0)
     name = "model.layers." + "1" * 5000 + ".mlp.experts.0.gate_proj.trellis"
@@ -274,7 +274,7 @@ def test_signatures_are_capped_before_any_is_verified(tmp_path, monkeypatch):
 def test_pinned_attestation_digest_is_compared_first(tmp_path):
     """A validly signed line that is not the one the plan pins (same campaign, same bytes, re-attested with other
     quant_args) is refused by its digest."""
-    from fq.attest.fragment import attest_fragment
+    from fq.provenance.attest.fragment import attest_fragment
     c = provkit.build_campaign(tmp_path)
     p = c.root / c.frag("r1", 1, 0)
     parent = provkit._attested(p)["predicate"]["parent"]
@@ -325,7 +325,7 @@ def test_insider_signed_nonfinite_stage_scale_is_refused(suffix, bits, label, tm
 def test_scale_check_on_stream_pieces():
     """The verifier sees a shard in chunks that may split an element (an odd data start): every split finds the
     same first non-finite element."""
-    from fq.scales import nonfinite_f16
+    from fq.provenance.scales import nonfinite_f16
     x = torch.ones(300, dtype=torch.float16)
     x[123], x[200] = float("inf"), float("nan")
     raw = b"\x07" + x.numpy().tobytes()  # the tensor starts at odd offset 1 of this buffer
@@ -367,8 +367,8 @@ def test_encoder_refuses_a_residual_whose_scales_overflow_fp16():
 
 
 def test_write_fragment_refuses_nonfinite_scales(tmp_path):
-    from fq.experts import STANDARD
-    from fq.fragments import write_fragment
+    from fq.model.experts import STANDARD
+    from fq.provenance.fragments import write_fragment
     gen = torch.Generator().manual_seed(0)
     experts = {0: {pr: provkit.random_set(o, i, 2, "mul1", gen) for pr, (o, i) in provkit.DIMS.items()}}
     experts[0]["up_proj"]["svh"][3] = float("nan")
@@ -444,9 +444,9 @@ def test_combine_base_reports_how_many_problems(tmp_path):
 
 def test_combine_base_reads_each_file_once(tmp_path, monkeypatch):
     """Bounded memory, one streamed pass: every byte of the base is read about once, never a file twice."""
-    import fq.attest.fragment as fragment_mod
-    import fq.manifest as manifest_mod
-    import fq.combine as combine_mod
+    import fq.provenance.attest.fragment as fragment_mod
+    import fq.provenance.combine as combine_mod
+    import fq.provenance.manifest as manifest_mod
     c = provkit.build_campaign(tmp_path)
     base = c.root / "base/k2"
     read: dict[str, int] = {}

@@ -7,8 +7,8 @@
   one it lists;
 - versions rise per signer across campaigns: an older complete campaign of the same key is a rollback, for
   consumers with a state file and for fq promote;
-- one set of plan checks (``fq.product``): an insider-signed plan with a wrong fragment size is refused by all
-  four, with one message;
+- one set of plan checks (``fq.provenance.product``): an insider-signed plan with a wrong fragment size is refused by
+  all four, with one message;
 - errors a user must never see: a missing fragment is one line naming the fragment and the plans that need it,
   a wrong key is one line, and a re-encoded plan line is called what it is.
 """
@@ -22,16 +22,16 @@ import shutil
 import pytest
 
 import provkit
-from fq import canonical
-from fq.assembly import PlanState, read_assembly
-from fq.attest import dsse
-from fq.attest.statement import PUBLICATION
 from fq.cli import main
-from fq.combine import combine
+from fq.core import canonical
 from fq.errors import FqError
-from fq.publication import NAME as PUBLICATION_NAME, read_publication
-from fq.summary import SUMMARY_NAME, summary_view
-from fq.verify import verify_path
+from fq.provenance.assembly import PlanState, read_assembly
+from fq.provenance.attest import dsse
+from fq.provenance.attest.statement import PUBLICATION
+from fq.provenance.combine import combine
+from fq.provenance.publication import NAME as PUBLICATION_NAME, read_publication
+from fq.provenance.summary import SUMMARY_NAME, summary_view
+from fq.provenance.verify import verify_path
 
 NOW = provkit.NOW
 
@@ -319,8 +319,8 @@ def test_every_consumer_refuses_an_insider_signed_plan_with_a_wrong_fragment_siz
 
 
 def test_every_consumer_refuses_an_insider_signed_plan_with_a_wrong_header_digest(c, tmp_path, capsys):
-    """The attestation-against-plan checks are one function (fq.product.Product.check_fragment): verify did not
-    compare the header digest either."""
+    """The attestation-against-plan checks are one function (fq.provenance.product.Product.check_fragment): verify
+    did not compare the header digest either."""
     plan = read_assembly(c.plans["k2r1r2"], c.pub, now=NOW).predicate
     victim = next(f for f in plan["fragments"] if f["node"] == "k2")  # a base fragment: mesh-plan reads it too
     attested = victim["header_sha256"]

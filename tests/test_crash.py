@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import crashkit as k
-from fq import canonical
+from fq.core import canonical
 from fq.errors import FqError
 
 pytestmark = pytest.mark.slow
@@ -141,8 +141,8 @@ def test_orphaned_encode_worker_keeps_its_claim(inited):
     assert not k.flock_holders(claim)
     frag = d / target  # the orphan committed its block whole
 
-    from fq.attest import keys
-    from fq.attest.fragment import verify_shard
+    from fq.provenance.attest import keys
+    from fq.provenance.attest.fragment import verify_shard
 
     doc = canonical.load(d / "campaign" / "campaign.json")
     verify_shard(frag.parent, frag.name, keys.load_public(d / "campaign" / "signer.pub"), campaign=doc["identity"])

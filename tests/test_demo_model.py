@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fq import canonical, demo_model
+from fq.core import canonical
+
 from fq.errors import FqError
-from fq.source import load_source
-from fq.usage import load_usage, parse_usage, rankings
+from fq.model import demo_model
+from fq.model.source import load_source
+from fq.model.usage import load_usage, parse_usage, rankings
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +82,7 @@ def test_checkpoint_files_and_shards(written):
     assert all(".mlp.experts." in t for t, s in src.weight_map.items() if s == shards[2])
     assert set(src.layer_shards(1)) & set(src.layer_shards(2)) == {shards[2]}
     # GLM-5's router and shared-expert names; routers and their bias float32, everything else bf16
-    from fq.shards import read_header
+    from fq.model.shards import read_header
 
     dtypes = {}
     for s in shards:
@@ -128,7 +130,7 @@ def test_transformers_loads_it_offline_and_the_heldout_perplexity_is_the_recorde
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fq.demo_train import perplexity
+    from fq.model.demo_train import perplexity
 
     model_dir, text = written
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -171,7 +173,7 @@ def test_fq_usage_measures_the_recorded_usage(written, tmp_path):
 def test_the_usage_job_refuses_a_measurement_that_selects_other_hot_experts(written, tmp_path):
     """The demo DAG is planned from the recorded usage before the usage job measures it; a measurement that
     selects other hot experts is refused, one that only moves counts is accepted with a warning."""
-    from fq.usage import measure_job
+    from fq.model.usage import measure_job
 
     model, text = written
     recorded = canonical.loads(demo_model.data()["usage.json"])

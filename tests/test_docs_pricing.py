@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from fq.cli import main
-from fq.source_synth import glm5_like, write_synthetic
+from fq.model.source_synth import glm5_like, write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 

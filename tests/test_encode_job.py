@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import encode_job as bench  # noqa: E402
 from fq.errors import FqError  # noqa: E402
-from fq.experts import STANDARD  # noqa: E402
+from fq.model.experts import STANDARD  # noqa: E402
 from fq.workflow import encode as enc  # noqa: E402
 
 

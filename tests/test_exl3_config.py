@@ -23,18 +23,18 @@ import torch
 from safetensors import safe_open
 
 import provkit
-from fq import canonical
-from fq.assembly import read_assembly, sign_assembly
-from fq.attest import dsse
-from fq.attest.statement import MANIFEST, STATEMENT_TYPE
 from fq.cli import main
-from fq.combine import combine
+from fq.core import canonical
 from fq.errors import FqError
-from fq.exl3config import (QUANTIZATION_CONFIG, RULE_CONFIG, RULE_QUANTIZATION_CONFIG, VERSION, derive_config,
-                           derive_quantization_config, write_derived)
-from fq.manifest import MANIFEST_NAME, list_files, read_base_manifest
-from fq.publication import read_publication
-from fq.verify import verify_path
+from fq.provenance.assembly import read_assembly, sign_assembly
+from fq.provenance.attest import dsse
+from fq.provenance.attest.statement import MANIFEST, STATEMENT_TYPE
+from fq.provenance.combine import combine
+from fq.provenance.exl3config import (QUANTIZATION_CONFIG, RULE_CONFIG, RULE_QUANTIZATION_CONFIG, VERSION,
+                                      derive_config, derive_quantization_config, write_derived)
+from fq.provenance.manifest import MANIFEST_NAME, list_files, read_base_manifest
+from fq.provenance.publication import read_publication
+from fq.provenance.verify import verify_path
 
 NOW = provkit.NOW
 MARKERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}

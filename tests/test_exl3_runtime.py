@@ -37,7 +37,7 @@ def published_campaign():
 
 
 def _windows(campaign: Path) -> torch.Tensor:
-    from fq.demo_model import text
+    from fq.model.demo_model import text
     from fq.runtime.evaluate import tokenize
     from fq.runtime.quality import token_windows
 
@@ -48,8 +48,8 @@ def _windows(campaign: Path) -> torch.Tensor:
 @cuda
 def test_exllamav3_loads_every_published_base_and_matches_the_reference_forward(published_campaign):
     ex = _exllamav3()
-    from fq.attest import keys
-    from fq.publication import read_publication
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
     from fq.runtime.load import load_product
 
     root = published_campaign / "published"
@@ -123,9 +123,9 @@ def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaig
     """Every published chain product (base + stages), and one expert-narrowed ``fq combine`` adapter on its base:
     fq.runtime.exl3 in exllamav3 against the CPU path (fq.runtime.load) on held-out tokens."""
     _exllamav3()
-    from fq.attest import keys
-    from fq.combine import combine
-    from fq.publication import read_publication
+    from fq.provenance.attest import keys
+    from fq.provenance.combine import combine
+    from fq.provenance.publication import read_publication
     from fq.runtime.exl3 import load_exl3_adapter, load_exl3_product
     from fq.runtime.load import load_adapter, load_product
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-NO_TORCH = ["fq.cli", "fq.verify", "fq.workflow.finalize", "fq.workflow.skeleton", "fq.workflow.report",
-            "fq.workflow.init", "fq.workflow.campaign", "fq.assembly", "fq.attest.fragment", "fq.shards", "fq.fragments",
-            "fq.plan", "fq.price", "fq.promote.local"]
+NO_TORCH = ["fq.cli", "fq.provenance.verify", "fq.workflow.finalize", "fq.workflow.skeleton", "fq.workflow.report",
+            "fq.workflow.init", "fq.workflow.campaign", "fq.workflow.common", "fq.provenance.assembly",
+            "fq.provenance.attest.fragment", "fq.model.shards", "fq.provenance.fragments", "fq.planning.plan",
+            "fq.planning.price", "fq.promote.local"]
 
 
 def test_torch_free_commands_and_jobs_do_not_import_torch():

@@ -84,7 +84,7 @@ def test_dead_temps_of_own_names_only(tmp_path):
 
 
 def test_disk_full_write_is_one_line_and_leaves_nothing(tmp_path):
-    from fq import atomic
+    from fq.core import atomic
     from fq.workflow.finalize import disk_full_is_one_line
 
     mnt = tmp_path / "small"
@@ -99,7 +99,7 @@ def test_disk_full_write_is_one_line_and_leaves_nothing(tmp_path):
 
 
 def test_hub_metadata_kept_in_the_campaign_plans_without_the_hub(tmp_path, monkeypatch):
-    from fq.source import load_source
+    from fq.model.source import load_source
     from fq.workflow import hub
     from fq.workflow.campaign import load_campaign
 

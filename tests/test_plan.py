@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from fq import canonical
 from fq.cli import main
+from fq.core import canonical
 from fq.errors import FqError
-from fq.plan import load_plan, make_plan, write_plan
-from fq.recipe import load_recipe, parse_recipe
-from fq.source import parse_source
-from fq.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
-from fq.usage import parse_usage
+from fq.model.source import parse_source
+from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
+from fq.model.usage import parse_usage
+from fq.planning.plan import load_plan, make_plan, write_plan
+from fq.planning.recipe import load_recipe, parse_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TB = 10**12

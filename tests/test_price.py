@@ -8,10 +8,10 @@ import pytest
 
 from fq.cli import main
 from fq.errors import FqError
-from fq.plan import encoded_expert_bytes, make_plan
-from fq.price import load_cost_table, parse_cost_table, price_recipe
-from fq.recipe import load_recipe
-from fq.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
+from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
+from fq.planning.plan import encoded_expert_bytes, make_plan
+from fq.planning.price import load_cost_table, parse_cost_table, price_recipe
+from fq.planning.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

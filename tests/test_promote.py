@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 import provkit
-from fq import canonical
 from fq.cli import main as fq_main
+from fq.core import canonical
 from fq.errors import FqError
 from fq.promote import collect, is_publishable
-from fq.publication import NAME as PUBLICATION_NAME, read_publication
-from fq.summary import SUMMARY_NAME, summary_view
-from fq.verify import verify_path
+from fq.provenance.publication import NAME as PUBLICATION_NAME, read_publication
+from fq.provenance.summary import SUMMARY_NAME, summary_view
+from fq.provenance.verify import verify_path
 from hubfake import FakeHub
 
 # huggingface_hub's own LFS upload passes bytes as data=, which httpx2 deprecates
@@ -36,7 +36,7 @@ OPERATIONAL = ("logs/encode/k2-layer001-block000.log", "locks/gpu-0.lock", "keys
 
 def write_summary(out: Path, c, recipe_name: str = "provkit", version: int = 1) -> None:
     """What finalize writes: the signed publication statement (re-signed, with ``version``, when what it states
-    changes) and the summary, its view (fq.summary.summary_view)."""
+    changes) and the summary, its view (fq.provenance.summary.summary_view)."""
     provkit.publish(c, version=version, recipe_name=recipe_name, root=out / "published")
     stmt = read_publication(out / "published", c.pub)
     (out / SUMMARY_NAME).write_text(canonical.pretty(summary_view(stmt.predicate)))

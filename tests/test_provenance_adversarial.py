@@ -17,21 +17,21 @@ import pytest
 import torch
 
 import provkit
-from fq.assembly import PlanState, read_assembly
-from fq.attest import dsse
-from fq.attest.campaign import campaign_identity
-from fq.attest.fragment import attest_fragment
-from fq.attest.statement import FRAGMENT, statement
-from fq.canonical import dumps, loads, sha256_hex
-from fq.combine import combine
+from fq.core.canonical import dumps, loads, sha256_hex
+from fq.core.safepath import sha256_stream
 from fq.errors import FqError
-from fq.experts import STANDARD
-from fq.fragments import fragment_filename, write_fragment
-from fq.exl3config import write_derived
-from fq.manifest import write_base_manifest
-from fq.safepath import sha256_stream
-from fq.shards import read_header
-from fq.verify import verify_path
+from fq.model.experts import STANDARD
+from fq.model.shards import read_header
+from fq.provenance.assembly import PlanState, read_assembly
+from fq.provenance.attest import dsse
+from fq.provenance.attest.campaign import campaign_identity
+from fq.provenance.attest.fragment import attest_fragment
+from fq.provenance.attest.statement import FRAGMENT, statement
+from fq.provenance.combine import combine
+from fq.provenance.exl3config import write_derived
+from fq.provenance.fragments import fragment_filename, write_fragment
+from fq.provenance.manifest import write_base_manifest
+from fq.provenance.verify import verify_path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 NOW = provkit.NOW
@@ -260,7 +260,7 @@ def _(c, tmp):
 def _(c, tmp):
     p = shard(c)
     from safetensors import safe_open
-    from fq.shards import RawTensor, write_shard
+    from fq.model.shards import RawTensor, write_shard
     with safe_open(p, "pt") as f:
         meta = f.metadata()
         keep = [k for k in f.keys() if not k.endswith((".suh", ".svh"))]

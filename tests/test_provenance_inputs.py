@@ -4,12 +4,12 @@ import os
 import pytest
 
 import provkit
-from fq.assembly import PlanState
 from fq.cli import main
-from fq.combine import combine
+from fq.core.safepath import check_name, open_regular
 from fq.errors import FqError
-from fq.safepath import check_name, open_regular
-from fq.selection import parse_selection
+from fq.provenance.assembly import PlanState
+from fq.provenance.combine import combine
+from fq.provenance.selection import parse_selection
 
 
 @pytest.mark.parametrize("name,msg", [
@@ -102,7 +102,7 @@ def test_cli_usage_errors_are_one_line(tmp_path, capsys):
 
 
 def test_attest_refuses_a_parent_from_another_block(tmp_path):
-    from fq.attest.fragment import attest_fragment
+    from fq.provenance.attest.fragment import attest_fragment
     c = provkit.build_campaign(tmp_path)
     p = c.root / c.frag("r1", 1, 0)
     for parent, msg in (({"name": "k2-layer001-block001.safetensors", "sha256": "0" * 64}, "of the same block"),
@@ -113,8 +113,8 @@ def test_attest_refuses_a_parent_from_another_block(tmp_path):
 
 
 def test_node_digest_and_recipe_digest_inputs(tmp_path):
-    from fq.assembly import build_assembly
-    from fq.attest.fragment import attest_fragment
+    from fq.provenance.assembly import build_assembly
+    from fq.provenance.attest.fragment import attest_fragment
     c = provkit.build_campaign(tmp_path)
     p = c.root / c.frag("k2", 1, 0)
     for bad in ("", "AB" * 32, "0" * 63, None):

@@ -7,16 +7,16 @@ import torch
 from safetensors import safe_open
 
 import provkit
-from fq.adapter import read_adapter
-from fq.assembly import PlanState, read_assembly
-from fq.attest import dsse, keys
-from fq.attest.statement import ADAPTER, parse_statement
 from fq.cli import main
 from fq.codec import quantize, quantize_residual, reconstruct, reconstruct_chain
-from fq.combine import combine
-from fq.experts import STANDARD
-from fq.fragments import fragment_filename
-from fq.verify import verify_path
+from fq.model.experts import STANDARD
+from fq.provenance.adapter import read_adapter
+from fq.provenance.assembly import PlanState, read_assembly
+from fq.provenance.attest import dsse, keys
+from fq.provenance.attest.statement import ADAPTER, parse_statement
+from fq.provenance.combine import combine
+from fq.provenance.fragments import fragment_filename
+from fq.provenance.verify import verify_path
 
 NOW = provkit.NOW
 
@@ -204,10 +204,10 @@ def test_changing_one_stage_reencodes_only_that_node(tmp_path):
     """The recipe changes r2 (K=2 -> K=3): r2's node digest changes, k2's and r1's do not, and the campaign
     identity does not name the recipe, so only r2 is re-encoded; every untouched fragment, the base
     manifest and the k2r1 plan stay valid next to a k2r1r2 plan of the new recipe."""
-    from fq.assembly import build_assembly, write_assembly
-    from fq.attest.fragment import attest_fragment
-    from fq.canonical import dumps, sha256_hex
-    from fq.fragments import write_fragment
+    from fq.core.canonical import dumps, sha256_hex
+    from fq.provenance.assembly import build_assembly, write_assembly
+    from fq.provenance.attest.fragment import attest_fragment
+    from fq.provenance.fragments import write_fragment
     c = provkit.build_campaign(tmp_path)
     assert set(c.campaign) == {"name", "source", "block_size", "signer", "encoder"}
     untouched = {p: p.read_bytes() for p in c.root.rglob("*") if p.is_file() and "stages/r2" not in p.as_posix()

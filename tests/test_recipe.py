@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from fq.errors import FqError
-from fq.recipe import load_recipe, parse_recipe, resolve_selections, selection_counts
-from fq.usage import parse_usage
+from fq.model.usage import parse_usage
+from fq.planning.recipe import load_recipe, parse_recipe, resolve_selections, selection_counts
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import runtimekit as rk
-from fq.combine import combine
 from fq.errors import FqError
-from fq.experts import STANDARD
+from fq.model.experts import STANDARD
+from fq.provenance.combine import combine
 from fq.runtime import load as rt
 from fq.runtime import quality
 
@@ -160,7 +160,7 @@ def test_a_swapped_plan_is_refused_before_it_runs(kit, tmp_path, no_model):
 
 
 def test_a_wrong_key_is_refused(kit, tmp_path, no_model):
-    from fq.attest import keys
+    from fq.provenance.attest import keys
 
     _, pub_path, _ = keys.generate(tmp_path / "other")
     with pytest.raises(FqError):
@@ -226,7 +226,7 @@ def test_fq_eval_measures_every_product_and_native_point_deterministically(kit, 
     import subprocess
     import sys
 
-    from fq import canonical
+    from fq.core import canonical
 
     outs = []
     for run in ("a", "b"):
@@ -271,9 +271,9 @@ def test_an_adapter_relabelled_for_another_plan_is_refused(kit, tmp_path, no_mod
     """k2.r1's adapter with its metadata rewritten to name k2.r1.h2's plan: the hot experts lack h2's stage."""
     import json
 
-    from fq.adapter import write_adapter
-    from fq.assembly import read_assembly
-    from fq.shards import RawTensor, read_header
+    from fq.model.shards import RawTensor, read_header
+    from fq.provenance.adapter import write_adapter
+    from fq.provenance.assembly import read_assembly
 
     src = tmp_path / "r1.safetensors"
     combine(kit.plan("k2.r1"), kit.pub, src, base_dir=kit.base_dir)

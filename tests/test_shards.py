@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 
 from fq.errors import FqError
-from fq.experts import MIXTRAL, STANDARD, ExpertLayout, expert_keys
-from fq.fragments import describe, fragment_filename, skeleton_keys, write_fragment, write_skeleton
-from fq.shards import RawTensor, read_header, tensors_in_range, write_shard
+from fq.model.experts import MIXTRAL, STANDARD, ExpertLayout, expert_keys
+from fq.model.shards import RawTensor, read_header, tensors_in_range, write_shard
+from fq.provenance.fragments import describe, fragment_filename, skeleton_keys, write_fragment, write_skeleton
 from provkit import DIMS, random_set
 
 P = "model.layers.7.mlp.experts"
@@ -237,8 +237,8 @@ def test_write_shard_refuses_non_string_metadata(tmp_path):
 
 
 def test_layout_for_source_families():
-    from fq.experts import LAYOUTS, layout_for
-    from fq.source import FAMILIES
+    from fq.model.experts import LAYOUTS, layout_for
+    from fq.model.source import FAMILIES
     assert set(FAMILIES) == set(LAYOUTS), "every source naming family needs an expert layout"
     assert layout_for("mixtral") is MIXTRAL and layout_for("deepseek") is STANDARD
     with pytest.raises(FqError, match="unknown naming family"):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fq.attest import keys
-from fq.summary import SUMMARY_NAME
+from fq.provenance.attest import keys
+from fq.provenance.summary import SUMMARY_NAME
 from slurmkit import LocalSlurm, Unavailable, ensure_installed
 from test_workflow import LAYER_MODE, RECIPE, smk, tree_digest, write_config
 

@@ -7,8 +7,8 @@ import struct
 import pytest
 
 from fq.errors import FqError
-from fq.source import INDEX_NAME, load_sizes, load_source, parse_source
-from fq.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
+from fq.model.source import INDEX_NAME, load_sizes, load_source, parse_source
+from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
 
 SMALL = dict(hidden=256, inter=128, n_experts=8, vocab=1024, shard_bytes=2_000_000)
 

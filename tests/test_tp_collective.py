@@ -65,7 +65,7 @@ def worker(rank: int, world: int, tp: int, ep: int, backend: str, export_dir: st
            x_path: str, out: str):
     import torch.distributed as dist
 
-    from fq.attest import keys
+    from fq.provenance.attest import keys
     from fq.tp.mesh import DeviceMesh, plan
     from fq.tp.moe import moe_manifest, router_name
     from fq.tp.sources import ExportSource

@@ -9,11 +9,11 @@ from safetensors import safe_open
 
 import provkit
 import tpkit
-from fq.attest import dsse, keys
-from fq.canonical import loads, sha256_hex
 from fq.cli import main
+from fq.core.canonical import loads, sha256_hex
 from fq.errors import FqError
-from fq.experts import STANDARD
+from fq.model.experts import STANDARD
+from fq.provenance.attest import dsse, keys
 from fq.tp import records
 from fq.tp.mesh import Slice
 from fq.tp.slicing import slice_exl3

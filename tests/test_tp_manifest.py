@@ -2,7 +2,7 @@
 import pytest
 
 from fq.errors import FqError
-from fq.experts import MIXTRAL, STANDARD
+from fq.model.experts import MIXTRAL, STANDARD
 from fq.tp.manifest import (EXL3, Collective, ExpertParallel, Manifest, Pinned, Replicate, SplitInput, SplitOutput,
                             Tied, WeightEntry, check_mesh, split_sizes_that_work)
 from fq.tp.moe import MoeLayer, MoeSpec, moe_manifest, moe_prefix, router_name

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fq.errors import FqError
-from fq.experts import STANDARD
+from fq.model.experts import STANDARD
 from fq.tp.manifest import Collective, Manifest, Pinned, Replicate, SplitInput, SplitOutput, Tied, WeightEntry
 from fq.tp.mesh import DeviceMesh, Slice, check_coverage, describe, plan
 from fq.tp.moe import MoeLayer, MoeSpec, moe_manifest, router_name

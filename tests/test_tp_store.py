@@ -7,7 +7,7 @@ import provkit
 import tpkit
 from fq.codec import reconstruct_chain
 from fq.errors import FqError
-from fq.shards import torch_dtype
+from fq.model.shards import torch_dtype
 from fq.tp import sources
 from fq.tp.manifest import Manifest, Pinned, Replicate, SplitOutput, Tied, WeightEntry
 from fq.tp.mesh import DeviceMesh, plan

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fq import canonical
 from fq.codec import reconstruct_chain
+from fq.core import canonical
 from fq.workflow.campaign import load_campaign
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,9 +138,9 @@ def test_eval_measures_every_product_at_the_output_and_feeds_the_report(run):
     """The eval job (after finalize): every published product, verified and loaded by fq.runtime, against the trained
     demo model on its held-out split; the report's table gains the columns and kl.png; the summary stays the signed
     statement's view."""
-    from fq.attest import keys
-    from fq.publication import read_publication
-    from fq.summary import summary_view
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
+    from fq.provenance.summary import summary_view
 
     d, _ = run
     out = d / "campaign"
@@ -164,9 +164,9 @@ def test_eval_measures_every_product_at_the_output_and_feeds_the_report(run):
 def test_finalize_signs_the_publication_statement_and_the_summary_is_its_view(run):
     """Issue 15: finalize signs what the campaign published (every file, each product's plan, each base's
     manifest) with assembly.version; campaign_summary.json is that statement's view."""
-    from fq.attest import keys
-    from fq.publication import read_publication
-    from fq.summary import summary_view
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
+    from fq.provenance.summary import summary_view
 
     d, _ = run
     out = d / "campaign"
@@ -182,8 +182,8 @@ def test_finalize_signs_the_publication_statement_and_the_summary_is_its_view(ru
 def test_hot_stage_encodes_the_experts_the_usage_job_measured(run):
     """The usage job routed the calibration text through the demo checkpoint; the plan's hot selections are that
     file's hottest experts (the same as the usage recorded with the model, which the DAG was first planned from)."""
-    from fq import demo_model
-    from fq.usage import load_usage
+    from fq.model import demo_model
+    from fq.model.usage import load_usage
 
     d, _ = run
     c = campaign(d)
@@ -280,7 +280,7 @@ def test_combine_equals_the_chain_reconstruction(run, tmp_path):
                         "--base", str(out / "published" / "base" / "a"), "--no-state", "--out", str(adapter)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    from fq.adapter import read_adapter
+    from fq.provenance.adapter import read_adapter
     from safetensors import safe_open
 
     c = campaign(d)

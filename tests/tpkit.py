@@ -12,7 +12,7 @@ import torch
 
 import provkit
 from fq.codec import reconstruct_chain
-from fq.experts import STANDARD
+from fq.model.experts import STANDARD
 from fq.tp.export import tp_export
 from fq.tp.mesh import DeviceMesh, plan
 from fq.tp.moe import moe_manifest, router_name, weight_name

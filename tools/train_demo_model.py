@@ -4,13 +4,13 @@
 
 CPU only (2 threads), about 15 minutes on a 2-core machine (docs/demo_model.md); everything is seeded. Writes the
 data files and manifest.json into DIR (default: fq/data/demo, the package data) and prints the manifest's sha256,
-which fq.demo_model.MANIFEST_SHA256 must then be set to. Logic: fq.demo_train.
+which fq.model.demo_model.MANIFEST_SHA256 must then be set to. Logic: fq.model.demo_train.
 """
 import argparse
 import sys
 
-from fq import demo_train
-from fq.demo_model import DATA
+from fq.model import demo_train
+from fq.model.demo_model import DATA
 
 
 def main(argv=None) -> int:

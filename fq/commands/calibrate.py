@@ -6,12 +6,12 @@ import platform
 from pathlib import Path
 
 import fq
-from fq import canonical
-from fq.atomic import write_text
-from fq.calibrate import DEFAULT_SHAPES, measure, merge_table, parse_ks, parse_shapes, table_section
+from fq.core import canonical
+from fq.core.atomic import write_text
+from fq.core.schema_check import validate
 from fq.errors import FqError
-from fq.recipe import CODEBOOKS
-from fq.schema_check import validate
+from fq.planning.calibrate import DEFAULT_SHAPES, measure, merge_table, parse_ks, parse_shapes, table_section
+from fq.planning.recipe import CODEBOOKS
 
 
 def register(sub) -> None:

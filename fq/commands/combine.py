@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fq.assembly import PlanState
-from fq.attest import keys
 from fq.commands.verify import load_pinned
 from fq.display import printable
+from fq.provenance.assembly import PlanState
+from fq.provenance.attest import keys
 
 
 def default_state() -> Path:
@@ -37,7 +37,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from fq.combine import combine  # torch: loaded by the command that needs it, not by every `fq` start
+    from fq.provenance.combine import combine  # torch: loaded by the command that needs it, not by every `fq` start
 
     key, fp = load_pinned(args)
     state = None if args.no_state else PlanState(args.state or default_state())

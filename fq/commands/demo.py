@@ -13,7 +13,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from fq import demo_model
+    from fq.model import demo_model
 
     d = demo_model.write(args.out, args.text)
     print(f"demo model written to {d} ({len(demo_model.files())} files)"

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from fq import canonical
 from fq.commands.verify import load_pinned
 from fq.display import printable
-from fq.errors import FqError
+from fq.workflow.common import recorded_shards
 
 
 def register(sub) -> None:
@@ -30,15 +29,6 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="fq-eval/1 JSON to write")
     p.add_argument("--tsv", metavar="FILE", help="also write the rows as TSV")
     p.set_defaults(func=run)
-
-
-def recorded_shards(path: str) -> dict[str, str]:
-    """shard name -> sha256 that ``fq init`` recorded in campaign.json."""
-    doc = canonical.load(path)
-    try:
-        return {name: e["sha256"] for name, e in doc["source"]["shards"].items()}
-    except (KeyError, TypeError, AttributeError):
-        raise FqError(f"{path}: no source.shards with sha256 (not a campaign.json written by fq init)") from None
 
 
 def run(args) -> int:

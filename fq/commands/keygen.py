@@ -1,7 +1,7 @@
 """``fq keygen --out PREFIX``: a new Ed25519 signer key pair (PREFIX.key mode 0600, PREFIX.pub)."""
 from __future__ import annotations
 
-from fq.attest import keys
+from fq.provenance.attest import keys
 
 
 def register(sub) -> None:

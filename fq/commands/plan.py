@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from fq.cli_args import add_source_args, add_window_args, source_from_args, window_kwargs
-from fq.plan import DEFAULT_BLOCK_SIZE, make_plan, plan_table, write_plan
-from fq.recipe import load_recipe
-from fq.usage import load_usage
+from fq.model.usage import load_usage
+from fq.planning.plan import DEFAULT_BLOCK_SIZE, make_plan, plan_table, write_plan
+from fq.planning.recipe import load_recipe
 
 
 def register(sub) -> None:

@@ -3,10 +3,10 @@ on one source, from a per-K cost table; with two recipes, their cost ratio."""
 from __future__ import annotations
 
 from fq.cli_args import add_source_args, add_window_args, source_from_args, window_kwargs
-from fq.price import (DEFAULT_DOWNLOAD_MB_S, DEFAULT_GPUS, DEFAULT_USD_PER_GPU_HOUR, DEFAULT_VERIFY_MB_S,
-                      assumptions_line, comparison_table, cost_table_entries, load_cost_table, price_recipe, price_table, source_line,
-                      table_line)
-from fq.recipe import load_recipe
+from fq.planning.price import (DEFAULT_DOWNLOAD_MB_S, DEFAULT_GPUS, DEFAULT_USD_PER_GPU_HOUR, DEFAULT_VERIFY_MB_S,
+                               assumptions_line, comparison_table, cost_table_entries, load_cost_table, price_recipe,
+                               price_table, source_line, table_line)
+from fq.planning.recipe import load_recipe
 
 
 def register(sub) -> None:

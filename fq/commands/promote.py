@@ -40,7 +40,7 @@ def run(args) -> int:
     hub = args.repo is not None or args.to.startswith("hf://")
     if hub:
         from fq.promote.hub import DEFAULT_STAGING, parse_target, promote_hub
-        from fq.verify import verify_path
+        from fq.provenance.verify import verify_path
 
         if args.keep is not None or args.grace is not None:
             raise FqError("--keep and --grace apply to a local publication directory, not a Hub repository")

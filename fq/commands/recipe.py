@@ -1,7 +1,7 @@
 """``fq recipe``: validate recipes and show their nodes, products and derived numbers."""
 from __future__ import annotations
 
-from fq.recipe import load_recipe, recipe_table
+from fq.planning.recipe import load_recipe, recipe_table
 
 
 def register(sub) -> None:

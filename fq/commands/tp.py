@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from fq.assembly import PlanState
-from fq.attest import keys
-from fq.canonical import pretty
 from fq.commands.combine import default_state
 from fq.commands.verify import load_pinned
+from fq.core.canonical import pretty
+from fq.provenance.assembly import PlanState
+from fq.provenance.attest import keys
 from fq.tp.manifest import ASSIGNMENTS
 from fq.tp.mesh import DeviceMesh, describe, plan
 

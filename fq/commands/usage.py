@@ -22,7 +22,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from fq.errors import FqError
-    from fq.usage import measure_usage, parse_usage, write_usage
+    from fq.model.usage import measure_usage, parse_usage, write_usage
 
     if args.seq_len < 1 or args.batch < 1:
         raise FqError("fq usage: --seq-len and --batch must be positive")

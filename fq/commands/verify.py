@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from fq.assembly import PlanState
-from fq.attest import keys
 from fq.display import printable
-from fq.verify import verify_path
+from fq.provenance.assembly import PlanState
+from fq.provenance.attest import keys
+from fq.provenance.verify import publication_versions, verify_path
 
 
 def register(sub) -> None:
@@ -33,14 +33,6 @@ def load_pinned(args):
     return key, fp
 
 
-def published(report) -> str:
-    """", publication version N" for the publication statements a report verified (nothing without one)."""
-    versions = sorted({p.version for p in report.publications})
-    if not versions:
-        return ""
-    return f", publication version{'s' if len(versions) > 1 else ''} {', '.join(map(str, versions))}"
-
-
 def run(args) -> int:
     key, fp = load_pinned(args)
     report = verify_path(args.path, key, state=PlanState(args.state) if args.state else None)
@@ -49,5 +41,5 @@ def run(args) -> int:
     if not report.ok:
         return 1
     print(f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans"
-          f"{published(report)} verified under key {fp}")
+          f"{publication_versions(report)} verified under key {fp}")
     return 0

@@ -17,6 +17,10 @@ publication whose version (its signed publication statement's, the operator's ``
 above the version the destination already published (``check_version``): consumers keep the highest
 version they saw per signer, so a lower one would be refused by them anyway, and a changed publication under
 the same version would be called a different one.
+
+What it may import: fq.provenance (publication, summary, verify), fq.core, fq.errors, huggingface_hub (in
+fq.promote.hub, lazily). Never fq.workflow (its neighbour in the layer: promotion reads a finalized campaign's
+files, not its code) or the CLI.
 """
 from __future__ import annotations
 
@@ -25,11 +29,11 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from fq import canonical
+from fq.core import canonical
+from fq.core.safepath import check_name, describe_mode, sha256_file
 from fq.errors import FqError
-from fq.publication import NAME as PUBLICATION_NAME, Statement, read_publication
-from fq.safepath import check_name, describe_mode, sha256_file
-from fq.summary import SUMMARY_NAME
+from fq.provenance.publication import NAME as PUBLICATION_NAME, Statement, read_publication
+from fq.provenance.summary import SUMMARY_NAME
 
 PUBLISHABLE_DIRS = ("base", "stages", "assemblies")
 PUBLISHABLE_FILES = (PUBLICATION_NAME,)  # at the root of published/

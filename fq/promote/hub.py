@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fq.errors import FqError, SignatureError
 from fq.promote import Publication, check_version, is_publishable
-from fq.publication import NAME as PUBLICATION_NAME, read_publication
+from fq.provenance.publication import NAME as PUBLICATION_NAME, read_publication
 
 DEFAULT_STAGING = "fq-staging"
 

@@ -50,11 +50,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fq import atomic, canonical
+from fq.core import atomic, canonical
 from fq.errors import FqError, SignatureError
 from fq.promote import Publication, check_version, raise_report
-from fq.publication import NAME as PUBLICATION_NAME, read_publication
-from fq.verify import verify_path
+from fq.provenance.publication import NAME as PUBLICATION_NAME, read_publication
+from fq.provenance.verify import verify_path
 
 LINK = "published"
 GENERATIONS = "generations"

@@ -6,7 +6,8 @@ What it owns:
   (CPU, float32) whose routed-expert linears hold the SUM of their chain's reconstructions
   (``fq.codec.reconstruct_chain``) and whose other tensors are the base's skeleton, verbatim. Everything is
   verified under the pinned key before a tensor is built, by the code ``fq combine`` runs
-  (``fq.product.open_product``, ``fq.combine.verify_fragments`` / ``verify_adapter``, ``fq.manifest.verify_base``);
+  (``fq.provenance.product.open_product``, ``fq.provenance.combine.verify_fragments`` / ``verify_adapter``,
+  ``fq.provenance.manifest.verify_base``);
   the bytes then used are the ones hashed. After transformers' weight conversion (it fuses experts into 3-D
   parameters) the loaded model is read back and compared with what was handed over, tensor by tensor.
 - ``fq.runtime.exl3``: the same verified product in exllamav3 on CUDA: the base staged from the verified bytes into
@@ -15,7 +16,8 @@ What it owns:
 - ``fq.runtime.quality``: KL divergence of next-token distributions against a reference model, perplexity and
   top-1 agreement on token windows; deterministic on the CPU (one thread, fixed batches, exact sums).
 
-What it may import: fq's consumer side (product, combine, manifest, adapter, codec, shards, experts, selection,
-errors), torch, transformers, tokenizers and exllamav3 (lazily: ``import fq.runtime`` loads neither). Never fq.workflow:
-the campaign side (``fq.workflow.eval``) imports this package, not the other way round.
+What it may import: fq's consumer side (fq.provenance: product, combine, manifest, adapter, selection; fq.model:
+shards, experts; fq.codec; fq.core; fq.errors), torch, transformers, tokenizers and exllamav3 (lazily:
+``import fq.runtime`` loads none of them). Never fq.workflow or fq.tp: the campaign side (``fq.workflow.eval``)
+imports this package, not the other way round (tests/test_layering.py).
 """

@@ -32,10 +32,10 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fq import atomic, canonical
-from fq.canonical import sha256_hex
+from fq.core import atomic, canonical
+from fq.core.canonical import sha256_hex
 from fq.errors import FqError
-from fq.experts import ExpertLayout
+from fq.model.experts import ExpertLayout
 
 FORMAT = "fq-eval/1"
 TSV_COLUMNS = ("name", "kind", "chain", "nominal_bpw", "effective_bpw", "kl", "kl_se", "ppl", "top1", "nll", "native",
@@ -67,7 +67,7 @@ def native_sets(native_dir: Path | None) -> dict:
     (``K{K}-{codebook}/*.safetensors``, fragments of node ``native-K{K}-{codebook}``, structure validated)."""
     from safetensors.torch import load_file
 
-    from fq.fragments import describe
+    from fq.provenance.fragments import describe
 
     out: dict = {}
     if native_dir is None or not Path(native_dir).is_dir():
@@ -100,8 +100,8 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
     import transformers
 
     from fq.codec import reconstruct
-    from fq.product import open_product
-    from fq.publication import read_publication
+    from fq.provenance.product import open_product
+    from fq.provenance.publication import read_publication
     from fq.runtime import quality
     from fq.runtime.load import build_model, load_checkpoint, product_state
 

@@ -40,16 +40,16 @@ from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fq.assembly import PlanState, campaign_root
-from fq.canonical import loads, sha256_hex
-from fq.combine import Verified, narrow, verify_adapter, verify_fragments
+from fq.provenance.assembly import PlanState, campaign_root
+from fq.core.canonical import loads, sha256_hex
+from fq.provenance.combine import Verified, narrow, verify_adapter, verify_fragments
 from fq.errors import FqError
-from fq.experts import ExpertLayout, suffixes
-from fq.manifest import VerifiedBase
-from fq.product import Product, open_product
-from fq.safepath import open_regular
-from fq.selection import parse_selection
-from fq.shards import Header, read_header
+from fq.model.experts import ExpertLayout, suffixes
+from fq.provenance.manifest import VerifiedBase
+from fq.provenance.product import Product, open_product
+from fq.core.safepath import open_regular
+from fq.provenance.selection import parse_selection
+from fq.model.shards import Header, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,7 @@ def read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[He
 def tensor_from(dtype: str, shape, data) -> "torch.Tensor":
     import torch
 
-    from fq.shards import torch_dtype
+    from fq.model.shards import torch_dtype
 
     if not len(data):
         return torch.empty(tuple(shape), dtype=torch_dtype(dtype))

@@ -11,4 +11,7 @@ export per-rank shards by whole 128-aligned tiles, and load them transactionally
     fq.tp.records   the signed documents of a TP export (fq-tp-shard/1, fq-tp-export/1)
 
 docs/tp.md describes the vocabulary, the split rules, the plan format and the store's guarantees.
+
+What it may import: fq.provenance (products, fragments, attestations, manifests), fq.model (shards, experts),
+fq.codec, fq.core, fq.errors. Never fq.runtime (its neighbour in the layer), fq.workflow or the CLI.
 """

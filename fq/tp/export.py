@@ -1,7 +1,7 @@
 """``fq tp-export``: cut a published product into per-rank shards by whole 128-aligned tiles.
 
 Input: a published product, i.e. its signed assembly ``ROOT/assemblies/PRODUCT.assembly.intoto.jsonl``
-verified under the campaign's pinned key exactly as ``fq combine`` verifies it (``fq.product.open_product``:
+verified under the campaign's pinned key exactly as ``fq combine`` verifies it (``fq.provenance.product.open_product``:
 file name, version state, the publication statement beside ROOT) (every fragment's
 attestation, header and expert byte ranges are checked before their tensors are used). The product's
 routers come from the base's skeleton shards, checked against the base manifest the plan pins.
@@ -32,13 +32,13 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fq import atomic
-from fq.canonical import sha256_hex
+from fq.core import atomic
+from fq.core.canonical import sha256_hex
+from fq.core.safepath import sha256_stream
 from fq.errors import FqError
-from fq.experts import expert_keys
-from fq.fragments import attestation_name
-from fq.safepath import sha256_stream
-from fq.shards import RawTensor, read_header, write_shard
+from fq.model.experts import expert_keys
+from fq.model.shards import RawTensor, read_header, write_shard
+from fq.provenance.fragments import attestation_name
 from fq.tp import records
 from fq.tp.mesh import DeviceMesh, Plan, plan
 from fq.tp.moe import moe_manifest
@@ -58,9 +58,9 @@ class Exported:
     index_sha256: str
     files: int
     plan: Plan  # the tp x ep plan (pp=1, epoch 0) the export was cut for
-    assembly: object  # the verified product plan (fq.assembly.Plan)
+    assembly: object  # the verified product plan (fq.provenance.assembly.Plan)
     bytes_per_rank: dict  # (ep, tp) -> bytes of its shards
-    product: object = None  # the opened product (fq.product.Product): what a state file records
+    product: object = None  # the opened product (fq.provenance.product.Product): what a state file records
 
 
 def _written(path: Path, groups: list[list[str]]) -> tuple[str, int, str, list[tuple[int, int, str]]]:

@@ -31,9 +31,9 @@ import re
 from dataclasses import dataclass
 from typing import Union
 
-from fq.canonical import dumps, sha256_hex
+from fq.core.canonical import dumps, sha256_hex
 from fq.errors import FqError
-from fq.shards import DTYPES
+from fq.model.shards import DTYPES
 
 FORMAT = "fq-weight-manifest/1"
 HAD = 128  # the Hadamard block: every EXL3 split boundary is a multiple of it

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from fq.canonical import dumps, sha256_hex
+from fq.core.canonical import dumps, sha256_hex
 from fq.errors import FqError
 from fq.tp.manifest import (ExpertParallel, Manifest, Pinned, Replicate, SplitInput, SplitOutput, Tied, check_mesh,
                             effective, reduce_of)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fq.errors import FqError
-from fq.experts import ExpertLayout
+from fq.model.experts import ExpertLayout
 from fq.tp.manifest import (EXL3, Collective, ExpertParallel, Manifest, Replicate, SplitInput, SplitOutput,
                             WeightEntry)
 

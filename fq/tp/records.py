@@ -22,9 +22,9 @@ import jsonschema
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from referencing import Registry, Resource
 
-from fq.attest import dsse
-from fq.attest.statement import STATEMENT_TYPE
-from fq.canonical import dumps, loads
+from fq.core.canonical import dumps, loads
+from fq.provenance.attest import dsse
+from fq.provenance.attest.statement import STATEMENT_TYPE
 
 from fq.errors import FqError
 

@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fq.attest.fragment import check_header, range_mismatch, read_attestation
-from fq.canonical import sha256_hex
+from fq.core.canonical import sha256_hex
+from fq.core.safepath import open_regular, read_regular
 from fq.errors import FqError
-from fq.experts import ExpertLayout, expert_keys, suffixes
-from fq.fragments import attestation_name, expert_structure, fragment_meta
-from fq.manifest import read_base_manifest
-from fq.product import open_product
-from fq.safepath import open_regular, read_regular
-from fq.shards import RawTensor, read_header, read_range, tensors_in_range, torch_dtype
+from fq.model.experts import ExpertLayout, expert_keys, suffixes
+from fq.model.shards import RawTensor, read_header, read_range, tensors_in_range, torch_dtype
+from fq.provenance.attest.fragment import check_header, range_mismatch, read_attestation
+from fq.provenance.fragments import attestation_name, expert_structure, fragment_meta
+from fq.provenance.manifest import read_base_manifest
+from fq.provenance.product import open_product
 from fq.tp import records
 from fq.tp.manifest import EXL3
 from fq.tp.mesh import Plan
@@ -151,7 +151,8 @@ class ProductSource:
             raise FqError(f"{self.plan_path}: the plan changed since this source was opened; open it again")
 
     def _fragment(self, f: dict, fh) -> tuple:
-        """Attestation and header, as every consumer checks them (``fq.product``); returns (attestation, header, meta)."""
+        """Attestation and header, as every consumer checks them (``fq.provenance.product``); returns (attestation,
+        header, meta)."""
         where = f"{self.root}/{f['name']}"
         att = read_attestation(self.root, f["name"], self.key, self.predicate["campaign"], sha256=f["attestation_sha256"])
         self.product.check_fragment(att, f, where)

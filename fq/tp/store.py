@@ -33,8 +33,8 @@ import torch
 
 from fq.codec import MARKERS, reconstruct_chain
 from fq.errors import FqError
-from fq.experts import derive_linear
-from fq.shards import DTYPES, torch_dtype
+from fq.model.experts import derive_linear
+from fq.model.shards import DTYPES, torch_dtype
 from fq.tp.manifest import EXL3
 from fq.tp.mesh import DeviceMesh, Plan, Slice
 from fq.tp.slicing import sliced_shape

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fq import canonical
+from fq.core import canonical
 from fq.errors import FqError
-from fq.experts import ExpertLayout, layout_for
-from fq.fragments import attestation_name, fragment_filename
-from fq.plan import Block, Fragment, Plan, make_plan
-from fq.recipe import Recipe, load_recipe
-from fq.source import PROJECTIONS, SourceModel, load_source, parse_source
-from fq.usage import ExpertUsage, load_usage, parse_usage
+from fq.model.experts import ExpertLayout, layout_for
+from fq.model.source import PROJECTIONS, SourceModel, load_source, parse_source
+from fq.model.usage import ExpertUsage, load_usage, parse_usage
+from fq.planning.plan import Block, Fragment, Plan, make_plan
+from fq.planning.recipe import Recipe, load_recipe
+from fq.provenance.fragments import attestation_name, fragment_filename
 
 SOURCE_KINDS = ("demo", "local", "hub")
 
@@ -346,8 +346,8 @@ def _demo_source(out: Path) -> tuple[SourceModel, ExpertUsage]:
     """The demo checkpoint's metadata, and the expert usage its hot stages select from: what the usage rule
     measured (OUT/usage/expert_usage.json) once it has run; before that -- the DAG is planned before any job
     runs -- the usage recorded with the model (fq/data/demo/usage.json, measured the same way), which the usage
-    rule checks its measurement against (fq.usage.measure_job: the same ranking of experts in every layer)."""
-    from fq import demo_model
+    rule checks its measurement against (fq.model.usage.measure_job: the same ranking of experts in every layer)."""
+    from fq.model import demo_model
 
     config, index, sizes = demo_model.metadata()
     src = parse_source(config, index, sizes, origin="fq-demo", config_bytes=demo_model.files()["config.json"],

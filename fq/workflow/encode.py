@@ -33,19 +33,20 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from fq import atomic, canonical
-from fq.attest import keys
-from fq.attest.fragment import attest_fragment, check_node_digest, verify_shard
 from fq.codec import encode as codec_encode
 from fq.codec import encode_residual
 from fq.codec.exact import tree_sum
+from fq.core import atomic, canonical
 from fq.errors import FqError
-from fq.experts import ExpertLayout, suffixes
-from fq.fragments import attestation_name, write_fragment
-from fq.identity import encoder_identity
-from fq.source import PROJECTIONS
+from fq.model.experts import ExpertLayout, suffixes
+from fq.model.source import PROJECTIONS
+from fq.provenance.attest import keys
+from fq.provenance.attest.fragment import attest_fragment, check_node_digest, verify_shard
+from fq.provenance.fragments import attestation_name, write_fragment
+from fq.provenance.identity import encoder_identity
 from fq.workflow import devices, locks
-from fq.workflow.init import check_signer, encoder_differences
+from fq.workflow.common import check_signer
+from fq.workflow.init import encoder_differences
 from fq.workflow.skeleton import source_statement
 
 SEED_RULE = "int(sha256('fq-seed/{seed}/{node}/{layer}/{expert}/{proj}')[:8], 16)"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from fq.attest import keys
-from fq.commands.eval import recorded_shards
+from fq.provenance.attest import keys
+from fq.workflow.common import recorded_shards
 
 
 def run_eval(*, published: str, pub: str, campaign_json: str, source: str, text: str, native: str, tokens: int,

@@ -8,16 +8,17 @@ assemblies are deterministic (Ed25519 signatures are), so finalizing twice gives
 Published layout (``OUT/published``)::
 
     base/NODE/       a directory an EXL3 runtime loads: source_config.json (the source's config.json, verbatim),
-                     config.json and quantization_config.json (derived from it and the shards: fq.exl3config),
+                     config.json and quantization_config.json (derived from it and the shards:
+                     fq.provenance.exl3config),
                      tokenizer and generation files, skeleton shards, NODE's fragments, model.safetensors.index.json,
                      fq-manifest.intoto.jsonl            (every shard with its .intoto.jsonl beside it)
     stages/NODE/     NODE's fragments
     assemblies/      PRODUCT.assembly.intoto.jsonl
-    publication.intoto.jsonl   the signed publication statement (fq.publication): every file above with its
+    publication.intoto.jsonl   the signed publication statement (fq.provenance.publication): every file above with its
                                sha256, the products, plans and bases, and the version (assembly.version)
 
 and ``OUT/campaign_summary.json`` beside it (unsigned: the view of the publication statement that
-``fq.summary.summary_view`` derives, checked against it field by field), so that every file under
+``fq.provenance.summary.summary_view`` derives, checked against it field by field), so that every file under
 ``published/`` is attested or listed by a signed document.
 
 Finalize holds ``OUT/locks/workers.lock`` exclusively for its whole body (verify and publish), so no
@@ -39,26 +40,20 @@ import sys
 import time
 from pathlib import Path
 
-from fq import atomic, canonical
-from fq.assembly import Plan, build_assembly, write_assembly
-from fq.attest import keys
-from fq.attest.fragment import check_node_digest, verify_shard
+from fq.core import atomic, canonical
+from fq.core.safepath import sha256_file
 from fq.errors import FqError
-from fq.exl3config import CONFIG, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
-from fq.fragments import attestation_name
-from fq.manifest import MANIFEST_NAME, write_base_manifest
-from fq.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
-from fq.summary import summary_view
+from fq.provenance.assembly import Plan, build_assembly, write_assembly
+from fq.provenance.attest import keys
+from fq.provenance.attest.fragment import check_node_digest, verify_shard
+from fq.provenance.exl3config import CONFIG, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
+from fq.provenance.fragments import attestation_name
+from fq.provenance.manifest import MANIFEST_NAME, write_base_manifest
+from fq.provenance.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
+from fq.provenance.summary import summary_view
 from fq.workflow import locks
-from fq.safepath import sha256_file
 from fq.workflow.campaign import Campaign
-
-SUMMARY = "campaign_summary.json"
-INDEX = "model.safetensors.index.json"
-# Non-weight files of a checkpoint that a loadable base carries verbatim (config.json as source_config.json:
-# the base's config.json is derived from it, fq.exl3config).
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+from fq.workflow.common import INDEX, SIDE_FILES, SUMMARY, check_signer
 
 
 class Problems(list):
@@ -205,7 +200,7 @@ def _published_plan(c: Campaign) -> dict[str, Path]:
 
 def _base_index(c: Campaign, base: str, root: Path) -> bytes:
     """model.safetensors.index.json of a published base: every tensor key -> the file holding it."""
-    from fq.shards import read_header
+    from fq.model.shards import read_header
 
     weight_map = {}
     d = root / "base" / base
@@ -217,8 +212,6 @@ def _base_index(c: Campaign, base: str, root: Path) -> bytes:
 
 
 def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
-    from fq.workflow.init import check_signer
-
     _T0[0] = time.monotonic()
     # held until this process exits: through verify, publish and signing, as one critical section
     workers = locks.hold_finalize(locks.lock_dir(c.out))
@@ -295,11 +288,9 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
 
 def verify_published(published: str, pub_path: str, out: str) -> None:
     """What a consumer runs (`fq verify published --key signer.pub`): every file accounted for and verified."""
-    from fq.verify import verify_path
+    from fq.provenance.verify import publication_versions, verify_path
 
     pub = keys.load_public(pub_path)
-    from fq.commands.verify import published as publication_versions
-
     report = verify_path(published, pub)
     if not report.ok:
         raise FqError(f"fq verify {published}: {len(report.problems)} problem(s): " + "; ".join(report.problems))

@@ -192,8 +192,8 @@ def run_gate(snakefile: Path, configfiles: list[Path], rehearsal: bool) -> Repor
 
 
 def _check_key(r: Report, key: Path, campaign_json: Path) -> None:
-    from fq import canonical
-    from fq.attest import keys
+    from fq.core import canonical
+    from fq.provenance.attest import keys
 
     if not campaign_json.is_file():
         return
@@ -208,7 +208,7 @@ def _check_key(r: Report, key: Path, campaign_json: Path) -> None:
 
 
 def _check_source(g: Gate, cfg: dict, out: Path) -> None:
-    from fq.workflow.finalize import INDEX, SIDE_FILES
+    from fq.workflow.common import INDEX, SIDE_FILES
 
     kind = cfg["source"]["kind"]
     if kind == "demo":
@@ -230,7 +230,7 @@ def _check_source(g: Gate, cfg: dict, out: Path) -> None:
     for name in ("config.json", INDEX):
         g.on_volume(f"source metadata {name}", d / name, missing_hint=hint)
     try:
-        from fq import canonical
+        from fq.core import canonical
 
         shards = sorted(set(canonical.load(d / INDEX)["weight_map"].values()))
     except (FqError, KeyError, TypeError, AttributeError) as e:

@@ -7,10 +7,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from fq import atomic, canonical
+from fq.core import atomic, canonical
+from fq.core.atomic import fsync_dir
 from fq.errors import FqError
-from fq.atomic import fsync_dir
-from fq.workflow.staging import verify_file
+from fq.workflow.common import INDEX, SIDE_FILES, verify_file
 
 META_DOC = "fq-source-meta.json"
 META_FORMAT = "fq-source-meta/1"
@@ -52,8 +52,6 @@ def persist_metadata(c, meta_dir: str | os.PathLike, *, listing=None, fetch=None
     hub access after the GPU fleet is released (``fq gate`` checks they are on the campaign volume), and
     finalize publishes the side files beside each base. config.json and the index are verified against
     the digests the campaign was planned from. ``listing``/``fetch(name) -> bytes``: for tests."""
-    from fq.workflow.finalize import INDEX, SIDE_FILES
-
     repo, rev = c.config["source"]["repo"], c.source.revision
     if listing is None:
         from huggingface_hub import HfApi
@@ -82,8 +80,7 @@ def persist_metadata(c, meta_dir: str | os.PathLike, *, listing=None, fetch=None
 
 def load_persisted(meta_dir: str | os.PathLike, repo: str, revision: str | None):
     """The SourceModel from ``OUT/meta`` when init stored it for this very repo and revision; else None."""
-    from fq.source import load_source
-    from fq.workflow.finalize import INDEX
+    from fq.model.source import load_source
 
     meta = Path(meta_dir)
     if not (meta / META_DOC).is_file() or not (meta / "config.json").is_file() or not (meta / INDEX).is_file():

@@ -12,12 +12,12 @@ import os
 import shutil
 from pathlib import Path
 
-from fq import atomic, canonical
-from fq.attest import keys
-from fq.attest.campaign import campaign_identity
+from fq.core import atomic, canonical
+from fq.core.safepath import sha256_file
 from fq.errors import FqError
-from fq.identity import encoder_identity
-from fq.safepath import sha256_file
+from fq.provenance.attest import keys
+from fq.provenance.attest.campaign import campaign_identity
+from fq.provenance.identity import encoder_identity
 from fq.workflow.campaign import Campaign
 
 FORMAT = "fq-campaign/1"
@@ -49,15 +49,6 @@ def encoder_differences(bound: dict, mine: dict, ignore=()) -> str | None:
         diff = ["digest"]
     return (f"encoder build differs from the one bound to this campaign in {', '.join(diff)} "
             f"({', '.join(f'{k}: {bound.get(k)!r} -> {mine.get(k)!r}' for k in diff)})")
-
-
-def check_signer(doc: dict, pub, key_path: str) -> None:
-    """The key a step signs with must be the campaign's bound signer (fail in seconds, not at finalize)."""
-    fp = keys.fingerprint(pub)
-    bound = doc["identity"]["signer"]
-    if fp != bound:
-        raise FqError(f"{key_path}: key {fp[:16]}… is not this campaign's signer {bound[:16]}… (bound at init); "
-                      f"pass the campaign's key as signer_key, or start a fresh campaign directory")
 
 
 def run_init(c: Campaign, key_path: str, device: str, out_path: str, devices: list[int] | None = None) -> dict:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fq import canonical
-from fq.attest import keys
+from fq.core import canonical
 from fq.errors import FqError
+from fq.provenance.attest import keys
 from fq.workflow import locks
 from fq.workflow.campaign import is_encode_rule
-from fq.workflow.init import check_signer, encoder_differences
+from fq.workflow.common import check_signer
+from fq.workflow.init import encoder_differences
 
 
 def check_launch(c, key_path: str, device: str, pending: set[str] | None) -> None:
@@ -37,7 +38,7 @@ def check_launch(c, key_path: str, device: str, pending: set[str] | None) -> Non
     if Path(key_path).is_file():
         check_signer(doc, keys.load_private(key_path).public_key(), key_path)
     if pending is not None and any(is_encode_rule(r) for r in pending):
-        from fq.identity import encoder_identity
+        from fq.provenance.identity import encoder_identity
 
         # on a GPU campaign everything but the GPU's architecture: the launcher never touches a GPU (it would hold
         # a CUDA context on one for the whole campaign); each encode job checks its GPU's after claiming it

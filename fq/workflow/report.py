@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from fq import atomic, canonical
+from fq.core import atomic, canonical
 from fq.workflow.campaign import Campaign
 
 

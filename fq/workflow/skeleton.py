@@ -7,11 +7,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fq import canonical
-from fq.attest import keys
-from fq.attest.fragment import attest_skeleton
-from fq.fragments import write_skeleton
-from fq.shards import RawTensor, read_header, read_range
+from fq.core import canonical
+from fq.model.shards import RawTensor, read_header, read_range
+from fq.provenance.attest import keys
+from fq.provenance.attest.fragment import attest_skeleton
+from fq.provenance.fragments import write_skeleton
 
 
 def source_statement(doc: dict, shards) -> dict:
@@ -23,9 +23,9 @@ def source_statement(doc: dict, shards) -> dict:
 
 def extract_skeleton(campaign_json: str, key_path: str, staged: str, tensors: list[str], out: str,
                      lock_dir: str | None = None) -> None:
-    from fq.fragments import attestation_name
+    from fq.provenance.fragments import attestation_name
     from fq.workflow import locks
-    from fq.workflow.init import check_signer
+    from fq.workflow.common import check_signer
 
     shard = Path(out).name
     if lock_dir is not None:

@@ -12,17 +12,14 @@ how a run shows that no more than W windows of source were ever present.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import sys
 import time
 from pathlib import Path
 
-from fq import atomic, canonical
+from fq.core import atomic, canonical
 from fq.errors import FqError
-
-CHUNK = 1 << 22
-
+from fq.workflow.common import copy_verified
 
 def log_event(staging_dir: Path, event: str, **fields) -> None:
     """Append one JSON line (event, the shards present now, fields) to staging.log, under a lock."""
@@ -34,37 +31,6 @@ def log_event(staging_dir: Path, event: str, **fields) -> None:
         fh.write(line)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def _mismatch(what: str, n: int, got: str, size: int, sha256: str) -> FqError:
-    return FqError(f"{what}: {n} bytes with sha256 {got}, but the campaign bound {size} bytes with sha256 "
-                   f"{sha256} at init; the source changed under the campaign")
-
-
-def verify_file(path: Path, sha256: str, size: int, what: str) -> None:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as fh:
-        while data := fh.read(CHUNK):
-            h.update(data)
-            n += len(data)
-    if n != size or h.hexdigest() != sha256:
-        raise _mismatch(what, n, h.hexdigest(), size, sha256)
-
-
-def copy_verified(src: Path, dst: Path, sha256: str, size: int) -> None:
-    """Copy src to dst through a temp name, hashing on the way; refuse a mismatch before dst exists."""
-    if not src.is_file():
-        raise FqError(f"{src}: source shard missing")
-    h = hashlib.sha256()
-    n = 0
-    with open(src, "rb") as fin, atomic.atomic_open(dst, "wb") as fout:
-        while data := fin.read(CHUNK):
-            h.update(data)
-            n += len(data)
-            fout.write(data)
-        if n != size or h.hexdigest() != sha256:
-            raise _mismatch(str(src), n, h.hexdigest(), size, sha256)
 
 
 def stage_shard(campaign_json: str, source_kind: str, source_dir: str, shard: str, window: int, out: str,

@@ -1,0 +1,157 @@
+"""Routed-expert tensor names and the EXL3 runtime constants a tensor set implies.
+
+A checkpoint names its routed experts with its own prefix; fq keeps that prefix and replaces the
+``.weight`` suffix with EXL3 suffixes::
+
+    model.layers.12.mlp.experts.37.down_proj.weight        (source, torch (out, in))
+    model.layers.12.mlp.experts.37.down_proj.trellis|suh|svh|mul1   (fq fragment)
+
+``ExpertLayout`` carries the prefix template and the projection names (gate, up, down order):
+``STANDARD`` (Qwen/DeepSeek/GLM style) and ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``).
+
+``derive_linear`` re-derives K, codebook and geometry from the tensors themselves (dtype, shape,
+marker value) so that a consumer never copies a runtime constant from metadata.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from fq.codec.codebook import CODEBOOKS, MARKERS, marker_value as _marker_int32
+from fq.errors import FqError
+
+SIGN_SUFFIXES = ("trellis", "suh", "svh")
+# The scalar int32 marker (two's complement of the codebook multiplier) names the codebook; none = 3INST.
+_MARKER_BY_VALUE = {_marker_int32(k): k for k in MARKERS}
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a checkpoint names routed experts: ``prefix`` with {layer} and {expert}, projections gate/up/down."""
+
+    prefix: str = "model.layers.{layer}.mlp.experts.{expert}"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self):
+        p = self.prefix
+        if not isinstance(p, str) or p.count("{layer}") != 1 or p.count("{expert}") != 1 \
+                or not re.fullmatch(r"[A-Za-z0-9_.{}]+", p) or re.search(r"\{(?!layer\}|expert\})", p):
+            raise FqError(f"expert layout: prefix {p!r} must contain {{layer}} and {{expert}} once each "
+                          "and otherwise only letters, digits, '_' and '.'")
+        projs = self.projections
+        if (not isinstance(projs, tuple) or len(projs) != 3 or len(set(projs)) != 3
+                or not all(isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9_]+", x) for x in projs)):
+            raise FqError(f"expert layout: projections {projs!r} must be three distinct names (gate, up, down)")
+        pattern = re.escape(p).replace(r"\{layer\}", r"(?P<layer>0|[1-9][0-9]{0,8})") \
+            .replace(r"\{expert\}", r"(?P<expert>0|[1-9][0-9]{0,8})")
+        proj = "|".join(re.escape(x) for x in projs)
+        object.__setattr__(self, "_re", re.compile(rf"{pattern}\.(?P<proj>{proj})\.(?P<suffix>[A-Za-z0-9_]+)"))
+
+    def expert_prefix(self, layer: int, expert: int) -> str:
+        return self.prefix.format(layer=layer, expert=expert)
+
+    def key(self, layer: int, expert: int, proj: str, suffix: str) -> str:
+        return f"{self.expert_prefix(layer, expert)}.{proj}.{suffix}"
+
+    def parse(self, key: str) -> tuple[int, int, str, str] | None:
+        """(layer, expert, projection, suffix) of a routed-expert key, or None for any other tensor."""
+        m = self._re.fullmatch(key)
+        if not m:
+            return None
+        return int(m["layer"]), int(m["expert"]), m["proj"], m["suffix"]
+
+    def is_routed_weight(self, key: str) -> bool:
+        parsed = self.parse(key)
+        return parsed is not None and parsed[3] == "weight"
+
+    def to_json(self) -> dict:
+        return {"prefix": self.prefix, "projections": list(self.projections)}
+
+    @classmethod
+    def from_json(cls, obj: object, where: str = "layout") -> "ExpertLayout":
+        if not isinstance(obj, dict) or set(obj) != {"prefix", "projections"} or not isinstance(obj["projections"], list):
+            raise FqError(f"{where}: expected {{\"prefix\": str, \"projections\": [gate, up, down]}}, got {obj!r}")
+        return cls(obj["prefix"], tuple(obj["projections"]))
+
+
+STANDARD = ExpertLayout()
+MIXTRAL = ExpertLayout("model.layers.{layer}.block_sparse_moe.experts.{expert}", ("w1", "w3", "w2"))
+# Naming family of fq.model.source.SourceModel.family -> layout of its routed experts.
+LAYOUTS = {"deepseek": STANDARD, "qwen3_moe": STANDARD, "mixtral": MIXTRAL}
+
+
+def layout_for(family: str) -> ExpertLayout:
+    try:
+        return LAYOUTS[family]
+    except KeyError:
+        raise FqError(f"expert layout: unknown naming family {family!r}; expected one of {', '.join(LAYOUTS)}") from None
+
+
+def suffixes(codebook: str) -> tuple[str, ...]:
+    """Tensor suffixes of one EXL3 linear, in file order: trellis, suh, svh, then the marker if any."""
+    check_codebook(codebook, "codebook")
+    return SIGN_SUFFIXES + ((codebook,) if codebook in MARKERS else ())
+
+
+def expert_keys(layout: ExpertLayout, layer: int, expert: int, codebook: str) -> list[str]:
+    """Every key of one expert in a fragment, in the order the writer lays them out."""
+    return [layout.key(layer, expert, proj, s) for proj in layout.projections for s in suffixes(codebook)]
+
+
+def check_codebook(codebook: object, where: str) -> str:
+    if codebook not in CODEBOOKS:
+        raise FqError(f"{where}: unknown codebook {codebook!r}; expected one of {', '.join(CODEBOOKS)}")
+    return codebook  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Linear:
+    """Runtime constants of one EXL3 linear, as its tensors imply them."""
+
+    K: int
+    codebook: str
+    in_features: int
+    out_features: int
+
+
+def derive_linear(specs: Mapping[str, tuple[str, tuple[int, ...]]], where: str,
+                  marker_value: int | None = None) -> Linear:
+    """K, codebook and (in, out) from ``{suffix: (safetensors dtype, shape)}`` of one linear.
+
+    ``marker_value``, when the marker's bytes have been read, must be the codebook's constant.
+    Raises naming ``where``, the suffix and what was expected.
+    """
+    missing = [s for s in SIGN_SUFFIXES if s not in specs]
+    if missing:
+        hint = " (without its Hadamard sign vectors a stage reconstructs nothing)" if \
+            set(missing) & {"suh", "svh"} else ""
+        raise FqError(f"{where}: missing {', '.join(missing)}{hint}")
+    markers = [s for s in specs if s in MARKERS]
+    extra = [s for s in specs if s not in SIGN_SUFFIXES and s not in MARKERS]
+    if extra or len(markers) > 1:
+        raise FqError(f"{where}: unexpected tensors {', '.join(sorted(extra + markers[1:]))}; "
+                      f"expected trellis, suh, svh and at most one of {', '.join(MARKERS)}")
+    t_dtype, t_shape = specs["trellis"]
+    if t_dtype != "I16" or len(t_shape) != 3:
+        raise FqError(f"{where}.trellis: expected int16 (in/16, out/16, 16*K), got {t_dtype} {list(t_shape)}")
+    rows, cols, words = t_shape
+    if words % 16 or not 1 <= words // 16 <= 8:
+        raise FqError(f"{where}.trellis: last dimension {words} is not 16*K for K in 1..8")
+    n_in, n_out = rows * 16, cols * 16
+    if n_in == 0 or n_out == 0 or n_in % 128 or n_out % 128:
+        raise FqError(f"{where}.trellis: implies in={n_in}, out={n_out}; both must be positive multiples of 128")
+    for s, n in (("suh", n_in), ("svh", n_out)):
+        dtype, shape = specs[s]
+        if dtype != "F16" or tuple(shape) != (n,):
+            raise FqError(f"{where}.{s}: expected float16 ({n},) to match the trellis, got {dtype} {list(shape)}")
+    codebook = "3inst"
+    if markers:
+        codebook = markers[0]
+        dtype, shape = specs[codebook]
+        if dtype != "I32" or tuple(shape) != ():
+            raise FqError(f"{where}.{codebook}: expected a scalar int32 marker, got {dtype} {list(shape)}")
+        if marker_value is not None and _MARKER_BY_VALUE.get(marker_value) != codebook:
+            raise FqError(f"{where}.{codebook}: marker value {marker_value:#x} is not the {codebook} constant "
+                          f"{MARKERS[codebook]:#x}")
+    return Linear(words // 16, codebook, n_in, n_out)

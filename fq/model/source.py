@@ -1,0 +1,476 @@
+"""Source checkpoints: what a Hugging Face MoE checkpoint holds, from its metadata alone.
+
+Reads ``config.json`` and ``model.safetensors.index.json`` (or a single shard's header), never a
+tensor payload: a campaign is planned and priced before its source is downloaded, so shard sizes
+come from the filesystem or from a listing (the hub's file metadata) passed as ``sizes``.
+
+Recognized naming families (routed expert tensors; everything else is skeleton):
+- ``deepseek``: DeepSeek-V3, GLM-4.x, GLM-5 — ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight``
+  beside ``mlp.shared_experts`` and the router ``mlp.gate``; config ``n_routed_experts``,
+  ``first_k_dense_replace``, ``moe_layer_freq``; next-token-prediction layers past
+  ``num_hidden_layers`` (``num_nextn_predict_layers``) carry routed experts too and are encoded.
+- ``qwen3_moe``: the same tensor names; config ``num_experts``, ``decoder_sparse_step``, ``mlp_only_layers``.
+- ``mixtral``: ``model.layers.{L}.block_sparse_moe.experts.{E}.w1/w3/w2.weight`` (gate/up/down);
+  config ``num_local_experts``, ``intermediate_size``.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from fq.core import canonical
+from fq.core.layer_ranges import format_layers
+from fq.errors import FqError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PROJECTIONS = ("gate", "up", "down")
+TILE_ALIGN = 128  # EXL3: both dims of an encoded matrix are multiples of the 128-wide Hadamard block
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+FAMILIES = {
+    "deepseek": "DeepSeek-V3 / GLM-4.x / GLM-5",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
+}
+_MLP_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_MIXTRAL_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+# Anything under a routed-experts module that the patterns above do not take (fp8 scales, fused
+# gate_up tensors, biases) would silently become "skeleton": refuse it instead.
+_EXPERT_LIKE = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
+
+
+@dataclass(frozen=True, eq=False)
+class SourceModel:
+    """What fq needs to know about a checkpoint to plan, price and encode it."""
+
+    origin: str  # directory or hub repo, for messages
+    revision: str  # hub commit, operator-given revision, or "local:sha256:<config+index digest>"
+    family: str  # key of FAMILIES
+    model_type: str
+    hidden_size: int
+    moe_intermediate_size: int
+    n_experts: int  # routed experts per MoE layer
+    dtype: str
+    num_hidden_layers: int
+    moe_layers: tuple[int, ...]  # every layer with routed experts, ascending (next-token layers included)
+    dense_layers: tuple[int, ...]  # layers below num_hidden_layers without routed experts
+    mtp_layers: tuple[int, ...]  # the next-token-prediction layers among moe_layers
+    weight_map: Mapping[str, str]  # tensor -> shard file, from the index
+    shard_sizes: Mapping[str, int]  # shard file -> bytes
+    config_sha256: str
+    index_sha256: str
+    expert_names: Mapping[tuple[int, int, str], str] = field(repr=False)  # (layer, expert, proj) -> tensor
+    skeleton_tensors: tuple[str, ...] = field(repr=False)  # every non-routed-expert tensor, sorted
+
+    # -- shapes and bytes ----------------------------------------------------------------------
+    def expert_shape(self, proj: str) -> tuple[int, int]:
+        """Torch Linear shape (out, in) of one projection of one expert."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {"gate": (i, h), "up": (i, h), "down": (h, i)}[proj]
+
+    @property
+    def expert_params(self) -> int:
+        return sum(o * i for o, i in map(self.expert_shape, PROJECTIONS))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def expert_tensor(self, layer: int, expert: int, proj: str) -> str:
+        try:
+            return self.expert_names[(layer, expert, proj)]
+        except KeyError:
+            raise FqError(f"source {self.origin}: no routed expert tensor for layer {layer}, expert {expert}, "
+                          f"projection {proj!r}") from None
+
+    # -- shards --------------------------------------------------------------------------------
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.weight_map.values())))
+
+    def block_shards(self, layer: int, first_expert: int, count: int) -> tuple[str, ...]:
+        """Shards holding any tensor of experts ``first_expert .. first_expert+count-1`` of ``layer``."""
+        names = {self.weight_map[self.expert_tensor(layer, e, p)]
+                 for e in range(first_expert, first_expert + count) for p in PROJECTIONS}
+        return tuple(sorted(names))
+
+    def layer_shards(self, layer: int) -> tuple[str, ...]:
+        memo = self.__dict__.setdefault("_layer_shards", {})  # frozen dataclass: a private memo is fine
+        if layer not in memo:
+            memo[layer] = self.block_shards(layer, 0, self.n_experts)
+        return memo[layer]
+
+    @property
+    def expert_shards(self) -> tuple[str, ...]:
+        return tuple(sorted({self.weight_map[t] for t in self.expert_names.values()}))
+
+    @property
+    def skeleton_only_shards(self) -> tuple[str, ...]:
+        """Shards holding no routed expert tensor (embeddings, dense layers, lm_head...): no layer's
+        shard list names them, yet a base cannot be published without their tensors."""
+        experts = set(self.expert_shards)
+        return tuple(s for s in self.shards if s not in experts)
+
+    def shard_expert_bytes(self, shard: str) -> int:
+        return self._expert_bytes_by_shard.get(shard, 0)
+
+    def shard_skeleton_bytes(self, shard: str) -> int:
+        """Bytes of a shard that are not routed experts (an upper bound: includes the header)."""
+        return self.shard_sizes[shard] - self.shard_expert_bytes(shard)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.shard_sizes[s] for s in self.shards)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * self.dtype_bytes * self.n_experts * len(self.moe_layers)
+
+    @property
+    def skeleton_bytes(self) -> int:
+        return self.total_bytes - self.expert_bytes
+
+    @property
+    def _expert_bytes_by_shard(self) -> dict[str, int]:
+        cached = self.__dict__.get("_ebs")
+        if cached is None:
+            cached = {}
+            for (_, _, proj), tensor in self.expert_names.items():
+                o, i = self.expert_shape(proj)
+                shard = self.weight_map[tensor]
+                cached[shard] = cached.get(shard, 0) + o * i * self.dtype_bytes
+            object.__setattr__(self, "_ebs", cached)  # frozen dataclass: a private memo is fine
+        return cached
+
+    def summary(self) -> dict:
+        return {
+            "origin": self.origin,
+            "revision": self.revision,
+            "family": self.family,
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "n_experts": self.n_experts,
+            "dtype": self.dtype,
+            "moe_layers": list(self.moe_layers),
+            "dense_layers": list(self.dense_layers),
+            "mtp_layers": list(self.mtp_layers),
+            "shards": len(self.shards),
+            "total_bytes": self.total_bytes,
+            "config_sha256": self.config_sha256,
+            "index_sha256": self.index_sha256,
+        }
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def load_source(spec: str | Path, *, revision: str | None = None, sizes: Mapping[str, int] | None = None) -> SourceModel:
+    """A SourceModel from a local directory (config.json + index, or one model.safetensors) or a
+    hub repo id ``owner/name`` (metadata only, when the hub is reachable).
+
+    ``sizes`` (shard file -> bytes) replaces the filesystem for shard sizes: a campaign prices
+    before downloading, from the hub's listing or from metadata staged by ``init``.
+    """
+    path = Path(spec)
+    if path.is_dir():
+        config_bytes = _read(path / "config.json")
+        if (path / INDEX_NAME).is_file():
+            index_bytes = _read(path / INDEX_NAME)
+            index = canonical.loads(index_bytes, str(path / INDEX_NAME))
+        elif (path / SINGLE_NAME).is_file():
+            index = {"weight_map": {name: SINGLE_NAME for name in _safetensors_names(path / SINGLE_NAME)}}
+            index_bytes = canonical.dumps(index)
+        else:
+            raise FqError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found (fq reads a Hugging Face safetensors checkpoint)")
+        if sizes is None:
+            sizes = _sizes_from_disk(path, index, str(path / INDEX_NAME))
+        return parse_source(canonical.loads(config_bytes, str(path / "config.json")), index, sizes,
+                            origin=str(path), revision=revision, config_bytes=config_bytes, index_bytes=index_bytes)
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*", str(spec)) and not path.exists():
+        config_bytes, index_bytes, hub_sizes, commit = _hub_metadata(str(spec), revision)
+        return parse_source(canonical.loads(config_bytes, f"{spec}/config.json"),
+                            canonical.loads(index_bytes, f"{spec}/{INDEX_NAME}"), sizes if sizes is not None else hub_sizes,
+                            origin=str(spec), revision=commit, config_bytes=config_bytes, index_bytes=index_bytes)
+    raise FqError(f"{spec}: not a directory (expected a checkpoint directory with config.json and {INDEX_NAME}, "
+                  f"or a hub repo id owner/name)")
+
+
+def load_sizes(path: str | Path) -> dict[str, int]:
+    """Shard sizes from a listing file: ``{"name": bytes}``, ``{"files": {"name": {"size": bytes}}}``
+    or the hub's ``[{"path": name, "size": bytes}, ...]``."""
+    path = Path(path)
+    doc = canonical.load(path)
+    if isinstance(doc, dict) and "files" in doc:
+        doc = doc["files"]
+        pairs = doc.items() if isinstance(doc, dict) else None
+        if pairs is None:
+            raise FqError(f"{path}: 'files' must be an object name -> {{\"size\": bytes}}")
+        items = [(k, v.get("size") if isinstance(v, dict) else None) for k, v in pairs]
+    elif isinstance(doc, dict):
+        items = list(doc.items())
+    elif isinstance(doc, list):
+        items = []
+        for i, e in enumerate(doc):
+            if not isinstance(e, dict) or "path" not in e or "size" not in e:
+                raise FqError(f"{path}: [{i}]: expected an object with 'path' and 'size'")
+            items.append((e["path"], e["size"]))
+    else:
+        raise FqError(f"{path}: expected a JSON object name -> bytes, or a list of {{path, size}}")
+    out: dict[str, int] = {}
+    for name, size in items:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FqError(f"{path}: size of {name!r}: expected a non-negative integer number of bytes, got {size!r}")
+        out[name] = size
+    return out
+
+
+def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin: str, revision: str | None = None,
+                 config_bytes: bytes | None = None, index_bytes: bytes | None = None) -> SourceModel:
+    """Pure: derive a SourceModel from parsed config + index and shard sizes."""
+    cfg = f"{origin}/config.json"
+    idx = f"{origin}/{INDEX_NAME}"
+    if not isinstance(config, dict):
+        raise FqError(f"{cfg}: expected a JSON object")
+    if config.get("quantization_config") is not None:
+        method = config["quantization_config"].get("quant_method", "?") if isinstance(config["quantization_config"], dict) else "?"
+        raise FqError(f"{cfg}: quantization_config (quant_method={method}) present: fq encodes bf16/fp16/fp32 "
+                      f"weights; give it the unquantized checkpoint")
+    weight_map = _weight_map(index, idx)
+
+    experts: dict[tuple[int, int, str], str] = {}
+    skeleton: list[str] = []
+    family_hint = None
+    for name in sorted(weight_map):
+        m = _MLP_EXPERT.match(name)
+        if m:
+            family_hint = family_hint or "mlp"
+            key = (int(m.group(1)), int(m.group(2)), m.group(3))
+        elif (m := _MIXTRAL_EXPERT.match(name)):
+            family_hint = family_hint or "mixtral"
+            key = (int(m.group(1)), int(m.group(2)), _MIXTRAL_PROJ[m.group(3)])
+        elif _EXPERT_LIKE.search(name):
+            raise FqError(f"{idx}: tensor {name!r} belongs to routed experts but is not a plain "
+                          f"{{gate,up,down}}_proj.weight / w1/w2/w3.weight matrix (fp8 scales, fused or biased "
+                          f"experts are not supported: convert the checkpoint to bf16 per-expert matrices)")
+        else:
+            skeleton.append(name)
+            continue
+        if key in experts:  # e.g. the same expert under both naming schemes
+            raise FqError(f"{idx}: tensors {experts[key]!r} and {name!r} are the same expert matrix")
+        experts[key] = name
+    if not experts:
+        raise FqError(f"{idx}: no routed expert tensors found (recognized: {'; '.join(FAMILIES.values())})")
+    kinds = {("mixtral" if ".block_sparse_moe." in t else "mlp") for t in experts.values()}
+    if len(kinds) > 1:
+        raise FqError(f"{idx}: routed experts use both mlp.experts and block_sparse_moe.experts names")
+
+    family = _family(config, family_hint, cfg)
+    fields = _family_fields(config, family, cfg)
+    hidden, inter, n_experts, n_layers = fields["hidden"], fields["inter"], fields["n_experts"], fields["n_layers"]
+    dtype = config.get("torch_dtype", config.get("dtype"))
+    if dtype not in DTYPE_BYTES:
+        raise FqError(f"{cfg}: torch_dtype: expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+
+    found = sorted({layer for layer, _, _ in experts})
+    moe_layers, mtp_layers = _check_layers(found, fields["expected"], n_layers, fields["mtp_allowed"], cfg, idx)
+    _check_complete(experts, moe_layers, n_experts, idx)
+
+    for dim_key, dim in ((fields["inter_key"], inter), ("hidden_size", hidden)):
+        if dim % TILE_ALIGN:
+            raise FqError(f"{experts[(moe_layers[0], 0, 'gate')]}: shape ({inter}, {hidden}) (out, in) has a dim that is "
+                          f"not a multiple of {TILE_ALIGN} ({dim_key}={dim} in {cfg}); EXL3 encodes matrices whose in and "
+                          f"out are multiples of {TILE_ALIGN}")
+
+    shard_sizes = _shard_sizes(weight_map, sizes, origin)
+    if config_bytes is None:
+        config_bytes = canonical.dumps(config)
+    if index_bytes is None:
+        index_bytes = canonical.dumps(index)
+    config_sha, index_sha = canonical.sha256_hex(config_bytes), canonical.sha256_hex(index_bytes)
+    if revision is None:
+        revision = "local:sha256:" + canonical.sha256_hex(f"{config_sha}\n{index_sha}\n".encode())
+    elif not isinstance(revision, str) or not revision.strip() or any(c.isspace() for c in revision):
+        raise FqError(f"revision: expected a non-empty commit or tag without whitespace, got {revision!r}")
+    model = SourceModel(
+        origin=origin, revision=revision, family=family, model_type=str(config.get("model_type", "")),
+        hidden_size=hidden, moe_intermediate_size=inter, n_experts=n_experts, dtype=dtype,
+        num_hidden_layers=n_layers, moe_layers=tuple(moe_layers),
+        dense_layers=tuple(l for l in range(n_layers) if l not in set(moe_layers)), mtp_layers=tuple(mtp_layers),
+        weight_map=dict(weight_map), shard_sizes=shard_sizes, config_sha256=config_sha, index_sha256=index_sha,
+        expert_names=experts, skeleton_tensors=tuple(skeleton),
+    )
+    for shard in model.shards:
+        if model.shard_skeleton_bytes(shard) < 0:
+            raise FqError(f"{origin}: shard {shard} is {shard_sizes[shard]} bytes, less than the "
+                          f"{model.shard_expert_bytes(shard)} bytes of routed expert tensors the index puts in it "
+                          f"({dtype}, dims from {cfg}): wrong sizes listing or wrong config")
+    return model
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise FqError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _weight_map(index, idx: str) -> dict[str, str]:
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict) or not index["weight_map"]:
+        raise FqError(f"{idx}: weight_map: expected a non-empty object tensor name -> shard file")
+    for name, shard in index["weight_map"].items():
+        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
+            # Shard names become staging and deletion paths: plain file names only.
+            raise FqError(f"{idx}: weight_map[{name!r}]: expected a plain shard file name, got {shard!r}")
+    return index["weight_map"]
+
+
+def _safetensors_names(path: Path) -> list[str]:
+    """Tensor names from a safetensors header (8-byte length + JSON), without reading payloads."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                raise FqError(f"{path}: too short to be safetensors")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000:
+                raise FqError(f"{path}: header length {n} is implausible for safetensors")
+            header = canonical.loads(fh.read(n), f"{path} (safetensors header)", max_bytes=100_000_000)
+    except OSError as e:
+        raise FqError(f"{path}: cannot read: {e.strerror}") from None
+    if not isinstance(header, dict):
+        raise FqError(f"{path}: safetensors header must be a JSON object")
+    return [k for k in header if k != "__metadata__"]
+
+
+def _sizes_from_disk(path: Path, index: dict, idx: str) -> dict[str, int]:
+    out = {}
+    for shard in sorted(set(_weight_map(index, idx).values())):
+        try:
+            out[shard] = (path / shard).stat().st_size
+        except FileNotFoundError:
+            raise FqError(f"{path / shard}: shard named by the index is not on disk; pass its size in a listing "
+                          f"(--sizes FILE) to plan before downloading") from None
+    return out
+
+
+def _shard_sizes(weight_map: Mapping[str, str], sizes: Mapping[str, int], origin: str) -> dict[str, int]:
+    out = {}
+    for shard in sorted(set(weight_map.values())):
+        if shard not in sizes:
+            raise FqError(f"{origin}: no size for shard {shard} (the sizes listing must name every shard of the index)")
+        size = sizes[shard]
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise FqError(f"{origin}: size of shard {shard}: expected a positive integer number of bytes, got {size!r}")
+        out[shard] = size
+    return out
+
+
+def _family(config: dict, hint: str, cfg: str) -> str:
+    if hint == "mixtral":
+        return "mixtral"
+    if "n_routed_experts" in config:
+        return "deepseek"
+    if "num_experts" in config:
+        return "qwen3_moe"
+    raise FqError(f"{cfg}: routed experts are named mlp.experts.* but the config has neither n_routed_experts "
+                  f"({FAMILIES['deepseek']}) nor num_experts ({FAMILIES['qwen3_moe']})")
+
+
+def _int(config: dict, key: str, cfg: str, family: str, minimum: int = 1, default=None) -> int:
+    if key not in config:
+        if default is not None:
+            return default
+        raise FqError(f"{cfg}: field {key!r} missing (expected an integer >= {minimum} for a {FAMILIES[family]} model)")
+    v = config[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise FqError(f"{cfg}: field {key!r}: expected an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _family_fields(config: dict, family: str, cfg: str) -> dict:
+    """Dims, expert count and the layers the config itself says are MoE."""
+    n_layers = _int(config, "num_hidden_layers", cfg, family)
+    hidden = _int(config, "hidden_size", cfg, family)
+    if family == "deepseek":
+        first_dense = _int(config, "first_k_dense_replace", cfg, family, minimum=0, default=0)
+        freq = _int(config, "moe_layer_freq", cfg, family, default=1)
+        expected = [l for l in range(n_layers) if l >= first_dense and l % freq == 0]
+        return dict(n_layers=n_layers, hidden=hidden, inter=_int(config, "moe_intermediate_size", cfg, family),
+                    inter_key="moe_intermediate_size", n_experts=_int(config, "n_routed_experts", cfg, family),
+                    expected=expected,
+                    mtp_allowed=_int(config, "num_nextn_predict_layers", cfg, family, minimum=0, default=0))
+    if family == "qwen3_moe":
+        step = _int(config, "decoder_sparse_step", cfg, family, default=1)
+        mlp_only = config.get("mlp_only_layers", [])
+        if not isinstance(mlp_only, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in mlp_only):
+            raise FqError(f"{cfg}: field 'mlp_only_layers': expected a list of layer numbers, got {mlp_only!r}")
+        expected = [l for l in range(n_layers) if l not in mlp_only and (l + 1) % step == 0]
+        return dict(n_layers=n_layers, hidden=hidden, inter=_int(config, "moe_intermediate_size", cfg, family),
+                    inter_key="moe_intermediate_size", n_experts=_int(config, "num_experts", cfg, family),
+                    expected=expected, mtp_allowed=0)
+    return dict(n_layers=n_layers, hidden=hidden, inter=_int(config, "intermediate_size", cfg, family),
+                inter_key="intermediate_size", n_experts=_int(config, "num_local_experts", cfg, family),
+                expected=list(range(n_layers)), mtp_allowed=0)
+
+
+def _check_layers(found: list[int], expected: list[int], n_layers: int, mtp_allowed: int, cfg: str, idx: str):
+    main = [l for l in found if l < n_layers]
+    beyond = [l for l in found if l >= n_layers]
+    problems = []
+    missing = sorted(set(expected) - set(main))
+    unexpected = sorted(set(main) - set(expected))
+    if missing:
+        problems.append(f"the config makes layer(s) {format_layers(missing)} MoE but the index has no routed experts there")
+    if unexpected:
+        problems.append(f"the index has routed experts in layer(s) {format_layers(unexpected)}, which the config makes dense")
+    bad_mtp = [l for l in beyond if l >= n_layers + mtp_allowed]
+    if bad_mtp:
+        problems.append(f"routed experts in layer(s) {format_layers(bad_mtp)} beyond num_hidden_layers={n_layers}"
+                        f" + num_nextn_predict_layers={mtp_allowed}")
+    if problems:
+        raise FqError(f"{idx} disagrees with {cfg}: " + "; ".join(problems))
+    return sorted(found), beyond
+
+
+def _check_complete(experts: dict, moe_layers: list[int], n_experts: int, idx: str) -> None:
+    extra = sorted(k for k in experts if k[1] >= n_experts)
+    if extra:
+        layer, e, proj = extra[0]
+        raise FqError(f"{idx}: tensor {experts[extra[0]]!r} has expert index {e}, but the config has {n_experts} experts "
+                      f"per layer ({len(extra)} such tensors)")
+    missing = [(l, e, p) for l in moe_layers for e in range(n_experts) for p in PROJECTIONS if (l, e, p) not in experts]
+    if missing:
+        shown = ", ".join(f"layer {l} expert {e} {p}" for l, e, p in missing[:5])
+        raise FqError(f"{idx}: {len(missing)} routed expert matrices missing from the index (first: {shown}); every "
+                      f"MoE layer needs gate, up and down of experts 0..{n_experts - 1}")
+
+
+def _hub_metadata(repo: str, revision: str | None) -> tuple[bytes, bytes, dict[str, int], str]:
+    """config.json, the index, shard sizes and the resolved commit of a hub repo (no payloads)."""
+    offline = (f"{repo}: not a local directory, and the Hugging Face hub is not available offline; put config.json "
+               f"and {INDEX_NAME} in a directory and pass that (with --sizes for shard sizes)")
+    try:
+        from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub import constants as hf_constants
+    except ImportError:
+        raise FqError(offline + " (huggingface_hub is not installed)") from None
+    if hf_constants.HF_HUB_OFFLINE:
+        raise FqError(offline + " (HF_HUB_OFFLINE is set)")
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        commit = info.sha
+        config = Path(hf_hub_download(repo, "config.json", revision=commit)).read_bytes()
+        index = Path(hf_hub_download(repo, INDEX_NAME, revision=commit)).read_bytes()
+        sizes = {s.rfilename: s.size for s in (info.siblings or []) if s.size is not None}
+    except Exception as e:  # network, auth, missing repo: one line, not a traceback
+        raise FqError(f"{offline} ({type(e).__name__}: {e})") from None
+    return config, index, sizes, commit

@@ -1,0 +1,327 @@
+"""Pricing a campaign before a GPU is rented: GPU-hours, dollars, wall time, storage.
+
+A cost table (fq-cost-table/1, fq/data/cost_table.json by default) gives seconds per matrix
+pass by codebook, K and shape on one GPU model. A node costs its experts x the seconds of its
+three projections at its K; a recipe costs the sum of its nodes. Wall time for n GPUs follows
+the plan's windows: window w's shards download once window w-W has retired, and encoding of
+window w waits for its shards and for window w-1 (ideal load balance inside a window). Staging
+of the first window and the final verification overlap nothing. GPUs are billed from the start
+of staging until the last window is encoded; finalize (re-hash and publish) runs after they are
+released. ``price_recipe`` is pure: it takes a Recipe, a SourceModel and a CostTable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from fq.core import canonical
+from fq.core.layer_ranges import format_layers
+from fq.errors import FqError
+from fq.planning.plan import (DEFAULT_WINDOWS_ON_DISK, choose_windows, encoded_expert_bytes, layer_output_bytes,
+                              stage_schedule)
+from fq.core.schema_check import validate
+from fq.core.units import fmt_bytes, fmt_hours
+from fq.model.source import FAMILIES, PROJECTIONS, SourceModel
+from fq.planning.recipe import Recipe, selection_counts
+
+TABLE_FORMAT = "fq-cost-table/1"
+DEFAULT_DOWNLOAD_MB_S = 125.0  # assumption: a 1 Gbit/s link to the hub; pass the one you rent
+DEFAULT_VERIFY_MB_S = 908.0  # the seed's measured finalize re-hash rate (9.32 GB in 10.263 s)
+DEFAULT_USD_PER_GPU_HOUR = 3.0  # assumption: an on-demand H200 price; pass yours
+DEFAULT_GPUS = 8
+
+
+# -- cost tables -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class CostTable:
+    gpu: str
+    encoder: str
+    seconds_by_key: Mapping[tuple[str, int, int, int], float]  # (codebook, K, out, in) -> s per matrix
+    origin_by_key: Mapping[tuple[str, int, int, int], str]  # measured | derived
+    source: str
+    sha256: str
+
+    def seconds(self, codebook: str, K: int, shape: tuple[int, int]) -> tuple[float, bool]:
+        """Seconds of one pass over an (out, in) matrix, and whether it was scaled from other shapes.
+
+        A shape the table lacks is priced per tile (out*in/256) from the table's shapes at the same
+        codebook and K: fixed costs then scale with size, so calibrate on the model's own shapes.
+        """
+        key = (codebook, K, shape[0], shape[1])
+        if key in self.seconds_by_key:
+            return self.seconds_by_key[key], False
+        same = [(o * i // 256, s) for (cb, k, o, i), s in self.seconds_by_key.items() if cb == codebook and k == K]
+        if not same:
+            have = sorted({f"{cb} K{k}" for cb, k, _, _ in self.seconds_by_key})
+            raise FqError(f"cost table {self.source} ({self.gpu}) has no entry for codebook {codebook} K{K} "
+                          f"(it has {', '.join(have)}); run fq calibrate for it")
+        per_tile = sum(s / t for t, s in same) / len(same)
+        return per_tile * (shape[0] * shape[1] // 256), True
+
+    @property
+    def measured_share(self) -> tuple[int, int]:
+        return sum(1 for o in self.origin_by_key.values() if o == "measured"), len(self.origin_by_key)
+
+
+def default_cost_table_path() -> Path:
+    return Path(str(resources.files("fq").joinpath("data", "cost_table.json")))
+
+
+def parse_cost_table(doc, source: str = "<cost table>", gpu_model: str | None = None) -> CostTable:
+    validate(doc, "cost-table", f"cost table {source}")
+    gpus = doc["gpus"]
+    if gpu_model is None:
+        if len(gpus) > 1:
+            raise FqError(f"cost table {source} holds {len(gpus)} GPU models ({', '.join(sorted(gpus))}): "
+                          f"choose one with --gpu-model")
+        gpu_model = next(iter(gpus))
+    if gpu_model not in gpus:
+        raise FqError(f"cost table {source}: no GPU model {gpu_model!r} (it has {', '.join(sorted(gpus))})")
+    section = gpus[gpu_model]
+    seconds, origins = {}, {}
+    for i, e in enumerate(section["entries"]):
+        key = (e["codebook"], e["K"], e["shape"][0], e["shape"][1])
+        if key in seconds:
+            raise FqError(f"cost table {source}: gpus.{gpu_model}.entries[{i}] repeats codebook {key[0]} K{key[1]} "
+                          f"shape {key[2]}x{key[3]}")
+        seconds[key], origins[key] = float(e["seconds"]), e["origin"]
+    return CostTable(gpu=gpu_model, encoder=section["encoder"], seconds_by_key=seconds, origin_by_key=origins,
+                     source=source, sha256=canonical.sha256_hex(canonical.dumps(doc)))
+
+
+def load_cost_table(path: str | Path | None = None, gpu_model: str | None = None) -> CostTable:
+    """A cost table file, or the packaged one (fq measured on an H200 by fq calibrate) when ``path`` is None."""
+    if path is None:
+        return parse_cost_table(canonical.load(default_cost_table_path()), "fq/data/cost_table.json (packaged)", gpu_model)
+    return parse_cost_table(canonical.load(path), str(path), gpu_model)
+
+
+# -- pricing (pure) ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodePrice:
+    name: str
+    K: int
+    codebook: str
+    experts: int  # expert instances encoded (over all layers)
+    seconds_per_expert: float  # gate + up + down at this K
+    gpu_seconds: float
+    output_bytes: int
+    scaled: bool  # a shape the cost table lacks was priced per tile
+
+
+@dataclass(frozen=True)
+class ProductPrice:
+    name: str
+    chain: tuple[str, ...]
+    bpw: int
+    bytes: int  # what a consumer stores: skeleton + every node of the chain
+    increment_bytes: int  # the chain's last node alone (for a stage: the cartridge over its parent product)
+
+
+@dataclass(frozen=True)
+class GpuOption:
+    gpus: int
+    first_window_s: float  # staging of window 0, GPUs idle
+    encode_done_s: float  # GPUs released here
+    verify_s: float  # finalize re-hash after release
+    wall_s: float
+    billed_gpu_hours: float
+    usd: float
+
+
+@dataclass(frozen=True, eq=False)
+class Price:
+    recipe: Mapping  # Recipe.summary()
+    nodes: tuple[NodePrice, ...]
+    products: tuple[ProductPrice, ...]
+    gpu_seconds: float  # pure encode compute, any number of GPUs
+    published_bytes: int  # bases with skeleton + every fragment
+    skeleton_bytes: int
+    windows: tuple[tuple[int, ...], ...]
+    peak_local_bytes: int
+    options: tuple[GpuOption, ...]  # 1..gpus
+    assumptions: Mapping
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpu_seconds / 3600
+
+    def option(self, gpus: int) -> GpuOption:
+        return self.options[gpus - 1]
+
+
+def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus: int = DEFAULT_GPUS,
+                 usd_per_gpu_hour: float = DEFAULT_USD_PER_GPU_HOUR,
+                 download_bytes_per_s: float = DEFAULT_DOWNLOAD_MB_S * 1e6,
+                 verify_bytes_per_s: float = DEFAULT_VERIFY_MB_S * 1e6,
+                 windows=None, disk_budget: int | None = None,
+                 windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK) -> Price:
+    gpus = _positive(gpus, "gpus", integer=True)
+    usd_per_gpu_hour = _nonnegative(usd_per_gpu_hour, "usd per GPU-hour")
+    download_bytes_per_s = _positive(download_bytes_per_s, "download rate")
+    verify_bytes_per_s = _positive(verify_bytes_per_s, "verify rate")
+    counts = selection_counts(recipe, source.moe_layers, source.n_experts)
+
+    per_expert: dict[str, float] = {}
+    nodes = []
+    for node in recipe.nodes:
+        secs, scaled = 0.0, False
+        for proj in PROJECTIONS:
+            s, sc = table.seconds(node.codebook, node.K, source.expert_shape(proj))
+            secs, scaled = secs + s, scaled or sc
+        per_expert[node.name] = secs
+        n_exp = sum(counts[node.name].values())
+        nodes.append(NodePrice(node.name, node.K, node.codebook, n_exp, secs, n_exp * secs,
+                               n_exp * encoded_expert_bytes(source, node.K), scaled))
+    node_bytes = {n.name: n.output_bytes for n in nodes}
+    skeleton = source.skeleton_bytes
+    products = tuple(ProductPrice(p.name, p.chain, recipe.product_bpw(p),
+                                  skeleton + sum(node_bytes[n] for n in p.chain), node_bytes[p.chain[-1]])
+                     for p in recipe.products)
+    published = len(recipe.bases) * skeleton + sum(node_bytes.values())
+
+    layer_out = layer_output_bytes(recipe, source, counts)
+    partition = choose_windows(source, layer_out, windows=windows, disk_budget=disk_budget,
+                               windows_on_disk=windows_on_disk)
+    sched = stage_schedule(source, partition, windows_on_disk, layer_out)
+    layer_secs = {l: sum(per_expert[n] * counts[n][l] for n in per_expert) for l in source.moe_layers}
+    window_secs = [sum(layer_secs[l] for l in layers) for layers in partition]
+    stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
+    verify_s = published / verify_bytes_per_s
+    options = []
+    for n in range(1, gpus + 1):
+        first, done = _timeline(stage_s, window_secs, n, windows_on_disk)
+        billed = n * done / 3600
+        options.append(GpuOption(n, first, done, verify_s, done + verify_s, billed, billed * usd_per_gpu_hour))
+    return Price(
+        recipe=recipe.summary(), nodes=tuple(nodes), products=products,
+        gpu_seconds=sum(n.gpu_seconds for n in nodes), published_bytes=published, skeleton_bytes=skeleton,
+        windows=partition, peak_local_bytes=max(w.local_bytes for w in sched["windows"]), options=tuple(options),
+        assumptions={"download_bytes_per_s": download_bytes_per_s, "verify_bytes_per_s": verify_bytes_per_s,
+                     "usd_per_gpu_hour": usd_per_gpu_hour, "windows_on_disk": windows_on_disk,
+                     "disk_budget": disk_budget, "windows": windows},
+    )
+
+
+def _timeline(stage_s: Sequence[float], encode_s: Sequence[float], gpus: int, W: int) -> tuple[float, float]:
+    """(end of window 0's staging, end of the last window's encode) in seconds from the start."""
+    staged, encoded = [], []
+    for w, (st, enc) in enumerate(zip(stage_s, encode_s)):
+        start = staged[-1] if w else 0.0
+        if w - W >= 0:
+            start = max(start, encoded[w - W])  # window w fetches once window w-W retired
+        staged.append(start + st)
+        encoded.append(max(staged[-1], encoded[-1] if w else 0.0) + enc / gpus)
+    return staged[0], encoded[-1]
+
+
+def _positive(value, what: str, integer: bool = False):
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not value > 0 or value != value:
+        raise FqError(f"{what}: expected a positive {'integer' if integer else 'number'}, got {value!r}")
+    return value
+
+
+def _nonnegative(value, what: str):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise FqError(f"{what}: expected a number >= 0, got {value!r}")
+    return float(value)
+
+
+# -- tables -----------------------------------------------------------------------------------------
+
+
+def source_line(source: SourceModel) -> str:
+    shapes = ", ".join(f"{'x'.join(map(str, source.expert_shape(p)))} ({p})" for p in PROJECTIONS)
+    return (f"source {source.model_type or source.family} ({FAMILIES[source.family]} naming) @ {source.revision}\n"
+            f"  {len(source.moe_layers)} MoE layers ({format_layers(source.moe_layers)}) x {source.n_experts} experts; "
+            f"expert matrices (out x in) {shapes}; {source.dtype}; {len(source.shards)} shards, "
+            f"{fmt_bytes(source.total_bytes)} (skeleton {fmt_bytes(source.skeleton_bytes)})")
+
+
+def table_line(table: CostTable) -> str:
+    measured, total = table.measured_share
+    return (f"cost table {table.source} (sha256 {table.sha256[:16]})\n"
+            f"  GPU {table.gpu}: {table.encoder}\n"
+            f"  {measured} of {total} entries measured, the rest derived (see the table's 'basis' fields)")
+
+
+def cost_table_entries(table: CostTable) -> str:
+    """Every entry: codebook, K, shape, seconds per matrix pass, measured or derived."""
+    lines = [f"{'codebook':<8} {'K':>2} {'shape (out x in)':>17} {'s/matrix':>9}  origin"]
+    for (cb, K, o, i), secs in sorted(table.seconds_by_key.items()):
+        lines.append(f"{cb:<8} {K:>2} {f'{o}x{i}':>17} {secs:>9.4f}  {table.origin_by_key[(cb, K, o, i)]}")
+    return "\n".join(lines)
+
+
+def assumptions_line(a: Mapping) -> str:
+    if a["windows"] is not None:
+        win = f"windows {a['windows']}"
+    elif a["disk_budget"] is not None:
+        win = f"windows from a disk budget of {fmt_bytes(a['disk_budget'])}"
+    else:
+        win = "one window (no --windows or --disk-budget)"
+    return (f"assumptions: download {a['download_bytes_per_s'] / 1e6:g} MB/s; finalize verify "
+            f"{a['verify_bytes_per_s'] / 1e6:g} MB/s; ${a['usd_per_gpu_hour']:.2f} per GPU-hour; "
+            f"{a['windows_on_disk']} window(s) on disk; {win}")
+
+
+def price_table(price: Price) -> str:
+    r = price.recipe
+    lines = [f"== {r['recipe']} (sha256 {r['sha256'][:16]}): {r['passes']} passes emitting {r['encoded_bpw']} bpw; "
+             f"{r['products']} products spanning {r['nominal_bpw']} nominal bpw", "",
+             f"{'node':<14} {'K':>2} {'codebook':<8} {'experts':>8} {'matrices':>9} {'s/matrix':>9} {'GPU-h':>8} {'output':>11}"]
+    for n in price.nodes:
+        mark = "*" if n.scaled else ""
+        lines.append(f"{n.name:<14} {n.K:>2} {n.codebook:<8} {n.experts:>8} {3 * n.experts:>9} "
+                     f"{n.seconds_per_expert / 3:>8.4f}{mark or ' '} {n.gpu_seconds / 3600:>8.2f} {fmt_bytes(n.output_bytes):>11}")
+    total_m = sum(3 * n.experts for n in price.nodes)
+    lines.append(f"{'total':<14} {'':>2} {'':<8} {'':>8} {total_m:>9} {'':>9} {price.gpu_hours:>8.2f} "
+                 f"{fmt_bytes(sum(n.output_bytes for n in price.nodes)):>11}")
+    if any(n.scaled for n in price.nodes):
+        lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq calibrate --shape)")
+    lines += ["", f"{'product':<14} {'bpw':>3} {'stored (with skeleton)':>23} {'last node alone':>16}  chain"]
+    for p in price.products:
+        lines.append(f"{p.name:<14} {p.bpw:>3} {fmt_bytes(p.bytes):>23} {fmt_bytes(p.increment_bytes):>16}  {' -> '.join(p.chain)}")
+    n_bases = sum(1 for n in price.nodes if n.name in {p.chain[0] for p in price.products})
+    lines += [f"published in total: {fmt_bytes(price.published_bytes)} ({n_bases} base(s) carrying the "
+              f"{fmt_bytes(price.skeleton_bytes)} skeleton + every fragment)",
+              f"windows: {len(price.windows)} ({'; '.join(format_layers(w) for w in price.windows)}); "
+              f"peak local disk {fmt_bytes(price.peak_local_bytes)}", "",
+              f"{'GPUs':>4} {'stage window 0':>15} {'encode ends':>12} {'verify':>9} {'wall':>9} {'billed GPU-h':>13} {'USD':>10}"]
+    for o in price.options:
+        lines.append(f"{o.gpus:>4} {fmt_hours(o.first_window_s):>15} {fmt_hours(o.encode_done_s):>12} "
+                     f"{fmt_hours(o.verify_s):>9} {fmt_hours(o.wall_s):>9} {o.billed_gpu_hours:>13.1f} {o.usd:>10.2f}")
+    return "\n".join(lines)
+
+
+def comparison_table(prices: Sequence[Price]) -> str:
+    names = [p.recipe["recipe"] for p in prices]
+    width = max(16, *(len(n) + 2 for n in names))
+    gpus = prices[0].options[-1].gpus
+    rows = [
+        ("passes", [str(p.recipe["passes"]) for p in prices]),
+        ("encoded bpw", [str(p.recipe["encoded_bpw"]) for p in prices]),
+        ("products", [str(p.recipe["products"]) for p in prices]),
+        ("nominal bpw", [str(p.recipe["nominal_bpw"]) for p in prices]),
+        ("GPU-hours", [f"{p.gpu_hours:.2f}" for p in prices]),
+        (f"USD at {gpus} GPUs", [f"{p.option(gpus).usd:.2f}" for p in prices]),
+        (f"wall at {gpus} GPUs", [fmt_hours(p.option(gpus).wall_s) for p in prices]),
+        ("published", [fmt_bytes(p.published_bytes) for p in prices]),
+        ("peak local disk", [fmt_bytes(p.peak_local_bytes) for p in prices]),
+    ]
+    lines = ["== comparison", f"{'':<18}" + "".join(f"{n:>{width}}" for n in names)]
+    lines += [f"{label:<18}" + "".join(f"{v:>{width}}" for v in values) for label, values in rows]
+    base = prices[0]
+    for p in prices[1:]:
+        lines.append(f"cost ratio {p.recipe['recipe']} / {base.recipe['recipe']}: "
+                     f"{p.gpu_seconds / base.gpu_seconds:.4f} (GPU-hours), "
+                     f"{p.option(gpus).usd / base.option(gpus).usd:.4f} (USD at {gpus} GPUs); storage "
+                     f"{p.published_bytes / base.published_bytes:.4f}")
+    return "\n".join(lines)

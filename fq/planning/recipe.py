@@ -1,0 +1,417 @@
+"""fq-cartridge/2 recipes: which passes a campaign encodes and which products it publishes.
+
+A recipe is a forest of **nodes**. A base encodes every routed expert at K bits; a stage encodes
+the K-bit residual ``W - Ŵ(parent chain)`` for a selection of experts (all, the N hottest per
+layer, or explicit per-layer lists). A **product** is a chain base -> stage -> ... whose weight is
+the sum of the chain's reconstructions; one node can serve many products, which is the point:
+the GLM-5.2 dag publishes 9 products (35 nominal bpw) from 9 passes emitting 14 bpw.
+
+Validation is the JSON schema first (shape, K in 1..8, codebook names), then the rules a schema
+cannot state: unique names, known parents, no cycles, stage experts within the parent's,
+products that are real chains, no node outside every product. Everything here is pure: the
+loader reads one file, the rest takes data.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from pathlib import Path
+from fq.core import canonical
+from fq.core.layer_ranges import format_layers
+from fq.core.schema_check import validate
+from fq.errors import FqError
+
+FORMAT = "fq-cartridge/2"
+CODEBOOKS = ("3inst", "mcg", "mul1")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The experts a node encodes: ``all``, the ``hot`` N most used per layer, or explicit ``layers``."""
+
+    mode: str  # "all" | "hot" | "layers"
+    hot: int | None = None
+    layers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # ((layer, sorted experts), ...) sorted by layer
+
+    def layer_map(self) -> dict[int, tuple[int, ...]]:
+        return dict(self.layers)
+
+    def to_json(self):
+        if self.mode == "all":
+            return "all"
+        if self.mode == "hot":
+            return {"hot": self.hot}
+        return {"layers": {str(layer): list(experts) for layer, experts in self.layers}}
+
+    def describe(self) -> str:
+        if self.mode == "all":
+            return "all experts"
+        if self.mode == "hot":
+            return f"{self.hot} hottest per layer"
+        n = sum(len(e) for _, e in self.layers)
+        return f"{n} listed experts in {len(self.layers)} layers"
+
+
+ALL = Selection("all")
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    kind: str  # "base" | "stage"
+    K: int
+    codebook: str
+    parent: str | None  # None for a base
+    experts: Selection  # ALL for a base
+    description: str = ""
+
+    @property
+    def is_base(self) -> bool:
+        return self.kind == "base"
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "kind": self.kind, "K": self.K, "codebook": self.codebook}
+        if not self.is_base:
+            out["parent"] = self.parent
+            out["experts"] = self.experts.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class Product:
+    name: str
+    chain: tuple[str, ...]  # base first; each element's parent is the previous one
+    description: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class Recipe:
+    name: str
+    description: str
+    nodes: tuple[Node, ...]  # topological: parents before children, file order otherwise
+    products: tuple[Product, ...]
+    sha256: str  # of the canonical JSON document: formatting does not change a recipe's identity
+    source: str  # where it came from, for messages
+
+    # -- lookups ---------------------------------------------------------------------------
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise FqError(f"recipe {self.source}: no node named {name!r} (nodes: {', '.join(self.node_names)})")
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.nodes)
+
+    @property
+    def bases(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.is_base)
+
+    @property
+    def stages(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if not n.is_base)
+
+    @property
+    def edges(self) -> tuple[tuple[str, str], ...]:
+        """(parent, child) for every stage: the graph Snakemake's DAG mirrors."""
+        return tuple((n.parent, n.name) for n in self.nodes if not n.is_base)
+
+    def children(self, name: str) -> tuple[str, ...]:
+        return tuple(n.name for n in self.nodes if n.parent == name)
+
+    def chain(self, name: str) -> tuple[str, ...]:
+        """The ancestry of ``name``, base first: the chain whose sum a stage corrects."""
+        out = [name]
+        while (parent := self.node(out[-1]).parent) is not None:
+            out.append(parent)
+        return tuple(reversed(out))
+
+    def descendants(self, name: str) -> tuple[str, ...]:
+        return tuple(n.name for n in self.nodes if n.name != name and name in self.chain(n.name))
+
+    @property
+    def uses_hot(self) -> bool:
+        return any(n.experts.mode == "hot" for n in self.nodes)
+
+    # -- derived numbers -------------------------------------------------------------------
+    @property
+    def passes(self) -> int:
+        """Quantization passes: one per node."""
+        return len(self.nodes)
+
+    @property
+    def encoded_bpw(self) -> int:
+        """Trellis bits per weight emitted, summing every node's K (a partial stage counts fully)."""
+        return sum(n.K for n in self.nodes)
+
+    def product_bpw(self, product: Product) -> int:
+        return sum(self.node(n).K for n in product.chain)
+
+    @property
+    def nominal_bpw(self) -> int:
+        """Sum over products of the bits per weight a consumer of that product loads."""
+        return sum(self.product_bpw(p) for p in self.products)
+
+    def node_digest(self, name: str) -> str:
+        """sha256 of the node's definition and its ancestors': changes exactly when this node's
+        output would change, so a workflow can rerun a node and its descendants only."""
+        chain = [self.node(n).to_json() for n in self.chain(name)]
+        return canonical.sha256_hex(canonical.dumps({"format": FORMAT, "chain": chain}))
+
+    def summary(self) -> dict:
+        return {
+            "recipe": self.name,
+            "sha256": self.sha256,
+            "passes": self.passes,
+            "encoded_bpw": self.encoded_bpw,
+            "products": len(self.products),
+            "nominal_bpw": self.nominal_bpw,
+        }
+
+
+# -- parsing and validation ------------------------------------------------------------------
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file."""
+    path = Path(path)
+    return parse_recipe(canonical.load(path), str(path))
+
+
+def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
+    """Validate a parsed recipe document (schema, then graph rules) and build a Recipe."""
+    validate(doc, "recipe", f"recipe {source}", describe=lambda path: _describe(doc, path))
+    err = f"recipe {source}"
+
+    nodes: dict[str, Node] = {}
+    file_index: dict[str, int] = {}
+    for i, raw in enumerate(doc["nodes"]):
+        name = raw["name"]
+        if name in nodes:
+            raise FqError(f"{err}: node name {name!r} is used twice (nodes[{file_index[name]}] and nodes[{i}])")
+        if raw["kind"] == "base":
+            node = Node(name, "base", raw["K"], raw["codebook"], None, ALL, raw.get("description", ""))
+        else:
+            node = Node(name, "stage", raw["K"], raw["codebook"], raw["parent"],
+                        _selection(raw["experts"]), raw.get("description", ""))
+        nodes[name] = node
+        file_index[name] = i
+
+    for node in nodes.values():
+        if node.parent is not None and node.parent not in nodes:
+            raise FqError(f"{err}: node {node.name!r} names parent {node.parent!r}, which is not a node of this recipe "
+                          f"(nodes: {', '.join(nodes)})")
+    order = _topological(nodes, file_index, err)
+    for node in order:
+        if node.parent is not None:
+            _check_subset_static(node, nodes[node.parent], err)
+
+    products = _products(doc["products"], nodes, err)
+    return Recipe(
+        name=doc["name"],
+        description=doc.get("description", ""),
+        nodes=tuple(order),
+        products=products,
+        sha256=canonical.sha256_hex(canonical.dumps(doc)),
+        source=source,
+    )
+
+
+def _describe(doc, path: tuple) -> str:
+    """Name the node/product a schema error sits in, so the message points at it by name."""
+    if len(path) >= 2 and path[0] in ("nodes", "products") and isinstance(path[1], int):
+        try:
+            name = doc[path[0]][path[1]].get("name")
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return ""
+        if isinstance(name, str):
+            return f"{path[0][:-1]} {name!r}"
+    return ""
+
+
+def _selection(raw) -> Selection:
+    if raw == "all":
+        return ALL
+    if "hot" in raw:
+        return Selection("hot", hot=raw["hot"])
+    layers = tuple(sorted((int(k), tuple(sorted(v))) for k, v in raw["layers"].items()))
+    return Selection("layers", layers=layers)
+
+
+def _topological(nodes: dict[str, Node], file_index: dict[str, int], err: str) -> list[Node]:
+    """Parents before children; among ready nodes, file order (deterministic)."""
+    ready = [(file_index[n.name], n.name) for n in nodes.values() if n.parent is None]
+    if not ready:
+        raise FqError(f"{err}: no base node (a recipe needs at least one node of kind 'base')")
+    heapq.heapify(ready)
+    order: list[Node] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        order.append(nodes[name])
+        for child in nodes.values():
+            if child.parent == name:
+                heapq.heappush(ready, (file_index[child.name], child.name))
+    if len(order) < len(nodes):
+        placed = {n.name for n in order}
+        start = min((n for n in nodes if n not in placed), key=file_index.__getitem__)
+        seen: list[str] = []
+        cur = start
+        while cur not in seen:
+            seen.append(cur)
+            cur = nodes[cur].parent
+        cycle = seen[seen.index(cur):] + [cur]
+        raise FqError(f"{err}: parents form a cycle {' -> '.join(cycle)}; every stage must descend from a base")
+    return order
+
+
+def _check_subset_static(node: Node, parent: Node, err: str) -> None:
+    """The parts of 'stage experts within the parent's' decidable without the model or usage data.
+
+    Hot-vs-listed combinations are checked once selections are resolved (resolve_selections).
+    """
+    c, p = node.experts, parent.experts
+    what = f"{err}: stage {node.name!r} selects {c.describe()}"
+    if p.mode == "all":
+        return
+    if c.mode == "all":
+        raise FqError(f"{what} but its parent {parent.name!r} covers only {p.describe()}: a residual needs the parent's "
+                      f"reconstruction of every expert it corrects")
+    if c.mode == "hot" and p.mode == "hot" and c.hot > p.hot:
+        raise FqError(f"{what} but its parent {parent.name!r} covers only the {p.hot} hottest: expected hot <= {p.hot}")
+    if c.mode == "layers" and p.mode == "layers":
+        pm = p.layer_map()
+        for layer, experts in c.layers:
+            if layer not in pm:
+                raise FqError(f"{what}, including layer {layer}, where its parent {parent.name!r} has no experts")
+            extra = sorted(set(experts) - set(pm[layer]))
+            if extra:
+                raise FqError(f"{what}: layer {layer} experts {_ints(extra)} are not in parent {parent.name!r}'s selection")
+
+
+def _products(raw_products, nodes: dict[str, Node], err: str) -> tuple[Product, ...]:
+    out: list[Product] = []
+    seen_names: dict[str, int] = {}
+    seen_chains: dict[tuple[str, ...], str] = {}
+    for i, raw in enumerate(raw_products):
+        name, chain = raw["name"], tuple(raw["chain"])
+        where = f"{err}: product {name!r}"
+        if name in seen_names:
+            raise FqError(f"{err}: product name {name!r} is used twice (products[{seen_names[name]}] and products[{i}])")
+        seen_names[name] = i
+        for element in chain:
+            if element not in nodes:
+                raise FqError(f"{where}: chain element {element!r} is not a node of this recipe")
+        if not nodes[chain[0]].is_base:
+            raise FqError(f"{where}: chain starts with {chain[0]!r}, a stage; a chain starts at a base "
+                          f"(here {nodes[chain[0]].parent!r}'s chain)")
+        for prev, element in zip(chain, chain[1:]):
+            if nodes[element].parent != prev:
+                raise FqError(f"{where} is not a chain: {element!r} has parent {nodes[element].parent!r}, "
+                              f"not the previous element {prev!r}")
+        if chain in seen_chains:
+            raise FqError(f"{where} repeats the chain of product {seen_chains[chain]!r} ({' -> '.join(chain)})")
+        seen_chains[chain] = name
+        out.append(Product(name, chain, raw.get("description", "")))
+    used = {n for p in out for n in p.chain}
+    unused = [n for n in nodes if n not in used]
+    if unused:
+        raise FqError(f"{err}: node(s) {', '.join(repr(n) for n in unused)} are in no product's chain: "
+                      f"they would be encoded and never published")
+    return tuple(out)
+
+
+def _ints(values) -> str:
+    values = list(values)
+    shown = ", ".join(str(v) for v in values[:12])
+    return shown + (f", ... ({len(values)} in all)" if len(values) > 12 else "")
+
+
+# -- selections resolved against a model -----------------------------------------------------
+
+
+def selection_counts(recipe: Recipe, moe_layers, n_experts: int) -> dict[str, dict[int, int]]:
+    """Experts each node encodes per MoE layer, without needing usage data (hot N counts N).
+
+    Enough for pricing; planning needs the experts themselves (resolve_selections).
+    """
+    layers = tuple(moe_layers)
+    out: dict[str, dict[int, int]] = {}
+    for node in recipe.nodes:
+        sel = node.experts
+        if sel.mode == "all":
+            out[node.name] = {layer: n_experts for layer in layers}
+        elif sel.mode == "hot":
+            _check_hot(recipe, node, n_experts)
+            out[node.name] = {layer: sel.hot for layer in layers}
+        else:
+            lm = _checked_layers(recipe, node, layers, n_experts)
+            out[node.name] = {layer: len(lm.get(layer, ())) for layer in layers}
+    return out
+
+
+def resolve_selections(recipe: Recipe, moe_layers, n_experts: int, usage=None) -> dict[str, dict[int, tuple[int, ...]]]:
+    """Each node's experts per MoE layer (sorted; layers without experts omitted).
+
+    ``usage`` (fq.model.usage.ExpertUsage) is required when a stage selects hot experts. Checks that
+    every stage's experts are within its parent's, now that hot selections are concrete.
+    """
+    layers = tuple(moe_layers)
+    everything = tuple(range(n_experts))
+    out: dict[str, dict[int, tuple[int, ...]]] = {}
+    for node in recipe.nodes:  # topological: the parent is resolved first
+        sel = node.experts
+        if sel.mode == "all":
+            mine = {layer: everything for layer in layers}
+        elif sel.mode == "hot":
+            _check_hot(recipe, node, n_experts)
+            if usage is None:
+                raise FqError(f"recipe {recipe.source}: stage {node.name!r} selects the {sel.hot} hottest experts per layer, "
+                              f"but no expert-usage statistics were given (pass --usage FILE, format fq-expert-usage/1)")
+            mine = {layer: usage.hottest(layer, sel.hot, n_experts) for layer in layers}
+        else:
+            mine = {layer: experts for layer, experts in _checked_layers(recipe, node, layers, n_experts).items()}
+        if node.parent is not None:
+            parent = out[node.parent]
+            for layer, experts in mine.items():
+                missing = sorted(set(experts) - set(parent.get(layer, ())))
+                if missing:
+                    raise FqError(f"recipe {recipe.source}: stage {node.name!r} selects layer {layer} experts {_ints(missing)}, "
+                                  f"which its parent {node.parent!r} does not encode (a residual needs the parent's reconstruction)")
+        out[node.name] = mine
+    return out
+
+
+def _check_hot(recipe: Recipe, node: Node, n_experts: int) -> None:
+    if node.experts.hot > n_experts:
+        raise FqError(f"recipe {recipe.source}: stage {node.name!r} selects the {node.experts.hot} hottest experts per layer, "
+                      f"but the model has {n_experts} experts per layer")
+
+
+def _checked_layers(recipe: Recipe, node: Node, layers: tuple[int, ...], n_experts: int) -> dict[int, tuple[int, ...]]:
+    lm = node.experts.layer_map()
+    bad_layers = sorted(set(lm) - set(layers))
+    if bad_layers:
+        raise FqError(f"recipe {recipe.source}: stage {node.name!r} lists layer(s) {_ints(bad_layers)}, which are not MoE layers "
+                      f"of the model (MoE layers: {format_layers(layers)})")
+    for layer, experts in lm.items():
+        bad = [e for e in experts if e >= n_experts]
+        if bad:
+            raise FqError(f"recipe {recipe.source}: stage {node.name!r} layer {layer} lists expert(s) {_ints(bad)}; "
+                          f"the model has experts 0..{n_experts - 1}")
+    return lm
+
+
+def recipe_table(recipe: Recipe) -> str:
+    """A readable listing: nodes in topological order, then products."""
+    lines = [f"recipe {recipe.name}  sha256 {recipe.sha256[:16]}", "",
+             f"{'node':<16} {'kind':<6} {'parent':<14} {'K':>2} {'codebook':<8} experts"]
+    for n in recipe.nodes:
+        lines.append(f"{n.name:<16} {n.kind:<6} {n.parent or '-':<14} {n.K:>2} {n.codebook:<8} {n.experts.describe()}")
+    lines += ["", f"{'product':<16} {'bpw':>3}  chain"]
+    for p in recipe.products:
+        lines.append(f"{p.name:<16} {recipe.product_bpw(p):>3}  {' -> '.join(p.chain)}")
+    s = recipe.summary()
+    lines += ["", f"{s['passes']} passes emitting {s['encoded_bpw']} bpw; {s['products']} products spanning "
+                  f"{s['nominal_bpw']} nominal bpw"]
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""One fq-attestation/1 line beside each shard: ``NAME.safetensors`` + ``NAME.safetensors.intoto.jsonl``.
+
+The line is a DSSE envelope (Ed25519) around an in-toto Statement whose one subject is the shard's
+file name and sha256, predicateType ``https://fq.dev/attestation/v1``, predicate per profile:
+``expert`` (per expert: offset, length, sha256 of its contiguous byte range) or ``skeleton`` (per
+tensor). The attestation digest named by plans is the sha256 of the line's bytes.
+
+Producer side (reads the committed file back, never trusts the caller's digests)::
+
+    attest_fragment(path, key=, campaign=, source=, encoder=, quant_args=, node_digest=, parent=None) -> Attested
+    attest_skeleton(path, key=, campaign=, source=, encoder=) -> Attested
+
+Consumer side::
+
+    read_attestation(root, name, public_key) -> Attested   # signature first, then parse; no payload read
+    verify_shard(root, name, public_key, campaign=None) -> Attested   # plus one pass over the shard
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from fq.core import atomic
+from fq.core.canonical import sha256_hex
+from fq.core.safepath import open_regular, read_regular
+from fq.errors import FqError
+from fq.model.shards import read_header
+from fq.provenance.attest import dsse
+from fq.provenance.attest.campaign import require_same
+from fq.provenance.attest.keys import fingerprint
+from fq.provenance.attest.statement import FRAGMENT, parse_statement, statement
+from fq.provenance.fragments import ShardInfo, attestation_name, describe, fragment_filename
+from fq.provenance.identity import check_identity, determinism_scope
+
+FORMAT = "fq-attestation/1"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Attested:
+    name: str  # the shard's name relative to the root it was read from
+    sha256: str  # the shard's sha256, as the signed subject states it
+    attestation_sha256: str
+    predicate: dict
+    info: ShardInfo | None = None  # set when the shard itself was read
+
+
+def _common(info: ShardInfo, *, key, campaign, source, encoder, determinism) -> dict:
+    where = f"attest {info.name}"
+    if campaign.get("signer") != fingerprint(key):
+        raise FqError(f"{where}: campaign identity names signer {campaign.get('signer')!r}, "
+                      f"the signing key is {fingerprint(key)}")
+    check_identity(encoder, where)
+    if campaign.get("encoder") != encoder["digest"]:
+        raise FqError(f"{where}: campaign is bound to encoder {campaign.get('encoder')!r}, "
+                      f"this encoder is {encoder['digest']}")
+    return {"format": FORMAT, "campaign": campaign, "encoder": encoder,
+            "determinism_scope": determinism if determinism is not None else determinism_scope(),
+            "source": source, "shard": {"size": info.size, "header_sha256": info.header.sha256}}
+
+
+def _sign_and_write(path: Path, info: ShardInfo, predicate: dict, key: Ed25519PrivateKey) -> Attested:
+    payload = statement([(info.name, info.sha256)], FRAGMENT, predicate)
+    line = dsse.envelope_line(dsse.sign(payload, key))
+    atomic.write_bytes(path.with_name(attestation_name(path.name)), line)
+    return Attested(info.name, info.sha256, sha256_hex(line), predicate, info)
+
+
+def _describe(path: str | os.PathLike) -> tuple[Path, ShardInfo]:
+    p = Path(path)
+    with open_regular(p.parent, p.name, str(p)) as fh:
+        return p, describe(fh, p.name, str(p))
+
+
+def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
+                    encoder: dict, quant_args: dict, node_digest: str, parent: dict | None = None,
+                    determinism: dict | None = None, info: ShardInfo | None = None) -> Attested:
+    """Sign the expert fragment at ``path``; ``node_digest`` = the recipe's digest of the fragment's node
+    (``Recipe.node_digest``: its definition and its ancestors'), which a plan's chain entry must name;
+    ``parent`` = {name, sha256} of the parent's committed fragment, required for a stage and refused
+    for a base. ``info``: what write_fragment returned for this file (it read the committed file back and
+    digested it), so the writer does not read and hash the same bytes twice; None: digest the file here."""
+    if info is None:
+        p, info = _describe(path)
+    else:
+        p = Path(path)
+        if info.name != p.name:
+            raise FqError(f"{p}: the digests given are those of {info.name}")
+    if not (isinstance(node_digest, str) and SHA256_HEX.fullmatch(node_digest)):
+        raise FqError(f"{p}: node_digest {node_digest!r} is not a sha256 hex digest (Recipe.node_digest)")
+    if info.kind != "expert":
+        raise FqError(f"{p}: is a {info.kind} shard; use attest_skeleton")
+    m = info.meta
+    if p.name != fragment_filename(m["node"], m["layer"], m["block"]):
+        raise FqError(f"{p}: a fragment of {m['node']} layer {m['layer']} block {m['block']} must be named "
+                      f"{fragment_filename(m['node'], m['layer'], m['block'])}")
+    if (m["role"] == "stage") != (parent is not None):
+        raise FqError(f"{p}: a {m['role']} fragment {'needs' if m['role'] == 'stage' else 'has no'} parent digest")
+    suffix = f"-layer{m['layer']:03d}-block{m['block']:03d}.safetensors"
+    if parent is not None and not (isinstance(parent.get("name"), str) and parent["name"].endswith(suffix)):
+        raise FqError(f"{p}: parent {parent.get('name')!r} must be the file name of the parent node's fragment "
+                      f"of the same block (NODE{suffix})")
+    predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
+    predicate.update({"kind": "expert", "node": m["node"], "node_digest": node_digest, "role": m["role"],
+                      "layer": m["layer"], "block": m["block"], "K": m["K"], "codebook": m["codebook"],
+                      "layout": m["layout"].to_json(), "quant_args": quant_args, "parent": parent,
+                      "experts": [e.to_json() for e in info.experts]})
+    return _sign_and_write(p, info, predicate, key)
+
+
+def attest_skeleton(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
+                    encoder: dict, determinism: dict | None = None) -> Attested:
+    """Sign a skeleton shard: per-tensor sha256; its source shard must be among ``source['shards']``."""
+    p, info = _describe(path)
+    if info.kind != "skeleton":
+        raise FqError(f"{p}: is an {info.kind} fragment; use attest_fragment")
+    src_shard = info.meta["source_shard"]
+    if src_shard not in [s.get("name") for s in source.get("shards", [])]:
+        raise FqError(f"{p}: skeleton of {src_shard!r}, which the attested source does not list")
+    predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
+    predicate.update({"kind": "skeleton", "node": None, "node_digest": None, "role": None, "layer": None,
+                      "block": None, "K": None, "codebook": None, "layout": None, "quant_args": None, "parent": None,
+                      "source_shard": src_shard, "tensors": [t.to_json() for t in info.tensors]})
+    return _sign_and_write(p, info, predicate, key)
+
+
+def check_location(name: str, pred: dict, att: str) -> None:
+    """A fragment lives where its attestation says: file NODE-layerLLL-blockBBB.safetensors, and when its
+    name has directories (a name in a tree), in its node's directory (``base/NODE/``, ``stages/NODE/``,
+    ``fragments/NODE/``), a base under ``base/`` and a stage under ``stages/`` — a validly signed fragment
+    copied into another node's directory is refused. (A skeleton names no node; its subject binds its name.)"""
+    parts = name.split("/")
+    base = parts[-1]
+    if pred["kind"] != "expert":
+        return
+    if base != fragment_filename(pred["node"], pred["layer"], pred["block"]):
+        raise FqError(f"{att}: attests node {pred['node']} layer {pred['layer']} block {pred['block']}, "
+                      f"which is not file {base!r}")
+    if len(parts) >= 2 and parts[-2] != pred["node"]:
+        raise FqError(f"{att}: a fragment of node {pred['node']} lies in directory {'/'.join(parts[:-1])}/; "
+                      f"it belongs in its node's directory ({pred['node']}/)")
+    area = {"base": "base", "stage": "stages"}[pred["role"]]
+    if len(parts) >= 3 and parts[-3] in ("base", "stages") and parts[-3] != area:
+        raise FqError(f"{att}: a {pred['role']} fragment lies under {parts[-3]}/; {pred['role']}s live under {area}/")
+
+
+def read_attestation(root: str | os.PathLike, name: str, public_key: Ed25519PublicKey,
+                     campaign: dict | None = None, sha256: str | None = None) -> Attested:
+    """Verify the attestation of shard ``root/name`` without touching the shard. ``sha256``: the
+    attestation digest a plan pins, compared first: a line that is not the pinned one is refused whatever
+    else it holds (its own problems, found with bounded work, only word the refusal)."""
+    att = attestation_name(name)
+    data = read_regular(root, att, att)
+    if sha256 is not None and sha256_hex(data) != sha256:
+        # refused: not the line the plan pins. Its own problem, if it has one, says more than "another digest";
+        # finding it is bounded work (capped signatures, size and depth limits)
+        _check_line(data, att, name, public_key, campaign)
+        raise FqError(f"{att}: attestation is not the one the plan names (sha256 {sha256_hex(data)[:16]}…, the "
+                      f"plan names {sha256[:16]}…)")
+    return _check_line(data, att, name, public_key, campaign)
+
+
+def _check_line(data: bytes, att: str, name: str, public_key: Ed25519PublicKey, campaign: dict | None) -> Attested:
+    payload = dsse.open_envelope(data, public_key, att)
+    subjects, pred = parse_statement(payload, att, FRAGMENT)
+    base = name.rsplit("/", 1)[-1]
+    if len(subjects) != 1:
+        raise FqError(f"{att}: names {len(subjects)} subjects, a shard attestation names exactly one")
+    subj_name, subj_sha = subjects[0]
+    if subj_name != base:
+        raise FqError(f"{att}: attests {subj_name!r}, not {base!r} (attestation replayed from another shard?)")
+    check_location(name, pred, att)
+    if pred["campaign"]["signer"] != fingerprint(public_key):
+        raise FqError(f"{att}: campaign identity names signer {pred['campaign']['signer'][:16]}…, "
+                      f"not the pinned key {fingerprint(public_key)[:16]}…")
+    check_identity(pred["encoder"], att)
+    if pred["campaign"]["encoder"] != pred["encoder"]["digest"]:
+        raise FqError(f"{att}: encoder {pred['encoder']['digest'][:16]}… is not the campaign's encoder")
+    if campaign is not None:
+        require_same(pred["campaign"], campaign, att)
+    return Attested(name, subj_sha, sha256_hex(data), pred)
+
+
+def check_header(att: Attested, info_header, source: str) -> None:
+    if info_header.sha256 != att.predicate["shard"]["header_sha256"]:
+        raise FqError(f"{source}: safetensors header differs from the attested one "
+                      "(offsets, names or metadata altered after signing)")
+
+
+def check_node_digest(att: Attested, digest: str, where: str) -> None:
+    """A fragment serves a chain node only if it was encoded for that node's current definition: its
+    attested ``node_digest`` must be the digest the chain names (``Recipe.node_digest``)."""
+    got, node = att.predicate["node_digest"], att.predicate["node"]
+    if got != digest:
+        raise FqError(f"{where}: fragment {att.name} attests node_digest {got[:16]}…, the chain's digest of node "
+                      f"{node} is {digest[:16]}…: encoded for another definition of node {node}; re-encode it")
+
+
+def range_mismatch(att: Attested, expert: int, got_sha: str, source: str) -> FqError:
+    """The error for an expert range whose bytes are not the attested ones, naming a swap when it is one."""
+    others = [e["expert"] for e in att.predicate["experts"] if e["sha256"] == got_sha and e["expert"] != expert]
+    if others:
+        return FqError(f"{source}: bytes of expert {expert} are those attested for expert {others[0]} "
+                       "(expert byte ranges swapped)")
+    return FqError(f"{source}: bytes of expert {expert} do not match the attested sha256 (payload altered)")
+
+
+def compare(att: Attested, info: ShardInfo, source: str) -> None:
+    """Everything the shard's own bytes say must equal what was signed; most specific problem first."""
+    pred = att.predicate
+    if info.kind != pred["kind"]:
+        raise FqError(f"{source}: shard is {info.kind}, its attestation says {pred['kind']}")
+    check_header(att, info.header, source)
+    if info.size != pred["shard"]["size"]:
+        raise FqError(f"{source}: {info.size} bytes, attested {pred['shard']['size']}")
+    if info.kind == "expert":
+        m = info.meta
+        for f in ("node", "role", "layer", "block", "K", "codebook"):
+            if m[f] != pred[f]:
+                raise FqError(f"{source}: header says {f}={m[f]!r}, attestation says {pred[f]!r}")
+        if m["layout"].to_json() != pred["layout"]:
+            raise FqError(f"{source}: header layout differs from the attested layout")
+        attested = {e["expert"]: e for e in pred["experts"]}
+        got = {e.expert: e for e in info.experts}
+        if set(got) != set(attested):
+            raise FqError(f"{source}: holds experts {sorted(got)}, attested {sorted(attested)}")
+        for ex, e in got.items():
+            a = attested[ex]
+            if (e.offset, e.length) != (a["offset"], a["length"]):
+                raise FqError(f"{source}: expert {ex} occupies [{e.offset}, +{e.length}), attested "
+                              f"[{a['offset']}, +{a['length']})")
+            if e.sha256 != a["sha256"]:
+                raise range_mismatch(att, ex, e.sha256, source)
+    else:
+        if info.meta["source_shard"] != pred["source_shard"]:
+            raise FqError(f"{source}: skeleton of {info.meta['source_shard']!r}, attested {pred['source_shard']!r}")
+        attested = {t["name"]: t for t in pred["tensors"]}
+        if [t.name for t in info.tensors] != [t["name"] for t in pred["tensors"]]:
+            raise FqError(f"{source}: tensor names differ from the attested ones")
+        for t in info.tensors:
+            if t.to_json() != attested[t.name]:
+                raise FqError(f"{source}: tensor {t.name!r} differs from its attested range or sha256")
+    if info.sha256 != att.sha256:
+        raise FqError(f"{source}: sha256 {info.sha256[:16]}… differs from the attested {att.sha256[:16]}…")
+
+
+def verify_shard(root: str | os.PathLike, name: str, public_key: Ed25519PublicKey,
+                 campaign: dict | None = None) -> Attested:
+    """Attestation first (signature, then parse), then one read of the shard checked against it."""
+    att = read_attestation(root, name, public_key, campaign)
+    with open_regular(root, name, name) as fh:
+        check_header(att, read_header(fh, name), name)  # a header altered after signing, named as such
+        info = describe(fh, name)
+    compare(att, info, name)
+    return Attested(att.name, att.sha256, att.attestation_sha256, att.predicate, info)

@@ -1,0 +1,307 @@
+"""The EXL3 model config of a published base: declared derived files, recomputed byte for byte.
+
+A published base is a directory an EXL3 runtime loads (docs/provenance.md, "Derived files"). Its
+``config.json`` is the source's config plus the ``quantization_config`` block that selects EXL3 (exllamav3's
+transformers integration and the vLLM EXL3 backends read ``quant_method: "exl3"``), and
+``quantization_config.json`` beside it is that block plus ``tensor_storage``: every module of the base's
+shards, its stored tensors (shape, bytes, dtype) and, for the EXL3-coded ones, ``quant_format`` and
+``bits_per_weight`` -- the fields exllamav3's converter writes (``conversion/compile.py``,
+``conversion/quant_config.py``), with fq's own values.
+
+The source's ``config.json`` is kept verbatim as ``source_config.json`` (the digest that pins the source),
+and the two files are **derived**: the base manifest names, per file, the rule and the inputs (with their
+sha256), and every consumer of the manifest recomputes them (``check_derived``). Rules:
+
+``fq-exl3-config/1`` -> ``config.json`` from ``source_config.json`` and params ``{bits, codebook}``:
+    the source config parsed (fq's strict JSON loader; it must be an object without a non-null
+    ``quantization_config``: fq encodes only unquantized sources), with ``quantization_config`` set to
+    ``quantization_block(bits, codebook)``; nothing else changes (``tie_word_embeddings`` keeps the source's
+    value: fq leaves lm_head and the embeddings as they are, where the converter writes a separate lm_head and
+    unties them). Written as ``fq.core.canonical.pretty`` (sorted keys, indent 2, trailing newline).
+``fq-exl3-quantization-config/1`` -> ``quantization_config.json`` from every ``*.safetensors`` of the base
+    (its top level, sorted; the files exllamav3's loader globs) and the same params: ``quantization_block`` plus
+    ``tensor_storage``, one entry per module (a tensor ``A.B.C`` belongs to module ``A.B``, the key a loader
+    looks up as ``KEY.trellis`` / ``KEY.weight``), each ``{"stored_tensors": {name: {"shape", "n_bytes",
+    "dtype"}}}`` with the dtype as torch names it (``torch.bfloat16``, exllamav3's spelling); a module with a
+    ``trellis`` is EXL3 and adds ``quant_format: "exl3"``, ``bits_per_weight`` (trellis last dim / 16) and
+    ``mul1_multiplier`` / ``mcg_multiplier`` (the marker's value as uint32), as the converter does. Modules fq
+    keeps 16-bit carry ``stored_tensors`` only, as the converter writes them (loaders test ``quant_format ==
+    "exl3"``). Every EXL3 module must have K = ``bits`` and the ``codebook``'s marker (value checked), so the
+    params are the tensors' own. Written as canonical JSON (``fq.core.canonical.dumps``: sorted keys, no
+    whitespace) and a final newline: a GLM-5 base lists 57,600 expert modules, about 19 MB this way (the
+    pretty form would be 50 MB).
+
+The block (``quantization_block``), and why each value is fq's true one:
+
+- ``bits``: the base's K, the bits per weight of every EXL3-coded tensor (the routed experts); what fq does
+  not code is 16-bit, module by module in ``tensor_storage``.
+- ``head_bits``: 16, the converter's value for an lm_head stored unquantized (``--head_bits 16``): fq never
+  quantizes lm_head.
+- ``calibration``: ``{"rows": 0, "cols": 0}``: fq's encoder is weight-only (no Hessian, no calibration data).
+  Loaders treat it as informational (exllamav3's ``Exl3Config``: "everything but quant_method is informational").
+- ``out_scales``: ``"always"``: fq's regularization always applies the output-channel RMS scales
+  (``fq.codec.regularize``), the converter's ``apply_out_scales = True``.
+- ``codebook``: the base's codebook, ``3inst`` / ``mcg`` / ``mul1``, which is exllamav3's spelling
+  (``--codebook``); loaders pick the marker tensor they expect from it.
+- ``version``: ``VERSION`` = ``1.6.5+fq.exl3config.1``: the public part is the exllamav3 release whose tensor
+  format and loader fq's bases are written for (docs: ../shared/EXL3-RUNTIME.md), the local label says fq's
+  rule wrote it, not that release's converter (a PEP 440 version, so a loader that parses it still can).
+
+    quantization_block(bits, codebook) -> dict
+    derive_config(source_bytes, bits, codebook, where) -> bytes
+    derive_quantization_config(base_dir, shards, bits, codebook) -> bytes
+    write_derived(base_dir, *, bits, codebook) -> [spec]     # producer: writes both files, returns the specs
+    rule_inputs(rule, listed_names) -> [name]               # what a rule derives from, in order
+    check_derived(base_dir, entry, where) -> problem | None  # consumer: recompute one declared file
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from fq.codec.codebook import CODEBOOKS, MARKERS
+from fq.core import atomic, canonical
+from fq.core.safepath import open_regular, sha256_stream
+from fq.errors import FqError
+from fq.model.shards import DTYPES, read_header
+
+SOURCE_CONFIG = "source_config.json"
+CONFIG = "config.json"
+QUANTIZATION_CONFIG = "quantization_config.json"
+RULE_CONFIG = "fq-exl3-config/1"
+RULE_QUANTIZATION_CONFIG = "fq-exl3-quantization-config/1"
+EXLLAMAV3 = "1.6.5"
+VERSION = f"{EXLLAMAV3}+fq.exl3config.1"  # a label in every published config: it names the rule, not the module path
+HEAD_BITS = 16
+MAX_DERIVED_BYTES = canonical.MAX_JSON_BYTES  # a file fq would derive larger than this is refused
+
+
+def quantization_block(bits: int, codebook: str) -> dict:
+    """The ``quantization_config`` of a base whose routed experts are EXL3 at K=``bits`` (module docstring)."""
+    _check_params({"bits": bits, "codebook": codebook}, "quantization_config")
+    return {"quant_method": "exl3", "version": VERSION, "bits": bits, "head_bits": HEAD_BITS,
+            "calibration": {"rows": 0, "cols": 0}, "out_scales": "always", "codebook": codebook}
+
+
+def _check_params(params: dict, where: str) -> None:
+    bits, codebook = params.get("bits"), params.get("codebook")
+    if type(bits) is not int or not 1 <= bits <= 8:
+        raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8")
+    if codebook not in CODEBOOKS:
+        raise FqError(f"{where}: codebook {codebook!r}: expected one of {', '.join(CODEBOOKS)}")
+
+
+def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_CONFIG) -> bytes:
+    """``config.json`` of a base (rule ``fq-exl3-config/1``) from the source config's bytes."""
+    cfg = canonical.loads(source, where)
+    if not isinstance(cfg, dict):
+        raise FqError(f"{where}: expected a JSON object (a model config)")
+    if cfg.get("quantization_config") is not None:
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
+        raise FqError(f"{where}: already has a quantization_config (quant_method={method}); fq encodes only "
+                      "unquantized sources")
+    return canonical.pretty({**cfg, "quantization_config": quantization_block(bits, codebook)}).encode()
+
+
+def _torch_dtype(dtype: str) -> str:
+    return f"torch.{DTYPES[dtype][1]}"
+
+
+def _module(tensor: str) -> str:
+    return tensor.rsplit(".", 1)[0] if "." in tensor else tensor
+
+
+def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, codebook: str) -> dict:
+    """module -> its entry, from the headers of ``shards`` (and the 4 bytes of each codebook marker)."""
+    base_dir = Path(base_dir)
+    modules: dict[str, dict] = {}
+    owner: dict[str, str] = {}  # tensor -> shard holding it
+    markers: dict[str, int] = {}  # marker tensor -> its value as uint32
+    for shard in shards:
+        where = f"{base_dir}/{shard}"
+        with open_regular(base_dir, shard, where) as fh:
+            header = read_header(fh, where)
+            for e in header.entries:
+                if e.name in owner:
+                    raise FqError(f"{where}: tensor {e.name} is also stored in {owner[e.name]}; a loader would "
+                                  "take one of the two")
+                owner[e.name] = shard
+                entry = modules.setdefault(_module(e.name), {"stored_tensors": {}})
+                entry["stored_tensors"][e.name] = {"shape": list(e.shape), "n_bytes": e.length,
+                                                   "dtype": _torch_dtype(e.dtype)}
+                if e.name.rsplit(".", 1)[-1] in MARKERS and e.dtype == "I32" and e.shape == ():
+                    fh.seek(e.start)
+                    markers[e.name] = int.from_bytes(fh.read(4), "little")
+    want_marker = MARKERS.get(codebook)
+    exl3 = 0
+    for key, entry in sorted(modules.items()):
+        stored = entry["stored_tensors"]
+        trellis = stored.get(f"{key}.trellis")
+        if trellis is None:
+            continue
+        exl3 += 1
+        where = f"{base_dir}/{owner[f'{key}.trellis']}: {key}"
+        shape = trellis["shape"]
+        if trellis["dtype"] != "torch.int16" or len(shape) != 3 or shape[-1] % 16:
+            raise FqError(f"{where}.trellis: {trellis['dtype']} {shape}, an EXL3 trellis is int16 (in/16, out/16, 16*K)")
+        K = shape[-1] // 16
+        if K != bits:
+            raise FqError(f"{where}: an EXL3 module at K={K}; this base's quantization_config says bits {bits}")
+        entry["quant_format"] = "exl3"
+        entry["bits_per_weight"] = K
+        present = [cb for cb in MARKERS if f"{key}.{cb}" in stored]
+        got = present[0] if len(present) == 1 else "3inst" if not present else "+".join(present)
+        if got != codebook:
+            raise FqError(f"{where}: codebook marker {got!r}; this base's quantization_config says {codebook!r}")
+        if want_marker is not None:
+            value = markers.get(f"{key}.{codebook}")
+            if value != want_marker:
+                raise FqError(f"{where}.{codebook}: marker value {value!r}, the {codebook} codebook's is {want_marker}")
+            entry[f"{codebook}_multiplier"] = value
+    if not exl3:
+        raise FqError(f"{base_dir}: no EXL3 tensors (no module with a trellis) in {len(shards)} shard(s)")
+    return modules
+
+
+def derive_quantization_config(base_dir: str | os.PathLike, shards: list[str], bits: int, codebook: str) -> bytes:
+    """``quantization_config.json`` of a base (rule ``fq-exl3-quantization-config/1``)."""
+    doc = {**quantization_block(bits, codebook), "tensor_storage": tensor_storage(base_dir, shards, bits, codebook)}
+    return canonical.dumps(doc) + b"\n"
+
+
+@dataclass(frozen=True)
+class Rule:
+    output: str
+
+    def inputs(self, listed: list[str]) -> list[str]:
+        raise NotImplementedError
+
+    def derive(self, base_dir: Path, inputs: list[str], params: dict) -> bytes:
+        raise NotImplementedError
+
+
+class _ConfigRule(Rule):
+    def inputs(self, listed):
+        return [SOURCE_CONFIG]
+
+    def derive(self, base_dir, inputs, params):
+        where = f"{base_dir}/{SOURCE_CONFIG}"
+        with open_regular(base_dir, SOURCE_CONFIG, where) as fh:
+            data = fh.read(MAX_DERIVED_BYTES + 1)
+        return derive_config(data, params["bits"], params["codebook"], where)
+
+
+class _QuantizationConfigRule(Rule):
+    def inputs(self, listed):
+        return sorted(n for n in listed if n.endswith(".safetensors") and "/" not in n)
+
+    def derive(self, base_dir, inputs, params):
+        return derive_quantization_config(base_dir, inputs, params["bits"], params["codebook"])
+
+
+RULES: dict[str, Rule] = {RULE_CONFIG: _ConfigRule(CONFIG), RULE_QUANTIZATION_CONFIG: _QuantizationConfigRule(QUANTIZATION_CONFIG)}
+
+
+def rule_inputs(rule: str, listed: list[str]) -> list[str]:
+    return RULES[rule].inputs(sorted(listed))
+
+
+def specs(bits: int, codebook: str) -> list[dict]:
+    """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer)."""
+    params = {"bits": bits, "codebook": codebook}
+    return [{"name": CONFIG, "rule": RULE_CONFIG, "params": dict(params)},
+            {"name": QUANTIZATION_CONFIG, "rule": RULE_QUANTIZATION_CONFIG, "params": dict(params)}]
+
+
+def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str) -> list[dict]:
+    """Producer: write ``config.json`` and ``quantization_config.json`` of ``base_dir`` (which holds
+    ``source_config.json`` and every shard) and return the specs its manifest declares. A file that already
+    holds the derived bytes is left alone (finalize is idempotent)."""
+    base_dir = Path(base_dir)
+    if not (base_dir / SOURCE_CONFIG).is_file():
+        raise FqError(f"{base_dir}/{SOURCE_CONFIG}: missing; a published base keeps its source's config.json "
+                      "under that name and derives config.json from it")
+    listed = sorted(p.name for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
+    out = specs(bits, codebook)
+    for spec in out:
+        rule = RULES[spec["rule"]]
+        data = rule.derive(base_dir, rule.inputs(listed), spec["params"])
+        path = base_dir / spec["name"]
+        if path.is_symlink() or not path.is_file() or path.read_bytes() != data:
+            atomic.write_bytes(path, data)
+    return out
+
+
+# -- consumer -------------------------------------------------------------------------------------------------
+
+def _show(value) -> str:
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _step(path: str, key) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
+def first_difference(want, got, path: str = "") -> str | None:
+    """Where ``got`` first differs from ``want`` (sorted keys, depth first): "FIELD is X, ... derives Y"."""
+    at = path or "the document"
+    if isinstance(want, dict) and isinstance(got, dict):
+        for k in sorted(set(want) | set(got)):
+            if k not in got:
+                return f"{_step(path, k)} is missing, the rule derives {_show(want[k])}"
+            if k not in want:
+                return f"{_step(path, k)} is present ({_show(got[k])}), the rule derives no such field"
+            d = first_difference(want[k], got[k], _step(path, k))
+            if d:
+                return d
+        return None
+    if isinstance(want, list) and isinstance(got, list):
+        if len(want) != len(got):
+            return f"{at} has {len(got)} item(s), the rule derives {len(want)}"
+        for i, (a, b) in enumerate(zip(want, got)):
+            d = first_difference(a, b, _step(path, i))
+            if d:
+                return d
+        return None
+    if type(want) is not type(got) or want != got:
+        return f"{at} is {_show(got)}, the rule derives {_show(want)}"
+    return None
+
+
+def check_derived(base_dir: str | os.PathLike, entry: dict, where: str) -> tuple[str | None, str, int]:
+    """Recompute one declared derived file of ``base_dir`` and compare it with the file there. Returns
+    (problem or None, sha256, size) of the file as present (its digest is then compared with the manifest's).
+    ``entry``: the manifest's ``{name, rule, params, from}``; its inputs are checked against the manifest by the
+    caller. ``where``: the file's path as messages name it."""
+    base_dir = Path(base_dir)
+    rule = RULES[entry["rule"]]
+    name = entry["name"]
+    try:
+        want = rule.derive(base_dir, [f["name"] for f in entry["from"]], entry["params"])
+    except FqError as e:
+        return f"{where}: cannot be derived by rule {entry['rule']}: {e}", "", -1
+    with open_regular(base_dir, name, where) as fh:
+        digest, size, _ = sha256_stream(fh)
+    if size == len(want) and digest == canonical.sha256_hex(want):
+        return None, digest, size
+    if size > MAX_DERIVED_BYTES:
+        return f"{where}: {size} bytes, not the {len(want)} bytes rule {entry['rule']} derives", digest, size
+    with open_regular(base_dir, name, where) as fh:
+        data = fh.read()
+    try:
+        got = canonical.loads(data, where)
+    except FqError as e:
+        return f"{where}: not the output of rule {entry['rule']} (it is not JSON fq reads: {e})", digest, size
+    diff = first_difference(canonical.loads(want, "derived"), got)
+    if diff is None:
+        diff = ("the fields are the rule's, the bytes are not its form (fq.core.canonical, pretty or compact, "
+                "final newline)")
+    return f"{where}: {diff} (rule {entry['rule']}; a derived file must be its rule's output byte for byte)", digest, size

@@ -1,0 +1,256 @@
+"""Fragments (one node's encoding of one block) and skeleton shards, as fq lays them out.
+
+Expert fragment: for each expert in ascending order, for each projection (gate, up, down), the
+EXL3 tensors ``trellis, suh, svh[, mul1|mcg]`` — so every expert is one contiguous byte range and
+``expert sha256`` means what it says. Base and stage fragments have the same per-expert key set;
+a stage holds only the experts its selection names within the block. Header metadata (strings):
+``format=fq-fragment/1, kind=expert, node, role, layer, block, K, codebook, layout`` (JSON).
+
+Skeleton shard: the non-expert tensors of one source shard, byte-verbatim, sorted by name;
+metadata ``format=fq-fragment/1, kind=skeleton, source_shard``.
+
+    write_fragment(path, layout=, node=, role=, layer=, block=, K=, codebook=, experts={E: {proj: {suffix: tensor}}})
+    write_skeleton(path, tensors=[RawTensor|(name, tensor)], source_shard=)
+    describe(fh, name) -> ShardInfo   # validated header + digests, one read of the file
+    fragment_filename(node, layer, block) -> "NODE-layerLLL-blockBBB.safetensors"
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, Iterable, Mapping
+
+from fq.core.canonical import loads
+from fq.core.safepath import sha256_stream
+from fq.errors import FqError
+from fq.model.experts import ExpertLayout, derive_linear, expert_keys, suffixes
+from fq.model.shards import Header, RawTensor, read_header, write_shard
+from fq.provenance.scales import SCALE_SUFFIXES, check_scale
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = "fq-fragment/1"
+ROLES = ("base", "stage")
+# The recipe schema's node names (dots allowed: "k2.r1"), never "..": a name is also a file-name prefix.
+NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=@-]{0,63}")
+
+
+def check_node(node: object, where: str = "node") -> str:
+    if not isinstance(node, str) or not NODE_RE.fullmatch(node) or ".." in node:
+        raise FqError(f"{where}: node name {node!r} must be 1-64 of letters, digits, '_.+=@-' (no '..'), starting alphanumeric")
+    return node
+
+
+def fragment_filename(node: str, layer: int, block: int) -> str:
+    """The one file name of a node's fragment for (layer, block); attestations sign this name."""
+    check_node(node)
+    return f"{node}-layer{layer:03d}-block{block:03d}.safetensors"
+
+
+def attestation_name(shard_name: str) -> str:
+    """The attestation line that sits beside a shard."""
+    return shard_name + ".intoto.jsonl"
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    expert: int
+    offset: int
+    length: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"expert": self.expert, "offset": self.offset, "length": self.length, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class TensorRange:
+    name: str
+    offset: int
+    length: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "offset": self.offset, "length": self.length, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard's bytes say about it (nothing here is taken from an attestation)."""
+
+    name: str
+    sha256: str
+    size: int
+    header: Header
+    kind: str
+    meta: dict
+    experts: tuple[ExpertRange, ...] = ()
+    tensors: tuple[TensorRange, ...] = ()
+    linears: dict = field(default_factory=dict)  # (expert, proj) -> Linear, expert fragments only
+
+
+def _int(meta: Mapping[str, str], key: str, source: str) -> int:
+    v = meta.get(key)
+    if not isinstance(v, str) or not re.fullmatch(r"0|[1-9][0-9]{0,8}", v):
+        shown = v if not isinstance(v, str) or len(v) <= 24 else f"{v[:12]}… ({len(v)} characters)"
+        raise FqError(f"{source}: header metadata {key!r} must be a non-negative decimal integer of at most 9 "
+                      f"digits, got {shown!r}")
+    return int(v)
+
+
+def fragment_meta(header: Header) -> dict:
+    """Typed fragment metadata from a validated header; refuses anything not written by fq."""
+    m, src = header.metadata, header.source
+    if m.get("format") != FORMAT:
+        raise FqError(f"{src}: header metadata format is {m.get('format')!r}, expected {FORMAT!r}")
+    kind = m.get("kind")
+    if kind == "skeleton":
+        if set(m) != {"format", "kind", "source_shard"}:
+            raise FqError(f"{src}: skeleton metadata keys {sorted(m)}, expected format, kind, source_shard")
+        return {"kind": kind, "source_shard": m["source_shard"]}
+    if kind != "expert":
+        raise FqError(f"{src}: header metadata kind is {kind!r}, expected 'expert' or 'skeleton'")
+    want = {"format", "kind", "node", "role", "layer", "block", "K", "codebook", "layout"}
+    if set(m) != want:
+        raise FqError(f"{src}: fragment metadata keys {sorted(m)}, expected {sorted(want)}")
+    if m["role"] not in ROLES:
+        raise FqError(f"{src}: header metadata role {m['role']!r}, expected base or stage")
+    where = f"{src}: header metadata layout"
+    layout = ExpertLayout.from_json(loads(m["layout"], where), where)
+    return {"kind": kind, "node": check_node(m["node"], f"{src}: node"), "role": m["role"],
+            "layer": _int(m, "layer", src), "block": _int(m, "block", src), "K": _int(m, "K", src),
+            "codebook": m["codebook"], "layout": layout}
+
+
+def expert_structure(header: Header, meta: dict) -> tuple[list[int], dict]:
+    """Experts in file order and their per-linear constants; enforces the exact key set."""
+    layout: ExpertLayout = meta["layout"]
+    src, layer = header.source, meta["layer"]
+    specs: dict[int, dict[str, dict[str, tuple]]] = {}
+    for e in header.entries:
+        parsed = layout.parse(e.name)
+        if parsed is None:
+            raise FqError(f"{src}: tensor {e.name!r} is not a routed-expert EXL3 tensor of this layout")
+        lay, expert, proj, suffix = parsed
+        if lay != layer:
+            raise FqError(f"{src}: tensor {e.name!r} belongs to layer {lay}, the fragment is layer {layer}")
+        specs.setdefault(expert, {}).setdefault(proj, {})[suffix] = (e.dtype, e.shape)
+    if not specs:
+        raise FqError(f"{src}: fragment holds no experts")
+    linears = {}
+    for expert, projs in specs.items():
+        for proj in layout.projections:
+            where = f"{src}: expert {expert} {proj}"
+            if proj not in projs:
+                raise FqError(f"{where}: missing (every expert carries {', '.join(layout.projections)})")
+            lin = derive_linear(projs[proj], where)
+            if (lin.K, lin.codebook) != (meta["K"], meta["codebook"]):
+                raise FqError(f"{where}: tensors imply K={lin.K} codebook={lin.codebook}, header metadata says "
+                              f"K={meta['K']} codebook={meta['codebook']}")
+            linears[(expert, proj)] = lin
+    order = sorted(specs)
+    # The exact order fq writes, so that each expert is one range and the file is reproducible.
+    want = [k for ex in order for k in expert_keys(layout, layer, ex, meta["codebook"])]
+    got = [e.name for e in header.entries]
+    if got != want:
+        pad = max(len(got), len(want))
+        g, w = got + [None] * (pad - len(got)), want + [None] * (pad - len(want))
+        i = next(i for i in range(pad) if g[i] != w[i])
+        raise FqError(f"{src}: tensor #{i} in file order is {g[i]!r}, fq's layout puts {w[i]!r} there "
+                      "(keys wrong or an expert not contiguous)")
+    return order, linears
+
+
+def _scale_taps(header: Header, layout: ExpertLayout) -> list:
+    """Stream taps that refuse a NaN/Inf in any suh/svh (fq.provenance.scales) during describe's one pass."""
+    def tap(e):
+        return lambda at, piece: check_scale(piece, f"{header.source}: tensor {e.name!r}", at)
+    return [(e.start, e.length, tap(e)) for e in header.entries if layout.parse(e.name)[3] in SCALE_SUFFIXES]
+
+
+def describe(fh: BinaryIO, name: str, source: str | None = None) -> ShardInfo:
+    """Validate an open shard and digest it in one pass: file sha256, header sha256, per-expert or
+    per-tensor ranges, and every expert scale finite (fq.provenance.scales). Does not consult any attestation."""
+    src = source or name
+    header = read_header(fh, src)
+    meta = fragment_meta(header)
+    if meta["kind"] == "expert":
+        order, linears = expert_structure(header, meta)
+        layout = meta["layout"]
+        spans = [header.span(expert_keys(layout, meta["layer"], ex, meta["codebook"]), f"expert {ex}") for ex in order]
+        whole, size, digests = sha256_stream(fh, spans, _scale_taps(header, layout))
+        experts = tuple(ExpertRange(ex, off, n, d) for ex, (off, n), d in zip(order, spans, digests))
+        return ShardInfo(name, whole, size, header, "expert", meta, experts=experts, linears=linears)
+    spans = [(e.start, e.length) for e in header.entries]
+    whole, size, digests = sha256_stream(fh, spans)
+    tensors = tuple(TensorRange(e.name, e.start, e.length, d) for e, d in zip(header.entries, digests))
+    return ShardInfo(name, whole, size, header, "skeleton", meta, tensors=tensors)
+
+
+def _as_raw(name: str, t) -> RawTensor:
+    return t if isinstance(t, RawTensor) else RawTensor.of(name, t)
+
+
+def write_fragment(path: str | os.PathLike, *, layout: ExpertLayout, node: str, role: str, layer: int, block: int,
+                   K: int, codebook: str, experts: Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]]) -> ShardInfo:
+    """Write one node's fragment of one block, atomically; returns its digests.
+
+    ``experts[E][projection]`` is the codec's tensor set (``trellis, suh, svh[, mul1|mcg]``). Every set is
+    checked against ``K``/``codebook`` before a byte is written; a set missing ``suh``/``svh`` is refused.
+    """
+    check_node(node)
+    if role not in ROLES:
+        raise FqError(f"fragment {node}: role {role!r}, expected base or stage")
+    for label, v in (("layer", layer), ("block", block), ("K", K)):
+        if type(v) is not int or v < 0:
+            raise FqError(f"fragment {node}: {label} must be a non-negative integer, got {v!r}")
+    if not experts:
+        raise FqError(f"fragment {node} layer {layer} block {block}: no experts to write")
+    raws: list[RawTensor] = []
+    for ex in sorted(experts):
+        if type(ex) is not int or ex < 0:
+            raise FqError(f"fragment {node}: expert ids must be non-negative integers, got {ex!r}")
+        projs = experts[ex]
+        if set(projs) != set(layout.projections):
+            raise FqError(f"fragment {node} expert {ex}: projections {sorted(projs)}, expected {list(layout.projections)}")
+        for proj in layout.projections:
+            tset = projs[proj]
+            where = f"fragment {node} layer {layer} expert {ex} {proj}"
+            rs = {s: _as_raw(layout.key(layer, ex, proj, s), t) for s, t in tset.items()}
+            marker = rs.get(codebook)
+            value = int.from_bytes(marker.data, "little", signed=True) if marker and len(marker.data) == 4 else None
+            lin = derive_linear({s: (r.dtype, r.shape) for s, r in rs.items()}, where, value)
+            if (lin.K, lin.codebook) != (K, codebook):
+                raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, fragment declares K={K} {codebook}")
+            for s in SCALE_SUFFIXES:
+                check_scale(rs[s].data, f"{where} {s}")
+            raws.extend(rs[s] for s in suffixes(codebook))
+    meta = {"format": FORMAT, "kind": "expert", "node": node, "role": role, "layer": str(layer), "block": str(block),
+            "K": str(K), "codebook": codebook, "layout": json.dumps(layout.to_json(), separators=(",", ":"))}
+    write_shard(path, raws, meta)
+    return _describe_path(path)
+
+
+def write_skeleton(path: str | os.PathLike, *, tensors: Iterable, source_shard: str) -> ShardInfo:
+    """Write the non-expert tensors of one source shard, verbatim, sorted by name, atomically."""
+    raws = [t if isinstance(t, RawTensor) else _as_raw(*t) for t in tensors]
+    raws.sort(key=lambda r: r.name)
+    if not raws:
+        raise FqError(f"skeleton of {source_shard}: no tensors (a shard with only experts has no skeleton)")
+    write_shard(path, raws, {"format": FORMAT, "kind": "skeleton", "source_shard": source_shard})
+    return _describe_path(path)
+
+
+def _describe_path(path) -> ShardInfo:
+    p = Path(path)
+    with open(p, "rb") as fh:
+        return describe(fh, p.name, str(p))
+
+
+def skeleton_keys(source_keys: Iterable[str], layout: ExpertLayout) -> list[str]:
+    """Keys a skeleton shard of a source shard holds: everything but routed-expert weights, sorted."""
+    return sorted(k for k in source_keys if not layout.is_routed_weight(k))

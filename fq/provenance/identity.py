@@ -1,0 +1,96 @@
+"""The encoder bundle identity and the determinism scope that every attestation records.
+
+``encoder_identity(device)`` names exactly what produced the bytes: the sha256 of the fq source files
+that determine a fragment's payload (``ENCODER_FILES``: the codec, its compiled CPU kernel, the CUDA
+kernel's source (nvcc builds the kernel from it at first use; tests hold its states equal to the CPU
+kernel's), the shard writer and the encode step), hashed as a sorted list of (relative path, sha256) so a rebuilt kernel or
+an edited module is visible; the torch and CUDA versions; and the device architecture (``cpu-x86_64``,
+``sm_90``). ``digest`` is the sha256 of the canonical JSON of the other fields; a campaign binds it
+once and refuses any other. Code that cannot change a payload byte (CLI, report, planning, TP export,
+verification) is deliberately outside the bundle: fixing it must not invalidate a paid-for campaign.
+
+``determinism_scope()`` states what must be equal for a re-encode to be byte-identical.
+"""
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import fq
+from fq.core.canonical import dumps, sha256_hex
+from fq.errors import FqError
+
+if TYPE_CHECKING:
+    import torch
+
+PACKAGE_ROOT = Path(fq.__file__).resolve().parent
+
+
+# Every file whose content can change a fragment's bytes (globs relative to the package).
+ENCODER_FILES = ("codec/*.py", "codec/*.c", "codec/*.cu", "codec/_trellis*.so", "model/shards.py",
+                 "provenance/fragments.py", "model/experts.py", "workflow/encode.py")
+
+
+def bundle_files(root: Path = PACKAGE_ROOT) -> list[tuple[str, str]]:
+    """(path relative to the package, sha256) of every file that shapes the encoder, sorted by path."""
+    paths = {p for pattern in ENCODER_FILES for p in root.glob(pattern)}
+    out = []
+    for p in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
+        rel = p.relative_to(root).as_posix()
+        if "__pycache__" in p.parts or not p.is_file():
+            continue
+        out.append((rel, hashlib.sha256(p.read_bytes()).hexdigest()))
+    return out
+
+
+def device_arch(device: str | torch.device | None) -> str:
+    """``cpu-<machine>`` or ``sm_<major><minor>`` of a CUDA device; never guesses a device."""
+    import torch  # here, not at import: checking an identity (verify, finalize) needs no torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cpu":
+        return f"cpu-{platform.machine() or 'unknown'}"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FqError(f"encoder identity: device {dev} requested but CUDA is not available")
+        major, minor = torch.cuda.get_device_capability(dev)
+        return f"sm_{major}{minor}"
+    raise FqError(f"encoder identity: unsupported device type {dev.type!r}; expected cpu or cuda")
+
+
+def encoder_identity(device: str | torch.device | None = None) -> dict:
+    import torch
+
+    files = bundle_files()
+    ident = {
+        "fq_version": fq.__version__,
+        "sources_sha256": sha256_hex(dumps([[p, h] for p, h in files])),
+        "sources_count": len(files),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device_arch": device_arch(device),
+    }
+    ident["digest"] = sha256_hex(dumps(ident))
+    return ident
+
+
+def check_identity(ident: object, where: str) -> dict:
+    """Recompute an identity's digest from its fields; refuses one edited after the fact."""
+    if not isinstance(ident, dict) or "digest" not in ident:
+        raise FqError(f"{where}: encoder identity must be an object with a digest")
+    body = {k: v for k, v in ident.items() if k != "digest"}
+    if sha256_hex(dumps(body)) != ident["digest"]:
+        raise FqError(f"{where}: encoder identity digest does not match its fields")
+    return ident
+
+
+def determinism_scope() -> dict:
+    return {
+        "statement": ("payload bytes are a pure function of the source tensor bytes and the quant args; a "
+                      "re-encode is byte-identical when every field named in 'equal' is equal"),
+        "equal": ["encoder.sources_sha256", "encoder.torch", "encoder.cuda", "encoder.device_arch",
+                  "quant_args", "source tensor bytes"],
+        "excluded": ["timestamps (none are written)", "host names", "file system paths"],
+    }

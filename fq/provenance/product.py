@@ -1,0 +1,111 @@
+"""One product opened for a consumer: the one set of plan checks that ``fq verify``, ``fq combine``,
+``fq mesh-plan`` and ``fq tp-export`` share, so that they cannot disagree about a plan.
+
+``open_product(plan_path, key)`` checks, in this order (nothing is read before what vouches for it):
+
+1. the plan (``fq.provenance.assembly.read_assembly``): signature under the pinned key, statement, schema, signer,
+   chain, fragment edges, expiry, ``--min-version``;
+2. its file name: the consumer asks for a product by ``PRODUCT.assembly.intoto.jsonl``, and a plan signed
+   for another product (copied over this one) is refused, naming the product it is;
+3. the version state (``fq.provenance.assembly.PlanState``, keyed by signer and product: a rollback across campaigns);
+4. the publication statement, when ``ROOT/publication.intoto.jsonl`` is present (``fq.provenance.publication``):
+   signature, signer, the plan's campaign, the plan must be the one it lists for the product (sha256), and
+   its version passes the state too. Absent, the plan stands on its own signature: a consumer of one plan
+   reads nothing the plan does not vouch for, and withheld *other* products are ``fq verify``'s concern.
+
+Then, per fragment a consumer uses, ``Product.check_fragment`` (its attestation against the plan entry and
+the chain node: digests, node, layer, block, parent, experts, size, header digest, node digest, role, K,
+codebook) and ``Product.check_header`` (the shard's header against the attestation, its size against the
+plan).
+
+    open_product(plan_path, public_key, *, root=None, now=None, state=None, min_version=None,
+                 publication=BESIDE) -> Product
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from fq.errors import FqError
+from fq.provenance.assembly import Plan, PlanState, campaign_root, check_product_name, read_assembly
+from fq.provenance.attest.fragment import Attested, check_header, check_node_digest
+from fq.provenance.publication import NAME as PUBLICATION_NAME, Statement, read_publication
+
+BESIDE = "beside"  # read ROOT/publication.intoto.jsonl when it is there
+
+
+@dataclass
+class Product:
+    plan: Plan
+    root: Path
+    publication: Statement | None
+
+    @property
+    def predicate(self) -> dict:
+        return self.plan.predicate
+
+    def node(self, name: str) -> dict:
+        return next(n for n in self.predicate["chain"] if n["node"] == name)
+
+    def check_fragment(self, att: Attested, f: dict, where: str, plan_where: str | None = None) -> None:
+        """A fragment's verified attestation against its plan entry ``f`` and its chain node. ``where`` prefixes
+        the messages; ``plan_where`` (default ``where``) the node-digest one, which names the fragment itself."""
+        p = att.predicate
+        if att.attestation_sha256 != f["attestation_sha256"]:
+            raise FqError(f"{where}: attestation is not the one the plan names (its sha256 is "
+                          f"{att.attestation_sha256[:16]}…, the plan names {f['attestation_sha256'][:16]}…)")
+        if att.sha256 != f["sha256"]:
+            raise FqError(f"{where}: attested sha256 {att.sha256[:16]}… differs from the plan's {f['sha256'][:16]}…")
+        if p["kind"] != "expert":
+            raise FqError(f"{where}: a {p['kind']} shard, the plan names an expert fragment")
+        for k in ("node", "layer", "block", "parent", "experts"):
+            if p[k] != f[k]:
+                raise FqError(f"{where}: attestation and plan disagree on {k}")
+        for k in ("size", "header_sha256"):
+            if p["shard"][k] != f[k]:
+                raise FqError(f"{where}: attestation and plan disagree on the shard's {k} "
+                              f"({p['shard'][k]!r} attested, {f[k]!r} in the plan)")
+        node = self.node(f["node"])
+        check_node_digest(att, node["digest"], plan_where or where)
+        if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
+            raise FqError(f"{where}: attested {p['role']} K={p['K']} {p['codebook']}, the plan's chain says "
+                          f"{node['role']} K={node['K']} {node['codebook']}")
+
+    def check_header(self, att: Attested, header, f: dict, where: str) -> None:
+        """The shard's safetensors header as read: the attested one, and the size the plan names."""
+        check_header(att, header, where)
+        if header.file_size != f["size"]:
+            raise FqError(f"{where}: {header.file_size} bytes, the plan says {f['size']}")
+
+    def record(self, state: PlanState | None) -> None:
+        if state is not None:
+            state.record(self.plan)
+            if self.publication is not None:
+                state.record_publication(self.publication)
+
+
+def open_product(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
+                 now: dt.datetime | None = None, state: PlanState | None = None, min_version: int | None = None,
+                 publication: str | Statement | None = BESIDE) -> Product:
+    """``publication``: ``BESIDE`` (the statement at ROOT when present), a verified ``Statement`` (``fq verify``
+    of a tree, which reads it once), or None (not consulted)."""
+    plan = read_assembly(plan_path, public_key, now=now, min_version=min_version)
+    check_product_name(plan)
+    if state is not None:
+        state.check(plan)
+    root = Path(root) if root is not None else campaign_root(plan_path)
+    stmt = None
+    if publication == BESIDE:
+        if os.path.lexists(root / PUBLICATION_NAME):
+            stmt = read_publication(root, public_key, plan.predicate["campaign"])
+            if state is not None:
+                state.check_publication(stmt)
+    elif isinstance(publication, Statement):
+        stmt = publication
+    if stmt is not None:
+        stmt.require_plan(plan)
+    return Product(plan, root, stmt)
