@@ -1,0 +1,411 @@
+"""The calibration chain: calibration tokens embedded and advanced through the SOURCE model one decoder layer at a
+time, summing each MoE layer's routed-expert input Hessians on the way.
+
+- ``embed``: the embedding rows of the tokens (``model.embed_tokens.weight`` only), float32 [rows, cols, hidden].
+- ``advance``: one layer. transformers' own decoder layer (``fq.hessian.layer``: built from that layer's tensors
+  only, float32, sdpa attention and grouped_mm experts as ``from_pretrained`` picks them on the CPU, position
+  embeddings from the model's rotary module, the causal mask from ``transformers.masking_utils``) runs the hidden
+  states in fixed batches of ``row_batch`` rows; each row is its own sequence, positions 0..cols-1. Forward hooks
+  only read: the MoE block's input x and the router's top-k choice; the layer's output is the unchanged forward,
+  with the model's true routing. At an MoE layer, per row, in row order:
+
+      input    += xᵀx                                   (every token; float64)
+      down[e]  += aᵀa,  a = act(x·gate_eᵀ)·(x·up_eᵀ)    (e ascending; every token, or with ``routed_only`` the
+                                                       tokens whose top-k includes e)
+
+  a is computed from the layer's own fused ``gate_up_proj`` exactly as transformers' expert forward computes it
+  (float32), then upcast. Dense layers (layer 0 of the demo) advance the hidden states and sum nothing.
+- ``save_hidden`` / ``load_hidden``: the hidden states between layers as safetensors (``hidden`` F32
+  [rows, cols, hidden], metadata: format, next layer, calibration digest, source config digest), written
+  atomically (fq.shards.write_shard: temp, fsync, rename).
+- ``capture_embed`` / ``capture_layer``: what one workflow job runs (a Snakemake script calls them): read the
+  previous hidden file, read this layer's tensors from the shards, advance, write the next hidden file and, for an
+  MoE layer, the Hessian file (``fq.hessian.store``). ``capture_all`` chains them (tests, the demo).
+
+Determinism, and its scope: the sums are float64, accumulated in a fixed sequence (rows in order; within a row the
+input, then experts ascending), the forward runs in fixed row batches, and on the CPU torch runs ``threads``
+intra-op threads (1 by default, restored after). With the same inputs and settings (rows, cols, ``row_batch``,
+``routed_only``, device) the same machine and torch build write byte-identical Hessian files
+(tests/test_hessian.py checks it). Across machines it is not promised: BLAS kernels chosen for another instruction
+set or build (or a GPU) may round the last bits of a forward or a sum differently. What binds an encode to its
+Hessians is the Hessian file's sha256 (``store.read_hessians(path, expect_sha256)``): a campaign records the digest
+of the file it captured and every encode names it, so one campaign never mixes Hessians; that binding is the
+guarantee, not bit equality across machines.
+
+Differences from exllamav3's converter, on purpose: every layer here sees the SOURCE model's activations (the
+converter advances through each layer after quantizing it); tokens are the calibration text only (its mix adds
+random ids); sums are float64 (its are float32). Not captured: the shared expert's down projection and the
+attention / dense linears (fq encodes routed experts only), and next-token-prediction layers (layers past
+``num_hidden_layers``: their input is not the chain's; their experts keep the weight-only encode).
+
+Memory: one layer's tensors (float32) plus hidden [rows, cols, hidden] float32 in and out (GLM-5 at 250 × 2048:
+12.6 GB each), the sums (float64: hidden² + n_experts · intermediate², 8.9 GB for GLM-5) and one row batch's
+activations.
+
+    embed(source, tokens, sha256=None) -> hidden0
+    advance(layer, hidden, layer_tensors, config, *, routed_only=False, row_batch=4, device="cpu", threads=1)
+        -> (hidden_next, LayerSums | None)
+    save_hidden(path, hidden, *, next_layer, calibration, config_sha256); load_hidden(path, ...) -> (hidden, meta)
+    capture_embed(source_dir, calibration, out_hidden, *, sha256=None) -> sha256 of out_hidden
+    capture_layer(source_dir, layer, hidden_in, out_hidden, out_hessian=None, *, sha256=None, routed_only=False,
+                  row_batch=4, device="cpu", threads=1) -> CaptureResult
+    capture_all(source_dir, tokens, out_dir, ...) -> {"hidden": [...], "hessians": {layer: path}, "digests": {...}}
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from fq import canonical
+from fq.errors import FqError
+from fq.hessian import layer as layer_mod
+
+if TYPE_CHECKING:
+    import torch
+
+HIDDEN_FORMAT = "fq-hidden/1"
+HIDDEN = "hidden"
+ROW_BATCH = 4
+EMBED_FILE = "hidden-embed.safetensors"
+
+
+def hidden_file(layer: int) -> str:
+    """The hidden states after ``layer`` (what layer + 1 consumes)."""
+    return f"hidden-layer{layer:03d}.safetensors"
+
+
+@dataclass(eq=False)
+class LayerSums:
+    """One MoE layer's Hessian sums in float64 (not divided by the counts): what ``store.write_hessians`` packs."""
+
+    layer: int
+    mode: str  # "all-experts" | "routed-only"
+    input: "torch.Tensor"  # [hidden, hidden] float64
+    input_count: int
+    down: "torch.Tensor"  # [n_experts, intermediate, intermediate] float64
+    down_counts: list[int]
+    rows: int
+    cols: int
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.input.shape[0])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.down.shape[1])
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.down.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.cols
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    import torch
+
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _checkpoint(source) -> layer_mod.Checkpoint:
+    return source if isinstance(source, layer_mod.Checkpoint) else layer_mod.read_checkpoint(source)
+
+
+def _check_tokens(tokens, vocab: int | None):
+    import torch
+
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise FqError(f"calibration tokens: expected an integer [rows, cols] tensor, got "
+                      f"{getattr(tokens, 'dtype', type(tokens).__name__)} {list(getattr(tokens, 'shape', []))}")
+    if tokens.numel() and (int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab)):
+        raise FqError(f"calibration tokens: ids {int(tokens.min())}..{int(tokens.max())} outside the model's "
+                      f"vocabulary 0..{vocab - 1 if vocab else '?'}")
+    return tokens.long()
+
+
+def embed(source, tokens: "torch.Tensor", sha256: Mapping[str, str] | None = None) -> "torch.Tensor":
+    """Embedding rows of ``tokens`` [rows, cols]: float32 [rows, cols, hidden]. ``source``: a checkpoint directory
+    (only the embedding tensor is read), a ``layer.Checkpoint``, or ``(config, tensors)`` as
+    ``fq.runtime.load.checkpoint_state`` returns them."""
+    import torch
+
+    if isinstance(source, tuple):
+        config, tensors = source
+        arch = layer_mod.architecture(config)
+        if arch.embed not in tensors:
+            raise FqError(f"no tensor {arch.embed} among the source tensors")
+        weight = tensors[arch.embed].float()
+    else:
+        ckpt = _checkpoint(source)
+        config = ckpt.config
+        arch = layer_mod.architecture(config, f"{ckpt.dir}/config.json")
+        weight = layer_mod.read_tensors(ckpt, [arch.embed], sha256)[0][arch.embed]
+    tokens = _check_tokens(tokens, int(weight.shape[0]))
+    return torch.nn.functional.embedding(tokens, weight).contiguous()
+
+
+def _act_inputs(experts, x: "torch.Tensor", e: int) -> "torch.Tensor":
+    """Expert e's down-projection input for tokens x, as transformers' expert forward computes it."""
+    import torch
+
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def _hooks(module):
+    """Forward hooks that record the MoE block's input and the router's top-k indices of the current batch."""
+    seen: dict = {}
+    moe = module.mlp
+
+    def pre(_mod, args, kwargs):
+        seen["x"] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+    def router(_mod, _inp, out):
+        seen["topk"] = out[-1].detach()
+
+    handles = [moe.register_forward_pre_hook(pre, with_kwargs=True), moe.gate.register_forward_hook(router)]
+    return seen, handles
+
+
+def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "torch.Tensor"], config: dict, *,
+            routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu", threads: int | None = 1,
+            capture: bool = True) -> tuple["torch.Tensor", LayerSums | None]:
+    """Run ``hidden`` [rows, cols, hidden] through decoder layer ``layer`` (its checkpoint tensors, float32):
+    (the layer's output, float32 on the CPU; the layer's Hessian sums for an MoE layer with ``capture``, else None)."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+    arch = layer_mod.architecture(config)
+    if not isinstance(row_batch, int) or isinstance(row_batch, bool) or row_batch < 1:
+        raise FqError(f"capture: row_batch must be a positive integer, got {row_batch!r}")
+    if hidden.dim() != 3 or hidden.dtype != torch.float32:
+        raise FqError(f"layer {layer}: hidden states must be float32 [rows, cols, hidden], got {hidden.dtype} "
+                      f"{list(hidden.shape)}")
+    n_layers = int(config.get("num_hidden_layers", 0))
+    if not 0 <= layer < n_layers:
+        raise FqError(f"layer {layer}: the chain covers layers 0..{n_layers - 1} (num_hidden_layers); "
+                      "next-token-prediction layers are not captured")
+    hfc = layer_mod.hf_config(config)
+    if hidden.shape[-1] != hfc.hidden_size:
+        raise FqError(f"layer {layer}: hidden states of width {hidden.shape[-1]}, the model's hidden_size is "
+                      f"{hfc.hidden_size}")
+    module = layer_mod.build_layer(hfc, arch, layer, layer_tensors).to(device)
+    rot = layer_mod.rotary(hfc, arch).to(device)
+    moe = hasattr(module.mlp, "experts")
+    if moe != arch.is_moe(config, layer):
+        raise FqError(f"layer {layer}: transformers built a {'MoE' if moe else 'dense'} block where {arch.name}'s "
+                      "config says otherwise")
+    rows, cols, width = hidden.shape
+    sums = None
+    handles = []
+    if moe and capture:
+        experts = module.mlp.experts
+        n_exp = int(experts.gate_up_proj.shape[0])
+        inter = int(experts.down_proj.shape[2])
+        h_in = torch.zeros(width, width, dtype=torch.float64, device=device)
+        h_down = torch.zeros(n_exp, inter, inter, dtype=torch.float64, device=device)
+        counts = [0] * n_exp
+        seen, handles = _hooks(module)
+    position_ids = torch.arange(cols, device=device).unsqueeze(0)
+    out = torch.empty_like(hidden)
+    try:
+        with torch.no_grad(), _threads(threads if str(device) == "cpu" else None):
+            for lo in range(0, rows, row_batch):
+                h = hidden[lo: lo + row_batch].to(device)
+                pos_emb = rot(h, position_ids)
+                mask = create_causal_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None,
+                                          position_ids=position_ids)
+                y = module(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb)
+                y = y[0] if isinstance(y, tuple) else y
+                out[lo: lo + row_batch] = y.to("cpu", torch.float32)
+                if not (moe and capture):
+                    continue
+                x = seen.pop("x").reshape(h.shape[0], cols, width).float()
+                topk = seen.pop("topk").reshape(h.shape[0], cols, -1)
+                for r in range(h.shape[0]):
+                    xr = x[r]
+                    xd = xr.double()
+                    h_in += xd.T @ xd
+                    for e in range(n_exp):
+                        a = _act_inputs(experts, xr, e)
+                        if routed_only:
+                            a = a[(topk[r] == e).any(dim=-1)]
+                        counts[e] += int(a.shape[0])
+                        ad = a.double()
+                        h_down[e] += ad.T @ ad
+    finally:
+        for hd in handles:
+            hd.remove()
+    if moe and capture:
+        sums = LayerSums(layer, "routed-only" if routed_only else "all-experts", h_in.cpu(), rows * cols, h_down.cpu(),
+                         counts, rows, cols)
+    return out, sums
+
+
+# -- hidden-state files ----------------------------------------------------------------------------------------------
+HIDDEN_META = ("calibration", "cols", "config_sha256", "format", "hidden_size", "next_layer", "rows")
+
+
+def save_hidden(path: str | os.PathLike, hidden: "torch.Tensor", *, next_layer: int, calibration: str,
+                config_sha256: str) -> str:
+    """Hidden states [rows, cols, hidden] float32 as safetensors, atomically; returns the file's sha256."""
+    import torch
+
+    from fq.safepath import sha256_file
+    from fq.shards import RawTensor, write_shard
+
+    if hidden.dim() != 3 or hidden.dtype != torch.float32:
+        raise FqError(f"{path}: hidden states must be float32 [rows, cols, hidden], got {hidden.dtype} "
+                      f"{list(hidden.shape)}")
+    rows, cols, width = hidden.shape
+    meta = {"format": HIDDEN_FORMAT, "next_layer": str(next_layer), "calibration": calibration,
+            "config_sha256": config_sha256, "rows": str(rows), "cols": str(cols), "hidden_size": str(width)}
+    write_shard(path, [RawTensor.of(HIDDEN, hidden.contiguous())], dict(sorted(meta.items())))
+    return sha256_file(path)
+
+
+def load_hidden(path: str | os.PathLike, *, next_layer: int | None = None, calibration: str | None = None,
+                config_sha256: str | None = None) -> tuple["torch.Tensor", dict]:
+    """(hidden float32 [rows, cols, hidden], metadata with ``sha256`` of the file) of a hidden-state file; refuses
+    one made for another layer, calibration or source config when those are given."""
+    from fq.shards import read_header, tensors_in_range
+
+    where = str(path)
+    try:
+        fh = open(path, "rb")
+    except OSError as e:
+        raise FqError(f"{where}: cannot read the hidden-state file: {e.strerror}") from None
+    with fh:
+        header = read_header(fh, where)
+        fh.seek(0)
+        data = fh.read()
+    if data[:header.data_start] != header.raw or len(data) != header.file_size:
+        raise FqError(f"{where}: changed while it was read")
+    meta = dict(header.metadata)
+    if sorted(meta) != sorted(HIDDEN_META) or meta["format"] != HIDDEN_FORMAT:
+        raise FqError(f"{where}: not an {HIDDEN_FORMAT} file (metadata fields {sorted(meta)}, format "
+                      f"{meta.get('format')!r})")
+    names = [e.name for e in header.entries]
+    e = header.entries[0] if names == [HIDDEN] else None
+    if e is None or e.dtype != "F32" or len(e.shape) != 3 or \
+            [str(d) for d in e.shape] != [meta["rows"], meta["cols"], meta["hidden_size"]]:
+        raise FqError(f"{where}: expected one tensor {HIDDEN!r} F32 [rows, cols, hidden_size] as the metadata says, "
+                      f"got {[(x.name, x.dtype, list(x.shape)) for x in header.entries]}")
+    for key, want in (("next_layer", None if next_layer is None else str(next_layer)), ("calibration", calibration),
+                      ("config_sha256", config_sha256)):
+        if want is not None and meta[key] != want:
+            raise FqError(f"{where}: metadata field {key} is {meta[key]!r}, expected {want!r}")
+    hidden = tensors_in_range(header, [HIDDEN], 0, data)[HIDDEN]
+    meta["sha256"] = canonical.sha256_hex(data)
+    return hidden, meta
+
+
+# -- jobs ------------------------------------------------------------------------------------------------------------
+@dataclass
+class CaptureResult:
+    layer: int
+    moe: bool
+    hidden_sha256: str
+    hessian_sha256: str | None = None
+    source_shards: dict = field(default_factory=dict)
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def capture_embed(source_dir, calibration, out_hidden: str | os.PathLike, *,
+                  sha256: Mapping[str, str] | None = None) -> str:
+    """The chain's first file: the calibration tokens' embeddings (``calibration``: a ``Calibration``)."""
+    ckpt = _checkpoint(source_dir)
+    hidden = embed(ckpt, calibration.tokens, sha256)
+    return save_hidden(out_hidden, hidden, next_layer=0, calibration=calibration.digest,
+                       config_sha256=ckpt.config_sha256)
+
+
+def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidden: str | os.PathLike,
+                  out_hessian: str | os.PathLike | None = None, *, sha256: Mapping[str, str] | None = None,
+                  routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu",
+                  threads: int | None = 1) -> CaptureResult:
+    """One job: ``hidden_in`` (made for ``layer``, from this source's config) through ``layer``; writes
+    ``out_hidden`` and, for an MoE layer, ``out_hessian`` (required there; refused for a dense layer).
+    ``sha256``: shard -> digest the campaign recorded (shards that differ are refused)."""
+    ckpt = _checkpoint(source_dir)
+    arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
+    n_layers = int(ckpt.config.get("num_hidden_layers", 0))
+    if not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise FqError(f"{ckpt.dir}: layer {layer!r}: the calibration chain covers layers 0..{n_layers - 1}")
+    moe = arch.is_moe(ckpt.config, layer)
+    if moe and out_hessian is None:
+        raise FqError(f"layer {layer} is an MoE layer: capture_layer needs out_hessian")
+    if not moe and out_hessian is not None:
+        raise FqError(f"layer {layer} is dense: it has no routed experts and no Hessian file ({out_hessian})")
+    hidden, meta = load_hidden(hidden_in, next_layer=layer, config_sha256=ckpt.config_sha256)
+    tensors, shards = layer_mod.layer_tensors(ckpt, layer, sha256)
+    out, sums = advance(layer, hidden, tensors, ckpt.config, routed_only=routed_only, row_batch=row_batch,
+                        device=device, threads=threads)
+    del tensors, hidden
+    result = CaptureResult(layer, moe, "", None, shards)
+    if sums is not None:
+        from fq.hessian import store
+
+        result.hessian_sha256 = store.write_hessians(out_hessian, sums, {
+            "architecture": arch.name, "calibration": meta["calibration"], "config_sha256": ckpt.config_sha256,
+            "source_shards": shards, "hidden_in": meta["sha256"], "row_batch": row_batch, "rows": sums.rows,
+            "cols": sums.cols, **_versions()})
+    result.hidden_sha256 = save_hidden(out_hidden, out, next_layer=layer + 1, calibration=meta["calibration"],
+                                       config_sha256=ckpt.config_sha256)
+    return result
+
+
+def capture_all(source_dir, tokens, out_dir: str | os.PathLike, *, sha256: Mapping[str, str] | None = None,
+                routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu",
+                threads: int | None = 1, keep_hidden: bool = True) -> dict:
+    """The whole chain into ``out_dir``: ``hidden-embed.safetensors``, ``hidden-layer{L:03d}.safetensors`` after each
+    layer (all but the last removed unless ``keep_hidden``) and ``hessian-layer{L:03d}.safetensors`` per MoE layer.
+    ``tokens``: a ``Calibration`` or an int64 [rows, cols] tensor (its digest computed here)."""
+    from fq.hessian import store
+    from fq.hessian.calibration import Calibration, token_digest
+
+    if not isinstance(tokens, Calibration):
+        tokens = Calibration(_check_tokens(tokens, None), token_digest(tokens), {"kind": "tensor"})
+    ckpt = _checkpoint(source_dir)
+    arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
+    out = Path(out_dir)
+    prev = out / EMBED_FILE
+    digests = {EMBED_FILE: capture_embed(ckpt, tokens, prev, sha256=sha256)}
+    hidden, hessians = [prev], {}
+    for L in range(int(ckpt.config["num_hidden_layers"])):
+        nxt = out / hidden_file(L)
+        hess = out / store.file_name(L) if arch.is_moe(ckpt.config, L) else None
+        r = capture_layer(ckpt, L, prev, nxt, hess, sha256=sha256, routed_only=routed_only, row_batch=row_batch,
+                          device=device, threads=threads)
+        digests[nxt.name] = r.hidden_sha256
+        if hess is not None:
+            hessians[L] = hess
+            digests[hess.name] = r.hessian_sha256
+        if not keep_hidden:
+            prev.unlink()
+        hidden.append(nxt)
+        prev = nxt
+    if not keep_hidden:
+        hidden = [prev]
+    return {"hidden": hidden, "hessians": hessians, "digests": digests, "calibration": tokens.digest}
