@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fq import demo_model
+from fq.model import demo_model
 from fq.errors import FqError
 from fq.hessian import calibration, capture, layer as layer_mod, store
-from fq.shards import RawTensor, write_shard
+from fq.model.shards import RawTensor, write_shard
 
 ROWS, COLS = 4, 64
 
@@ -220,7 +220,7 @@ def _meta(**kw):
 
 
 def _rewrite(src: Path, dst: Path, *, drop=(), reshape=None, meta=None, extra=None):
-    """A copy of a Hessian file with tensors dropped/reshaped or metadata changed (through fq.shards' writer)."""
+    """A copy of a Hessian file with tensors dropped/reshaped or metadata changed (through fq.model.shards' writer)."""
     from safetensors import safe_open
 
     with safe_open(str(src), "pt") as f:

@@ -36,6 +36,7 @@ LAYERS = [
     ("core",),                # canonical JSON, atomic writes, safe paths, schema checks, units, layer ranges
     ("codec",),               # the EXL3 trellis codec
     ("model",),               # source checkpoints, safetensors shards, expert layouts, usage, the demo model
+    ("hessian",),             # calibration tokens, the layer-by-layer calibration forward, Hessian artifacts
     ("planning",),            # recipes, plans, pricing, cost-table calibration
     ("provenance",),          # fragments, attestations, manifests, plans, publications; verify, combine
     ("runtime", "tp"),        # consumers of verified products: transformers/exllamav3 loading, eval; TP export/load

@@ -18,8 +18,8 @@ Modules (one job per layer is what the workflow runs; ``capture_all`` chains the
     capture      embed / advance (the chain), hidden-state files, capture_layer (one job), capture_all
     store        the Hessian file (hessian-layer{L:03d}.safetensors): packed fp32 upper triangles, read back checked
 
-Owns: everything under ``fq/hessian/``. May import: ``fq.errors``, ``fq.atomic``, ``fq.canonical``, ``fq.shards``,
-``fq.safepath`` and its own modules; torch, transformers and tokenizers only inside functions (importing this
+Owns: everything under ``fq/hessian/``. May import: ``fq.errors``, ``fq.core.atomic``, ``fq.core.canonical``, ``fq.model.shards``,
+``fq.core.safepath`` and its own modules; torch, transformers and tokenizers only inside functions (importing this
 package or any of its modules loads no torch). Codec-free: nothing here imports ``fq.codec``; an encoder reads the
 Hessian file (``store.read_hessians``) and binds to it by the file's sha256.
 """

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fq import canonical
+from fq.core import canonical
 from fq.errors import FqError
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def from_text(path: str | os.PathLike, sha256: str, tokenizer: str | os.PathLike
 def from_tokens(path: str | os.PathLike, rows: int, cols: int, sha256: str | None = None) -> Calibration:
     """Calibration from a token file (safetensors, one tensor ``tokens``, I64 or I32, 1-D or 2-D): its first
     rows × cols ids. ``sha256``: the file's expected digest (refused if different)."""
-    from fq.shards import read_header, tensors_in_range
+    from fq.model.shards import read_header, tensors_in_range
 
     rows, cols = _shape(rows, cols)
     path = Path(path)
@@ -157,7 +157,7 @@ def from_tokens(path: str | os.PathLike, rows: int, cols: int, sha256: str | Non
 
 def save_tokens(path: str | os.PathLike, cal: Calibration) -> None:
     """The calibration's [rows, cols] int64 ids as a token file (atomic; deterministic bytes)."""
-    from fq.shards import RawTensor, write_shard
+    from fq.model.shards import RawTensor, write_shard
 
     meta = {"format": FORMAT, "digest": cal.digest, "rows": str(cal.rows), "cols": str(cal.cols),
             "source": canonical.dumps(cal.source).decode("utf-8")}

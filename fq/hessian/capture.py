@@ -17,7 +17,7 @@ time, summing each MoE layer's routed-expert input Hessians on the way.
   (float32), then upcast. Dense layers (layer 0 of the demo) advance the hidden states and sum nothing.
 - ``save_hidden`` / ``load_hidden``: the hidden states between layers as safetensors (``hidden`` F32
   [rows, cols, hidden], metadata: format, next layer, calibration digest, source config digest), written
-  atomically (fq.shards.write_shard: temp, fsync, rename).
+  atomically (fq.model.shards.write_shard: temp, fsync, rename).
 - ``capture_embed`` / ``capture_layer``: what one workflow job runs (a Snakemake script calls them): read the
   previous hidden file, read this layer's tensors from the shards, advance, write the next hidden file and, for an
   MoE layer, the Hessian file (``fq.hessian.store``). ``capture_all`` chains them (tests, the demo).
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from fq import canonical
+from fq.core import canonical
 from fq.errors import FqError
 from fq.hessian import layer as layer_mod
 
@@ -266,8 +266,8 @@ def save_hidden(path: str | os.PathLike, hidden: "torch.Tensor", *, next_layer: 
     """Hidden states [rows, cols, hidden] float32 as safetensors, atomically; returns the file's sha256."""
     import torch
 
-    from fq.safepath import sha256_file
-    from fq.shards import RawTensor, write_shard
+    from fq.core.safepath import sha256_file
+    from fq.model.shards import RawTensor, write_shard
 
     if hidden.dim() != 3 or hidden.dtype != torch.float32:
         raise FqError(f"{path}: hidden states must be float32 [rows, cols, hidden], got {hidden.dtype} "
@@ -283,7 +283,7 @@ def load_hidden(path: str | os.PathLike, *, next_layer: int | None = None, calib
                 config_sha256: str | None = None) -> tuple["torch.Tensor", dict]:
     """(hidden float32 [rows, cols, hidden], metadata with ``sha256`` of the file) of a hidden-state file; refuses
     one made for another layer, calibration or source config when those are given."""
-    from fq.shards import read_header, tensors_in_range
+    from fq.model.shards import read_header, tensors_in_range
 
     where = str(path)
     try:

@@ -5,7 +5,7 @@
   against the full transformers model are registered (``tests/test_hessian.py``): ``Glm4MoeForCausalLM`` today.
   Attention, rotary embedding, router and experts are transformers' modules, never re-implemented here.
 - ``read_tensors``: named tensors streamed from the checkpoint's shards (the index's weight map): each shard that
-  holds one of them is read once, in one pass that hashes the whole file (``fq.safepath.sha256_stream``) and keeps
+  holds one of them is read once, in one pass that hashes the whole file (``fq.core.safepath.sha256_stream``) and keeps
   only the wanted byte ranges, so what is parsed is what was hashed; with ``sha256`` (shard -> digest, what
   ``fq init`` recorded) a shard whose digest differs is refused. Returns float32 tensors (bf16/fp16 upcast,
   exact) and the digest of every shard read.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from fq import canonical
+from fq.core import canonical
 from fq.errors import FqError
 
 CONFIG = "config.json"
@@ -113,8 +113,8 @@ class Checkpoint:
 
 def read_checkpoint(source_dir: str | os.PathLike) -> Checkpoint:
     """config.json and the weight map (the index, or one model.safetensors' header) of a checkpoint directory."""
-    from fq.safepath import open_regular, read_regular
-    from fq.shards import read_header
+    from fq.core.safepath import open_regular, read_regular
+    from fq.model.shards import read_header
 
     d = Path(source_dir)
     raw = read_regular(d, CONFIG, f"{d}/{CONFIG}")
@@ -136,8 +136,8 @@ def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = Non
     """(name -> float32 tensor, shard -> sha256 of every shard read) of ``names``; one streaming pass per shard."""
     import torch
 
-    from fq.safepath import open_regular, sha256_stream
-    from fq.shards import read_header, torch_dtype
+    from fq.core.safepath import open_regular, sha256_stream
+    from fq.model.shards import read_header, torch_dtype
 
     names = sorted(set(names))
     missing = [n for n in names if n not in ckpt.weight_map]

@@ -1,6 +1,6 @@
 """The Hessian artifact: one safetensors file per MoE layer, ``hessian-layer{L:03d}.safetensors``.
 
-Tensors, in this order (fq.shards layout: compact header, 8-byte aligned data, no gaps):
+Tensors, in this order (fq.model.shards layout: compact header, 8-byte aligned data, no gaps):
 
     input        F32 [n(n+1)/2]   Σ xᵀx over the calibration tokens, x the MoE block input (n = hidden_size)
     input.count  I64 []           tokens summed into ``input`` (rows × cols)
@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fq import canonical
+from fq.core import canonical
 from fq.errors import FqError
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def write_hessians(path: str | os.PathLike, sums, meta: dict) -> str:
     sizes and counts, which come from ``sums``); atomic; returns the file's sha256."""
     import torch
 
-    from fq.shards import RawTensor, write_shard
+    from fq.model.shards import RawTensor, write_shard
 
     n, m, E = sums.hidden_size, sums.intermediate_size, sums.n_experts
     full = {**meta, "format": FORMAT, "layer": sums.layer, "hidden_size": n, "intermediate_size": m, "n_experts": E,
@@ -122,7 +122,7 @@ def write_hessians(path: str | os.PathLike, sums, meta: dict) -> str:
     tensors += [RawTensor.of(f"down.{e}", pack(sums.down[e])) for e in range(E)]
     tensors.append(RawTensor.of("down.count", torch.tensor(list(sums.down_counts), dtype=torch.int64)))
     write_shard(path, tensors, strings)
-    from fq.safepath import sha256_file
+    from fq.core.safepath import sha256_file
 
     return sha256_file(path)
 
@@ -209,7 +209,7 @@ def read_hessians(path: str | os.PathLike, expect_sha256: str | None = None) -> 
     """Read and check a Hessian file (digest, metadata, tensor set, dtypes, shapes, counts, finite values)."""
     import torch
 
-    from fq.shards import read_header, tensors_in_range
+    from fq.model.shards import read_header, tensors_in_range
 
     where = str(path)
     try:

@@ -1,6 +1,6 @@
 """Load a chain product into a transformers model on the CPU, after verifying everything under the pinned key.
 
-Two ways in, one set of checks (``fq combine``'s: ``fq.combine``, ``fq.product``, ``fq.manifest``):
+Two ways in, one set of checks (``fq combine``'s: ``fq.provenance.combine``, ``.product``, ``.manifest``):
 
 (a) ``product_state(plan)``: a published tree and one of its signed plans. The plan is opened as every consumer
     opens it (``open_product``: signature, schema, chain, edges, expiry, file name, version state, the publication
@@ -11,7 +11,7 @@ Two ways in, one set of checks (``fq combine``'s: ``fq.combine``, ``fq.product``
 (b) ``adapter_state(base_dir, adapter, plan)``: a base checkpoint, the adapter ``fq combine`` wrote from that plan
     (all experts, or narrowed to some) and the plan itself (a few kB: the adapter is the holder's own copy, and
     what vouches for its bytes is the plan). The plan and the base as in (a); the adapter by
-    ``fq.combine.verify_adapter`` (every stage's bytes of every expert it holds equal the plan's digest of that
+    ``fq.provenance.combine.verify_adapter`` (every stage's bytes of every expert it holds equal the plan's digest of that
     fragment range; an expert carries all of the chain's stages that cover it, or is absent and keeps its base).
 
 Then, from the verified bytes only (each base file is read once into memory and its sha256 compared with the
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     import torch
 
 CONFIG = "config.json"
-SOURCE_CONFIG = "source_config.json"  # fq.exl3config: the source's config.json, verbatim; config.json adds quantization_config
+SOURCE_CONFIG = "source_config.json"  # fq.provenance.exl3config: the source's config.json, verbatim; config.json adds quantization_config
 
 
 @dataclass
