@@ -2,7 +2,7 @@
 """What calibration is worth: proxy error of fq's weight-only and LDLQ encoders (and the reference's) per K.
 
     python benchmarks/ldlq_quality.py [--small] [--device cpu|cuda:0] [--ks 1,2,3,4] [--batch N]
-           [--reference auto|yes|no] [--ref-scaled] [--json OUT.json]
+           [--reference auto|yes|no] [--ref-scaled] [--fq-signs] [--json OUT.json]
 
 Inputs (synthetic, GLM-5-shaped; built with numpy, so they are the same bits everywhere): a routed expert's gate/up
 weight W (out 2048, in 6144) with heavy tails and uneven channels, and its input Hessian H = X^T X / rows from
@@ -18,7 +18,8 @@ Per K (mul1 codebook): the proxy error tr(E H E^T) / tr(W H W^T) (fq.codec.proxy
   refit), when exllamav3 and CUDA are importable (its extension JIT-builds on first import, ~4 min with
   MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0; set TORCH_EXTENSIONS_DIR to keep it): its tensors are decoded with fq's
   bit-compatible ``reconstruct`` and measured with the same proxy_error; its own reported figure is listed too.
-  ``--ref-scaled`` adds its ``scaled_hessian`` variant (fq's default metric).
+  ``--ref-scaled`` adds its ``scaled_hessian`` variant (fq's default metric), and ``--fq-signs`` fq's LDLQ with
+  the reference's default metric (fq.codec.ldlq.HESSIAN_SCALES = False: signs only).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fq.codec import encode, encode_ldlq, encode_ldlq_batch, proxy_error, reconstruct  # noqa: E402
+from fq.codec import ldlq as ldlq_mod  # noqa: E402
 
 FULL = dict(out_f=2048, in_f=6144, rows=8192, rank=64, outliers=16)
 SMALL = dict(out_f=256, in_f=512, rows=1024, rank=16, outliers=4)
@@ -49,7 +51,8 @@ def log(msg: str) -> None:
 
 def weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((out_f, in_f)) ** 3
+    z = rng.standard_normal((out_f, in_f))
+    w = z * z * z  # (not z ** 3: numpy may call libm's pow)
     w = w * (0.5 + rng.random((out_f, 1))) * (0.2 + 2.0 * rng.random((1, in_f))) * 0.02
     return torch.from_numpy(w).float()
 
@@ -111,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=0, help="also time N matrices through encode_ldlq_batch")
     ap.add_argument("--reference", choices=("auto", "yes", "no"), default="auto")
     ap.add_argument("--ref-scaled", action="store_true", help="also the reference with scaled_hessian")
+    ap.add_argument("--fq-signs", action="store_true", help="also fq's LDLQ with a signs-only Hessian rotation")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     shape = SMALL if args.small else FULL
@@ -153,6 +157,15 @@ def main(argv=None) -> int:
         row["fq_ldlq_rel_mse"] = enc.rel_mse
         row["fq_ldlq_s"] = t_ldlq
         row["fq_ldlq_stages_s"] = {k: round(v, 3) for k, v in stages.items()}
+        if args.fq_signs:
+            ldlq_mod.HESSIAN_SCALES = False
+            try:
+                e_s, t_s = timed(lambda: (encode_ldlq(Wd, H, K, "mul1", seed=args.seed, device=device),
+                                          sync(device))[0])
+            finally:
+                ldlq_mod.HESSIAN_SCALES = True
+            row["fq_ldlq_signs"] = e_s.proxy_err
+            row["fq_ldlq_signs_s"] = t_s
         if args.batch:
             Ws = [Wd] + [weight(shape["out_f"], shape["in_f"], args.seed + i).to(device) for i in range(1, args.batch)]
             encs, t_b = timed(lambda: (encode_ldlq_batch(Ws, H, K, "mul1", [args.seed + i for i in range(len(Ws))],

@@ -64,7 +64,7 @@ LDLQ_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}  # the reference's, integer K (K >= 4
 HESSIAN_SCALES = True
 REFIT_ROUNDS = 2
 CG_ITERS = 32
-CG_TOL = 1e-20  # stop when the residual's squared norm falls below this share of the first one
+CG_TOL = 1e-12  # stop when the residual's squared norm falls below this share of the first one (fp16 scales need far less)
 # matrices whose Hessians are factored (and coded) together: their float64 (in, in) factors fit in this
 GROUP_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
 
