@@ -7,6 +7,10 @@ Public API (kept stable for the rest of fq):
     reconstruct_chain([tensors, ...]) -> float32 (out, in)
     encode / encode_residual -> Encoded (tensors + the encoder's own reconstruction and relative MSE)
     encode_batch([W, ...], K, codebook, seeds, device, parents=None) -> [Encoded, ...] (one batched search)
+    encode_ldlq(W, H, K, codebook="mul1", seed=0, device=None, *, parents=None, name="W") -> Encoded (calibrated:
+        LDLQ with the input Hessian H (in, in); Encoded.proxy_err = tr(E H E^T) / tr(W H W^T))
+    encode_ldlq_batch([W, ...], H, K, codebook, seeds, device, *, parents=None, names=None) -> [Encoded, ...]
+    proxy_error(W, W_hat, H) -> float
     validate_tensors(tensors, name, K=None, codebook=None) -> Geometry
 """
 from fq.codec.codebook import CODEBOOKS, MARKERS, marker_value
@@ -15,6 +19,7 @@ from fq.codec.codebook import CODEBOOKS, MARKERS, marker_value
 # codebook constants, and importing torch is most of the start-up time of `fq verify` or a Snakemake job.
 _LAZY = {"Encoded": "encoder", "encode": "encoder", "encode_batch": "encoder", "encode_residual": "encoder",
          "quantize": "encoder", "quantize_residual": "encoder",
+         "encode_ldlq": "ldlq", "encode_ldlq_batch": "ldlq", "proxy_error": "ldlq",
          "Geometry": "tensors", "reconstruct": "tensors", "reconstruct_chain": "tensors", "validate_tensors": "tensors"}
 
 
@@ -33,8 +38,11 @@ __all__ = [
     "Geometry",
     "encode",
     "encode_batch",
+    "encode_ldlq",
+    "encode_ldlq_batch",
     "encode_residual",
     "marker_value",
+    "proxy_error",
     "quantize",
     "quantize_residual",
     "reconstruct",

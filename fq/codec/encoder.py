@@ -52,6 +52,9 @@ class Encoded:
     # target (the residual for a stage)
     sum_sq_w: float = 0.0
     sum_sq_err: float = 0.0
+    # calibrated encodes (fq.codec.ldlq) only: tr(E H E^T) / tr(W H W^T) of the stored tensors, E = W_hat - W,
+    # H the Hessian as given (undamped); None for a weight-only encode
+    proxy_err: float | None = None
 
 
 def pipeline_device(device) -> torch.device:

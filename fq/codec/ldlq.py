@@ -1,0 +1,489 @@
+"""Calibrated EXL3 encoder: LDLQ with the input-side Hessian, byte-reproducible on every CPU and GPU.
+
+What it does (the reference converter's algorithm, ``quantize_exl3``/``ldlq``/``refit_scales`` of exllamav3
+1.6.5, in fq's own way; W is a torch weight (out, in), H = X^T X / count its input-side Hessian (in, in)):
+
+1. Damping H_d = H + 0.025 * mean(diag H) * I. Regularization of W as the weight-only encoder (random signs,
+   channel scales, Hadamard: the trellis codes x = P S^-1 W^T diag(1/sv) P, S = diag(su)), and the Hessian in the
+   same rotated basis, H' = P S H_d S P. S carries the input channel scales as well as the signs, so that an error
+   left in a row of x is weighed by what it costs at the layer's output (the reference's ``--scaled_hessian``;
+   ``HESSIAN_SCALES = False`` gives its default, signs only).
+2. Block LDL of H' with 16x16 blocks (fq.codec.ldl). Not positive definite: retried with the damping times
+   DAMPING_RETRY, up to DAMPING_RETRIES times (a RuntimeWarning says so), then an FqError naming the matrix.
+3. Global scale search as the weight-only encoder, on the sample tiles times an LDLQ drift factor (K1 1.08,
+   K2 1.018, K3 1.004, K >= 4 1.0; error feedback inflates the tiles the trellis actually sees).
+4. LDLQ: the input dimension in 16-row blocks from the last to the first; block b is coded (one Viterbi call
+   per block, over the tiles of every matrix of the batch) against W_b + sum_{r > b} L[r, b]^T (W_r - Q_r) of
+   the rows already coded; the feedback of a finished 128-row span is added to all earlier rows at once.
+5. suh/svh refit in the H_d metric with the trellis fixed: two rounds of a closed form per output channel and
+   a solve for the input channels ((Q Q^T) o H_d) r = rowsum(Q o H_d W) (Jacobi-preconditioned conjugate
+   gradients, a fixed maximum of iterations). Kept only if the proxy error of the stored (fp16) tensors drops and
+   the scales stay finite in fp16.
+6. ``proxy_err`` = tr(E H E^T) / tr(W H W^T), E = W_hat - W, H as given (undamped), of the stored tensors.
+   A residual stage (``parents``) encodes W - reconstruct_chain(parents) in the same metric.
+
+Determinism (the hard requirement): given (W, H, K, codebook, seed) the bytes are the same on any CPU (AVX2 or
+AVX-512 BLAS, any thread count) and on CUDA. No BLAS, cuBLAS, cuSOLVER or LAPACK result decides a bit:
+
+- elementwise float64 operations (IEEE, the same on every device; never ``tensor / python_float``, which CUDA
+  turns into a multiply), fq.codec.exact's fixed-order ``tree_sum`` for every reduction, exact max/min, and
+  the Viterbi kernels (CPU and CUDA bit-identical) on float32 tiles made by those operations;
+- every large product is exact (fq.codec.gridmm): operands rounded onto power-of-two grids chosen from their
+  largest magnitude, bits_a + bits_b + ceil(log2(inner)) <= 53, so each part product is an integer GEMM with
+  every partial sum an integer below 2^53, hence order-independent, FMA or not, and asserted. The error
+  feedback and the LDL's updates use two parts per operand (about 46 bits relative to the largest entry, three
+  GEMMs); the refit and the proxy error one part (20 bits each at inner dimension 6144: what they decide is
+  rounded to fp16 or reported);
+- the LDL's 16x16 block factorizations run in a fixed scalar order in numpy on the host (fq.codec.ldl);
+- Hessians are equilibrated by powers of two (exact) before any grid is chosen, so a grid's precision is
+  relative to each channel's own scale rather than the largest channel's.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from fq.codec.codebook import marker_value, values_torch
+from fq.codec.encoder import (Encoded, _Clock, _fp16, _viterbi, check_args, check_scales, pipeline_device,
+                              residual_target, search_scales)
+from fq.codec.exact import div, tree_sum
+from fq.codec.gridmm import budget, grid_mm, pow2, split
+from fq.codec.hadamard import had_cols, had_rows
+from fq.codec.ldl import BLOCK, PANEL, block_ldl
+from fq.codec.packing import pack, tensor_core_perm, tensor_core_perm_inverse, tiles_to_matrix
+from fq.codec.regularize import regularize
+from fq.codec.tensors import unrotate
+from fq.errors import FqError
+
+SIGMA_REG = 0.025  # damping: this share of H's mean diagonal is added to its diagonal
+DAMPING_RETRY = 10.0  # a Hessian that is not positive definite is retried with the damping times this
+DAMPING_RETRIES = 3
+LDLQ_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}  # the reference's, integer K (K >= 4: 1.0)
+HESSIAN_SCALES = True
+REFIT_ROUNDS = 2
+CG_ITERS = 32
+CG_TOL = 1e-12  # stop when the residual's squared norm falls below this share of the first one (fp16 scales need far less)
+# matrices whose Hessians are factored (and coded) together: their float64 (in, in) factors fit in this
+GROUP_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
+
+
+def ldlq_drift(K: int) -> float:
+    return LDLQ_DRIFT.get(int(K), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the H metric
+
+
+def _equilibration(d: torch.Tensor) -> torch.Tensor:
+    """Power-of-two exponents f (int64) with d * 4^-f in [1/4, 1) for each positive d (0 elsewhere)."""
+    _, e = torch.frexp(d)
+    f = torch.div(e.to(torch.int64) + 1, 2, rounding_mode="floor")
+    return torch.where(torch.isfinite(d) & (d > 0), f, torch.zeros_like(f))
+
+
+class _Metric:
+    """tr(E H E^T) and H @ X for one symmetric H (in, in), through an exact grid product: H equilibrated by
+    powers of two (Heq = Ds H Ds, Ds = 2^-f), rounded once onto a grid of ``bits`` bits."""
+
+    def __init__(self, H: torch.Tensor):
+        k = H.shape[0]
+        self.f = _equilibration(torch.diagonal(H).clone())
+        self.ds, self.inv = pow2(-self.f), pow2(self.f)
+        self.bits = budget(k) // 2
+        self.g = split(H * self.ds[:, None] * self.ds[None, :], self.bits, 1)
+        self.k = k
+
+    def quad(self, E: torch.Tensor) -> float:
+        """tr(E H E^T) for E (rows, in), float64 on H's device (a fixed-order sum)."""
+        Et = E * self.inv[None, :]  # E Ds^-1: tr(E H E^T) = tr(Et Heq Et^T)
+        T = grid_mm(split(Et, budget(self.k) - self.bits, 1), self.g)
+        return float(tree_sum((T * Et).flatten()))
+
+    def times(self, X: torch.Tensor) -> torch.Tensor:
+        """Heq @ (Ds^-1 X) for X (in, n): H X in the equilibrated coordinates, Ds (H X)."""
+        Xt = X * self.inv[:, None]
+        return grid_mm(self.g, split(Xt, budget(self.k) - self.bits, 1))
+
+
+def proxy_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """tr(E H E^T) / tr(W H W^T), E = W_hat - W; W, W_hat torch (out, in), H (in, in). Computed on W's device
+    with exact grid products and fixed-order sums, so the value is the same on every device. 0 for W = 0 and
+    W_hat = 0; inf when tr(W H W^T) <= 0 but the error is not zero."""
+    if not isinstance(W, torch.Tensor) or not isinstance(W_hat, torch.Tensor) or not isinstance(H, torch.Tensor):
+        raise FqError("proxy_error: W, W_hat and H must be torch tensors")
+    if W.dim() != 2 or W_hat.shape != W.shape:
+        raise FqError(f"proxy_error: W {tuple(W.shape)} and W_hat {tuple(W_hat.shape)} must be the same (out, in)")
+    if H.dim() != 2 or tuple(H.shape) != (W.shape[1], W.shape[1]):
+        raise FqError(f"proxy_error: H {tuple(H.shape)} must be (in, in) = ({W.shape[1]}, {W.shape[1]})")
+    dev = W.device
+    W64 = W.detach().to(torch.float64)
+    m = _Metric(_symmetric(H.detach().to(dev, torch.float64)))
+    den = m.quad(W64)
+    num = m.quad(W_hat.detach().to(dev, torch.float64) - W64)
+    if den > 0:
+        return num / den
+    return 0.0 if num == 0 else float("inf")
+
+
+def _symmetric(H: torch.Tensor) -> torch.Tensor:
+    return (H + H.t()) * 0.5
+
+
+def check_hessian(H, in_f: int, name: str, device: torch.device) -> torch.Tensor:
+    """H validated and symmetrized, float64 on ``device``."""
+    if not isinstance(H, torch.Tensor):
+        raise FqError(f"{name}: Hessian H: expected a torch.Tensor, got {type(H).__name__}")
+    if H.dim() != 2 or not H.is_floating_point() or tuple(H.shape) != (in_f, in_f):
+        raise FqError(f"{name}: Hessian H: expected a floating-point (in, in) = ({in_f}, {in_f}) matrix, got "
+                      f"{str(H.dtype).removeprefix('torch.')} {tuple(H.shape)}")
+    H = H.detach().to(device).to(torch.float64)
+    if not bool(torch.isfinite(H).all()):
+        bad = (~torch.isfinite(H)).nonzero()[0].tolist()
+        raise FqError(f"{name}: Hessian H contains NaN or Inf (first at [{bad[0]}, {bad[1]}]); "
+                      "the calibration capture overflowed or saw no finite activations")
+    peak = float(H.abs().max())
+    asym = float((H - H.t()).abs().max())
+    if asym > 1e-3 * peak:
+        raise FqError(f"{name}: Hessian H is not symmetric (max |H - H^T| = {asym:.4g}, max |H| = {peak:.4g})")
+    H = _symmetric(H)
+    mean = float(div(tree_sum(torch.diagonal(H).clone()), in_f))
+    if not mean > 0:
+        raise FqError(f"{name}: Hessian H has no usable energy (mean diagonal {mean:.4g}): encode this matrix "
+                      "weight-only (fq.codec.encode)")
+    return H
+
+
+def _damped(H: torch.Tensor, sigma: float) -> torch.Tensor:
+    k = H.shape[0]
+    mean = div(tree_sum(torch.diagonal(H).clone()), k)
+    eye = torch.eye(k, dtype=torch.float64, device=H.device)
+    return H + eye * (mean * sigma)
+
+
+def _channel_weights(su: torch.Tensor) -> torch.Tensor:
+    """The input-side scale vector S of the rotated metric: su (zero channels get the smallest non-zero |su|,
+    which keeps H' positive definite; their weights reconstruct to zero whatever the trellis holds)."""
+    if not HESSIAN_SCALES:
+        return torch.where(su < 0, -torch.ones_like(su), torch.ones_like(su))
+    nz = su != 0
+    if not bool(nz.any()):
+        return torch.ones_like(su)
+    fill = su.abs()[nz].amin()
+    return torch.where(nz, su, fill)
+
+
+def rotated_hessian(Hd: torch.Tensor, su: torch.Tensor) -> torch.Tensor:
+    """P S Hd S P: the damped Hessian in the basis the trellis codes (rows of x), float64 butterflies."""
+    s = _channel_weights(su)
+    return had_cols(had_rows(Hd * s[:, None] * s[None, :]))
+
+
+# ---------------------------------------------------------------------------------------------- factors
+
+
+def _factor(Hs: list, sigmas: list[float], sus: list, names: list[str], device) -> tuple:
+    """Block LDL of each matrix's rotated, equilibrated Hessian. Returns (L (B, k, k), f (B, k) exponents of the
+    equilibration, the damping each matrix needed, Hd per matrix)."""
+    n = len(sus)
+    k = Hs[0].shape[0]
+    L = None
+    F = torch.zeros((n, k), dtype=torch.int64, device=device)
+    used = list(sigmas)
+    Hds = [None] * n
+    todo = list(range(n))
+    for attempt in range(DAMPING_RETRIES + 1):
+        if not todo:
+            break
+        stack = torch.empty((len(todo), k, k), dtype=torch.float64, device=device)
+        for j, i in enumerate(todo):
+            Hds[i] = _damped(Hs[i], used[i])
+            R = rotated_hessian(Hds[i], sus[i])
+            f = _equilibration(torch.diagonal(R).clone())
+            ds = pow2(-f)
+            F[i] = f
+            stack[j] = R * ds[:, None] * ds[None, :]
+            del R
+        Ls, ok = block_ldl(stack, overwrite=True)
+        del stack
+        failed = [i for j, i in enumerate(todo) if not ok[j]]
+        if L is None:
+            L = Ls  # the first attempt covers every matrix
+        else:
+            for j, i in enumerate(todo):
+                if ok[j]:
+                    L[i] = Ls[j]
+        del Ls
+        if failed and attempt == DAMPING_RETRIES:
+            i = failed[0]
+            raise FqError(f"{names[i]}: Hessian H is not positive definite even with a damping of {used[i]:g} x its "
+                          "mean diagonal; check the calibration capture (H must be X^T X / count)")
+        for i in failed:
+            warnings.warn(f"{names[i]}: Hessian H is not positive definite with a damping of {used[i]:g} x its mean "
+                          f"diagonal; retrying with {used[i] * DAMPING_RETRY:g}", RuntimeWarning, stacklevel=4)
+            used[i] *= DAMPING_RETRY
+        todo = failed
+    return L, F, used, Hds
+
+
+# ---------------------------------------------------------------------------------------------- LDLQ
+
+
+def _feedback(L: torch.Tensor, Et: torch.Tensor) -> torch.Tensor:
+    """L^T @ Et exactly on grids, batched: L (b, r, c) blocks of the factors, Et (b, r, n) scaled errors ->
+    (b, c, n). Two parts per operand (about 46 bits each); the grids are per batch element, so a matrix's
+    result does not depend on the others."""
+    bits = budget(L.shape[1])
+    Lg = split(L.transpose(1, 2).contiguous(), bits // 2, 2, batch_dims=1, check=False)
+    return grid_mm(Lg, split(Et, bits - bits // 2, 2, batch_dims=1, check=False))
+
+
+def _rows_to_tiles(x: torch.Tensor) -> torch.Tensor:
+    """(b, 16, n) rows -> (b * n/16, 256) tiles in tensor-core order (fq.codec.packing.matrix_to_tiles per row
+    block)."""
+    b, _, n = x.shape
+    t = x.reshape(b, BLOCK, n // BLOCK, BLOCK).permute(0, 2, 1, 3).reshape(b, n // BLOCK, 256)
+    return t[..., tensor_core_perm(x.device)].reshape(-1, 256)
+
+
+def _tiles_to_rows(v: torch.Tensor) -> torch.Tensor:
+    """(b, n/16, 256) tensor-core tiles -> (b, 16, n) rows."""
+    b, tn, _ = v.shape
+    rm = v[..., tensor_core_perm_inverse(v.device)]
+    return rm.reshape(b, tn, BLOCK, BLOCK).permute(0, 2, 1, 3).reshape(b, BLOCK, tn * BLOCK)
+
+
+def _stacks(widths: list[int]) -> list[list[int]]:
+    """Indices of the matrices grouped by width (n), in order of first appearance."""
+    out: dict[int, list[int]] = {}
+    for i, n in enumerate(widths):
+        out.setdefault(n, []).append(i)
+    return list(out.values())
+
+
+def ldlq(targets: list, L: torch.Tensor, F: torch.Tensor, K: int, codebook: str, device) -> list:
+    """targets: per matrix the rotated, scaled weight (in, n_i) float64; L (B, in, in) the strictly block-lower
+    factors of the equilibrated Hessians, F (B, in) their equilibration exponents. Returns per matrix its states
+    (in/16, n_i/16, 256) int32 on ``device``. Matrices of one width are stacked (batched products, exact per
+    matrix); each 16-row step codes the tiles of every matrix in one Viterbi call."""
+    k = targets[0].shape[0]
+    values = values_torch(codebook, device)
+    stacks = []
+    for idx in _stacks([t.shape[1] for t in targets]):
+        contiguous = idx == list(range(idx[0], idx[-1] + 1))
+        Ls = L[idx[0] : idx[-1] + 1] if contiguous else L[idx]
+        T = torch.stack([targets[i] for i in idx])
+        stacks.append(dict(idx=idx, L=Ls, T=T, ds=pow2(-F[idx])[:, :, None], inv=pow2(F[idx])[:, :, None],
+                           fb=torch.zeros_like(T),  # feedback of finished spans, in the weight's coordinates
+                           et=torch.zeros_like(T),  # Ds^-1 (W - Q) of the rows done
+                           st=torch.empty((len(idx), k // BLOCK, T.shape[2] // BLOCK, 256), dtype=torch.int32,
+                                          device=device)))
+    for j in range(k, 0, -PANEL):
+        i0 = j - PANEL
+        for bj in range(j, i0, -BLOCK):
+            bi = bj - BLOCK
+            tiles = []
+            for s in stacks:
+                x = s["T"][:, bi:bj] + s["fb"][:, bi:bj]
+                if bj < j:
+                    x = x + _feedback(s["L"][:, bj:j, bi:bj], s["et"][:, bj:j]) * s["ds"][:, bi:bj]
+                tiles.append(_rows_to_tiles(x.to(torch.float32)))
+            flat = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
+            states = _viterbi(flat, K, codebook, device)
+            at = 0
+            for s in stacks:
+                b, tn = len(s["idx"]), s["T"].shape[2] // BLOCK
+                st = states[at : at + b * tn].reshape(b, tn, 256)
+                at += b * tn
+                s["st"][:, bi // BLOCK] = st
+                q = _tiles_to_rows(values[st.long()]).to(torch.float64)
+                s["et"][:, bi:bj] = (s["T"][:, bi:bj] - q) * s["inv"][:, bi:bj]
+        if i0 > 0:
+            for s in stacks:
+                s["fb"][:, :i0] += _feedback(s["L"][:, i0:j, :i0], s["et"][:, i0:j]) * s["ds"][:, :i0]
+    out = [None] * len(targets)
+    for s in stacks:
+        for pos, i in enumerate(s["idx"]):
+            out[i] = s["st"][pos]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- refit
+
+
+def _cg(Ag, diag: torch.Tensor, rhs: torch.Tensor, bits_v: int) -> torch.Tensor:
+    """Solve A r = rhs from r = 1 by Jacobi-preconditioned conjugate gradients; A given on a grid (Ag), its
+    products with a vector exact; fixed-order dot products; at most CG_ITERS iterations."""
+    def mv(v):
+        return grid_mm(Ag, split(v[:, None], bits_v, 1))[:, 0]
+
+    def dot(a, b):
+        return tree_sum(a * b)
+
+    M = torch.where(diag > 0, diag, torch.ones_like(diag))
+    r = torch.ones_like(rhs)
+    res = rhs - mv(r)
+    z = res / M
+    p = z
+    rz = dot(res, z)
+    rr0 = dot(res, res)
+    for _ in range(CG_ITERS):
+        if not bool(rz > 0) or bool(dot(res, res) <= CG_TOL * rr0):
+            break
+        Ap = mv(p)
+        pAp = dot(p, Ap)
+        if not bool(pAp > 0):
+            break
+        alpha = rz / pAp
+        r = r + p * alpha
+        res = res - Ap * alpha
+        z = res / M
+        rz_new = dot(res, z)
+        p = z + p * (rz_new / rz)
+        rz = rz_new
+    return r
+
+
+def refit_scales(Wt: torch.Tensor, inner: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, Hd: torch.Tensor):
+    """New (suh, svh) float64 for the fixed trellis (decoded ``inner`` (in, out)) in the Hd metric, from the
+    stored fp16 scales; W^T = Wt (in, out) the target. The model: W_hat^T = diag(a) Qb diag(b), Qb the decoded
+    weight rotated back (float64). Two rounds: b_j *= (q_j^T Hd w_j) / (q_j^T Hd q_j) per output channel, then
+    a *= r with ((Q Q^T) o Hd) r = rowsum(Q o Hd W). A zero scale stays zero; a non-finite or non-positive
+    factor leaves its channel unchanged."""
+    k, n = Wt.shape
+    metric = _Metric(Hd)
+    Qb = had_rows(had_cols(inner.to(torch.float64)))
+    a, b = suh.to(torch.float64), svh.to(torch.float64)
+    HW = metric.times(Wt)  # Ds (Hd Wt); with Qt = Ds^-1 Q below, every sum is the unscaled one
+    one = torch.ones((), dtype=torch.float64, device=Wt.device)
+    for _round in range(REFIT_ROUNDS):
+        Q = Qb * a[:, None] * b[None, :]
+        Qt = Q * metric.inv[:, None]  # Ds^-1 Q
+        HQ = metric.times(Q)  # Heq Ds^-1 Q = Ds Hd Q
+        num = tree_sum(Qt * HW, 0)  # sum_i (Ds^-1 Q)_ij (Ds Hd W)_ij = q_j^T Hd w_j
+        den = tree_sum(Qt * HQ, 0)
+        c = torch.where(den > 0, num / torch.where(den > 0, den, one), one)
+        c = torch.where(torch.isfinite(c) & (c > 0), c, one)
+        b = b * c
+        Q = Q * c[None, :]
+        # input side: A = (Q Q^T) o Hd, rhs = rowsum(Q o Hd W)
+        bq = budget(n)
+        G = grid_mm(split(Q, bq // 2, 1), split(Q.t().contiguous(), bq - bq // 2, 1))
+        A = G * Hd
+        rhs = tree_sum(Q * (HW * metric.inv[:, None]), 1)  # Q o (Hd W)
+        bk = budget(k)
+        Ag = split(A, bk // 2, 2)
+        r = _cg(Ag, torch.diagonal(A).clone(), rhs, bk - bk // 2)
+        r = torch.where(torch.isfinite(r) & (r > 0), r, one)
+        a = a * r
+    return a, b
+
+
+# ---------------------------------------------------------------------------------------------- encoder
+
+
+def _finish(W64, Hd, su, sv, g, states, K, codebook, clock, metric) -> Encoded:
+    """Pack, reconstruct, refit the scales, measure; all on the states' device."""
+    dev = states.device
+    trellis = pack(states, K)
+    inner = tiles_to_matrix(values_torch(codebook, dev)[states.long()])
+    suh, svh = _fp16(div(su, g)), _fp16(sv)
+    den = metric.quad(W64)
+    W_hat = unrotate(inner, suh, svh)
+    num = metric.quad(W_hat.double() - W64)
+    clock("finish")
+    a, b = refit_scales(W64.t(), inner, suh, svh, Hd)
+    suh2, svh2 = _fp16(a), _fp16(b)
+    if bool(torch.isfinite(suh2).all()) and bool(torch.isfinite(svh2).all()):
+        W_hat2 = unrotate(inner, suh2, svh2)
+        num2 = metric.quad(W_hat2.double() - W64)
+        if num2 < num:
+            suh, svh, W_hat, num = suh2, svh2, W_hat2, num2
+    clock("refit")
+    tensors = {"trellis": trellis.cpu(), "suh": suh.cpu(), "svh": svh.cpu()}
+    marker = marker_value(codebook)
+    if marker is not None:
+        tensors[codebook] = torch.tensor(marker, dtype=torch.int32)
+    d = W_hat.double() - W64
+    sw = float(tree_sum((W64 * W64).flatten()))
+    se = float(tree_sum((d * d).flatten()))
+    proxy = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+    clock("finish")
+    return Encoded(tensors, W_hat, se / sw if sw > 0 else 0.0, float(g), sum_sq_w=sw, sum_sq_err=se, proxy_err=proxy)
+
+
+def _groups(n: int, k: int, device: torch.device):
+    per = max(1, GROUP_BYTES.get(device.type, 1 << 30) // (8 * k * k))
+    return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
+
+
+def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> list[Encoded]:
+    device = pipeline_device(device)
+    clock = _Clock(timings, device)
+    W64s = []
+    for i, W in enumerate(Ws):
+        if parents is not None and parents[i] is not None:
+            W = residual_target(W, parents[i], device, names[i])
+        W64s.append(check_args(W, K, codebook, seeds[i], names[i], device))
+    in_f = W64s[0].shape[1]
+    for W64, name in zip(W64s, names):
+        if W64.shape[1] != in_f:
+            raise FqError(f"{name}: in_features {W64.shape[1]}; the matrices of one batch share H, so all need "
+                          f"in = {in_f}")
+    hname = names[0] if len(names) == 1 else f"{names[0]} (and the batch sharing its H)"
+    Hc = check_hessian(H, in_f, hname, device)
+    metric = _Metric(Hc)
+    clock("check")
+    out = []
+    for group in _groups(len(W64s), in_f, device):
+        regs = [regularize(W64s[i].t(), seeds[i]) for i in group]
+        clock("regularize")
+        # the factorization first: a Hessian that cannot be used fails before any trellis search
+        L, F, _, Hds = _factor([Hc] * len(group), [SIGMA_REG] * len(group), [su for _, su, _ in regs],
+                               [names[i] for i in group], device)
+        clock("hessian")
+        drift = ldlq_drift(K)
+        gs = search_scales([x * drift for x, _, _ in regs], K, codebook, device)
+        for (_, su, sv), g, i in zip(regs, gs, group):
+            check_scales(W64s[i], su, sv, g, names[i])
+        clock("search")
+        targets = [x * g for (x, _, _), g in zip(regs, gs)]
+        states = ldlq(targets, L, F, K, codebook, device)
+        del L, targets
+        clock("ldlq")
+        for j, i in enumerate(group):
+            _, su, sv = regs[j]
+            out.append(_finish(W64s[i], Hds[j], su, sv, gs[j], states[j], K, codebook, clock, metric))
+            W64s[i] = None
+            regs[j] = None
+    return out
+
+
+def encode_ldlq(W: torch.Tensor, H: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
+                parents: list | None = None, name: str = "W", timings: dict | None = None) -> Encoded:
+    """Encode a torch Linear weight W (out, in) with its input Hessian H (in, in) (LDLQ, see the module
+    docstring). ``parents``: a parent chain makes this a residual stage (W - reconstruct_chain(parents), in
+    the same H metric). ``device``: None/"cpu" or a CUDA device; both give the same bytes, W_hat and sums.
+    ``timings``: if a dict, wall seconds per stage are added to it."""
+    return _encode_many([W], H, K, codebook, [seed], device, [name], None if parents is None else [parents],
+                        timings)[0]
+
+
+def encode_ldlq_batch(Ws: list, H: torch.Tensor, K: int, codebook: str = "mul1", seeds=0, device=None, *,
+                      parents: list | None = None, names: list | None = None,
+                      timings: dict | None = None) -> list[Encoded]:
+    """Encode matrices that share one input Hessian H (e.g. gate and up of every expert of a layer); per matrix
+    the Encoded encode_ldlq would give, bit for bit. ``seeds``: one int or one per matrix; ``parents``: None or,
+    per matrix, None or its parent chain; ``names``: for messages (default Ws[i]). The Hessians are factored
+    and the LDLQ steps coded together, one Viterbi call per 16-row step for all matrices of a group (groups
+    hold GROUP_BYTES of float64 factors)."""
+    Ws = list(Ws)
+    seeds = [seeds] * len(Ws) if isinstance(seeds, int) and not isinstance(seeds, bool) else list(seeds)
+    names = [f"Ws[{i}]" for i in range(len(Ws))] if names is None else [str(n) for n in names]
+    if not Ws:
+        return []
+    if len(seeds) != len(Ws) or len(names) != len(Ws) or (parents is not None and len(parents) != len(Ws)):
+        raise FqError(f"encode_ldlq_batch: {len(Ws)} weights need as many seeds ({len(seeds)}), names "
+                      f"({len(names)}) and parent chains ({'none' if parents is None else len(parents)})")
+    return _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings)
