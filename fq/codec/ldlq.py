@@ -32,8 +32,8 @@ AVX-512 BLAS, any thread count) and on CUDA. No BLAS, cuBLAS, cuSOLVER or LAPACK
   largest magnitude, bits_a + bits_b + ceil(log2(inner)) <= 53, so each part product is an integer GEMM with
   every partial sum an integer below 2^53, hence order-independent, FMA or not, and asserted. The error
   feedback and the LDL's updates use two parts per operand (about 46 bits relative to the largest entry, three
-  GEMMs); the refit and the proxy error one part (20 bits each at inner dimension 6144: what they decide is
-  rounded to fp16 or reported);
+  GEMMs); the refit's and the proxy error's products one part each (20 bits at inner dimension 6144; the refit's
+  (in, in) system two parts), since what they decide is rounded to fp16 or only reported;
 - the LDL's 16x16 block factorizations run in a fixed scalar order in numpy on the host (fq.codec.ldl);
 - Hessians are equilibrated by powers of two (exact) before any grid is chosen, so a grid's precision is
   relative to each channel's own scale rather than the largest channel's.
