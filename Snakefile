@@ -16,6 +16,7 @@ validate(normalize_config(config), "config/schemas/config.schema.yaml")
 
 include: "rules/common.smk"
 include: "rules/source.smk"
+include: "rules/calibrate.smk"
 include: "rules/encode.smk"
 include: "rules/finalize.smk"
 include: "rules/eval.smk"

@@ -52,6 +52,7 @@ def encode_inputs(wc):
     }
     if C.usage_file and C.reads_usage(wc.node):
         inputs["usage"] = ancient(C.usage_file)  # a hot stage encodes the experts the measurement ranks first
+    inputs.update(hessian_inputs(layer))
     if "block" in wc.keys():
         needs = C.fragment_needs_source(wc.node, frags[0].block)
     else:
@@ -59,6 +60,54 @@ def encode_inputs(wc):
     if needs:
         inputs["shards"] = sorted({s for f in frags for s in staged_shards(f.block)})
     return inputs
+
+
+# -- calibration (rules/calibrate.smk) ------------------------------------------------------------------------
+def calib_staged(layer):
+    """The staged shards a chain job reads, asked for only while the job has outputs to write (as skeleton_inputs:
+    a finished job never makes Snakemake stage a retired window again)."""
+    if all(Path(p).is_file() for p in C.calib_outputs(layer)[1:]):
+        return []
+    return [ancient(C.staged(s)) for s in C.calib_shards(layer)]
+
+
+def calib_embed_inputs(wc):
+    return {"campaign": ancient(C.campaign_json), "tokens": ancient(C.calib_tokens), "shards": calib_staged(None)}
+
+
+def calib_layer_inputs(wc):
+    layer = int(wc.layer)
+    return {"campaign": ancient(C.campaign_json), "hidden": C.calib_hidden(layer - 1 if layer else None),
+            "shards": calib_staged(layer)}
+
+
+def calib_layer_pattern(calibrated):
+    layers = [l for l in C.calibration_layers if (l in C.calibrated_layers) == calibrated]
+    return "|".join(f"{l:03d}" for l in layers) if layers else "(?!)"
+
+
+CALIB_LAYER_PARAMS = {
+    "source_dir": str(C.source_dir),
+    "staging": f"{OUT}/staging",
+    "layer": lambda wc: int(wc.layer),
+    "binding": lambda wc: C.hessian_binding(int(wc.layer)) if int(wc.layer) in C.calibrated_layers else None,
+    "capture": (C.calibration or {}).get("capture"),
+    "device": config["encode"]["device"],
+    "devices": config["encode"].get("devices", []),
+    "locks": f"{OUT}/locks",
+}
+
+
+def hessian_spec(layer):
+    """Where an encode job of ``layer`` finds its Hessian and the campaign's binding of it (None: weight-only)."""
+    if layer not in C.calibrated_layers:
+        return None
+    return {"path": C.hessian(layer), "binding": C.hessian_binding(layer)}
+
+
+def hessian_inputs(layer):
+    # ancient: the binding (its sha256) decides, not the file's age; a re-captured identical Hessian re-encodes nothing
+    return {"hessian": ancient(C.hessian(layer))} if layer in C.calibrated_layers else {}
 
 
 def encode_spec(wc, output):
@@ -93,6 +142,7 @@ def encode_spec(wc, output):
             for f in frags
         ],
         "layout": C.layout.to_json(),
+        "hessian": hessian_spec(int(wc.layer)),
     }
 
 
@@ -103,6 +153,7 @@ def encode_key(wc):
     return {
         "node_digest": C.recipe.node_digest(wc.node),
         "experts": [e for f in C.layer_fragments(wc.node, int(wc.layer)) for e in f.experts],
+        "calibrated": int(wc.layer) in C.calibrated_layers,
     }
 
 
@@ -127,6 +178,7 @@ def native_inputs(wc):
     K = int(wc.K)
     done = Path(C.native_metrics(K, wc.codebook, b)).is_file() and Path(C.native_tensors(K, wc.codebook, b)).is_file()
     inputs = {"usage": ancient(C.usage_file)} if C.usage_file else {}  # its experts may be a hot stage's
+    inputs.update(hessian_inputs(b.layer))
     return {**inputs, "shards": staged_shards(b)} if not done else inputs
 
 
@@ -134,7 +186,7 @@ def native_spec(wc):
     b = native_block(wc)
     experts = list(C.native_jobs[(int(wc.K), wc.codebook)][b])
     return {"K": int(wc.K), "codebook": wc.codebook, "layer": b.layer, "block": C.block_index(b), "experts": experts,
-            "sources": C.expert_sources(b.layer, experts), "layout": C.layout.to_json()}
+            "sources": C.expert_sources(b.layer, experts), "layout": C.layout.to_json(), "hessian": hessian_spec(b.layer)}
 
 
 def skeleton_inputs(wc):

@@ -18,7 +18,7 @@ def paths(out):
 
 jobs = [BlockJob(node=s["node"], role=s["role"], K=s["K"], codebook=s["codebook"], node_digest=s["node_digest"],
                  layer=s["layer"], block=b["block"], experts=b["experts"], sources=b["sources"],
-                 ancestors=b["ancestors"], out_fragment=f, out_metrics=m)
+                 ancestors=b["ancestors"], out_fragment=f, out_metrics=m, hessian=s.get("hessian"))
         for b, f, m in zip(blocks, paths(snakemake.output.fragment), paths(snakemake.output.metrics), strict=True)]
 for j in jobs:  # outputs and spec in the same block order (rules/encode.smk writes both from the plan)
     if f"-block{j.block:03d}." not in j.out_fragment or f"-block{j.block:03d}." not in j.out_metrics:

@@ -143,6 +143,115 @@ class Campaign:
     def eval_files(self) -> list[str]:
         return [self.p("eval", "eval.json"), self.p("eval", "eval.tsv")] if self.eval_config else []
 
+    # -- calibration (issue 18): tokens -> embed -> layer by layer through the source, Hessians per MoE layer ----
+    @cached_property
+    def calibration(self) -> dict | None:
+        """``calibration:`` of the config with its defaults (None: weight-only encoding, the attestations say so)."""
+        cfg = self.config.get("calibration")
+        if not cfg:
+            return None
+        text, tokens = cfg.get("text"), cfg.get("tokens")
+        if text and tokens:
+            raise FqError("calibration: name text or tokens, not both")
+        if (text or tokens) and not cfg.get("sha256"):
+            raise FqError(f"calibration.sha256: required with calibration.{'text' if text else 'tokens'} (the file's "
+                          "sha256: the Hessians, and every fragment encoded against them, are bound to those bytes)")
+        if not (text or tokens) and self.source_kind != "demo":
+            raise FqError("calibration.text: name a calibration text (or calibration.tokens); only the demo source "
+                          "brings its own")
+        if text and self.source_kind == "hub":
+            raise FqError("calibration.text: a hub source's tokenizer is not on disk; give calibration.tokens "
+                          "(fq.hessian.calibration.save_tokens) instead")
+        return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", 250)),
+                "columns": int(cfg.get("columns", 2048)), "capture": cfg.get("capture", "all-experts")}
+
+    @property
+    def calibration_text(self) -> str:
+        return self.calibration["text"] or self.p("demo-text", "calibration.txt")
+
+    @cached_property
+    def calibrated_layers(self) -> tuple[int, ...]:
+        """MoE layers whose fragments are encoded against a Hessian (next-token layers stay weight-only: the
+        calibration chain runs the decoder stack, which they are not part of)."""
+        if not self.calibration:
+            return ()
+        return tuple(l for l in self.source.moe_layers if l not in self.source.mtp_layers)
+
+    @property
+    def calibration_layers(self) -> tuple[int, ...]:
+        """Every decoder layer the chain runs: 0 .. the last calibrated layer."""
+        return tuple(range(max(self.calibrated_layers) + 1)) if self.calibrated_layers else ()
+
+    def calib_path(self, name: str) -> str:
+        return self.p("calibration", name)
+
+    @property
+    def calib_tokens(self) -> str:
+        return self.calib_path("tokens.safetensors")
+
+    def calib_hidden(self, layer: int | None) -> str:
+        """The hidden states entering layer ``layer + 1`` (None: the embeddings, entering layer 0)."""
+        return self.calib_path("hidden-embed.safetensors" if layer is None else f"hidden-layer{layer:03d}.safetensors")
+
+    def hessian(self, layer: int) -> str:
+        return self.calib_path(f"hessian-layer{layer:03d}.safetensors")
+
+    def hessian_binding(self, layer: int) -> str:
+        return self.calib_path(f"hessian-layer{layer:03d}.bound.json")
+
+    @cached_property
+    def _layer_tensor_shards(self) -> dict[int | None, tuple[str, ...]]:
+        import re
+
+        out: dict = {}
+        for name, shard in self.source.weight_map.items():
+            m = re.match(r"^model\.layers\.(\d+)\.", name)
+            if m:
+                out.setdefault(int(m.group(1)), set()).add(shard)
+            elif name.startswith("model.embed_tokens."):
+                out.setdefault(None, set()).add(shard)
+        return {k: tuple(sorted(v)) for k, v in out.items()}
+
+    def calib_shards(self, layer: int | None) -> tuple[str, ...]:
+        """Source shards the chain's job for ``layer`` reads (None: the embedding job)."""
+        shards = self._layer_tensor_shards.get(layer, ())
+        if not shards:
+            raise FqError(f"campaign {self.name}: the source has no tensors for "
+                          f"{'model.embed_tokens' if layer is None else f'layer {layer}'}")
+        return shards
+
+    def calib_record(self, layer: int | None) -> str:
+        """The job's record (what it read and wrote, with digests): small, kept; what retirement waits for."""
+        return self.calib_path("embed.json" if layer is None else f"layer{layer:03d}.json")
+
+    def calib_outputs(self, layer: int | None) -> list[str]:
+        """hidden (temp: the next job's input), the Hessian file (calibrated MoE layers), the record."""
+        hessian = [self.hessian(layer)] if layer is not None and layer in self.calibrated_layers else []
+        return [self.calib_hidden(layer)] + hessian + [self.calib_record(layer)]
+
+    def _retiring_window(self, shard: str) -> int:
+        for w in self.plan.windows:
+            if shard in w.retire:
+                return w.index
+        return self.shard_window(shard)
+
+    @cached_property
+    def calib_windows(self) -> dict:
+        """Per chain job (None: embed), the windows that retire the shards it reads. Refuses a layout where a job
+        would need a shard that is staged only after one it reads is retired (the chain could never run)."""
+        out = {}
+        W = self.plan.windows_on_disk
+        for layer in (None,) + self.calibration_layers:
+            shards = self.calib_shards(layer)
+            staged = max(self.shard_window(s) for s in shards)
+            retired = min(self._retiring_window(s) for s in shards)
+            if staged - W >= retired:
+                raise FqError(f"campaign {self.name}: calibration of {'the embeddings' if layer is None else f'layer {layer}'} "
+                              f"reads shards {list(shards)} staged by windows {retired}..{staged}, more than "
+                              f"windows_on_disk={W} apart; raise windows_on_disk or merge those windows")
+            out[layer] = {self._retiring_window(s) for s in shards}
+        return out
+
     def retired(self, window: int) -> str:
         return self.p("windows", f"window-{window}.retired")
 
@@ -239,6 +348,8 @@ class Campaign:
         outs += [self.fragment(f.node, f.block) for f in self.fragments if f.block.window == window]
         outs += [self.native_metrics(K, cb, b) for (K, cb), blocks in self.native_jobs.items() for b in blocks
                  if b.window == window]
+        if self.calibration:  # the chain's jobs that read a shard this window deletes
+            outs += [self.calib_outputs(l)[-1] for l, ws in self.calib_windows.items() if window in ws]
         return outs
 
     @cached_property
@@ -378,6 +489,10 @@ def normalize_config(config: dict) -> dict:
         for k in ("tokens", "seq_len"):
             if k in config["eval"]:
                 config["eval"][k] = fix(config["eval"][k])
+    if isinstance(config.get("calibration"), dict):
+        for k in ("rows", "columns"):
+            if k in config["calibration"]:
+                config["calibration"][k] = fix(config["calibration"][k])
     if isinstance(config.get("assembly"), dict) and "version" in config["assembly"]:
         config["assembly"]["version"] = fix(config["assembly"]["version"])
     return config

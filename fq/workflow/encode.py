@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from fq.codec import encode as codec_encode
 from fq.codec import encode_residual
+from fq.codec.ldlq import encode_ldlq
 from fq.codec.exact import tree_sum
 from fq.core import atomic, canonical
 from fq.errors import FqError
@@ -44,7 +45,7 @@ from fq.provenance.attest import keys
 from fq.provenance.attest.fragment import attest_fragment, check_node_digest, verify_shard
 from fq.provenance.fragments import attestation_name, write_fragment
 from fq.provenance.identity import encoder_identity
-from fq.workflow import devices, locks
+from fq.workflow import calibration, devices, locks
 from fq.workflow.common import check_signer
 from fq.workflow.init import encoder_differences
 from fq.workflow.skeleton import source_statement
@@ -122,6 +123,7 @@ class BlockJob:
     ancestors: list[dict]
     out_fragment: str
     out_metrics: str
+    hessian: dict | None = None  # {path, binding} of the layer's Hessian (calibrated campaigns), else weight-only
 
     @property
     def out_attestation(self) -> str:
@@ -193,22 +195,64 @@ def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout):
         handles.clear()
 
 
+def quant_args_for(K: int, codebook: str, seed: int, bound: dict | None) -> dict:
+    """The attested quant args: the objective, and for a calibrated encode the Hessian's file, sha256, token digest
+    and capture mode (a re-encode is byte-identical given those bytes: fq.provenance.identity.determinism_scope)."""
+    args = {"K": K, "codebook": codebook, "seed": seed, "seed_rule": SEED_RULE, "scale_search": "gaussian-prior/3"}
+    if bound is None:
+        return dict(args, objective=calibration.OBJECTIVE_WEIGHT)
+    return dict(args, objective=calibration.OBJECTIVE_LDLQ, hessian=calibration.quant_hessian(bound))
+
+
+class _Hessians:
+    """The bound Hessian of a job's layer, read once; H per projection (gate/up share the block input's)."""
+
+    def __init__(self, spec: dict | None, layer: int):
+        self.h, self.bound, self._input = None, None, None
+        if spec is not None:
+            self.h, self.bound = calibration.bound_hessians(spec["path"], spec["binding"], layer)
+
+    def for_matrix(self, expert: int, proj: str):
+        if self.h is None:
+            return None
+        if proj == "down":
+            return self.h.down(expert)
+        if self._input is None:
+            self._input = self.h.input()
+        return self._input
+
+
+def _encode_matrix(w, chain: list, K: int, codebook: str, seed: int, dev, H, name: str):
+    """(Encoded, sum of W² of the matrix itself): weight-only or LDLQ, base or residual over ``chain``."""
+    if H is not None:
+        enc = encode_ldlq(w, H, K, codebook, seed, dev, parents=chain or None, name=name)
+    elif chain:
+        enc = encode_residual(w, chain, K, codebook, seed, dev)
+    else:
+        return codec_encode(w, K, codebook, seed, dev), None
+    if not chain:
+        return enc, None
+    # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
+    w64 = w.double()  # the encoder's pairwise sum: metrics and report do not depend on the CPU
+    return enc, float(tree_sum((w64 * w64).flatten()))
+
+
 def _commit(b: BlockJob, tensors: dict, metrics: dict, parent: dict | None, *, doc: dict, priv, seed: int,
-            layout: ExpertLayout, t0: float, stats: dict | None) -> dict:
+            layout: ExpertLayout, t0: float, stats: dict | None, bound: dict | None = None) -> dict:
     """Writer thread: fragment, attestation, metrics of one encoded block, each atomic, in this order."""
     t = time.perf_counter()
     info = write_fragment(b.out_fragment, layout=layout, node=b.node, role=b.role, layer=b.layer, block=b.block,
                           K=b.K, codebook=b.codebook, experts=tensors)
     t_frag = time.perf_counter()
     shards = sorted({path for projs in b.sources.values() for path, _ in projs.values()})
-    quant_args = {"K": b.K, "codebook": b.codebook, "seed": seed, "seed_rule": SEED_RULE,
-                  "objective": "weight-only MSE, no Hessian", "scale_search": "gaussian-prior/3"}
+    quant_args = quant_args_for(b.K, b.codebook, seed, bound)
     att = attest_fragment(b.out_fragment, key=priv, campaign=doc["identity"],
                           source=source_statement(doc, [Path(s).name for s in shards]), encoder=doc["encoder"],
                           quant_args=quant_args, node_digest=b.node_digest, parent=parent, info=info)
     t_att = time.perf_counter()
     summary = {"node": b.node, "layer": b.layer, "block": b.block, "K": b.K, "codebook": b.codebook,
-               "fragment": Path(b.out_fragment).name, "sha256": att.sha256, "experts": metrics}
+               "fragment": Path(b.out_fragment).name, "sha256": att.sha256, "objective": quant_args["objective"],
+               "experts": metrics}
     atomic.write_text(b.out_metrics, canonical.pretty(summary))
     if stats is not None:
         now = time.perf_counter()
@@ -264,6 +308,9 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
     metrics: dict = {}
     left = {i: len(b.experts) for i, b in enumerate(jobs)}
     projections = dict(zip(PROJECTIONS, layout.projections))
+    if len({(b.layer, canonical.dumps(b.hessian)) for b in jobs}) != 1:
+        raise FqError("encode job: its blocks must be of one layer, with one Hessian")
+    hess = _Hessians(jobs[0].hessian, jobs[0].layer)
     try:
         t_claim = time.perf_counter()
         dev = devices.claim(device, devices_list, lock_dir)
@@ -286,20 +333,17 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 t = time.perf_counter()
                 if stats is not None:
                     _gap(timeline, stats[i], t)
-                if chains[p]:
-                    enc = encode_residual(w, chains[p], b.K, b.codebook, s, dev)
-                    # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
-                    w64 = w.double()  # the encoder's pairwise sum: metrics and report do not depend on the CPU
-                    sum_sq_w = float(tree_sum((w64 * w64).flatten()))
-                else:
-                    enc = codec_encode(w, b.K, b.codebook, s, dev)
-                    sum_sq_w = enc.sum_sq_w
+                enc, sum_sq_w = _encode_matrix(w, chains[p], b.K, b.codebook, s, dev, hess.for_matrix(e, p),
+                                               f"{b.node} layer {b.layer} expert {e} {p}")
+                sum_sq_w = enc.sum_sq_w if sum_sq_w is None else sum_sq_w
                 if stats is not None:
                     timeline["last_call_end"] = time.perf_counter()
                     stats[i]["encode_s"] += timeline["last_call_end"] - t
                 tensors.setdefault(e, {})[projections[p]] = enc.tensors
                 metrics.setdefault(str(e), {})[p] = {"sum_sq_w": sum_sq_w, "sum_sq_err": enc.sum_sq_err,
                                                      "g_scale": enc.g_scale}
+                if enc.proxy_err is not None:
+                    metrics[str(e)][p]["proxy_err"] = enc.proxy_err
                 del enc
                 bar.update(1)
                 if pending is not None and pending.done():
@@ -318,7 +362,8 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 if stats is not None:
                     stats[i]["write_wait_s"] += time.perf_counter() - t
             pending = writer.submit(_commit, b, tensors, metrics, parent, doc=doc, priv=priv, seed=seed,
-                                    layout=layout, t0=t0, stats=stats[i] if stats is not None else None)
+                                    layout=layout, t0=t0, stats=stats[i] if stats is not None else None,
+                                    bound=hess.bound)
             tensors, metrics = {}, {}
         if pending is not None:
             t = time.perf_counter()
@@ -342,11 +387,11 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
 def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: int, codebook: str, node_digest: str,
                  layer: int, block: int, experts: list[int], sources: dict, ancestors: list[dict], out_fragment: str,
                  out_metrics: str, device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
-                 layout: ExpertLayout) -> dict:
+                 layout: ExpertLayout, hessian: dict | None = None) -> dict:
     """One block as its own job (encode_blocks with one BlockJob)."""
     job = BlockJob(node=node, role=role, K=K, codebook=codebook, node_digest=node_digest, layer=layer, block=block,
                    experts=experts, sources=sources, ancestors=ancestors, out_fragment=out_fragment,
-                   out_metrics=out_metrics)
+                   out_metrics=out_metrics, hessian=hessian)
     return encode_blocks([job], campaign_json=campaign_json, key_path=key_path, device=device,
                          devices_list=devices_list, lock_dir=lock_dir, seed=seed, threads=threads, layout=layout)[0]
 
@@ -358,7 +403,8 @@ def native_node(K: int, codebook: str) -> str:
 
 def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sources: dict, out_metrics: str,
                   device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
-                  out_tensors: str | None = None, layout: dict | None = None, block: int | None = None) -> dict:
+                  out_tensors: str | None = None, layout: dict | None = None, block: int | None = None,
+                  hessian: dict | None = None) -> dict:
     """A one-pass encode at K bits, for the report's comparison only: metrics, and with ``out_tensors`` the tensor
     sets (an unsigned fragment of node ``native_node(K, codebook)``, for fq eval: a comparison point measured at
     the model's output; nothing publishes it). The metrics file is written last: it says the job is done."""
@@ -369,19 +415,24 @@ def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sour
     if threads:
         torch.set_num_threads(threads)
     W = read_source(sources)
+    hess = _Hessians(hessian, layer)
     dev = devices.claim(device, devices_list, lock_dir)
     lay = ExpertLayout.from_json(layout) if layout is not None else None
     metrics, tensors = {}, {}
     for e in experts:
         for p in PROJECTIONS:
             w = W[e][p]
-            enc = codec_encode(w, K, codebook, matrix_seed(seed, f"native-K{K}", layer, e, p), dev)
+            enc, _ = _encode_matrix(w, [], K, codebook, matrix_seed(seed, f"native-K{K}", layer, e, p), dev,
+                                    hess.for_matrix(e, p), f"native K{K} layer {layer} expert {e} {p}")
             metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w, "sum_sq_err": enc.sum_sq_err}
+            if enc.proxy_err is not None:
+                metrics[str(e)][p]["proxy_err"] = enc.proxy_err
             if lay is not None:
                 tensors.setdefault(e, {})[dict(zip(PROJECTIONS, lay.projections))[p]] = enc.tensors
     if out_tensors:
         write_fragment(out_tensors, layout=lay, node=native_node(K, codebook), role="base", layer=layer, block=block,
                        K=K, codebook=codebook, experts=tensors)
-    summary = {"native": True, "K": K, "codebook": codebook, "layer": layer, "experts": metrics}
+    summary = {"native": True, "K": K, "codebook": codebook, "layer": layer,
+               "objective": quant_args_for(K, codebook, seed, hess.bound)["objective"], "experts": metrics}
     atomic.write_text(out_metrics, canonical.pretty(summary))
     return summary

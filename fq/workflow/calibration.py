@@ -1,0 +1,140 @@
+"""The campaign's calibration chain (config ``calibration:``): tokens → embeddings → the source model layer by layer,
+each calibrated MoE layer writing its Hessian file, which the layer's encode jobs read.
+
+One job per step, each a file target (rules/calibrate.smk):
+- ``tokens_job``: the calibration text (sha256-checked) tokenized with the source's tokenizer, or a token file,
+  cut into rows × columns → ``calibration/tokens.safetensors``;
+- ``embed_job``: the tokens' embeddings → ``calibration/hidden-embed.safetensors`` (temp);
+- ``layer_job``: hidden states through one decoder layer of the source (transformers' own module, weights read
+  from the staged shards, each shard's sha256 the one init recorded) → the next hidden states (temp) and, for a
+  calibrated MoE layer, ``calibration/hessian-layerLLL.safetensors`` (``fq.hessian``).
+
+**The binding.** A Hessian is an input of every fragment of its layer, as the source bytes are. The first capture
+of a layer writes ``calibration/hessian-layerLLL.bound.json`` (its sha256, the token digest, the capture mode);
+a later capture of that layer (a resume that lost the file, another machine) must give the same bytes or it is
+refused, and nothing replaces the bound file. An encode job refuses a Hessian file whose sha256 is not the bound
+one, and names that sha256 in every fragment's attestation (``quant_args.hessian``); finalize refuses a fragment
+whose attested Hessian is not the layer's bound one. So a campaign never mixes fragments of one layer encoded
+against two different Hessians, on whatever machines its jobs ran.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+from fq.core import atomic, canonical
+from fq.errors import FqError
+from fq.workflow import devices
+from fq.workflow.common import recorded_shards
+
+BINDING_FORMAT = "fq-hessian-binding/1"
+OBJECTIVE_LDLQ = "LDLQ in the H metric of calibration activations (fq.codec.ldlq)"
+OBJECTIVE_WEIGHT = "weight-only MSE, no Hessian"
+
+
+def tokens_job(*, out: str, rows: int, cols: int, sha256: str | None, text: str | None = None,
+               tokens: str | None = None, tokenizer_dir: str | None = None) -> dict:
+    from fq.hessian import calibration
+
+    if tokens:
+        cal = calibration.from_tokens(tokens, rows, cols, sha256=sha256)
+    else:
+        if sha256 is None:  # the demo's own split: whatever the demo_model rule wrote is what is bound
+            from fq.core.safepath import sha256_file
+
+            sha256 = sha256_file(text)
+        cal = calibration.from_text(text, sha256, tokenizer_dir, rows, cols)
+    calibration.save_tokens(out, cal)
+    return {"digest": cal.digest, "rows": cal.rows, "cols": cal.cols}
+
+
+def _checkpoint(source_dir: str, staging: str):
+    """The source checkpoint's config and weight map, its shards read from the staging directory."""
+    from fq.hessian import layer as layer_mod
+
+    return dataclasses.replace(layer_mod.read_checkpoint(source_dir), dir=Path(staging))
+
+
+def embed_job(*, campaign_json: str, source_dir: str, staging: str, tokens: str, out_hidden: str, out_record: str,
+              rows: int, cols: int) -> None:
+    from fq.hessian import calibration, capture
+
+    t0 = time.perf_counter()
+    cal = calibration.from_tokens(tokens, rows, cols)
+    digest = capture.capture_embed(_checkpoint(source_dir, staging), cal, out_hidden,
+                                   sha256=recorded_shards(campaign_json))
+    atomic.write_text(out_record, canonical.pretty({"step": "embed", "calibration": cal.digest,
+                                                    "hidden_sha256": digest,
+                                                    "seconds": round(time.perf_counter() - t0, 3)}))
+
+
+def read_binding(path: str | os.PathLike) -> dict | None:
+    p = Path(path)
+    if not p.exists():
+        return None
+    doc = canonical.load(p)
+    if not isinstance(doc, dict) or doc.get("format") != BINDING_FORMAT or not isinstance(doc.get("sha256"), str):
+        raise FqError(f"{p}: not a {BINDING_FORMAT} record (format, sha256)")
+    return doc
+
+
+def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, hidden_in: str, out_hidden: str,
+              out_record: str, out_hessian: str | None, binding: str | None, capture_mode: str, device: str,
+              devices_list: list[int], lock_dir: str, threads: int = 1) -> dict:
+    """One decoder layer of the chain; a calibrated MoE layer's Hessian goes to a temporary name first, and replaces
+    ``out_hessian`` only when it is the bound one (or the first)."""
+    from fq.hessian import capture
+
+    t0 = time.perf_counter()
+    dev = devices.claim(device, devices_list, lock_dir) if device != "cpu" else "cpu"
+    tmp = None if out_hessian is None else str(Path(out_hessian).with_name(f".capture-{Path(out_hessian).name}"))
+    try:
+        result = capture.capture_layer(_checkpoint(source_dir, staging), layer, hidden_in, out_hidden, tmp,
+                                       sha256=recorded_shards(campaign_json),
+                                       routed_only=capture_mode == "routed-only", device=dev, threads=threads)
+        record = {"step": "layer", "layer": layer, "hidden_sha256": result.hidden_sha256,
+                  "hessian_sha256": result.hessian_sha256 or None, "source_shards": result.source_shards}
+        if out_hessian is not None:
+            bound = read_binding(binding)
+            if bound is not None and bound["sha256"] != result.hessian_sha256:
+                raise FqError(f"{out_hessian}: this capture gave sha256 {result.hessian_sha256}, but the campaign bound "
+                              f"layer {layer}'s Hessian to {bound['sha256']} ({binding}) and may have encoded "
+                              f"fragments against it; to re-calibrate this layer, delete its fragments and {binding}")
+            os.replace(tmp, out_hessian)
+            atomic.fsync_dir(Path(out_hessian).parent)
+            tmp = None
+            if bound is None:
+                from fq.hessian import store
+
+                h = store.read_hessians(out_hessian, expect_sha256=result.hessian_sha256)
+                atomic.write_text(binding, canonical.pretty({
+                    "format": BINDING_FORMAT, "layer": layer, "file": Path(out_hessian).name,
+                    "sha256": result.hessian_sha256, "calibration": h.meta.get("calibration"),
+                    "capture": capture_mode}))
+        record["seconds"] = round(time.perf_counter() - t0, 3)
+        atomic.write_text(out_record, canonical.pretty(record))
+        return record
+    finally:
+        if tmp is not None and Path(tmp).exists():
+            os.unlink(tmp)
+
+
+def bound_hessians(path: str, binding: str, layer: int):
+    """The layer's Hessian file, read only if its sha256 is the one the campaign bound (encode jobs)."""
+    from fq.hessian import store
+
+    bound = read_binding(binding)
+    if bound is None:
+        raise FqError(f"{binding}: layer {layer} has no bound Hessian (its calibration job has not run)")
+    h = store.read_hessians(path, expect_sha256=bound["sha256"])
+    if h.layer != layer:
+        raise FqError(f"{path}: a Hessian of layer {h.layer}, expected layer {layer}")
+    return h, bound
+
+
+def quant_hessian(bound: dict) -> dict:
+    """What a fragment's attestation says of the Hessian it was encoded against (``quant_args.hessian``)."""
+    return {"file": bound["file"], "sha256": bound["sha256"], "calibration": bound["calibration"],
+            "capture": bound["capture"]}
