@@ -23,7 +23,7 @@ if C.calibration:
             sha256=C.calibration["sha256"],
             text=lambda wc, input: input.text[0] if input.text else None,
             tokens=lambda wc, input: input.tokens[0] if input.tokens else None,
-            tokenizer_dir=str(C.source_dir),
+            tokenizer_dir=lambda wc, input: str(Path(input.tokenizer[0]).parent) if input.tokenizer else None,
         script:
             "../scripts/calib_tokens.py"
 

@@ -52,23 +52,31 @@ def encode_inputs(wc):
     }
     if C.usage_file and C.reads_usage(wc.node):
         inputs["usage"] = ancient(C.usage_file)  # a hot stage encodes the experts the measurement ranks first
-    inputs.update(hessian_inputs(layer))
     if "block" in wc.keys():
         needs = C.fragment_needs_source(wc.node, frags[0].block)
     else:
         needs = C.layer_needs_source(wc.node, layer)
-    if needs:
+    if needs:  # the Hessian too only then: a re-captured Hessian (same bytes: the binding) re-encodes nothing
         inputs["shards"] = sorted({s for f in frags for s in staged_shards(f.block)})
+        inputs.update(hessian_inputs(layer))
     return inputs
 
 
 # -- calibration (rules/calibrate.smk) ------------------------------------------------------------------------
+def calib_will_run(layer):
+    """Whether the chain's job for ``layer`` (None: embed) will run: a kept output of it is missing, or the next
+    job will run and this job's hidden states (temp, deleted once read) are gone."""
+    chain = [None, *C.calibration_layers]
+    if not all(Path(p).is_file() for p in C.calib_outputs(layer)[1:]):
+        return True
+    i = chain.index(layer)
+    return i + 1 < len(chain) and calib_will_run(chain[i + 1]) and not Path(C.calib_hidden(layer)).is_file()
+
+
 def calib_staged(layer):
-    """The staged shards a chain job reads, asked for only while the job has outputs to write (as skeleton_inputs:
-    a finished job never makes Snakemake stage a retired window again)."""
-    if all(Path(p).is_file() for p in C.calib_outputs(layer)[1:]):
-        return []
-    return [ancient(C.staged(s)) for s in C.calib_shards(layer)]
+    """The staged shards a chain job reads, asked for only when it will run (as skeleton_inputs: a finished chain
+    never makes Snakemake stage a retired window again)."""
+    return [ancient(C.staged(s)) for s in C.calib_shards(layer)] if calib_will_run(layer) else []
 
 
 def calib_embed_inputs(wc):
@@ -106,7 +114,8 @@ def hessian_spec(layer):
 
 
 def hessian_inputs(layer):
-    # ancient: the binding (its sha256) decides, not the file's age; a re-captured identical Hessian re-encodes nothing
+    """Asked for only by a job that will encode (as the staged shards are); ancient: the binding (its sha256)
+    decides whether a Hessian is the right one, not the file's age."""
     return {"hessian": ancient(C.hessian(layer))} if layer in C.calibrated_layers else {}
 
 
@@ -178,8 +187,7 @@ def native_inputs(wc):
     K = int(wc.K)
     done = Path(C.native_metrics(K, wc.codebook, b)).is_file() and Path(C.native_tensors(K, wc.codebook, b)).is_file()
     inputs = {"usage": ancient(C.usage_file)} if C.usage_file else {}  # its experts may be a hot stage's
-    inputs.update(hessian_inputs(b.layer))
-    return {**inputs, "shards": staged_shards(b)} if not done else inputs
+    return {**inputs, "shards": staged_shards(b), **hessian_inputs(b.layer)} if not done else inputs
 
 
 def native_spec(wc):

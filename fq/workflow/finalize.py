@@ -51,6 +51,7 @@ from fq.provenance.fragments import attestation_name
 from fq.provenance.manifest import MANIFEST_NAME, write_base_manifest
 from fq.provenance.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
 from fq.provenance.summary import summary_view
+from fq.workflow.calibration import OBJECTIVE_WEIGHT, quant_hessian, read_binding
 from fq.workflow import locks
 from fq.workflow.campaign import Campaign
 from fq.workflow.common import INDEX, SIDE_FILES, SUMMARY, check_signer
@@ -135,6 +136,26 @@ def disk_full_is_one_line(path: Path):
                       f"Free space there and run Snakemake again (finalize resumes)") from None
 
 
+def check_objective(c: Campaign, att, layer: int, where: str) -> None:
+    """A fragment of a calibrated layer must attest the layer's bound Hessian (its sha256, token digest and
+    capture mode); one of any other layer must attest weight-only encoding. So no published product mixes
+    fragments of a layer encoded against two different Hessians, or against none where one was bound."""
+    qa = att.predicate.get("quant_args") or {}
+    if layer not in c.calibrated_layers:
+        if qa.get("objective") != OBJECTIVE_WEIGHT or "hessian" in qa:
+            raise FqError(f"{where}: attests objective {qa.get('objective')!r}; layer {layer} of this campaign is "
+                          f"encoded weight-only ({OBJECTIVE_WEIGHT!r}); re-encode it")
+        return
+    bound = read_binding(c.hessian_binding(layer))
+    if bound is None:
+        raise FqError(f"{where}: layer {layer} is calibrated but has no bound Hessian "
+                      f"({c.hessian_binding(layer)} missing); run its calibration job")
+    if qa.get("hessian") != quant_hessian(bound):
+        got = (qa.get("hessian") or {}).get("sha256") if isinstance(qa.get("hessian"), dict) else None
+        raise FqError(f"{where}: encoded against Hessian {got or 'none'}, but the campaign bound layer {layer}'s "
+                      f"Hessian to {bound['sha256']} ({c.hessian_binding(layer)}); re-encode it")
+
+
 def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
     """Verify every planned fragment and skeleton; returns (node, layer, first_expert) -> Attested."""
     problems = Problems()
@@ -144,6 +165,7 @@ def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
         try:
             att = verify_shard(p.parent, p.name, pub, campaign=ident)
             check_node_digest(att, c.recipe.node_digest(f.node), f"finalize {p}")
+            check_objective(c, att, f.block.layer, f"finalize {p}")
             done[(f.node, f.block.layer, f.block.first_expert)] = att
         except FqError as e:
             problems.append(str(e))
