@@ -88,7 +88,8 @@ def check_identity(ident: object, where: str) -> dict:
 
 def determinism_scope() -> dict:
     return {
-        "statement": ("payload bytes are a pure function of the source tensor bytes and the quant args; a "
+        "statement": ("payload bytes are a pure function of the source tensor bytes and the quant args (which, for a "
+                      "calibrated encode, name the sha256 of the Hessian file it read: those bytes are an input too); a "
                       "re-encode is byte-identical when every field named in 'equal' is equal"),
         "equal": ["encoder.sources_sha256", "encoder.torch", "encoder.cuda", "encoder.device_arch",
                   "quant_args", "source tensor bytes"],

@@ -489,6 +489,9 @@ def normalize_config(config: dict) -> dict:
         for k in ("tokens", "seq_len"):
             if k in config["eval"]:
                 config["eval"][k] = fix(config["eval"][k])
+    for k in ("calibration", "eval"):  # --config calibration=null arrives as the string 'null'
+        if config.get(k) in ("null", "None", "none", ""):
+            config[k] = None
     if isinstance(config.get("calibration"), dict):
         for k in ("rows", "columns"):
             if k in config["calibration"]:
