@@ -188,3 +188,39 @@ def test_fq_price_small_model_scales_per_tile(tmp_path, capsys):
                "--gpus", "1"])
     out = capsys.readouterr().out
     assert rc == 0 and "priced per tile" in out
+
+
+def test_calibration_is_priced_from_the_shapes_and_shares_the_disk(glm5, table):
+    """GLM-5 at exllamav3's 250 x 2048 calibration: the chain's FLOPs, the Hessians' bytes, the LDLQ premium, and a
+    disk budget that now holds the Hessians too (fewer layers per window)."""
+    from fq.hessian.store import layer_bytes
+    from fq.planning.calibration_cost import price_calibration
+
+    recipe = load_recipe(RECIPES / "glm52-k2k3-dag.json")
+    c = price_calibration(glm5, 250, 2048)
+    t = 250 * 2048
+    assert c.flops_per_layer == t * 256 * 6 * 6144 * 2048 + 2 * t * 6144 ** 2 + 256 * 2 * t * 2048 ** 2
+    assert c.layers == tuple(range(3, 78)) and c.hessian_bytes_per_layer == layer_bytes(6144, 2048, 256) == 2_224_041_984
+    assert c.seconds_per_layer == pytest.approx(c.flops_per_layer / 60e12)
+    plain = price_recipe(recipe, glm5, table, gpus=8, disk_budget=1_600_000_000_000)
+    cal = price_recipe(recipe, glm5, table, gpus=8, disk_budget=1_600_000_000_000, calibration=c)
+    encode_s = sum(n.gpu_seconds for n in plain.nodes)
+    assert sum(n.gpu_seconds for n in cal.nodes) == pytest.approx(1.5 * encode_s)
+    assert cal.gpu_seconds == pytest.approx(1.5 * encode_s + c.gpu_seconds)
+    assert cal.peak_local_bytes <= 1_600_000_000_000 < plain.peak_local_bytes + c.disk_bytes
+    assert len(cal.windows) > len(plain.windows)
+    with pytest.raises(FqError, match="calibration alone needs"):
+        price_recipe(recipe, glm5, table, disk_budget=c.disk_bytes, calibration=c)
+    with pytest.raises(FqError, match="calibration rows"):
+        price_calibration(glm5, 0, 2048)
+
+
+def test_fq_price_calibration_flag(tmp_path, capsys):
+    d = write_synthetic(tmp_path / "glm5", *glm5_like())
+    assert main(["price", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(d), "--sizes", str(d / "sizes.json"),
+                 "--calibration", "250x2048"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration (projected, all-experts capture): 250 x 2048 tokens through 75 MoE layers" in out
+    assert "LDLQ encodes priced at 1.5x" in out
+    assert main(["price", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(d), "--sizes", str(d / "sizes.json"),
+                 "--calibration", "lots"]) == 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from fq.core import canonical
 from fq.core.layer_ranges import format_layers
@@ -25,6 +25,9 @@ from fq.core.schema_check import validate
 from fq.core.units import fmt_bytes, fmt_hours
 from fq.model.source import FAMILIES, PROJECTIONS, SourceModel
 from fq.planning.recipe import Recipe, selection_counts
+
+if TYPE_CHECKING:
+    from fq.planning.calibration_cost import CalibrationPrice
 
 TABLE_FORMAT = "fq-cost-table/1"
 DEFAULT_DOWNLOAD_MB_S = 125.0  # assumption: a 1 Gbit/s link to the hub; pass the one you rent
@@ -147,6 +150,7 @@ class Price:
     peak_local_bytes: int
     options: tuple[GpuOption, ...]  # 1..gpus
     assumptions: Mapping
+    calibration: "CalibrationPrice | None" = None  # calibrated: its chain's GPU time and disk are in the totals
 
     @property
     def gpu_hours(self) -> float:
@@ -161,8 +165,12 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
                  download_bytes_per_s: float = DEFAULT_DOWNLOAD_MB_S * 1e6,
                  verify_bytes_per_s: float = DEFAULT_VERIFY_MB_S * 1e6,
                  windows=None, disk_budget: int | None = None,
-                 windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK) -> Price:
+                 windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK,
+                 calibration: "CalibrationPrice | None" = None) -> Price:
+    """``calibration`` (fq.planning.calibration_cost.price_calibration): encodes cost its ``ldlq_factor`` times the
+    table's weight-only seconds, each calibrated layer gains its chain seconds, local disk its Hessians."""
     gpus = _positive(gpus, "gpus", integer=True)
+    ldlq = calibration.ldlq_factor if calibration is not None else 1.0
     usd_per_gpu_hour = _nonnegative(usd_per_gpu_hour, "usd per GPU-hour")
     download_bytes_per_s = _positive(download_bytes_per_s, "download rate")
     verify_bytes_per_s = _positive(verify_bytes_per_s, "verify rate")
@@ -174,7 +182,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         secs, scaled = 0.0, False
         for proj in PROJECTIONS:
             s, sc = table.seconds(node.codebook, node.K, source.expert_shape(proj))
-            secs, scaled = secs + s, scaled or sc
+            secs, scaled = secs + s * ldlq, scaled or sc
         per_expert[node.name] = secs
         n_exp = sum(counts[node.name].values())
         nodes.append(NodePrice(node.name, node.K, node.codebook, n_exp, secs, n_exp * secs,
@@ -187,10 +195,21 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     published = len(recipe.bases) * skeleton + sum(node_bytes.values())
 
     layer_out = layer_output_bytes(recipe, source, counts)
-    partition = choose_windows(source, layer_out, windows=windows, disk_budget=disk_budget,
+    budget = disk_budget
+    if calibration is not None and disk_budget is not None:  # the Hessians and hidden states share the disk
+        budget = disk_budget - calibration.disk_bytes
+        if budget <= 0:
+            raise FqError(f"disk budget {disk_budget} bytes: calibration alone needs {calibration.disk_bytes} "
+                          "(every Hessian and two hidden-state files)")
+    partition = choose_windows(source, layer_out, windows=windows, disk_budget=budget,
                                windows_on_disk=windows_on_disk)
     sched = stage_schedule(source, partition, windows_on_disk, layer_out)
     layer_secs = {l: sum(per_expert[n] * counts[n][l] for n in per_expert) for l in source.moe_layers}
+    calib_s = 0.0
+    if calibration is not None:
+        for l in calibration.layers:
+            layer_secs[l] += calibration.seconds_per_layer
+        calib_s = calibration.gpu_seconds
     window_secs = [sum(layer_secs[l] for l in layers) for layers in partition]
     stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
     verify_s = published / verify_bytes_per_s
@@ -201,11 +220,13 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         options.append(GpuOption(n, first, done, verify_s, done + verify_s, billed, billed * usd_per_gpu_hour))
     return Price(
         recipe=recipe.summary(), nodes=tuple(nodes), products=products,
-        gpu_seconds=sum(n.gpu_seconds for n in nodes), published_bytes=published, skeleton_bytes=skeleton,
-        windows=partition, peak_local_bytes=max(w.local_bytes for w in sched["windows"]), options=tuple(options),
+        gpu_seconds=sum(n.gpu_seconds for n in nodes) + calib_s, published_bytes=published, skeleton_bytes=skeleton,
+        windows=partition, peak_local_bytes=max(w.local_bytes for w in sched["windows"])
+        + (calibration.disk_bytes if calibration is not None else 0), options=tuple(options),
         assumptions={"download_bytes_per_s": download_bytes_per_s, "verify_bytes_per_s": verify_bytes_per_s,
                      "usd_per_gpu_hour": usd_per_gpu_hour, "windows_on_disk": windows_on_disk,
                      "disk_budget": disk_budget, "windows": windows},
+        calibration=calibration,
     )
 
 
@@ -282,10 +303,18 @@ def price_table(price: Price) -> str:
         lines.append(f"{n.name:<14} {n.K:>2} {n.codebook:<8} {n.experts:>8} {3 * n.experts:>9} "
                      f"{n.seconds_per_expert / 3:>8.4f}{mark or ' '} {n.gpu_seconds / 3600:>8.2f} {fmt_bytes(n.output_bytes):>11}")
     total_m = sum(3 * n.experts for n in price.nodes)
+    if price.calibration is not None:
+        from fq.planning.calibration_cost import calibration_lines
+
+        c = price.calibration
+        lines.append(f"{'calibration':<14} {'':>2} {'':<8} {'':>8} {'':>9} {'':>9} {c.gpu_seconds / 3600:>8.2f} "
+                     f"{fmt_bytes(c.hessian_bytes):>11}")
     lines.append(f"{'total':<14} {'':>2} {'':<8} {'':>8} {total_m:>9} {'':>9} {price.gpu_hours:>8.2f} "
                  f"{fmt_bytes(sum(n.output_bytes for n in price.nodes)):>11}")
     if any(n.scaled for n in price.nodes):
         lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq calibrate --shape)")
+    if price.calibration is not None:
+        lines += calibration_lines(price.calibration)
     lines += ["", f"{'product':<14} {'bpw':>3} {'stored (with skeleton)':>23} {'last node alone':>16}  chain"]
     for p in price.products:
         lines.append(f"{p.name:<14} {p.bpw:>3} {fmt_bytes(p.bytes):>23} {fmt_bytes(p.increment_bytes):>16}  {' -> '.join(p.chain)}")

@@ -1,0 +1,81 @@
+"""What a calibrated campaign adds to the price (docs/calibration.md): the calibration chain's GPU time, the Hessian
+files' disk, and LDLQ's encode premium. A projection from the model's shapes, stated as such, not a measurement
+of this model: the capture is priced at all-experts (every token through every routed expert, the default and the
+upper bound), its FLOPs counted per MoE layer as
+
+    expert forward    tokens · E · 3 · 2 · hidden · inter
+    input Hessian     2 · tokens · hidden²          (one per layer, float64 sums)
+    down Hessians     E · 2 · tokens · inter²       (one per expert: the dominant term at GLM-5 sizes)
+
+(attention, norms and dense layers left out: a few per cent of that at these sizes), run at ``tflops`` (default 60:
+float64 on an H200's tensor cores, which fq's fixed-order float64 sums use, a little under its 67 TFLOP/s peak).
+LDLQ's encode premium ``ldlq_factor`` (default 1.5) is measured: 0.541 s per 2048×6144 matrix at K2 batched
+×64 against 0.36 s weight-only, H200 (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fq.errors import FqError
+from fq.hessian.store import layer_bytes
+from fq.model.source import SourceModel
+
+DEFAULT_TFLOPS = 60.0
+DEFAULT_LDLQ_FACTOR = 1.5
+
+
+@dataclass(frozen=True)
+class CalibrationPrice:
+    rows: int
+    cols: int
+    layers: tuple[int, ...]  # calibrated MoE layers
+    flops_per_layer: float
+    seconds_per_layer: float
+    hessian_bytes_per_layer: int
+    hidden_bytes: int  # one hidden-state file between two layers (two exist at a time)
+    tflops: float
+    ldlq_factor: float
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.seconds_per_layer * len(self.layers)
+
+    @property
+    def hessian_bytes(self) -> int:
+        return self.hessian_bytes_per_layer * len(self.layers)
+
+    @property
+    def disk_bytes(self) -> int:
+        """What calibration adds to local disk at its peak: every Hessian (kept for resume) and two hidden files."""
+        return self.hessian_bytes + 2 * self.hidden_bytes
+
+
+def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: float = DEFAULT_TFLOPS,
+                      ldlq_factor: float = DEFAULT_LDLQ_FACTOR) -> CalibrationPrice:
+    for what, v in (("calibration rows", rows), ("calibration columns", cols)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise FqError(f"{what}: expected a positive integer, got {v!r}")
+    for what, v in (("calibration TFLOP/s", tflops), ("LDLQ encode factor", ldlq_factor)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise FqError(f"{what}: expected a positive number, got {v!r}")
+    t, E, h, i = rows * cols, source.n_experts, source.hidden_size, source.moe_intermediate_size
+    flops = t * E * 6 * h * i + 2 * t * h * h + E * 2 * t * i * i
+    layers = tuple(l for l in source.moe_layers if l not in source.mtp_layers)
+    return CalibrationPrice(rows, cols, layers, float(flops), flops / (tflops * 1e12), layer_bytes(h, i, E),
+                            t * h * 4, float(tflops), float(ldlq_factor))
+
+
+def calibration_lines(c: CalibrationPrice) -> list[str]:
+    from fq.core.units import fmt_bytes
+
+    return [f"calibration (projected, all-experts capture): {c.rows} x {c.cols} tokens through "
+            f"{len(c.layers)} MoE layers, {c.flops_per_layer / 1e15:.1f} PFLOP per layer at {c.tflops:g} TFLOP/s = "
+            f"{c.seconds_per_layer / 3600:.2f} GPU-h per layer, {c.gpu_seconds / 3600:.1f} GPU-h in all "
+            f"(the chain is serial: one layer after the other, overlapping the encodes)",
+            f"  Hessians {fmt_bytes(c.hessian_bytes_per_layer)} per layer, {fmt_bytes(c.hessian_bytes)} in all; "
+            f"hidden states {fmt_bytes(c.hidden_bytes)} per file (two at a time); LDLQ encodes priced at "
+            f"{c.ldlq_factor:g}x the cost table's weight-only seconds"]
