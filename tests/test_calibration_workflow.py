@@ -147,3 +147,22 @@ def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):
     finally:
         att.write_bytes(kept)
     smk(cal, "--forcerun", "finalize")
+
+
+def test_fq_verify_refuses_a_published_layer_with_two_hessians(cal, tmp_path):
+    """The consumer's side of the binding: in a published tree (copied), one fragment re-signed by an insider as
+    encoded against another Hessian; fq verify names the layer and both objectives."""
+    from fq.provenance.attest import dsse, keys
+
+    root = tmp_path / "published"
+    shutil.copytree(cal / "campaign" / "published", root)
+    frag = sorted(root.glob("base/*/a-layer001-block000.safetensors"))[0]
+    st = statement(frag)
+    st["predicate"]["quant_args"]["hessian"]["sha256"] = "e" * 64
+    priv = keys.load_private(cal / "campaign" / "keys" / "signer.key")
+    frag.with_name(frag.name + ".intoto.jsonl").write_bytes(dsse.envelope_line(dsse.sign(canonical.dumps(st), priv)))
+    p = subprocess.run([sys.executable, "-m", "fq", "verify", str(root), "--key",
+                        str(cal / "campaign" / "signer.pub")], capture_output=True, text=True)
+    assert p.returncode != 0
+    assert "layer 1: its fragments were encoded against 2 different objectives" in p.stdout + p.stderr
+    assert "Hessian " + "e" * 64 in p.stdout + p.stderr

@@ -251,6 +251,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
                 report.fail(e)
     _check_edges(report, verified)
     _check_node_digests(report, verified)
+    _check_hessians(report, verified)
 
     # publication statements: at the root of a published tree, and beside every assemblies/ directory
     plan_files = [rel for rel in files if rel.endswith(SUFFIX) and Path(rel).parent.name == "assemblies"]
@@ -367,6 +368,25 @@ def _check_node_digests(report: Report, verified: dict[str, Attested]) -> None:
                                for d, rels in groups)
             report.problems.append(f"node {node}: its fragments were encoded for {len(digests)} different "
                                    f"definitions (node_digest {listed}); re-encode the stale ones")
+
+
+def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
+    """One layer, one objective: every fragment of a layer in a tree attests the same Hessian (file sha256, token
+    digest, capture mode), or none (weight-only); a consumer sees a campaign that mixed two, whatever it signed."""
+    by_layer: dict[int, dict[str, list[str]]] = {}
+    for rel, att in sorted(verified.items()):
+        p = att.predicate
+        if p["kind"] != "expert":
+            continue
+        h = (p.get("quant_args") or {}).get("hessian")
+        key = "weight-only" if h is None else (f"Hessian {h.get('sha256')}" if isinstance(h, dict) else repr(h))
+        by_layer.setdefault(p["layer"], {}).setdefault(key, []).append(rel)
+    for layer, keys in sorted(by_layer.items()):
+        if len(keys) > 1:
+            listed = "; ".join(f"{k}: {len(rels)} ({rels[0]}{', …' if len(rels) > 1 else ''})"
+                               for k, rels in sorted(keys.items(), key=lambda kv: (-len(kv[1]), kv[1][0])))
+            report.problems.append(f"layer {layer}: its fragments were encoded against {len(keys)} different "
+                                   f"objectives ({listed}); a campaign binds one Hessian per layer")
 
 
 def _check_edges(report: Report, verified: dict[str, Attested]) -> None:
