@@ -1,5 +1,5 @@
 # Encoding: skeleton copies per source shard, encode jobs per (node, layer, block) or per (node, layer), native
-# comparisons.
+# comparisons, weight-only twins (calibration.compare_weight_only).
 
 
 rule skeleton:
@@ -127,3 +127,33 @@ rule native:
         gpu=1 if config["encode"]["device"] == "cuda" else 0,
     script:
         "../scripts/native.py"
+
+
+# Weight-only twins (calibration.compare_weight_only): every fragment encoded again without its Hessian, a stage
+# against its parent's twin, for fq eval's calibrated-vs-weight-only comparison. Comparison material like the
+# natives: unsigned, never published; one job per (node, layer, block) whatever encode.per_job says.
+if C.weight_only_jobs:
+
+    rule weight_only:
+        input:
+            unpack(weight_only_inputs),
+        output:
+            tensors=f"{OUT}/weight-only/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors",
+            metrics=f"{OUT}/weight-only/{{node}}/{{node}}-layer{{layer}}-block{{block}}.json",
+        conda:
+            "../envs/fq.yaml"
+        log:
+            f"{OUT}/logs/weight-only/{{node}}-layer{{layer}}-block{{block}}.log",
+        benchmark:
+            f"{OUT}/benchmarks/weight-only/{{node}}-layer{{layer}}-block{{block}}.tsv"
+        params:
+            spec=weight_only_spec,
+            device=config["encode"]["device"],
+            devices=config["encode"].get("devices", []),
+            seed=config["encode"].get("seed", 0),
+            locks=f"{OUT}/locks",
+        threads: config["encode"].get("threads", 1) or workflow.cores
+        resources:
+            gpu=1 if config["encode"]["device"] == "cuda" else 0,
+        script:
+            "../scripts/weight_only.py"

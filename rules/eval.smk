@@ -1,5 +1,5 @@
 # Quality at the model's output (fq eval): after finalize and the consumer's verification, every product and every
-# native comparison point loaded on the CPU (verified under the pinned key first) and measured against the source
+# native comparison point (and weight-only twin) loaded on the CPU (verified under the pinned key first) and measured against the source
 # on held-out text. Only with eval: in the config (a source on local disk).
 if C.eval_config:
 
@@ -12,6 +12,7 @@ if C.eval_config:
             source=source_files() + [str(C.source_dir / name) for name in ("config.json", "tokenizer.json")],
             text=C.eval_text,
             native=native_tensor_files(),
+            weight_only=weight_only_files(),
         output:
             json=C.eval_files()[0],
             tsv=C.eval_files()[1],
@@ -26,6 +27,7 @@ if C.eval_config:
             pub=f"{OUT}/signer.pub",
             source=lambda wc, input: str(Path(input.source[-1]).parent),  # the directory of its tokenizer.json
             native=lambda wc, input: str(Path(input.native[0]).parent.parent) if input.native else None,
+            weight_only=lambda wc, input: str(Path(input.weight_only[0]).parent.parent) if input.weight_only else None,
             tokens=C.eval_config["tokens"],
             seq_len=C.eval_config["seq_len"],
         threads: 1  # fq.runtime.quality measures on one thread (its numbers do not depend on the machine's cores)

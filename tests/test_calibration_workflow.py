@@ -13,13 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fq.core import canonical
 from test_workflow import RECIPE, campaign, smk, write_config
 
 pytestmark = pytest.mark.slow
 
-CALIBRATION = {"text": None, "sha256": None, "rows": 4, "columns": 64, "capture": "all-experts"}
+CALIBRATION = {"text": None, "sha256": None, "rows": 4, "columns": 64, "capture": "all-experts",
+               "compare_weight_only": True}
+EVAL = {"text": None, "tokens": 512, "seq_len": 128}  # 4 windows: small, the twins are measured beside each product
 RECIPE2 = dict(RECIPE, nodes=RECIPE["nodes"][:2], products=RECIPE["products"][:2])  # base + one stage: fewer jobs
 
 
@@ -35,7 +38,7 @@ def statement(p: Path) -> dict:
 @pytest.fixture(scope="module")
 def cal(tmp_path_factory):
     d = tmp_path_factory.mktemp("cal")
-    write_config(d, RECIPE2, calibration=CALIBRATION)
+    write_config(d, RECIPE2, calibration=CALIBRATION, eval=EVAL)
     smk(d)
     return d
 
@@ -166,3 +169,71 @@ def test_fq_verify_refuses_a_published_layer_with_two_hessians(cal, tmp_path):
     assert p.returncode != 0
     assert "layer 1: its fragments were encoded against 2 different objectives" in p.stdout + p.stderr
     assert "Hessian " + "e" * 64 in p.stdout + p.stderr
+
+
+def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_product(cal):
+    """calibration.compare_weight_only: every fragment also encoded weight-only (a stage against its parent's twin),
+    unsigned, never published; fq eval measures each product's twin with the same windows, the report shows both."""
+    from safetensors import safe_open
+
+    from fq.codec import encode, encode_residual
+    from fq.model.source import PROJECTIONS
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
+    from fq.provenance.summary import summary_view
+    from fq.workflow.calibration import OBJECTIVE_WEIGHT
+    from fq.workflow.encode import load_sets, matrix_seed
+
+    out = cal / "campaign"
+    c = campaign(cal)
+    assert c.weight_only_jobs == c.fragments
+    for f in c.fragments:
+        twin, real = Path(c.weight_only_tensors(f.node, f.block)), Path(c.fragment(f.node, f.block))
+        assert twin.is_file() and not twin.with_name(twin.name + ".intoto.jsonl").exists()
+        with safe_open(str(twin), "pt") as a, safe_open(str(real), "pt") as b:
+            assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
+        m = canonical.load(c.weight_only_metrics(f.node, f.block))
+        assert m["objective"] == OBJECTIVE_WEIGHT and m["node_digest"] == c.recipe.node_digest(f.node)
+    assert not any("weight-only" in str(p) for p in (out / "published").rglob("*"))
+
+    # the base's twin is exactly a direct weight-only encode of the source matrix (same seed); the stage's twin the
+    # residual against the base's twin
+    base = next(f for f in c.fragments if f.node == "a")
+    stage = next(f for f in c.fragments if f.node == "a.r1" and f.block == base.block)
+    layer, e = base.block.layer, base.experts[0]
+    lp = dict(zip(PROJECTIONS, c.layout.projections))
+    twin_a = load_sets(Path(c.weight_only_tensors("a", base.block)), c.layout, layer, [e], "mul1")[e]
+    twin_r = load_sets(Path(c.weight_only_tensors("a.r1", base.block)), c.layout, layer, [e], "mul1")[e]
+    real_a = load_sets(Path(c.fragment("a", base.block)), c.layout, layer, [e], "mul1")[e]
+    for p in ("gate", "down"):
+        name = c.source.expert_tensor(layer, e, p)
+        with safe_open(str(c.source_dir / c.source.weight_map[name]), "pt") as fh:
+            w = fh.get_tensor(name).to(torch.float32)
+        direct = encode(w, 1, "mul1", matrix_seed(0, "a", layer, e, p), "cpu").tensors
+        assert set(direct) == set(twin_a[p]) and all(torch.equal(direct[k], twin_a[p][k]) for k in direct)
+        assert not torch.equal(real_a[p]["trellis"], twin_a[p]["trellis"])  # the calibrated encode is another one
+        res = encode_residual(w, [twin_a[p]], 1, "mul1", matrix_seed(0, "a.r1", layer, e, p), "cpu").tensors
+        assert all(torch.equal(res[k], twin_r[p][k]) for k in res)
+    assert stage.experts == base.experts
+
+    # eval: one weight-only row per product, paired with it; the report's columns; the summary without eval numbers
+    doc = canonical.load(out / "eval" / "eval.json")
+    assert set(doc["weight_only"]) == {f"{p} (weight-only)" for p in doc["products"]} == {"a (weight-only)",
+                                                                                         "a.r1 (weight-only)"}
+    for p, row in doc["products"].items():
+        twin = doc["weight_only"][row["weight_only"]]
+        assert row["weight_only"] == f"{p} (weight-only)" and twin["product"] == p and twin["chain"] == row["chain"]
+        assert len(twin["kl_windows"]) == len(row["kl_windows"]) == 4
+        assert row["kl_minus_weight_only"] == pytest.approx(row["kl"] - twin["kl"])
+        print(f"{p}: calibrated KL {row['kl']:.6g}, weight-only KL {twin['kl']:.6g}")
+    assert doc["weight_only"]["a (weight-only)"]["kl"] > doc["products"]["a"]["kl"]  # measured on the K1 base
+    tsv = (out / "eval" / "eval.tsv").read_text().splitlines()
+    assert sum(line.split("\t")[1] == "weight-only" for line in tsv[1:]) == 2
+    rows = {r["product"]: r for r in canonical.load(out / "report" / "products.json")}
+    for p, row in doc["products"].items():
+        twin = doc["weight_only"][row["weight_only"]]
+        assert rows[p]["weight_only_kl"] == twin["kl"] and rows[p]["weight_only_top1"] == twin["top1"]
+    assert {"weight_only_kl", "weight_only_top1"} <= set((out / "report" / "products.tsv").read_text().split("\n")[0].split("\t"))
+    assert (out / "report" / "kl.png").stat().st_size > 0
+    stmt = read_publication(out / "published", keys.load_public(out / "signer.pub"))
+    assert canonical.load(out / "campaign_summary.json") == summary_view(stmt.predicate)

@@ -1,7 +1,8 @@
 """``fq eval PUBLISHED --key PUBKEY --source DIR --text FILE --out FILE.json [--tsv FILE] [--native DIR]
-[--campaign-json FILE] [--tokens N] [--seq-len N]``.
+[--weight-only DIR] [--campaign-json FILE] [--tokens N] [--seq-len N]``.
 
-Every product of a published campaign (and every one-pass comparison point under ``--native``) loaded on the CPU,
+Every product of a published campaign (every one-pass comparison point under ``--native``,
+every product's weight-only twin under ``--weight-only``) loaded on the CPU,
 verified first, and measured against the source model on the text: KL, perplexity, top-1 agreement
 (``fq.runtime.evaluate``).
 """
@@ -22,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--source", required=True, metavar="DIR", help="the source checkpoint (config, shards, tokenizer.json)")
     p.add_argument("--text", required=True, metavar="FILE", help="held-out text (UTF-8)")
     p.add_argument("--native", metavar="DIR", help="the campaign's one-pass encodes (OUT/native)")
+    p.add_argument("--weight-only", metavar="DIR",
+                   help="the calibrated campaign's weight-only twins (OUT/weight-only): each product measured without "
+                        "its Hessians too")
     p.add_argument("--campaign-json", metavar="FILE",
                    help="campaign.json: check each source shard against the sha256 fq init recorded")
     p.add_argument("--tokens", type=int, default=4096, metavar="N", help="tokens of text to measure (default 4096)")
@@ -37,6 +41,7 @@ def run(args) -> int:
     key, _ = load_pinned(args)
     shas = recorded_shards(args.campaign_json) if args.campaign_json else None
     evaluate(args.published, key, source=args.source, text=args.text, out_json=args.out, native_dir=args.native,
+             weight_only_dir=args.weight_only,
              source_sha256=shas, tokens=args.tokens, seq_len=args.seq_len, out_tsv=args.tsv,
              progress=lambda m: print(printable(m), file=sys.stderr))
     print(printable(f"wrote {args.out}" + (f" and {args.tsv}" if args.tsv else "")))

@@ -10,6 +10,12 @@ encoded, measured at the model's output against the SOURCE model on held-out tex
   exactly those experts, the other experts keeping the product's weights: the same bits per weight on every
   expert, encoded in one pass instead of a chain. The model is the product's verified state with those experts
   replaced.
+- Weight-only twins (a calibrated campaign with calibration.compare_weight_only): for every product P, "P
+  (weight-only)": the same chain encoded without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned
+  fragments of the real nodes, a stage's residual taken against its parent's twin; comparison material, never
+  published), its routed experts each the sum of the twins of the chain's nodes that cover it, the rest (the
+  verified product's skeleton) unchanged. The product's row names it (``weight_only``) with the paired
+  ``kl_minus_weight_only`` (negative: calibration helped).
 - Source: the checkpoint directory (with ``source_sha256``, each shard is checked against the digest ``fq init``
   recorded before it is parsed); its ``tokenizer.json`` (``tokenizers``) turns the text into ids; the first
   ``tokens`` ids, in windows of ``seq_len``, are the measured positions (``fq.runtime.quality``).
@@ -22,8 +28,8 @@ perplexity, top-1 agreement, mean NLL; for a product with a native comparison, `
 the comparison's) and the standard error of that paired difference over windows. Deterministic (one thread,
 fixed batches, exact sums): the same inputs give the same file, byte for byte, on one machine and build.
 
-    evaluate(published, public_key, *, source, text, native_dir=None, source_sha256=None, tokens=4096,
-             seq_len=256, out_json, out_tsv=None, progress=None) -> dict
+    evaluate(published, public_key, *, source, text, native_dir=None, weight_only_dir=None, source_sha256=None,
+             tokens=4096, seq_len=256, out_json, out_tsv=None, progress=None) -> dict
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from fq.model.experts import ExpertLayout
 
 FORMAT = "fq-eval/1"
 TSV_COLUMNS = ("name", "kind", "chain", "nominal_bpw", "effective_bpw", "kl", "kl_se", "ppl", "top1", "nll", "native",
-               "kl_minus_native", "kl_minus_native_se")
+               "kl_minus_native", "kl_minus_native_se", "weight_only", "kl_minus_weight_only",
+               "kl_minus_weight_only_se")
 
 
 def tokenize(source: Path, text: str) -> tuple[list[int], str]:
@@ -87,6 +94,30 @@ def native_sets(native_dir: Path | None) -> dict:
     return out
 
 
+def weight_only_sets(weight_only_dir: Path | None) -> dict:
+    """node -> {(layer, expert, proj): tensor set} of the weight-only twins under ``weight_only_dir``
+    (``<node>/*.safetensors``, unsigned fragments of node ``<node>``, structure validated)."""
+    from safetensors.torch import load_file
+
+    from fq.provenance.fragments import describe
+
+    out: dict = {}
+    if weight_only_dir is None or not Path(weight_only_dir).is_dir():
+        return out
+    for path in sorted(Path(weight_only_dir).glob("*/*.safetensors")):
+        with open(path, "rb") as fh:
+            info = describe(fh, path.name, str(path))
+        meta = info.meta
+        if info.kind != "expert" or meta["node"] != path.parent.name:
+            raise FqError(f"{path}: not a weight-only twin of node {path.parent.name}")
+        layout: ExpertLayout = meta["layout"]
+        sets = out.setdefault(meta["node"], {})
+        for name, t in load_file(str(path)).items():
+            layer, expert, proj, suffix = layout.parse(name)
+            sets.setdefault((layer, expert, proj), {})[suffix] = t
+    return out
+
+
 def _row(q, **extra) -> dict:
     return {**extra, "kl": q.kl, "kl_se": q.kl_se, "ppl": q.ppl, "top1": q.top1, "nll": q.nll,
             "kl_windows": list(q.kl_windows)}
@@ -94,6 +125,7 @@ def _row(q, **extra) -> dict:
 
 def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, source: str | os.PathLike,
              text: str | os.PathLike, out_json: str | os.PathLike, native_dir: str | os.PathLike | None = None,
+             weight_only_dir: str | os.PathLike | None = None,
              source_sha256: dict | None = None, tokens: int = 4096, seq_len: int = 256,
              out_tsv: str | os.PathLike | None = None, progress=None) -> dict:
     import torch
@@ -113,6 +145,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
     bare = {(p["chain"][0]["K"], p["chain"][0]["codebook"]): name for name, p in sorted(plans.items())
             if len(p["chain"]) == 1}
     natives = native_sets(Path(native_dir) if native_dir is not None else None)
+    twins = weight_only_sets(Path(weight_only_dir) if weight_only_dir is not None else None)
 
     raw = Path(text).read_bytes()
     ids, tokenizer_sha256 = tokenize(Path(source), raw.decode("utf-8"))
@@ -122,6 +155,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
 
     rows: dict = {}
     native_rows: dict = {}
+    twin_rows: dict = {}
     for name in sorted(products):
         state = product_state(root / products[name]["file"], public_key, root=root)  # verified first, whole
         plan = state.plan
@@ -131,6 +165,14 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
         row = rows[name] = _row(q, chain=[n["node"] for n in chain], nominal_bpw=bits,
                                 effective_bpw=effective_bpw(plan), plan_sha256=state.plan_sha256, native=None)
         say(f"{name}: KL {q.kl:.6g}, perplexity {q.ppl:.4f}, top-1 {q.top1:.4f}")
+        row["weight_only"] = None
+        if twins:
+            tname = f"{name} (weight-only)"
+            tq = quality.compare(build_model(state.config, _twin_tensors(state, plan, twins, weight_only_dir)), ref)
+            twin_rows[tname] = _row(tq, product=name, chain=[n["node"] for n in chain], nominal_bpw=bits,
+                                    effective_bpw=row["effective_bpw"])
+            row["weight_only"] = tname
+            say(f"{tname}: KL {tq.kl:.6g}, perplexity {tq.ppl:.4f}, top-1 {tq.top1:.4f}")
         if len(chain) == 1 or bits > 8:
             continue
         if (bits, cb) in bare:
@@ -161,6 +203,10 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
         diff = [a - b for a, b in zip(row["kl_windows"], other["kl_windows"])] if other else []
         row["kl_minus_native"] = quality.mean(diff) if diff else None
         row["kl_minus_native_se"] = quality.standard_error(diff)
+        twin = twin_rows.get(row["weight_only"])
+        diff = [a - b for a, b in zip(row["kl_windows"], twin["kl_windows"])] if twin else []
+        row["kl_minus_weight_only"] = quality.mean(diff) if diff else None
+        row["kl_minus_weight_only_se"] = quality.standard_error(diff)
 
     doc = {"format": FORMAT, "campaign": stmt.predicate["campaign"], "publication_version": stmt.version,
            "publication_sha256": stmt.sha256,
@@ -174,7 +220,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
                       "threads": quality.THREADS, "batch": quality.BATCH},
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
            "source": {"nll": ref.nll, "ppl": ref.ppl},
-           "products": rows, "native": native_rows}
+           "products": rows, "native": native_rows, "weight_only": twin_rows}
     atomic.write_text(out_json, canonical.pretty(doc))
     if out_tsv is not None:
         write_tsv(doc, out_tsv)
@@ -182,9 +228,35 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
 
 
 def table(doc: dict) -> list[dict]:
-    """The rows of an fq-eval/1 document: products, then native points, each with its name and kind."""
+    """The rows of an fq-eval/1 document: products, native points, then weight-only twins, each with its name and
+    kind."""
     out = [{"name": n, "kind": "product", **r} for n, r in sorted(doc["products"].items())]
-    return out + [{"name": n, "kind": "native", **r} for n, r in sorted(doc["native"].items())]
+    out += [{"name": n, "kind": "native", **r} for n, r in sorted(doc["native"].items())]
+    return out + [{"name": n, "kind": "weight-only", **r} for n, r in sorted(doc.get("weight_only", {}).items())]
+
+
+def _twin_tensors(state, plan: dict, twins: dict, where) -> dict:
+    """The product's verified dense state with every routed expert replaced by the sum of its chain's twins (the
+    chain's nodes that cover the expert, base first)."""
+    from fq.codec import reconstruct_chain
+
+    covers: dict = {}
+    for f in plan["fragments"]:
+        for e in f["experts"]:
+            covers.setdefault((f["layer"], e["expert"]), set()).add(f["node"])
+    tensors = dict(state.tensors)
+    for (layer, expert), nodes in sorted(covers.items()):
+        chain = [n["node"] for n in plan["chain"] if n["node"] in nodes]
+        for proj in state.layout.projections:
+            sets = []
+            for node in chain:
+                tset = twins.get(node, {}).get((layer, expert, proj))
+                if tset is None:
+                    raise FqError(f"{where}: no weight-only twin of node {node} for layer {layer} expert {expert} {proj}")
+                sets.append(tset)
+            tensors[state.expert_key(layer, expert, proj)] = reconstruct_chain(
+                sets, f"weight-only {' > '.join(chain)} layer {layer} expert {expert} {proj}")
+    return tensors
 
 
 def write_tsv(doc: dict, path: str | os.PathLike) -> None:

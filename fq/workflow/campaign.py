@@ -120,6 +120,47 @@ class Campaign:
         """The one-pass encode's tensor sets (an unsigned fragment of node ``native_node(K, codebook)``), for fq eval."""
         return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.safetensors")
 
+    # -- weight-only twins (calibration.compare_weight_only): each fragment encoded without its Hessian ----------
+    @property
+    def weight_only_jobs(self) -> tuple[Fragment, ...]:
+        """The fragments that get a weight-only twin: every one, in a calibrated campaign with
+        calibration.compare_weight_only (comparison material for fq eval, like the natives: unsigned, never
+        published); none otherwise."""
+        return self.fragments if self.calibration and self.calibration["compare_weight_only"] else ()
+
+    def weight_only_tensors(self, node: str, block: Block) -> str:
+        """The twin's tensor sets: an unsigned fragment of node ``node`` (same layout and metadata as the real one)."""
+        return self.p("weight-only", node, fragment_filename(node, block.layer, self.block_index(block)))
+
+    def weight_only_metrics(self, node: str, block: Block) -> str:
+        """The twin's metrics (written last: the job is done)."""
+        return self.p("weight-only", node, f"{node}-layer{block.layer:03d}-block{self.block_index(block):03d}.json")
+
+    def weight_only_needs_source(self, node: str, block: Block, _memo=None) -> bool:
+        """True when this twin will be (re)encoded: an output missing, its metrics recording another definition of
+        its node, older than an ancestor's twin, or an ancestor's twin will be re-encoded (as
+        fragment_needs_source: the rule asks for the staged shards only then)."""
+        memo = {} if _memo is None else _memo
+        key = (node, block.layer, block.first_expert)
+        if key in memo:
+            return memo[key]
+        path, metrics = Path(self.weight_only_tensors(node, block)), Path(self.weight_only_metrics(node, block))
+        needs = not path.is_file() or not metrics.is_file()
+        if not needs:
+            try:
+                needs = json.loads(metrics.read_bytes()).get("node_digest") != self.recipe.node_digest(node)
+            except (OSError, ValueError, AttributeError):
+                needs = True
+        if not needs:
+            mtime = path.stat().st_mtime
+            for anc in self.ancestors(node):
+                if (self.weight_only_needs_source(anc, block, memo)
+                        or Path(self.weight_only_tensors(anc, block)).stat().st_mtime > mtime):
+                    needs = True
+                    break
+        memo[key] = needs
+        return needs
+
     # -- output-level evaluation (fq eval) -----------------------------------------------------------
     @property
     def eval_config(self) -> dict | None:
@@ -163,7 +204,8 @@ class Campaign:
             raise FqError("calibration.text: a hub source's tokenizer is not on disk; give calibration.tokens "
                           "(fq.hessian.calibration.save_tokens) instead")
         return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", 250)),
-                "columns": int(cfg.get("columns", 2048)), "capture": cfg.get("capture", "all-experts")}
+                "columns": int(cfg.get("columns", 2048)), "capture": cfg.get("capture", "all-experts"),
+                "compare_weight_only": bool(cfg.get("compare_weight_only", False))}
 
     @property
     def calibration_text(self) -> str:
@@ -348,6 +390,7 @@ class Campaign:
         outs += [self.fragment(f.node, f.block) for f in self.fragments if f.block.window == window]
         outs += [self.native_metrics(K, cb, b) for (K, cb), blocks in self.native_jobs.items() for b in blocks
                  if b.window == window]
+        outs += [self.weight_only_metrics(f.node, f.block) for f in self.weight_only_jobs if f.block.window == window]
         if self.calibration:  # the chain's jobs that read a shard this window deletes
             outs += [self.calib_outputs(l)[-1] for l, ws in self.calib_windows.items() if window in ws]
         return outs
@@ -436,6 +479,8 @@ class Campaign:
         expected = self.committed_files()
         for (K, cb), blocks in self.native_jobs.items():
             expected += [self.native_metrics(K, cb, b) for b in blocks] + [self.native_tensors(K, cb, b) for b in blocks]
+        for f in self.weight_only_jobs:
+            expected += [self.weight_only_tensors(f.node, f.block), self.weight_only_metrics(f.node, f.block)]
         expected += [self.p("published", "base", b.name, "fq-manifest.intoto.jsonl") for b in self.recipe.bases]
         return sorted(p for p in expected if not Path(p).is_file())
 

@@ -436,3 +436,43 @@ def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sour
                "objective": quant_args_for(K, codebook, seed, hess.bound)["objective"], "experts": metrics}
     atomic.write_text(out_metrics, canonical.pretty(summary))
     return summary
+
+
+def encode_weight_only(*, node: str, role: str, K: int, codebook: str, node_digest: str, layer: int, block: int,
+                       experts: list[int], sources: dict, ancestors: list[dict], out_tensors: str, out_metrics: str,
+                       device: str, devices_list: list[int], lock_dir: str, seed: int, layout: dict,
+                       threads: int = 0) -> dict:
+    """The weight-only twin of node ``node``'s fragment of one block (calibration.compare_weight_only), for fq eval
+    only: the same experts, K, codebook and seeds (``matrix_seed`` of the real node) as the calibrated encode, but
+    no Hessian, and a stage's residual taken against its ancestors' *twins* (``ancestors``: [{node, codebook,
+    path}] of the twin fragments, base first), so the whole chain is weight-only. Writes an unsigned fragment of
+    node ``node`` (same layout and metadata as the real one; nothing publishes or attests it), then the metrics
+    (written last: the job is done)."""
+    name = f"weight-only-{Path(out_tensors).stem}"
+    outs = [out_tensors, out_metrics]
+    take_block(lock_dir, name, outs, f"block {name} (weight-only twin of {node}, layer {layer}, block {block})")
+    devices.check(device, devices_list)
+    if threads:
+        torch.set_num_threads(threads)
+    lay = ExpertLayout.from_json(layout)
+    W = read_source(sources)
+    parents = [load_sets(Path(a["path"]), lay, layer, experts, a["codebook"]) for a in ancestors]
+    dev = devices.claim(device, devices_list, lock_dir)
+    projections = dict(zip(PROJECTIONS, lay.projections))
+    metrics, tensors = {}, {}
+    for e in experts:
+        for p in PROJECTIONS:
+            enc, sum_sq_w = _encode_matrix(W[e][p], [sets[e][p] for sets in parents], K, codebook,
+                                           matrix_seed(seed, node, layer, e, p), dev, None,
+                                           f"weight-only {node} layer {layer} expert {e} {p}")
+            metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w if sum_sq_w is None else sum_sq_w,
+                                                 "sum_sq_err": enc.sum_sq_err, "g_scale": enc.g_scale}
+            tensors.setdefault(e, {})[projections[p]] = enc.tensors
+            del enc
+    write_fragment(out_tensors, layout=lay, node=node, role=role, layer=layer, block=block, K=K, codebook=codebook,
+                   experts=tensors)
+    summary = {"weight_only": True, "node": node, "node_digest": node_digest, "layer": layer, "block": block, "K": K,
+               "codebook": codebook, "fragment": Path(out_tensors).name,
+               "objective": quant_args_for(K, codebook, seed, None)["objective"], "experts": metrics}
+    atomic.write_text(out_metrics, canonical.pretty(summary))
+    return summary

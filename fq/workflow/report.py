@@ -8,7 +8,9 @@ some experts; the others keep their parent's reconstruction).
 
 With the eval job's ``fq-eval/1`` file (``fq eval``: each product measured at the model's output against the
 source), the rows gain ``kl``, ``ppl``, ``top1`` and the native comparison's ``native_kl``/``native_top1``, and
-``kl.png`` plots KL (and top-1 agreement) against effective bits per weight, native points beside. Those numbers
+``kl.png`` plots KL (and top-1 agreement) against effective bits per weight, native points beside; a calibrated
+campaign with calibration.compare_weight_only adds each product's weight-only twin (``weight_only_kl``,
+``weight_only_top1``: the same chain encoded without the Hessians), plotted beside it. Those numbers
 are measurements, not signed claims: they stay in ``eval/eval.json`` and the report, never in
 ``campaign_summary.json`` (the signed publication statement's view, checked field by field by ``fq verify``).
 """
@@ -91,7 +93,7 @@ def build_rows(c: Campaign, summary: dict) -> list[dict]:
     return rows
 
 
-EVAL_FIELDS = ("kl", "ppl", "top1", "native_kl", "native_top1")
+EVAL_FIELDS = ("kl", "ppl", "top1", "native_kl", "native_top1", "weight_only_kl", "weight_only_top1")
 
 
 def add_eval(rows: list[dict], doc: dict | None) -> list[dict]:
@@ -101,14 +103,17 @@ def add_eval(rows: list[dict], doc: dict | None) -> list[dict]:
         native = None
         if e is not None and e.get("native"):
             native = doc["native"].get(e["native"]) or doc["products"].get(e["native"])
+        twin = (doc or {}).get("weight_only", {}).get(e.get("weight_only")) if e is not None else None
         r.update({"kl": e and e["kl"], "ppl": e and e["ppl"], "top1": e and e["top1"],
-                  "native_kl": native and native["kl"], "native_top1": native and native["top1"]})
+                  "native_kl": native and native["kl"], "native_top1": native and native["top1"],
+                  "weight_only_kl": twin and twin["kl"], "weight_only_top1": twin and twin["top1"]})
     return rows
 
 
 def write_table(rows: list[dict], path: str) -> None:
     cols = ["product", "chain", "nominal_bpw", "effective_bpw", "rel_mse", "native", "native_rel_mse",
-            "vs_native", "kl", "ppl", "top1", "native_kl", "native_top1", "bytes", "assembly_sha256"]
+            "vs_native", "kl", "ppl", "top1", "native_kl", "native_top1", "weight_only_kl", "weight_only_top1", "bytes",
+            "assembly_sha256"]
     lines = ["\t".join(cols)]
     for r in rows:
         vals = []
@@ -145,7 +150,8 @@ def plot_quality(rows: list[dict], path: str) -> None:
 
 
 def plot_kl(doc: dict, path: str) -> None:
-    """KL against the source and top-1 agreement, per product and native point, against effective bits per weight."""
+    """KL against the source and top-1 agreement, per product, native point and weight-only twin, against effective
+    bits per weight."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,14 +161,22 @@ def plot_kl(doc: dict, path: str) -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
     floor = min([r["kl"] for r in table(doc) if r["kl"] > 0] or [1e-6]) / 10  # KL 0 (the source itself) drawn here
+    twins = False
     for r in table(doc):
-        native = r["kind"] == "native"
-        style = {"marker": "x", "color": "gray", "zorder": 2} if native else {"s": 40, "zorder": 3}
-        label = r["name"] if not native else f"one-pass K{r['K']} on {r['product']}'s {r['experts']} experts"
+        native, twin = r["kind"] == "native", r["kind"] == "weight-only"
+        twins = twins or twin
+        if native:
+            style, label, color = {"marker": "x", "color": "gray", "zorder": 2}, \
+                f"one-pass K{r['K']} on {r['product']}'s {r['experts']} experts", "gray"
+        elif twin:
+            style, label, color = {"marker": "^", "facecolors": "none", "edgecolors": "tab:orange", "s": 40,
+                                   "zorder": 2}, r["name"], "tab:orange"
+        else:
+            style, label, color = {"s": 40, "zorder": 3}, r["name"], "black"
         for a, y in ((ax, max(r["kl"], floor)), (ax2, r["top1"])):
             a.scatter(r["effective_bpw"], y, **style)
-            a.annotate(label, (r["effective_bpw"], y), textcoords="offset points", xytext=(5, -10 if native else 4),
-                       fontsize=7 if native else 8, color="gray" if native else "black")
+            a.annotate(label, (r["effective_bpw"], y), textcoords="offset points",
+                       xytext=(5, -10 if native or twin else 4), fontsize=8 if color == "black" else 7, color=color)
     ax.set_yscale("log")
     ax.set_ylabel("KL(source || product), nats per token")
     ax2.set_ylabel("top-1 agreement with the source")
@@ -171,7 +185,9 @@ def plot_kl(doc: dict, path: str) -> None:
         a.set_xlabel("bits per weight (trellis, averaged over experts)")
         a.grid(True, which="both", alpha=0.3)
     t = doc["text"]
-    fig.suptitle(f"Output quality on {t['positions']} held-out positions ({t['file']}); x: one-pass at the same bits")
+    twin_note = "; open triangles: the same chain weight-only (no Hessian)" if twins else ""
+    fig.suptitle(f"Output quality on {t['positions']} held-out positions ({t['file']}); x: one-pass at the same bits"
+                 + twin_note, fontsize=10 if twins else None)
     fig.tight_layout()
     with atomic.atomic_open(path, "wb") as fh:
         fig.savefig(fh, format="png", metadata={"Software": None})
