@@ -106,25 +106,22 @@ def test_a_recapture_that_differs_from_the_bound_hessian_is_refused(cal):
     assert {g: Path(c.fragment(g.node, g.block)).stat().st_mtime_ns for g in c.fragments if g != f} == others
 
 
-def test_an_encode_refuses_a_hessian_file_that_is_not_the_bound_one(cal):
+def test_an_encode_refuses_a_hessian_file_that_is_not_the_bound_one(cal, tmp_path):
+    """What every encode job reads its Hessian through (fq.workflow.encode._Hessians -> bound_hessians): a valid
+    Hessian file that is not the layer's bound one (here layer 2's, in layer 1's place) is refused, naming the
+    bound sha256; the bound one is read."""
+    from fq.errors import FqError
+    from fq.workflow.calibration import bound_hessians
+    from fq.workflow.encode import _Hessians
+
     c = campaign(cal)
-    h = Path(c.hessian(1))
-    kept = h.read_bytes()
-    f = next(f for f in c.fragments if f.block.layer == 1)
-    frag = Path(c.fragment(f.node, f.block))
-    saved = {p: p.read_bytes() for p in (frag, frag.with_name(frag.name + ".intoto.jsonl"))}
-    shutil.copyfile(c.hessian(2), h)  # a valid Hessian file, not this layer's bound one
-    frag.unlink()
-    try:
-        p = smk(cal, check=False)
-        assert p.returncode != 0
-        logs = "".join(q.read_text() for q in (cal / "campaign" / "logs" / "encode").glob("*layer001*.log"))
-        assert "sha256" in logs and canonical.load(c.hessian_binding(1))["sha256"] in logs
-    finally:
-        h.write_bytes(kept)
-        for q, data in saved.items():
-            q.write_bytes(data)
-    smk(cal)
+    swapped = tmp_path / Path(c.hessian(1)).name
+    shutil.copyfile(c.hessian(2), swapped)
+    bound = canonical.load(c.hessian_binding(1))["sha256"]
+    with pytest.raises(FqError, match=bound):
+        _Hessians({"path": str(swapped), "binding": c.hessian_binding(1)}, 1)
+    h, b = bound_hessians(c.hessian(1), c.hessian_binding(1), 1)
+    assert h.layer == 1 and b["sha256"] == bound == sha256(Path(c.hessian(1)))
 
 
 def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):
