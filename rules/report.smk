@@ -13,6 +13,8 @@ rule report:
         layers=report(f"{OUT}/report/layers.png", caption="../report/layers.rst", category="Quality"),
         rows=f"{OUT}/report/products.json",
         **({"kl": report(f"{OUT}/report/kl.png", caption="../report/kl.rst", category="Quality")} if C.eval_config else {}),
+        **({"proxy": report(f"{OUT}/report/proxy.png", caption="../report/proxy.rst", category="Quality")}
+           if C.calibration else {}),
     conda:
         "../envs/fq.yaml"
     log:

@@ -66,6 +66,12 @@ def test_a_calibrated_campaign_binds_its_hessians_and_every_fragment_names_its_o
     p = subprocess.run([sys.executable, "-m", "fq", "verify", str(out / "published"), "--key", str(out / "signer.pub")],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+    assert (out / "report" / "proxy.png").stat().st_size > 0  # the proxy errors, plotted per node and layer
+    from fq.workflow.report import load_proxy
+
+    proxy = load_proxy(c)
+    assert sorted(proxy) == ["a", "a.r1"] and sorted(proxy["a"]) == ["down", "gate", "up"]
+    assert sorted(proxy["a"]["gate"]) == [1, 2] and len(proxy["a"]["gate"][1]) == 8
 
 
 def test_a_calibrated_fragment_re_encodes_byte_identically(cal):

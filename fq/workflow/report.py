@@ -218,8 +218,58 @@ def plot_layers(rows: list[dict], layers, path: str) -> None:
     plt.close(fig)
 
 
+def load_proxy(c: Campaign) -> dict:
+    """node -> proj -> layer -> [proxy error of each matrix] (calibrated fragments' metrics: tr(E H Eᵀ)/tr(W H Wᵀ))."""
+    out: dict = {}
+    for f in c.fragments:
+        doc = canonical.load(c.metrics(f.node, f.block))
+        for projs in doc["experts"].values():
+            for p, m in projs.items():
+                if m.get("proxy_err") is not None:
+                    out.setdefault(f.node, {}).setdefault(p, {}).setdefault(f.block.layer, []).append(m["proxy_err"])
+    return out
+
+
+def plot_proxy(proxy: dict, path: str) -> None:
+    """Proxy error per matrix of every calibrated node, by layer and projection: median (marker) and range (bar)."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    projs = sorted({p for by in proxy.values() for p in by})
+    all_layers = sorted({l for by in proxy.values() for ls in by.values() for l in ls})
+    fig, axes = plt.subplots(1, max(1, len(projs)), figsize=(4 * max(1, len(projs)) + 1, 4), dpi=120, sharey=True)
+    axes = list(axes) if len(projs) > 1 else [axes]
+    for ax, proj in zip(axes, projs):
+        for i, (node, by) in enumerate(sorted(proxy.items())):
+            layers = sorted(by.get(proj, {}))
+            if not layers:
+                continue
+            med = [statistics.median(by[proj][l]) for l in layers]
+            lo = [med[k] - min(by[proj][l]) for k, l in enumerate(layers)]
+            hi = [max(by[proj][l]) - med[k] for k, l in enumerate(layers)]
+            x = [l + 0.08 * (i - len(proxy) / 2) for l in layers]
+            ax.errorbar(x, med, yerr=[lo, hi], fmt="o", capsize=3, label=node)
+        ax.set_yscale("log")
+        ax.set_xticks(all_layers, [str(l) for l in all_layers])
+        ax.set_xlabel("MoE layer")
+        ax.set_title(proj)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("proxy error tr(E H Eᵀ) / tr(W H Wᵀ)")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("Calibrated encodes: proxy error per matrix (median, min-max) per node and layer; "
+                 "a stage's is relative to the residual it encodes", fontsize=10)
+    fig.tight_layout()
+    with atomic.atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
 def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, layers_png: str, rows_json: str,
-                eval_json: str | None = None, kl_png: str | None = None) -> list[dict]:
+                eval_json: str | None = None, kl_png: str | None = None, proxy_png: str | None = None) -> list[dict]:
     summary = canonical.load(summary_path)
     doc = canonical.load(eval_json) if eval_json else None
     rows = add_eval(build_rows(c, summary), doc)
@@ -228,6 +278,8 @@ def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, la
     write_table(rows, table)
     plot_quality(rows, quality_png)
     plot_layers(rows, list(c.source.moe_layers), layers_png)
+    if proxy_png:
+        plot_proxy(load_proxy(c), proxy_png)
     atomic.write_text(rows_json, canonical.pretty([{**r, "per_layer": {str(k): v for k, v in r["per_layer"].items()}}
                                                    for r in rows]))
     return rows
