@@ -41,3 +41,28 @@ def window_kwargs(args) -> dict:
         "disk_budget": parse_bytes(args.disk_budget, "--disk-budget") if args.disk_budget else None,
         "windows_on_disk": args.windows_on_disk,
     }
+
+
+def add_calibration_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", metavar="ROWSxCOLS",
+                   help="a calibrated campaign: its calibration chain (all-experts capture), Hessian disk and LDLQ "
+                        "encodes (exllamav3's converter: 250x2048; docs/calibration.md)")
+    p.add_argument("--calib-tflops", type=float, default=None,
+                   help="calibration forward and Hessian sums throughput in TFLOP/s (default 60: float64 on an H200)")
+    p.add_argument("--ldlq-factor", type=float, default=None,
+                   help="LDLQ encode time over weight-only (default 1.5, measured on an H200 at K2)")
+
+
+def calibration_from_args(args, source: SourceModel):
+    """The CalibrationPrice of ``--calibration ROWSxCOLS`` (None without it)."""
+    if not args.calibration:
+        return None
+    from fq.errors import FqError
+    from fq.planning.calibration_cost import DEFAULT_LDLQ_FACTOR, DEFAULT_TFLOPS, price_calibration
+
+    rows, _, cols = args.calibration.lower().partition("x")
+    if not (rows.isdigit() and cols.isdigit()):
+        raise FqError(f"--calibration: expected ROWSxCOLS (e.g. 250x2048), got {args.calibration!r}")
+    return price_calibration(source, int(rows), int(cols),
+                             tflops=args.calib_tflops if args.calib_tflops is not None else DEFAULT_TFLOPS,
+                             ldlq_factor=args.ldlq_factor if args.ldlq_factor is not None else DEFAULT_LDLQ_FACTOR)

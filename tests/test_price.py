@@ -224,3 +224,16 @@ def test_fq_price_calibration_flag(tmp_path, capsys):
     assert "LDLQ encodes priced at 1.5x" in out
     assert main(["price", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(d), "--sizes", str(d / "sizes.json"),
                  "--calibration", "lots"]) == 2
+
+
+def test_fq_plan_calibration_flag_reserves_the_hessians_disk(tmp_path, capsys):
+    """fq plan with --calibration chooses windows from the disk budget less calibration's, as fq price does."""
+    d = write_synthetic(tmp_path / "glm5", *glm5_like())
+    args = ["plan", str(RECIPES / "glm52-k2k3-dag.json"), "--model", str(d), "--sizes", str(d / "sizes.json"),
+            "--disk-budget", "1.6TB"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--calibration", "250x2048"]) == 0
+    cal = capsys.readouterr().out
+    assert "Hessians 2.2 GB per layer, 166.8 GB in all" in cal and "peak local with calibration: 1.590 TB" in cal
+    assert "peak local with calibration" not in plain and plain.count("\n") < cal.count("\n")  # more, smaller windows

@@ -1,7 +1,8 @@
 """``fq plan``: blocks, windows, staging/retirement and peak disk of a campaign, written as a plan file."""
 from __future__ import annotations
 
-from fq.cli_args import add_source_args, add_window_args, source_from_args, window_kwargs
+from fq.cli_args import (add_calibration_args, add_source_args, add_window_args, calibration_from_args,
+                         source_from_args, window_kwargs)
 from fq.model.usage import load_usage
 from fq.planning.plan import DEFAULT_BLOCK_SIZE, make_plan, plan_table, write_plan
 from fq.planning.recipe import load_recipe
@@ -15,6 +16,7 @@ def register(sub) -> None:
     p.add_argument("--usage", metavar="FILE", help="expert-usage statistics (fq-expert-usage/1) for hot stages")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=f"experts per block (default {DEFAULT_BLOCK_SIZE})")
     add_window_args(p)
+    add_calibration_args(p)
     p.add_argument("--out", metavar="PLAN.json", help="write the plan here (canonical JSON, atomic); omit to only print")
     p.set_defaults(func=run)
 
@@ -23,8 +25,24 @@ def run(args) -> int:
     recipe = load_recipe(args.recipe)
     source = source_from_args(args)
     usage = load_usage(args.usage) if args.usage else None
-    plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **window_kwargs(args))
+    calibration = calibration_from_args(args, source)
+    windows = window_kwargs(args)
+    if calibration is not None and windows.get("disk_budget") is not None:  # Hessians and hidden states share it
+        from fq.errors import FqError
+
+        windows["disk_budget"] -= calibration.disk_bytes
+        if windows["disk_budget"] <= 0:
+            raise FqError(f"--disk-budget: calibration alone needs {calibration.disk_bytes} bytes "
+                          "(every Hessian and two hidden-state files)")
+    plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **windows)
     print(plan_table(plan))
+    if calibration is not None:
+        from fq.core.units import fmt_bytes
+        from fq.planning.calibration_cost import calibration_lines
+
+        print("\n".join(calibration_lines(calibration)))
+        print(f"peak local with calibration: {fmt_bytes(plan.bytes['peak_local'] + calibration.disk_bytes)} "
+              "(the windows above were chosen from the disk budget less calibration's)")
     if args.out:
         digest = write_plan(args.out, plan)
         print(f"\nwrote {args.out} (plan sha256 {digest})")

@@ -2,7 +2,8 @@
 on one source, from a per-K cost table; with two recipes, their cost ratio."""
 from __future__ import annotations
 
-from fq.cli_args import add_source_args, add_window_args, source_from_args, window_kwargs
+from fq.cli_args import (add_calibration_args, add_source_args, add_window_args, calibration_from_args,
+                         source_from_args, window_kwargs)
 from fq.planning.price import (DEFAULT_DOWNLOAD_MB_S, DEFAULT_GPUS, DEFAULT_USD_PER_GPU_HOUR, DEFAULT_VERIFY_MB_S,
                                assumptions_line, comparison_table, cost_table_entries, load_cost_table, price_recipe,
                                price_table, source_line, table_line)
@@ -24,13 +25,7 @@ def register(sub) -> None:
                    help=f"finalize re-hash rate in MB/s (default {DEFAULT_VERIFY_MB_S:g}, measured in the seed)")
     add_window_args(p)
     p.add_argument("--show-cost-table", action="store_true", help="also print every entry of the cost table used")
-    p.add_argument("--calibration", metavar="ROWSxCOLS",
-                   help="price a calibrated campaign: its calibration chain (all-experts capture), Hessian disk and "
-                        "LDLQ encodes (exllamav3's converter: 250x2048; docs/calibration.md)")
-    p.add_argument("--calib-tflops", type=float, default=None,
-                   help="calibration forward and Hessian sums throughput in TFLOP/s (default 60: float64 on an H200)")
-    p.add_argument("--ldlq-factor", type=float, default=None,
-                   help="LDLQ encode time over weight-only (default 1.5, measured on an H200 at K2)")
+    add_calibration_args(p)
     p.set_defaults(func=run)
 
 
@@ -38,18 +33,7 @@ def run(args) -> int:
     recipes = [load_recipe(r) for r in args.recipes]
     source = source_from_args(args)
     table = load_cost_table(args.cost_table, args.gpu_model)
-    calibration = None
-    if args.calibration:
-        from fq.errors import FqError
-        from fq.planning.calibration_cost import DEFAULT_LDLQ_FACTOR, DEFAULT_TFLOPS, price_calibration
-
-        rows, _, cols = args.calibration.lower().partition("x")
-        if not (rows.isdigit() and cols.isdigit()):
-            raise FqError(f"--calibration: expected ROWSxCOLS (e.g. 250x2048), got {args.calibration!r}")
-        calibration = price_calibration(source, int(rows), int(cols),
-                                        tflops=args.calib_tflops if args.calib_tflops is not None else DEFAULT_TFLOPS,
-                                        ldlq_factor=args.ldlq_factor if args.ldlq_factor is not None
-                                        else DEFAULT_LDLQ_FACTOR)
+    calibration = calibration_from_args(args, source)
     prices = [price_recipe(r, source, table, gpus=args.gpus, usd_per_gpu_hour=args.usd_per_gpu_hour,
                            download_bytes_per_s=args.download_mb_s * 1e6, verify_bytes_per_s=args.verify_mb_s * 1e6,
                            calibration=calibration, **window_kwargs(args)) for r in recipes]
