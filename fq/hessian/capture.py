@@ -53,13 +53,13 @@ activations.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from fq.core import canonical
+from fq.core.threads import torch_threads
 from fq.errors import FqError
 from fq.hessian import layer as layer_mod
 
@@ -105,21 +105,6 @@ class LayerSums:
     @property
     def tokens(self) -> int:
         return self.rows * self.cols
-
-
-@contextlib.contextmanager
-def _threads(n: int | None):
-    import torch
-
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _checkpoint(source) -> layer_mod.Checkpoint:
@@ -224,7 +209,7 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
     position_ids = torch.arange(cols, device=device).unsqueeze(0)
     out = torch.empty_like(hidden)
     try:
-        with torch.no_grad(), _threads(threads if str(device) == "cpu" else None):
+        with torch.no_grad(), torch_threads(threads if str(device) == "cpu" else None):
             for lo in range(0, rows, row_batch):
                 h = hidden[lo: lo + row_batch].to(device)
                 pos_emb = rot(h, position_ids)

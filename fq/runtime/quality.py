@@ -23,26 +23,14 @@ reproducible per machine and build.)
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass
 
+from fq.core.threads import torch_threads
 from fq.errors import FqError
 
 THREADS = 1
 BATCH = 8
-
-
-@contextlib.contextmanager
-def fixed_threads(n: int = THREADS):
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def token_windows(ids, seq_len: int, tokens: int):
@@ -62,7 +50,7 @@ def _log_probs(model, windows):
     import torch
 
     out = []
-    with fixed_threads(), torch.no_grad():
+    with torch_threads(THREADS), torch.no_grad():
         for lo in range(0, windows.shape[0], BATCH):
             logits = model(input_ids=windows[lo: lo + BATCH]).logits
             out.append(torch.log_softmax(logits[:, :-1].double(), dim=-1))
