@@ -128,23 +128,14 @@ def from_text(path: str | os.PathLike, sha256: str, tokenizer: str | os.PathLike
 def from_tokens(path: str | os.PathLike, rows: int, cols: int, sha256: str | None = None) -> Calibration:
     """Calibration from a token file (safetensors, one tensor ``tokens``, I64 or I32, 1-D or 2-D): its first
     rows × cols ids. ``sha256``: the file's expected digest (refused if different)."""
-    from fq.model.shards import read_header, tensors_in_range
+    from fq.model.shards import read_whole, tensors_in_range
 
     rows, cols = _shape(rows, cols)
     path = Path(path)
-    try:
-        fh = open(path, "rb")
-    except OSError as e:
-        raise FqError(f"{path}: cannot read the token file: {e.strerror}") from None
-    with fh:
-        header = read_header(fh, str(path))
-        fh.seek(0)
-        data = fh.read()
+    header, data = read_whole(path, "the token file")
     got = canonical.sha256_hex(data)
     if sha256 is not None and got != sha256:
         raise FqError(f"{path}: sha256 {got}, expected {sha256} (field tokens_sha256)")
-    if data[:header.data_start] != header.raw or len(data) != header.file_size:
-        raise FqError(f"{path}: changed while it was read")
     names = [e.name for e in header.entries]
     if names != [TOKENS]:
         raise FqError(f"{path}: tensors {names}, expected exactly one named {TOKENS!r}")

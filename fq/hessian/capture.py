@@ -268,19 +268,10 @@ def load_hidden(path: str | os.PathLike, *, next_layer: int | None = None, calib
                 config_sha256: str | None = None) -> tuple["torch.Tensor", dict]:
     """(hidden float32 [rows, cols, hidden], metadata with ``sha256`` of the file) of a hidden-state file; refuses
     one made for another layer, calibration or source config when those are given."""
-    from fq.model.shards import read_header, tensors_in_range
+    from fq.model.shards import read_whole, tensors_in_range
 
     where = str(path)
-    try:
-        fh = open(path, "rb")
-    except OSError as e:
-        raise FqError(f"{where}: cannot read the hidden-state file: {e.strerror}") from None
-    with fh:
-        header = read_header(fh, where)
-        fh.seek(0)
-        data = fh.read()
-    if data[:header.data_start] != header.raw or len(data) != header.file_size:
-        raise FqError(f"{where}: changed while it was read")
+    header, data = read_whole(path, "the hidden-state file")
     meta = dict(header.metadata)
     if sorted(meta) != sorted(HIDDEN_META) or meta["format"] != HIDDEN_FORMAT:
         raise FqError(f"{where}: not an {HIDDEN_FORMAT} file (metadata fields {sorted(meta)}, format "

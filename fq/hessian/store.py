@@ -209,23 +209,14 @@ def read_hessians(path: str | os.PathLike, expect_sha256: str | None = None) -> 
     """Read and check a Hessian file (digest, metadata, tensor set, dtypes, shapes, counts, finite values)."""
     import torch
 
-    from fq.model.shards import read_header, tensors_in_range
+    from fq.model.shards import read_whole, tensors_in_range
 
     where = str(path)
-    try:
-        fh = open(path, "rb")
-    except OSError as e:
-        raise FqError(f"{where}: cannot read the Hessian file: {e.strerror}") from None
-    with fh:
-        header = read_header(fh, where)
-        fh.seek(0)
-        data = fh.read()
+    header, data = read_whole(path, "the Hessian file")
     digest = canonical.sha256_hex(data)
     if expect_sha256 is not None and digest != expect_sha256:
         raise FqError(f"{where}: sha256 {digest}, expected {expect_sha256} (field hessian_sha256: not the Hessian file "
                       "the encode is bound to)")
-    if data[:header.data_start] != header.raw or len(data) != header.file_size:
-        raise FqError(f"{where}: changed while it was read")
     meta = _check_meta(header.metadata, where)
     n, m, E = meta["hidden_size"], meta["intermediate_size"], meta["n_experts"]
     want = {"input": ("F32", (packed_len(n),)), "input.count": ("I64", ())}

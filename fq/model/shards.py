@@ -216,6 +216,23 @@ def read_header(fh: BinaryIO, source: str) -> Header:
     return Header(source, raw, data_start, size, dict(meta), tuple(entries))
 
 
+def read_whole(path: str | os.PathLike, what: str) -> tuple[Header, bytes]:
+    """(header, every byte) of a small safetensors file read in one go; ``what`` names it in errors ("the Hessian
+    file"). Refuses a file that changed between the header and the bytes."""
+    where = str(path)
+    try:
+        fh = open(path, "rb")
+    except OSError as e:
+        raise FqError(f"{where}: cannot read {what}: {e.strerror}") from None
+    with fh:
+        header = read_header(fh, where)
+        fh.seek(0)
+        data = fh.read()
+    if data[:header.data_start] != header.raw or len(data) != header.file_size:
+        raise FqError(f"{where}: changed while it was read")
+    return header, data
+
+
 def read_range(fh: BinaryIO, offset: int, length: int, source: str) -> bytes:
     fh.seek(offset)
     data = fh.read(length)
