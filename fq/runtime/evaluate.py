@@ -69,53 +69,49 @@ def effective_bpw(plan: dict) -> float:
     return sum(n["K"] * len(covered.get(n["node"], ())) / total for n in plan["chain"])
 
 
-def native_sets(native_dir: Path | None) -> dict:
-    """(K, codebook) -> {(layer, expert, proj): tensor set} of the one-pass encodes under ``native_dir``
-    (``K{K}-{codebook}/*.safetensors``, fragments of node ``native-K{K}-{codebook}``, structure validated)."""
+def _unsigned_sets(directory: Path | None, pattern: str, key) -> dict:
+    """key(path, meta) -> {(layer, expert, proj): tensor set} of the unsigned comparison fragments ``directory/pattern``
+    (structure validated by ``describe``); ``key`` names the group a file belongs to, or refuses the file."""
     from safetensors.torch import load_file
 
     from fq.provenance.fragments import describe
 
     out: dict = {}
-    if native_dir is None or not Path(native_dir).is_dir():
+    if directory is None or not Path(directory).is_dir():
         return out
-    for path in sorted(Path(native_dir).glob("K*-*/*.safetensors")):
+    for path in sorted(Path(directory).glob(pattern)):
         with open(path, "rb") as fh:
             info = describe(fh, path.name, str(path))
-        meta = info.meta
-        if info.kind != "expert" or meta["node"] != f"native-K{meta['K']}-{meta['codebook']}" \
-                or path.parent.name != f"K{meta['K']}-{meta['codebook']}":
-            raise FqError(f"{path}: not a one-pass comparison encode of {path.parent.name}")
-        layout: ExpertLayout = meta["layout"]
-        sets = out.setdefault((meta["K"], meta["codebook"]), {})
+        sets = out.setdefault(key(path, info), {})
+        layout: ExpertLayout = info.meta["layout"]
         for name, t in load_file(str(path)).items():
             layer, expert, proj, suffix = layout.parse(name)
             sets.setdefault((layer, expert, proj), {})[suffix] = t
     return out
+
+
+def native_sets(native_dir: Path | None) -> dict:
+    """(K, codebook) -> {(layer, expert, proj): tensor set} of the one-pass encodes under ``native_dir``
+    (``K{K}-{codebook}/*.safetensors``, fragments of node ``native-K{K}-{codebook}``, structure validated)."""
+    def key(path, info):
+        meta = info.meta
+        if info.kind != "expert" or meta["node"] != f"native-K{meta['K']}-{meta['codebook']}" \
+                or path.parent.name != f"K{meta['K']}-{meta['codebook']}":
+            raise FqError(f"{path}: not a one-pass comparison encode of {path.parent.name}")
+        return meta["K"], meta["codebook"]
+
+    return _unsigned_sets(native_dir, "K*-*/*.safetensors", key)
 
 
 def weight_only_sets(weight_only_dir: Path | None) -> dict:
     """node -> {(layer, expert, proj): tensor set} of the weight-only twins under ``weight_only_dir``
     (``<node>/*.safetensors``, unsigned fragments of node ``<node>``, structure validated)."""
-    from safetensors.torch import load_file
-
-    from fq.provenance.fragments import describe
-
-    out: dict = {}
-    if weight_only_dir is None or not Path(weight_only_dir).is_dir():
-        return out
-    for path in sorted(Path(weight_only_dir).glob("*/*.safetensors")):
-        with open(path, "rb") as fh:
-            info = describe(fh, path.name, str(path))
-        meta = info.meta
-        if info.kind != "expert" or meta["node"] != path.parent.name:
+    def key(path, info):
+        if info.kind != "expert" or info.meta["node"] != path.parent.name:
             raise FqError(f"{path}: not a weight-only twin of node {path.parent.name}")
-        layout: ExpertLayout = meta["layout"]
-        sets = out.setdefault(meta["node"], {})
-        for name, t in load_file(str(path)).items():
-            layer, expert, proj, suffix = layout.parse(name)
-            sets.setdefault((layer, expert, proj), {})[suffix] = t
-    return out
+        return info.meta["node"]
+
+    return _unsigned_sets(weight_only_dir, "*/*.safetensors", key)
 
 
 def _row(q, **extra) -> dict:
