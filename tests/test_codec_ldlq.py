@@ -230,7 +230,7 @@ def test_batch_equals_single_encodes(golden, monkeypatch):
     singles = [e, encode_ldlq(Wz, H, 2, "mul1", 8), encode_ldlq(Ws[2], H, 2, "mul1", 9)]
     calls = []
     real = ldlq_mod._viterbi
-    monkeypatch.setattr(ldlq_mod, "_viterbi", lambda t, *a: calls.append(t.shape[0]) or real(t, *a))
+    monkeypatch.setattr(ldlq_mod, "_viterbi", lambda t, *a, **kw: calls.append(t.shape[0]) or real(t, *a, **kw))
     batch = encode_ldlq_batch(Ws, H, 2, "mul1", [5, 8, 9], names=["a", "b", "c"])
     for a, b in zip(singles, batch):
         _same(a, b)
@@ -293,6 +293,42 @@ def test_cuda_ldlq_equals_cpu(golden):
     base = encode_ldlq(W, H, 1, "mul1", seed=4, device="cuda", parents=[cpu.tensors])
     _same(base, encode_ldlq(W, H, 1, "mul1", seed=4, parents=[cpu.tensors]))
     assert proxy_error(W.cuda(), gpu.W_hat, H.cuda()) == proxy_error(W, cpu.W_hat, H)
+
+
+@cuda
+def test_cuda_block_factor_kernel_equals_the_host_bits():
+    """The 16x16 block factor runs on the GPU in the host's operation order: the same bits for positive definite,
+    near-singular, indefinite and non-finite blocks, read through strides; block_ldl flags the same matrices."""
+    from fq.codec.ldl import chol_inv16
+    from fq.codec.viterbi_cuda import chol_inv16_cuda
+
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(40, 16, 24, generator=g, dtype=torch.float64)
+    D = X @ X.transpose(1, 2) / 24
+    D[1] = D[1] * 1e-300  # tiny but positive
+    D[2, 5, 5] = -1.0  # indefinite
+    D[3, 9, 2] = float("nan")  # non-finite below the diagonal
+    D[4] = torch.outer(X[4, :, 0], X[4, :, 0])  # singular
+    D[5, 0, 7] = float("inf")  # above the diagonal: never read
+    big = torch.zeros(40, 48, 48, dtype=torch.float64)
+    big[:, 16:32, 16:32] = D
+    view = big.cuda()[:, 16:32, 16:32]  # strided, as block_ldl hands it over
+    inv, good = chol_inv16_cuda(view)
+    low = torch.tril(D) + torch.tril(D, -1).transpose(1, 2)
+    ref_inv, ref_ok = chol_inv16(low.numpy())
+    assert good.cpu().numpy().tolist() == ref_ok.tolist()
+    assert not ref_ok[2] and not ref_ok[3] and ref_ok[0] and ref_ok[5]
+    assert inv.cpu().numpy().tobytes() == ref_inv.tobytes()
+    H = _hessian(256, 3)
+    H = H + 0.025 * H.diagonal().mean() * torch.eye(256, dtype=torch.float64)
+    s = 2.0 ** -torch.ceil(torch.log2(H.diagonal()) / 2)
+    He = H * s[:, None] * s[None, :]
+    bad = He.clone()
+    bad[200, 200] = -1.0
+    Lc, okc = block_ldl(torch.stack([He, bad]))
+    Lg, okg = block_ldl(torch.stack([He, bad]).cuda())
+    assert okg.tolist() == okc.tolist() == [True, False]
+    assert Lg.cpu().numpy().tobytes() == Lc.numpy().tobytes()
 
 
 @cuda

@@ -433,12 +433,60 @@ int run(const float* tiles, long long n, const unsigned short* values, int* out,
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------------------------
+ * 16x16 block factor of fq.codec.ldl (chol_inv16): per matrix, D = C C^T (Cholesky of the lower triangle of the
+ * 16x16 block at `a`) and D^-1 = C^-T C^-1, in exactly the order of numpy elementwise float64 operations that
+ * chol_inv16 performs on the host, each one rounded on its own (__d*_rn: never contracted into an FMA), so the
+ * bits are the CPU path's. One thread per matrix: the factorization is a few thousand dependent operations and
+ * the point is to keep the GPU's queue full (no host round trip per block), not to be fast on its own.
+ * good[b]: 1 if every pivot was finite and positive (else the matrix's D^-1 is the identity, as chol_inv16). */
+__global__ void fq_chol_inv16_kernel(const double* __restrict__ a, long long sb, long long sr, long long sc,
+                                     double* __restrict__ inv, int* __restrict__ good, int n)
+{
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n) return;
+    constexpr int N = 16;
+    const double* m = a + (size_t) b * sb;
+    double C[N][N], X[N][N], v[N];
+    for (int i = 0; i < N; ++i)
+        for (int j = 0; j < N; ++j) C[i][j] = 0.0;
+    bool ok = true;
+    for (int c = 0; c < N; ++c) {
+        for (int i = c; i < N; ++i) v[i] = __dadd_rn(m[i * sr + c * sc], 0.0);  // tril(A) + 0: the host's symmetrized D
+        for (int t = 0; t < c; ++t)
+            for (int i = c; i < N; ++i) v[i] = __dsub_rn(v[i], __dmul_rn(C[i][t], C[c][t]));
+        double piv = v[c];
+        bool g = isfinite(piv) && piv > 0.0;
+        for (int i = c; i < N; ++i) g = g && isfinite(v[i]);
+        ok = ok && g;
+        if (!g) piv = 1.0;
+        const double d = __dsqrt_rn(piv);
+        C[c][c] = d;
+        for (int i = c + 1; i < N; ++i) C[i][c] = __ddiv_rn(g ? v[i] : 0.0, d);
+    }
+    for (int i = 0; i < N; ++i) {  // X = C^-1, row by row
+        double r[N];
+        for (int j = 0; j < N; ++j) r[j] = j == i ? 1.0 : 0.0;
+        for (int t = 0; t < i; ++t)
+            for (int j = 0; j < N; ++j) r[j] = __dsub_rn(r[j], __dmul_rn(C[i][t], X[t][j]));
+        for (int j = 0; j < N; ++j) X[i][j] = __ddiv_rn(r[j], C[i][i]);
+    }
+    double* o = inv + (size_t) b * N * N;
+    for (int p = 0; p < N; ++p)
+        for (int q = 0; q < N; ++q) {
+            double s = __dmul_rn(X[0][p], X[0][q]);
+            for (int t = 1; t < N; ++t) s = __dadd_rn(s, __dmul_rn(X[t][p], X[t][q]));
+            o[p * N + q] = ok ? s : (p == q ? 1.0 : 0.0);
+        }
+    good[b] = ok ? 1 : 0;
+}
+
 }  // namespace
 
 extern "C" {
 
 /* Version of the C interface below; viterbi_cuda.py checks it. */
-int fq_viterbi_abi(void) { return 2; }
+int fq_viterbi_abi(void) { return 3; }
 
 /* Bytes of back-pointer scratch per tile. */
 long long fq_viterbi_bp_bytes(int K)
@@ -481,6 +529,19 @@ int fq_viterbi_run(int device, int K, const float* tiles, long long n, const uns
     case 8: return run<8>(tiles, n, values, out, bp, batch, best, pre, s);
     default: return -1;
     }
+}
+
+/* The 16x16 block factors of fq.codec.ldl.chol_inv16 for n matrices: block b at a + b*sb, element (i, j) at
+ * i*sr + j*sc (float64, lower triangle read); inv: n x 16 x 16 float64; good: n int32. Queued on `stream`. */
+int fq_chol_inv16(int device, const double* a, long long sb, long long sr, long long sc, double* inv, int* good,
+                  long long n, void* stream)
+{
+    if (n < 0 || n > 0x7fffffffLL) return -1;
+    if (n == 0) return 0;
+    cudaError_t err = cudaSetDevice(device);
+    if (err != cudaSuccess) return (int) err;
+    fq_chol_inv16_kernel<<<(int) ((n + 63) / 64), 64, 0, (cudaStream_t) stream>>>(a, sb, sr, sc, inv, good, (int) n);
+    return (int) cudaGetLastError();
 }
 
 }  // extern "C"

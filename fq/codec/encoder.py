@@ -109,9 +109,9 @@ def sample_tiles(x: torch.Tensor, width: int = 3) -> torch.Tensor:
     return tiles[kk, nn]
 
 
-def _viterbi(tiles: torch.Tensor, K: int, codebook: str, device: torch.device) -> torch.Tensor:
+def _viterbi(tiles: torch.Tensor, K: int, codebook: str, device: torch.device, check: bool = True) -> torch.Tensor:
     # viterbi() would copy CUDA states back to the CPU; viterbi_gpu leaves them where the pipeline runs
-    return viterbi(tiles, K, codebook) if device.type == "cpu" else viterbi_gpu(tiles, K, codebook, device)
+    return viterbi(tiles, K, codebook) if device.type == "cpu" else viterbi_gpu(tiles, K, codebook, device, check)
 
 
 def _tile_mses(jobs: list, K: int, codebook: str, device: torch.device) -> list[list[float]]:

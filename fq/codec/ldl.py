@@ -6,8 +6,9 @@ factorization in float64:
 
 - panels of 128 columns; within a panel, block column j (16 wide): D_j = the current diagonal block
   (symmetrized from its lower triangle), D_j^-1 through a 16x16 Cholesky and a triangular inverse done in a
-  fixed scalar order (numpy elementwise operations on the host, batched over the matrices: the same IEEE
-  operations whichever device the encode runs on), L_j = A_j D_j^-1 in a fixed order (16 elementwise
+  fixed scalar order (numpy elementwise operations on the host, batched over the matrices; on CUDA a kernel doing
+  the same IEEE operations in the same order, fq.codec.viterbi_cuda.chol_inv16_cuda, so the GPU never waits on
+  the host), L_j = A_j D_j^-1 in a fixed order (16 elementwise
   multiply-adds on the device, never fused), then the rest of the panel A -= L_j A_j^T;
 - after a panel, the trailing matrix A -= L_panel A_panel^T (A_panel: the panel's columns as factored),
   lower block triangle only, in column chunks.
@@ -22,6 +23,8 @@ A matrix whose pivot block is not positive definite (a Cholesky pivot <= 0 or no
 ``ok``; its factorization stops there (its L is left zero from that block on) while the others go on.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -78,6 +81,20 @@ def _sym_lower(D: torch.Tensor) -> torch.Tensor:
     return low + torch.tril(D, -1).transpose(-2, -1)
 
 
+def _block_factors(D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """chol_inv16 of the blocks D (B, 16, 16) (lower triangle read), on D's device: the CUDA kernel (the same bits,
+    queued without a host round trip), else numpy on the host. Returns (D^-1, good) as tensors on D's device."""
+    if D.device.type == "cuda" and os.environ.get("FQ_VITERBI_CUDA", "kernel") != "torch":
+        from fq.codec import viterbi_cuda
+
+        try:
+            return viterbi_cuda.chol_inv16_cuda(D)
+        except viterbi_cuda.CudaViterbiUnavailable:
+            pass  # fq.codec.viterbi warns once when the library cannot be built; the host path gives the same bits
+    inv, good = chol_inv16(_sym_lower(D).cpu().numpy())
+    return torch.from_numpy(inv).to(D.device), torch.from_numpy(good).to(D.device)
+
+
 def block_ldl(H: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, np.ndarray]:
     """H: (B, k, k) float64, symmetric, k a multiple of 128, equilibrated (see the module docstring).
     Returns (L, ok): L (B, k, k) float64 holding the strictly block-lower part of the unit block-lower factor
@@ -90,7 +107,8 @@ def block_ldl(H: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, n
     A = H.to(torch.float64)
     if A is H and not overwrite:
         A = A.clone()
-    ok = np.ones(B, dtype=bool)
+    ok = torch.ones(B, dtype=torch.bool, device=dev)  # stays on the device: no host round trip per block on CUDA
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
     b16 = budget(BLOCK)
     bp = budget(PANEL)
     for p0 in range(0, k, PANEL):
@@ -99,16 +117,14 @@ def block_ldl(H: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, n
         Lp = torch.zeros_like(Ap)
         for j0 in range(p0, p1, BLOCK):
             j1 = j0 + BLOCK
-            D = _sym_lower(A[:, j0:j1, j0:j1]).cpu().numpy()
-            inv, good = chol_inv16(D)
+            inv, good = _block_factors(A[:, j0:j1, j0:j1])
             ok &= good
-            alive = torch.from_numpy(ok.copy()).to(dev)[:, None, None]
             if j1 == k:
                 break
             col = A[:, j1:, j0:j1]
-            if not ok.all():
-                col = torch.where(alive, col, torch.zeros((), dtype=torch.float64, device=dev))
-            Lcol = _times_small(col, torch.from_numpy(inv).to(dev))
+            if dev.type != "cpu" or not bool(ok.all()):  # a failed matrix stops here: its L stays zero
+                col = torch.where(ok[:, None, None], col, zero)
+            Lcol = _times_small(col, inv)
             Ap[:, j1 - p0 :, j0 - p0 : j1 - p0] = col
             Lp[:, j1 - p0 :, j0 - p0 : j1 - p0] = Lcol
             if j1 < p1:  # the rest of this panel's columns, rows j1..k
@@ -123,4 +139,4 @@ def block_ldl(H: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, n
                 A[:, c0:, c0:c1] -= grid_mm(Lg.rows(c0 - p1, k - p1), Ag.rows(c0 - p1, c1 - p1).t())
         A[:, p0:, p0:p1] = Lp
         A[:, :p0, p0:p1] = 0.0
-    return A, ok
+    return A, ok.cpu().numpy()

@@ -65,8 +65,10 @@ HESSIAN_SCALES = True
 REFIT_ROUNDS = 2
 CG_ITERS = 32
 CG_TOL = 1e-12  # stop when the residual's squared norm falls below this share of the first one (fp16 scales need far less)
+# scale refits batched together: about 40 k^2 bytes each (their (k, k) systems, grids and temporaries)
+REFIT_BYTES = {"cpu": 1 << 30, "cuda": 16 << 30}
 # matrices whose Hessians are factored (and coded) together: their float64 (in, in) factors fit in this
-GROUP_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
+GROUP_BYTES = {"cpu": 1 << 30, "cuda": 16 << 30}  # cuda: 53 factors of 6144 (GLM-5 gate/up), 512 of 2048
 
 
 def ldlq_drift(K: int) -> float:
@@ -102,9 +104,10 @@ class _Metric:
         return float(tree_sum((T * Et).flatten()))
 
     def times(self, X: torch.Tensor) -> torch.Tensor:
-        """Heq @ (Ds^-1 X) for X (in, n): H X in the equilibrated coordinates, Ds (H X)."""
+        """Heq @ (Ds^-1 X) for X (in, n) or a batch (B, in, n): H X in the equilibrated coordinates, Ds (H X)
+        (each matrix of a batch on its own grid, so its result is the one it would get alone)."""
         Xt = X * self.inv[:, None]
-        return grid_mm(self.g, split(Xt, budget(self.k) - self.bits, 1))
+        return grid_mm(self.g, split(Xt, budget(self.k) - self.bits, 1, batch_dims=X.dim() - 2))
 
 
 def proxy_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
@@ -279,6 +282,7 @@ def ldlq(targets: list, L: torch.Tensor, F: torch.Tensor, K: int, codebook: str,
                            et=torch.zeros_like(T),  # Ds^-1 (W - Q) of the rows done
                            st=torch.empty((len(idx), k // BLOCK, T.shape[2] // BLOCK, 256), dtype=torch.int32,
                                           device=device)))
+    finite = torch.ones((), dtype=torch.bool, device=device)
     for j in range(k, 0, -PANEL):
         i0 = j - PANEL
         for bj in range(j, i0, -BLOCK):
@@ -290,7 +294,8 @@ def ldlq(targets: list, L: torch.Tensor, F: torch.Tensor, K: int, codebook: str,
                     x = x + _feedback(s["L"][:, bj:j, bi:bj], s["et"][:, bj:j]) * s["ds"][:, bi:bj]
                 tiles.append(_rows_to_tiles(x.to(torch.float32)))
             flat = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
-            states = _viterbi(flat, K, codebook, device)
+            finite &= torch.isfinite(flat).all()  # on the device; read once, after the walk
+            states = _viterbi(flat, K, codebook, device, check=False)
             at = 0
             for s in stacks:
                 b, tn = len(s["idx"]), s["T"].shape[2] // BLOCK
@@ -302,6 +307,8 @@ def ldlq(targets: list, L: torch.Tensor, F: torch.Tensor, K: int, codebook: str,
         if i0 > 0:
             for s in stacks:
                 s["fb"][:, :i0] += _feedback(s["L"][:, i0:j, :i0], s["et"][:, i0:j]) * s["ds"][:, :i0]
+    if not bool(finite):  # finite targets and factors give finite tiles; this is the guard, not the rule
+        raise FqError("LDLQ: the error feedback became NaN or Inf (a Hessian factor overflowed)")
     out = [None] * len(targets)
     for s in stacks:
         for pos, i in enumerate(s["idx"]):
@@ -313,10 +320,12 @@ def ldlq(targets: list, L: torch.Tensor, F: torch.Tensor, K: int, codebook: str,
 
 
 def _cg(Ag, diag: torch.Tensor, rhs: torch.Tensor, bits_v: int) -> torch.Tensor:
-    """Solve A r = rhs from r = 1 by Jacobi-preconditioned conjugate gradients; A given on a grid (Ag), its
-    products with a vector exact; fixed-order dot products; at most CG_ITERS iterations."""
+    """Solve A r = rhs from r = 1 by Jacobi-preconditioned conjugate gradients, for a batch: Ag the grid of A
+    (B, k, k), diag and rhs (B, k). A's products with a vector are exact, dot products fixed-order, at most
+    CG_ITERS iterations. A solve that has converged (or broken down) is frozen where it stands while the others
+    go on, which gives each matrix the numbers it would get by stopping alone; the host looks once per iteration."""
     def mv(v):
-        return grid_mm(Ag, split(v[:, None], bits_v, 1))[:, 0]
+        return grid_mm(Ag, split(v[..., None], bits_v, 1, batch_dims=1, check=False))[..., 0]
 
     def dot(a, b):
         return tree_sum(a * b)
@@ -328,20 +337,22 @@ def _cg(Ag, diag: torch.Tensor, rhs: torch.Tensor, bits_v: int) -> torch.Tensor:
     p = z
     rz = dot(res, z)
     rr0 = dot(res, res)
+    done = torch.zeros(rhs.shape[0], dtype=torch.bool, device=rhs.device)
     for _ in range(CG_ITERS):
-        if not bool(rz > 0) or bool(dot(res, res) <= CG_TOL * rr0):
+        done = done | ~(rz > 0) | (dot(res, res) <= CG_TOL * rr0)
+        if bool(done.all()):
             break
         Ap = mv(p)
         pAp = dot(p, Ap)
-        if not bool(pAp > 0):
-            break
-        alpha = rz / pAp
-        r = r + p * alpha
-        res = res - Ap * alpha
+        done = done | ~(pAp > 0)
+        alpha = (rz / pAp)[:, None]
+        d = done[:, None]
+        r = torch.where(d, r, r + p * alpha)
+        res = torch.where(d, res, res - Ap * alpha)
         z = res / M
         rz_new = dot(res, z)
-        p = z + p * (rz_new / rz)
-        rz = rz_new
+        p = torch.where(d, p, z + p * (rz_new / rz)[:, None])
+        rz = torch.where(done, rz, rz_new)
     return r
 
 
@@ -350,31 +361,41 @@ def refit_scales(Wt: torch.Tensor, inner: torch.Tensor, suh: torch.Tensor, svh: 
     stored fp16 scales; W^T = Wt (in, out) the target. The model: W_hat^T = diag(a) Qb diag(b), Qb the decoded
     weight rotated back (float64). Two rounds: b_j *= (q_j^T Hd w_j) / (q_j^T Hd q_j) per output channel, then
     a *= r with ((Q Q^T) o Hd) r = rowsum(Q o Hd W). A zero scale stays zero; a non-finite or non-positive
-    factor leaves its channel unchanged."""
-    k, n = Wt.shape
+    factor leaves its channel unchanged. Batched: Wt and inner (B, in, out), suh (B, in), svh (B, out), one Hd
+    for all; each matrix gets what it would get alone, bit for bit (one kernel per step for the whole batch)."""
+    if Wt.dim() == 2:
+        a, b = refit_scales(Wt[None], inner[None], suh[None], svh[None], Hd)
+        return a[0], b[0]
+    B, k, n = Wt.shape
     metric = _Metric(Hd)
-    Qb = had_rows(had_cols(inner.to(torch.float64)))
+    Qb = torch.stack([had_rows(had_cols(x.to(torch.float64))) for x in inner])
     a, b = suh.to(torch.float64), svh.to(torch.float64)
+    inv = metric.inv[:, None]
     HW = metric.times(Wt)  # Ds (Hd Wt); with Qt = Ds^-1 Q below, every sum is the unscaled one
     one = torch.ones((), dtype=torch.float64, device=Wt.device)
     for _round in range(REFIT_ROUNDS):
-        Q = Qb * a[:, None] * b[None, :]
-        Qt = Q * metric.inv[:, None]  # Ds^-1 Q
+        Q = Qb * a[:, :, None] * b[:, None, :]
+        Qt = Q * inv  # Ds^-1 Q
         HQ = metric.times(Q)  # Heq Ds^-1 Q = Ds Hd Q
-        num = tree_sum(Qt * HW, 0)  # sum_i (Ds^-1 Q)_ij (Ds Hd W)_ij = q_j^T Hd w_j
-        den = tree_sum(Qt * HQ, 0)
+        num = tree_sum(Qt * HW, 1)  # sum_i (Ds^-1 Q)_ij (Ds Hd W)_ij = q_j^T Hd w_j
+        den = tree_sum(Qt * HQ, 1)
+        del Qt, HQ
         c = torch.where(den > 0, num / torch.where(den > 0, den, one), one)
         c = torch.where(torch.isfinite(c) & (c > 0), c, one)
         b = b * c
-        Q = Q * c[None, :]
+        Q = Q * c[:, None, :]
         # input side: A = (Q Q^T) o Hd, rhs = rowsum(Q o Hd W)
         bq = budget(n)
-        G = grid_mm(split(Q, bq // 2, 1), split(Q.t().contiguous(), bq - bq // 2, 1))
-        A = G * Hd
-        rhs = tree_sum(Q * (HW * metric.inv[:, None]), 1)  # Q o (Hd W)
+        A = grid_mm(split(Q, bq // 2, 1, batch_dims=1), split(Q.transpose(1, 2).contiguous(), bq - bq // 2, 1,
+                                                               batch_dims=1)) * Hd
+        rhs = tree_sum(Q * (HW * inv), 2)  # Q o (Hd W)
+        del Q
         bk = budget(k)
-        Ag = split(A, bk // 2, 2)
-        r = _cg(Ag, torch.diagonal(A).clone(), rhs, bk - bk // 2)
+        diag = torch.diagonal(A, dim1=1, dim2=2).clone()
+        Ag = split(A, bk // 2, 2, batch_dims=1)
+        del A
+        r = _cg(Ag, diag, rhs, bk - bk // 2)
+        del Ag
         r = torch.where(torch.isfinite(r) & (r > 0), r, one)
         a = a * r
     return a, b
@@ -383,25 +404,46 @@ def refit_scales(Wt: torch.Tensor, inner: torch.Tensor, suh: torch.Tensor, svh: 
 # ---------------------------------------------------------------------------------------------- encoder
 
 
-def _finish(W64, Hd, su, sv, g, states, K, codebook, clock, metric) -> Encoded:
-    """Pack, reconstruct, refit the scales, measure; all on the states' device."""
+def _coded(W64, su, sv, g, states, K, codebook, metric) -> dict:
+    """A matrix as the LDLQ walk left it: packed trellis, decoded inner matrix, its fp16 scales and proxy error."""
     dev = states.device
-    trellis = pack(states, K)
     inner = tiles_to_matrix(values_torch(codebook, dev)[states.long()])
     suh, svh = _fp16(div(su, g)), _fp16(sv)
-    den = metric.quad(W64)
     W_hat = unrotate(inner, suh, svh)
-    num = metric.quad(W_hat.double() - W64)
-    clock("finish")
-    a, b = refit_scales(W64.t(), inner, suh, svh, Hd)
+    return dict(trellis=pack(states, K), inner=inner, suh=suh, svh=svh, W_hat=W_hat, den=metric.quad(W64),
+                num=metric.quad(W_hat.double() - W64), g=float(g))
+
+
+def _refit_all(W64s: list, coded: list, Hds: list, damping: list, device: torch.device) -> list:
+    """refit_scales for every matrix, batched over those of one damped Hessian and width, REFIT_BYTES of working
+    set at a time. Returns (a, b) per matrix."""
+    out = [None] * len(coded)
+    k = coded[0]["inner"].shape[0]
+    per = max(1, REFIT_BYTES.get(device.type, 1 << 30) // (40 * k * k))  # A, its grid parts and temporaries
+    same: dict[tuple, list[int]] = {}  # one damped H and one width per batch
+    for j, d in enumerate(damping):
+        same.setdefault((d, coded[j]["inner"].shape[1]), []).append(j)
+    for idx in same.values():
+        for c0 in range(0, len(idx), per):
+            part = idx[c0 : c0 + per]
+            a, b = refit_scales(torch.stack([W64s[j].t() for j in part]), torch.stack([coded[j]["inner"] for j in part]),
+                                torch.stack([coded[j]["suh"] for j in part]), torch.stack([coded[j]["svh"] for j in part]),
+                                Hds[part[0]])
+            for pos, j in enumerate(part):
+                out[j] = (a[pos], b[pos])
+    return out
+
+
+def _finish(W64, c: dict, a: torch.Tensor, b: torch.Tensor, codebook: str, metric) -> Encoded:
+    """Keep the refit scales if the stored (fp16) tensors' proxy error drops; measure."""
+    suh, svh, W_hat, num, den = c["suh"], c["svh"], c["W_hat"], c["num"], c["den"]
     suh2, svh2 = _fp16(a), _fp16(b)
     if bool(torch.isfinite(suh2).all()) and bool(torch.isfinite(svh2).all()):
-        W_hat2 = unrotate(inner, suh2, svh2)
+        W_hat2 = unrotate(c["inner"], suh2, svh2)
         num2 = metric.quad(W_hat2.double() - W64)
         if num2 < num:
             suh, svh, W_hat, num = suh2, svh2, W_hat2, num2
-    clock("refit")
-    tensors = {"trellis": trellis.cpu(), "suh": suh.cpu(), "svh": svh.cpu()}
+    tensors = {"trellis": c["trellis"].cpu(), "suh": suh.cpu(), "svh": svh.cpu()}
     marker = marker_value(codebook)
     if marker is not None:
         tensors[codebook] = torch.tensor(marker, dtype=torch.int32)
@@ -409,8 +451,7 @@ def _finish(W64, Hd, su, sv, g, states, K, codebook, clock, metric) -> Encoded:
     sw = float(tree_sum((W64 * W64).flatten()))
     se = float(tree_sum((d * d).flatten()))
     proxy = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
-    clock("finish")
-    return Encoded(tensors, W_hat, se / sw if sw > 0 else 0.0, float(g), sum_sq_w=sw, sum_sq_err=se, proxy_err=proxy)
+    return Encoded(tensors, W_hat, se / sw if sw > 0 else 0.0, c["g"], sum_sq_w=sw, sum_sq_err=se, proxy_err=proxy)
 
 
 def _groups(n: int, k: int, device: torch.device):
@@ -440,8 +481,8 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> 
         regs = [regularize(W64s[i].t(), seeds[i]) for i in group]
         clock("regularize")
         # the factorization first: a Hessian that cannot be used fails before any trellis search
-        L, F, _, Hds = _factor([Hc] * len(group), [SIGMA_REG] * len(group), [su for _, su, _ in regs],
-                               [names[i] for i in group], device)
+        L, F, damping, Hds = _factor([Hc] * len(group), [SIGMA_REG] * len(group), [su for _, su, _ in regs],
+                                     [names[i] for i in group], device)
         clock("hessian")
         drift = ldlq_drift(K)
         gs = search_scales([x * drift for x, _, _ in regs], K, codebook, device)
@@ -452,11 +493,16 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> 
         states = ldlq(targets, L, F, K, codebook, device)
         del L, targets
         clock("ldlq")
+        coded = [_coded(W64s[i], su, sv, gs[j], states[j], K, codebook, metric)
+                 for j, (i, (_, su, sv)) in enumerate(zip(group, regs))]
+        del states, regs
+        clock("finish")
+        scales = _refit_all([W64s[i] for i in group], coded, Hds, damping, device)
+        clock("refit")
         for j, i in enumerate(group):
-            _, su, sv = regs[j]
-            out.append(_finish(W64s[i], Hds[j], su, sv, gs[j], states[j], K, codebook, clock, metric))
-            W64s[i] = None
-            regs[j] = None
+            out.append(_finish(W64s[i], coded[j], *scales[j], codebook, metric))
+            W64s[i] = coded[j] = None
+        clock("finish")
     return out
 
 

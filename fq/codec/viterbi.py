@@ -44,14 +44,14 @@ def viterbi(tiles: torch.Tensor, K: int, codebook: str, device=None, threads: in
     return viterbi_gpu(tiles, K, codebook, device).cpu()
 
 
-def viterbi_gpu(tiles: torch.Tensor, K: int, codebook: str, device) -> torch.Tensor:
+def viterbi_gpu(tiles: torch.Tensor, K: int, codebook: str, device, check: bool = True) -> torch.Tensor:
     """States on ``device``: the CUDA kernel, or the torch path (with a warning, once) if it cannot be built."""
     device = torch.device(device)
     if device.type == "cuda" and os.environ.get("FQ_VITERBI_CUDA", "kernel") != "torch":
         from fq.codec import viterbi_cuda  # imported only here: CPU use never needs nvcc
 
         try:
-            return viterbi_cuda.viterbi_cuda(tiles, K, codebook, device)
+            return viterbi_cuda.viterbi_cuda(tiles, K, codebook, device, check)
         except viterbi_cuda.CudaViterbiUnavailable as e:
             if str(e) not in _CUDA_FALLBACK_WARNED:
                 _CUDA_FALLBACK_WARNED.add(str(e))

@@ -1,4 +1,5 @@
-"""CUDA tail-biting Viterbi (``_viterbi_cuda.cu``): build, load and call.
+"""CUDA tail-biting Viterbi (``_viterbi_cuda.cu``): build, load and call; the same library holds the LDL's 16x16
+block factor (``chol_inv16_cuda``, fq.codec.ldl), so that a calibrated encode never waits on the host per block.
 
 Imported only when a CUDA device is asked for, so CPU installs never need nvcc.
 
@@ -32,7 +33,7 @@ from fq.codec.codebook import values_f16
 from fq.codec.packing import TILE_LEN
 
 SOURCE = Path(__file__).with_name("_viterbi_cuda.cu")
-ABI = 2
+ABI = 3
 # -fmad=false is belt and braces: the kernel's float arithmetic uses __fsub_rn/__fmul_rn/__fadd_rn,
 # which are never contracted into an FMA.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
@@ -133,6 +134,10 @@ def _load(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.fq_viterbi_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p]
+    lib.fq_chol_inv16.restype = ctypes.c_int
+    lib.fq_chol_inv16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong,
+                                  ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                                  ctypes.c_void_p]
     return lib
 
 
@@ -168,8 +173,10 @@ def batch_tiles(K: int, n: int, device, lib: ctypes.CDLL | None = None) -> int:
     return max(sms, b // sms * sms)
 
 
-def viterbi_cuda(tiles: torch.Tensor, K: int, codebook: str, device) -> torch.Tensor:
+def viterbi_cuda(tiles: torch.Tensor, K: int, codebook: str, device, check: bool = True) -> torch.Tensor:
     """Best tail-biting states per tile on ``device``: (n, 256) float32 -> (n, 256) int32 (on ``device``).
+    ``check``: refuse non-finite tiles (a host round trip; a caller whose tiles are finite by construction and
+    that checks its own result skips it, so that its steps queue without waiting).
 
     Same states as the CPU kernel (fq.codec.viterbi.viterbi_cpu), bit for bit."""
     device = torch.device(device)
@@ -183,7 +190,7 @@ def viterbi_cuda(tiles: torch.Tensor, K: int, codebook: str, device) -> torch.Te
     out = torch.empty((n, TILE_LEN), dtype=torch.int32, device=device)
     if n == 0:
         return out
-    if not bool(torch.isfinite(x).all()):
+    if check and not bool(torch.isfinite(x).all()):
         raise ValueError("viterbi: tiles contain NaN or Inf")
     vals = _values_cached(codebook, str(device))
     b = batch_tiles(K, n, device, lib)
@@ -200,3 +207,26 @@ def viterbi_cuda(tiles: torch.Tensor, K: int, codebook: str, device) -> torch.Te
     # Everything was allocated on this stream and the kernels run on it, so the caching allocator can only
     # hand these buffers out again to later work on the same stream: no record_stream is needed.
     return out
+
+
+def chol_inv16_cuda(D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fq.codec.ldl.chol_inv16 on the GPU, bit for bit: D (B, 16, 16) float64 CUDA (any strides; its lower
+    triangle is read) -> (D^-1 (B, 16, 16) float64, good (B,) bool), both on D's device, queued on the current
+    stream without a host round trip."""
+    if D.device.type != "cuda" or D.dtype != torch.float64 or D.dim() != 3 or tuple(D.shape[1:]) != (16, 16):
+        raise ValueError(f"chol_inv16_cuda: expected a (B, 16, 16) float64 CUDA tensor, got {D.dtype} "
+                         f"{tuple(D.shape)} on {D.device}")
+    device = D.device
+    lib = library(device)
+    n = D.shape[0]
+    inv = torch.empty((n, 16, 16), dtype=torch.float64, device=device)
+    good = torch.empty(n, dtype=torch.int32, device=device)
+    sb, sr, sc = D.stride()
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        err = lib.fq_chol_inv16(device.index, D.data_ptr(), sb, sr, sc, inv.data_ptr(), good.data_ptr(), n,
+                                ctypes.c_void_p(stream.cuda_stream))
+    if err != 0:
+        msg = "bad arguments" if err == -1 else lib.fq_viterbi_error_string(err).decode(errors="replace")
+        raise RuntimeError(f"CUDA chol_inv16 ({n} blocks) failed: {msg} (code {err})")
+    return inv, good.bool()
