@@ -50,7 +50,7 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-tflops", type=float, default=None,
                    help="calibration forward and Hessian sums throughput in TFLOP/s (default 60: float64 on an H200)")
     p.add_argument("--ldlq-factor", type=float, default=None,
-                   help="LDLQ encode time over weight-only (default 1.5, measured on an H200 at K2)")
+                   help="LDLQ encode time over weight-only (default 1.35, measured on an H200 at K2-K4)")
 
 
 def calibration_from_args(args, source: SourceModel):

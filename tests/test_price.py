@@ -9,6 +9,7 @@ import pytest
 from fq.cli import main
 from fq.errors import FqError
 from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
+from fq.planning.calibration_cost import DEFAULT_LDLQ_FACTOR
 from fq.planning.plan import encoded_expert_bytes, make_plan
 from fq.planning.price import load_cost_table, parse_cost_table, price_recipe
 from fq.planning.recipe import load_recipe
@@ -205,8 +206,8 @@ def test_calibration_is_priced_from_the_shapes_and_shares_the_disk(glm5, table):
     plain = price_recipe(recipe, glm5, table, gpus=8, disk_budget=1_600_000_000_000)
     cal = price_recipe(recipe, glm5, table, gpus=8, disk_budget=1_600_000_000_000, calibration=c)
     encode_s = sum(n.gpu_seconds for n in plain.nodes)
-    assert sum(n.gpu_seconds for n in cal.nodes) == pytest.approx(1.5 * encode_s)
-    assert cal.gpu_seconds == pytest.approx(1.5 * encode_s + c.gpu_seconds)
+    assert sum(n.gpu_seconds for n in cal.nodes) == pytest.approx(DEFAULT_LDLQ_FACTOR * encode_s)
+    assert cal.gpu_seconds == pytest.approx(DEFAULT_LDLQ_FACTOR * encode_s + c.gpu_seconds)
     assert cal.peak_local_bytes <= 1_600_000_000_000 < plain.peak_local_bytes + c.disk_bytes
     assert len(cal.windows) > len(plain.windows)
     with pytest.raises(FqError, match="calibration alone needs"):
@@ -221,7 +222,7 @@ def test_fq_price_calibration_flag(tmp_path, capsys):
                  "--calibration", "250x2048"]) == 0
     out = capsys.readouterr().out
     assert "calibration (projected, all-experts capture): 250 x 2048 tokens through 75 MoE layers" in out
-    assert "LDLQ encodes priced at 1.5x" in out
+    assert "LDLQ encodes priced at 1.35x" in out
     assert main(["price", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(d), "--sizes", str(d / "sizes.json"),
                  "--calibration", "lots"]) == 2
 
@@ -237,3 +238,24 @@ def test_fq_plan_calibration_flag_reserves_the_hessians_disk(tmp_path, capsys):
     cal = capsys.readouterr().out
     assert "Hessians 2.2 GB per layer, 166.8 GB in all" in cal and "peak local with calibration: 1.590 TB" in cal
     assert "peak local with calibration" not in plain and plain.count("\n") < cal.count("\n")  # more, smaller windows
+
+
+def test_a_campaign_disk_budget_reserves_calibration_disk_before_choosing_windows(tmp_path):
+    """A calibrated campaign's config disk_budget is shared with its Hessians and hidden states, as fq plan and
+    fq price count it: more, smaller windows than the weight-only campaign; a budget calibration alone exceeds
+    is refused at parse time, naming the setting."""
+    from fq.model.source import load_source
+    from fq.workflow.campaign import campaign_plan
+
+    d = write_synthetic(tmp_path / "glm5", *glm5_like())
+    source = load_source(d, sizes=json.loads((d / "sizes.json").read_text()))
+    recipe = load_recipe(RECIPES / "glm52-k2k3-dag.json")
+    cfg = {"block_size": 32, "windows_on_disk": 2, "disk_budget": int(1.6 * TB)}
+    plain = campaign_plan(cfg, recipe, source)
+    cal = campaign_plan(dict(cfg, calibration={"tokens": "t.safetensors", "sha256": "0" * 64}), recipe, source)
+    need = 166_800_000_000  # every Hessian: 2.2 GB x 75 layers (the two hidden-state files come on top)
+    assert len(cal.windows) > len(plain.windows)
+    assert cal.bytes["peak_local"] <= int(1.6 * TB) - need < plain.bytes["peak_local"]
+    assert campaign_plan(dict(cfg, calibration=None), recipe, source).windows == plain.windows
+    with pytest.raises(FqError, match="config disk_budget: .*calibration alone needs"):
+        campaign_plan(dict(cfg, disk_budget=100 * 10**9, calibration={"rows": 250}), recipe, source)

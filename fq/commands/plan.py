@@ -27,13 +27,10 @@ def run(args) -> int:
     usage = load_usage(args.usage) if args.usage else None
     calibration = calibration_from_args(args, source)
     windows = window_kwargs(args)
-    if calibration is not None and windows.get("disk_budget") is not None:  # Hessians and hidden states share it
-        from fq.errors import FqError
+    if windows.get("disk_budget") is not None:  # Hessians and hidden states share it
+        from fq.planning.calibration_cost import windows_budget
 
-        windows["disk_budget"] -= calibration.disk_bytes
-        if windows["disk_budget"] <= 0:
-            raise FqError(f"--disk-budget: calibration alone needs {calibration.disk_bytes} bytes "
-                          "(every Hessian and two hidden-state files)")
+        windows["disk_budget"] = windows_budget(windows["disk_budget"], calibration, "--disk-budget")
     plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **windows)
     print(plan_table(plan))
     if calibration is not None:

@@ -9,8 +9,9 @@ upper bound), its FLOPs counted per MoE layer as
 
 (attention, norms and dense layers left out: a few per cent of that at these sizes), run at ``tflops`` (default 60:
 float64 on an H200's tensor cores, which fq's fixed-order float64 sums use, a little under its 67 TFLOP/s peak).
-LDLQ's encode premium ``ldlq_factor`` (default 1.5) is measured: 0.541 s per 2048×6144 matrix at K2 batched
-×64 against 0.36 s weight-only, H200 (docs/benchmarks.md).
+LDLQ's encode premium ``ldlq_factor`` (default 1.35) is measured: 0.478 s per 2048×6144 matrix at K2 batched ×32
+(a layer's gate/up matrices share one H) against 0.359 s weight-only in the same run, H200; 1.36× at K3 and K4
+(docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from fq.hessian.store import layer_bytes
 from fq.model.source import SourceModel
 
 DEFAULT_TFLOPS = 60.0
-DEFAULT_LDLQ_FACTOR = 1.5
+DEFAULT_LDLQ_FACTOR = 1.35
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,19 @@ def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: floa
     layers = tuple(l for l in source.moe_layers if l not in source.mtp_layers)
     return CalibrationPrice(rows, cols, layers, float(flops), flops / (tflops * 1e12), layer_bytes(h, i, E),
                             t * h * 4, float(tflops), float(ldlq_factor))
+
+
+def windows_budget(disk_budget: int | None, calibration: CalibrationPrice | None, where: str = "disk budget") -> int | None:
+    """The disk budget left for the windows once calibration's files (every Hessian, two hidden-state files) are
+    counted: they share the campaign's local disk. ``where`` names the setting in the error."""
+    if disk_budget is None or calibration is None:
+        return disk_budget
+    left = int(disk_budget) - calibration.disk_bytes
+    if left <= 0:
+        raise FqError(f"{where}: {disk_budget} bytes, but calibration alone needs {calibration.disk_bytes} (every "
+                      f"Hessian of {len(calibration.layers)} layers and two hidden-state files of {calibration.rows} x "
+                      f"{calibration.cols} tokens)")
+    return left
 
 
 def calibration_lines(c: CalibrationPrice) -> list[str]:

@@ -14,20 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from fq.core import canonical
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
+from fq.planning.calibration_cost import CalibrationPrice, windows_budget
 from fq.planning.plan import (DEFAULT_WINDOWS_ON_DISK, choose_windows, encoded_expert_bytes, layer_output_bytes,
                               stage_schedule)
 from fq.core.schema_check import validate
 from fq.core.units import fmt_bytes, fmt_hours
 from fq.model.source import FAMILIES, PROJECTIONS, SourceModel
 from fq.planning.recipe import Recipe, selection_counts
-
-if TYPE_CHECKING:
-    from fq.planning.calibration_cost import CalibrationPrice
 
 TABLE_FORMAT = "fq-cost-table/1"
 DEFAULT_DOWNLOAD_MB_S = 125.0  # assumption: a 1 Gbit/s link to the hub; pass the one you rent
@@ -195,12 +193,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     published = len(recipe.bases) * skeleton + sum(node_bytes.values())
 
     layer_out = layer_output_bytes(recipe, source, counts)
-    budget = disk_budget
-    if calibration is not None and disk_budget is not None:  # the Hessians and hidden states share the disk
-        budget = disk_budget - calibration.disk_bytes
-        if budget <= 0:
-            raise FqError(f"disk budget {disk_budget} bytes: calibration alone needs {calibration.disk_bytes} "
-                          "(every Hessian and two hidden-state files)")
+    budget = windows_budget(disk_budget, calibration)  # the Hessians and hidden states share the disk
     partition = choose_windows(source, layer_out, windows=windows, disk_budget=budget,
                                windows_on_disk=windows_on_disk)
     sched = stage_schedule(source, partition, windows_on_disk, layer_out)

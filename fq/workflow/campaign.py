@@ -21,6 +21,7 @@ from fq.planning.recipe import Recipe, load_recipe
 from fq.provenance.fragments import attestation_name, fragment_filename
 
 SOURCE_KINDS = ("demo", "local", "hub")
+CALIB_ROWS, CALIB_COLUMNS = 250, 2048  # calibration tokens per campaign by default (as exllamav3's converter)
 
 
 def is_encode_rule(name: str) -> bool:
@@ -203,8 +204,8 @@ class Campaign:
         if text and self.source_kind == "hub":
             raise FqError("calibration.text: a hub source's tokenizer is not on disk; give calibration.tokens "
                           "(fq.hessian.calibration.save_tokens) instead")
-        return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", 250)),
-                "columns": int(cfg.get("columns", 2048)), "capture": cfg.get("capture", "all-experts"),
+        return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", CALIB_ROWS)),
+                "columns": int(cfg.get("columns", CALIB_COLUMNS)), "capture": cfg.get("capture", "all-experts"),
                 "compare_weight_only": bool(cfg.get("compare_weight_only", False))}
 
     @property
@@ -566,9 +567,20 @@ def load_campaign(config: dict) -> Campaign:
     if config.get("usage"):
         usage = load_usage(config["usage"])
     recipe = load_recipe(config["recipe"])
-    plan = make_plan(recipe, source, usage=usage, block_size=config["block_size"], windows=config.get("windows"),
-                     disk_budget=config.get("disk_budget"), windows_on_disk=config["windows_on_disk"])
-    return Campaign(config, Path(config["out"]), source, recipe, usage, plan)
+    return Campaign(config, Path(config["out"]), source, recipe, usage, campaign_plan(config, recipe, source, usage))
+
+
+def campaign_plan(config: dict, recipe, source, usage=None):
+    """The plan of a config's campaign. A ``disk_budget`` is shared, in a calibrated campaign, with the Hessians
+    and the hidden states (fq.planning.calibration_cost.windows_budget, as fq plan and fq price count it)."""
+    budget, cal = config.get("disk_budget"), config.get("calibration")
+    if budget is not None and cal:
+        from fq.planning.calibration_cost import price_calibration, windows_budget
+
+        need = price_calibration(source, int(cal.get("rows", CALIB_ROWS)), int(cal.get("columns", CALIB_COLUMNS)))
+        budget = windows_budget(budget, need, "config disk_budget")
+    return make_plan(recipe, source, usage=usage, block_size=config["block_size"], windows=config.get("windows"),
+                     disk_budget=budget, windows_on_disk=config["windows_on_disk"])
 
 
 def load_campaign_json(path: str | os.PathLike) -> dict:
