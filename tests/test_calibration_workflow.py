@@ -179,10 +179,10 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
         name = c.source.expert_tensor(layer, e, p)
         with safe_open(str(c.source_dir / c.source.weight_map[name]), "pt") as fh:
             w = fh.get_tensor(name).to(torch.float32)
-        direct = encode(w, 1, "mul1", matrix_seed(0, "a", layer, e, p), "cpu").tensors
+        direct = encode(w, 3, "mul1", matrix_seed(0, "a", layer, e, p), "cpu").tensors
         assert set(direct) == set(twin_a[p]) and all(torch.equal(direct[k], twin_a[p][k]) for k in direct)
         assert not torch.equal(real_a[p]["trellis"], twin_a[p]["trellis"])  # the calibrated encode is another one
-        res = encode_residual(w, [twin_a[p]], 1, "mul1", matrix_seed(0, "a.r1", layer, e, p), "cpu").tensors
+        res = encode_residual(w, [twin_a[p]], 3, "mul1", matrix_seed(0, "a.r1", layer, e, p), "cpu").tensors
         assert all(torch.equal(res[k], twin_r[p][k]) for k in res)
     assert stage.experts == base.experts
 
@@ -196,7 +196,7 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
         assert len(twin["kl_windows"]) == len(row["kl_windows"]) == 4
         assert row["kl_minus_weight_only"] == pytest.approx(row["kl"] - twin["kl"])
         print(f"{p}: calibrated KL {row['kl']:.6g}, weight-only KL {twin['kl']:.6g}")
-    assert doc["weight_only"]["a (weight-only)"]["kl"] > doc["products"]["a"]["kl"]  # measured on the K1 base
+    assert doc["weight_only"]["a (weight-only)"]["kl"] > doc["products"]["a"]["kl"]  # measured on the K3 base
     tsv = (out / "eval" / "eval.tsv").read_text().splitlines()
     assert sum(line.split("\t")[1] == "weight-only" for line in tsv[1:]) == 2
     rows = {r["product"]: r for r in canonical.load(out / "report" / "products.json")}
