@@ -198,17 +198,18 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
                                windows_on_disk=windows_on_disk)
     sched = stage_schedule(source, partition, windows_on_disk, layer_out)
     layer_secs = {l: sum(per_expert[n] * counts[n][l] for n in per_expert) for l in source.moe_layers}
+    chain = {l: 0.0 for l in source.moe_layers}  # the calibration chain's seconds per layer (serial, one GPU)
     calib_s = 0.0
     if calibration is not None:
         for l in calibration.layers:
-            layer_secs[l] += calibration.seconds_per_layer
+            chain[l] = calibration.seconds_per_layer
         calib_s = calibration.gpu_seconds
-    window_secs = [sum(layer_secs[l] for l in layers) for layers in partition]
+    per_window = [([layer_secs[l] for l in layers], [chain[l] for l in layers]) for layers in partition]
     stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
     verify_s = published / verify_bytes_per_s
     options = []
     for n in range(1, gpus + 1):
-        first, done = _timeline(stage_s, window_secs, n, windows_on_disk)
+        first, done = _timeline(stage_s, per_window, n, windows_on_disk)
         billed = n * done / 3600
         options.append(GpuOption(n, first, done, verify_s, done + verify_s, billed, billed * usd_per_gpu_hour))
     return Price(
@@ -223,15 +224,22 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     )
 
 
-def _timeline(stage_s: Sequence[float], encode_s: Sequence[float], gpus: int, W: int) -> tuple[float, float]:
-    """(end of window 0's staging, end of the last window's encode) in seconds from the start."""
-    staged, encoded = [], []
-    for w, (st, enc) in enumerate(zip(stage_s, encode_s)):
+def _timeline(stage_s: Sequence[float], windows: Sequence[tuple[Sequence[float], Sequence[float]]], gpus: int,
+              W: int) -> tuple[float, float]:
+    """(end of window 0's staging, end of the last window's encode) in seconds from the start. ``windows``: per
+    window, its layers' encode seconds and calibration seconds. The encodes spread over the GPUs; the calibration
+    chain is serial (layer L+1 starts from layer L's output) on one GPU at a time, and a layer's encodes cannot end
+    before its calibration has: so a window ends no sooner than its work over the GPUs after the previous window,
+    nor sooner than the chain's end of its last layer plus that layer's encodes over the GPUs."""
+    staged, encoded, chain = [], [], 0.0
+    for w, (st, (enc, cal)) in enumerate(zip(stage_s, windows)):
         start = staged[-1] if w else 0.0
         if w - W >= 0:
             start = max(start, encoded[w - W])  # window w fetches once window w-W retired
         staged.append(start + st)
-        encoded.append(max(staged[-1], encoded[-1] if w else 0.0) + enc / gpus)
+        chain = max(chain, staged[-1]) + sum(cal)
+        encoded.append(max(max(staged[-1], encoded[-1] if w else 0.0) + (sum(enc) + sum(cal)) / gpus,
+                           chain + (enc[-1] if enc else 0.0) / gpus))
     return staged[0], encoded[-1]
 
 
