@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """The calibration chain's cost per GLM-5 MoE layer, projected from measured smaller layers (issue 18, section 4).
 
-    python3 benchmarks/capture_cost.py --device cuda:0 [--experts 8,16] [--rows 4 --cols 2048] [--json OUT.json]
+    python3 benchmarks/capture_cost.py --device cuda:0 [--experts 8,16] [--rows 2,4 --cols 2048] [--json OUT.json]
 
 One MoE decoder layer with GLM-5's expert shapes (hidden 6144, moe_intermediate 2048, top-8 routing, a shared
 expert; transformers' Glm4MoeDecoderLayer, the class fq's capture supports: GLM-5's own DSA attention is not
-registered yet) and random weights, through fq.hessian.capture.advance (all-experts capture, float64 sums) with
-``--rows`` x ``--cols`` tokens, once per expert count in ``--experts`` (after a warm-up). The time is affine in the
-experts (attention, input H: fixed; each expert's forward on every token and its down Hessian: per expert) and
-linear in the tokens, so two measured expert counts give the projection for 256 experts and 250 x 2048 tokens,
-printed beside fq.planning.calibration_cost's FLOP-based figure (60 TFLOP/s). Weights live on the device: 256
-experts would need 38.7 GB of float32 weights, which is why the full layer is projected, not run.
+registered yet) and random weights, through fq.hessian.capture.advance (all-experts capture, float64 sums), for
+two expert counts (``--experts``) and two row counts (``--rows`` rows of ``--cols`` tokens), after a warm-up. Each
+call's time is setup(E) + rows x per_row(E): the setup (building the layer from its checkpoint tensors and copying
+it to the device) is paid once per layer, the rest scales with the tokens; both are affine in the experts. The
+projection for 256 experts and 250 x 2048 tokens is printed beside fq.planning.calibration_cost's priced figure.
+256 experts would need 38.7 GB of float32 weights, which is why the full layer is projected, not run.
 """
 from __future__ import annotations
 
@@ -80,46 +80,59 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--experts", default="8,16")
-    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--rows", default="2,4", help="two row counts: the time per row is their difference")
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--small", action="store_true", help="demo-sized shapes (a quick CPU check of the script)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     s = dict(hidden=256, inter=128, top_k=2, heads=4, kv_heads=4, head_dim=64, dense_inter=512) if args.small else GLM5
     counts = [int(e) for e in args.experts.split(",")]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if len(counts) != 2 or len(rows_list) != 2 or counts[0] == counts[1] or rows_list[0] == rows_list[1]:
+        ap.error("--experts and --rows take two different values each")
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(args.rows, args.cols, s["hidden"], generator=g)
-    tokens = args.rows * args.cols
+    hidden = torch.randn(max(rows_list), args.cols, s["hidden"], generator=g)
     rows = []
-    for i, E in enumerate([counts[0]] + counts):  # the first run warms up (CUDA, kernels, allocator)
+    for i, E in enumerate([counts[0]] + counts):  # the first pass warms up (CUDA, kernels, allocator)
         cfg = config(E, s)
         tensors = layer_tensors(cfg, E)
-        sync(args.device)
-        t = time.perf_counter()
-        _, sums = capture.advance(1, hidden, tensors, cfg, device=args.device, threads=None)
-        sync(args.device)
-        dt = time.perf_counter() - t
-        del tensors, sums
-        if i:
-            rows.append(dict(experts=E, seconds=round(dt, 3)))
-            print(f"{E} experts, {tokens} tokens: {dt:.2f} s", flush=True)
+        for R in rows_list:
+            sync(args.device)
+            t = time.perf_counter()
+            _, sums = capture.advance(1, hidden[:R], tensors, cfg, device=args.device, threads=None)
+            sync(args.device)
+            dt = time.perf_counter() - t
+            del sums
+            if i:
+                rows.append(dict(experts=E, rows=R, tokens=R * args.cols, seconds=round(dt, 3)))
+                print(f"{E} experts, {R} x {args.cols} tokens: {dt:.2f} s", flush=True)
+        del tensors
     res = dict(device=args.device, gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
-               shape=s, tokens=tokens, rows=rows)
-    if len(rows) >= 2:
-        (e0, t0), (e1, t1) = (rows[0]["experts"], rows[0]["seconds"]), (rows[-1]["experts"], rows[-1]["seconds"])
-        per = (t1 - t0) / (e1 - e0)
-        fixed = t0 - per * e0
-        scale = 250 * 2048 / tokens
-        proj = (fixed + per * 256) * scale
-        res.update(per_expert_s=per, fixed_s=fixed, projected_glm5_layer_s=proj)
-        from fq.planning.calibration_cost import DEFAULT_TFLOPS
+               shape=s, cols=args.cols, rows=rows)
+    # t(E, R) = setup(E) + R * per_row(E), both affine in E: setup is the layer's build and its copy to the device
+    # (once per layer), per_row the forward and the sums (scales with the tokens)
+    t = {(r["experts"], r["rows"]): r["seconds"] for r in rows}
+    (e0, e1), (r0, r1) = counts, rows_list
+    per_row = {e: (t[e, r1] - t[e, r0]) / (r1 - r0) for e in counts}
+    setup = {e: t[e, r0] - r0 * per_row[e] for e in counts}
 
-        t_, h, i_, E = 250 * 2048, s["hidden"], s["inter"], 256
-        flops = t_ * E * 6 * h * i_ + 2 * t_ * h * h + E * 2 * t_ * i_ * i_
-        res["priced_glm5_layer_s"] = flops / (DEFAULT_TFLOPS * 1e12)
-        print(f"per expert {per:.3f} s, fixed {fixed:.3f} s per {tokens} tokens; projected GLM-5 layer (256 experts, "
-              f"250 x 2048 tokens): {proj:.0f} s = {proj / 3600:.3f} GPU-h; fq price assumes "
-              f"{res['priced_glm5_layer_s']:.0f} s", flush=True)
+    def at(f, e):
+        return f[e0] + (f[e1] - f[e0]) * (e - e0) / (e1 - e0)
+
+    full_rows = 250 * 2048 / args.cols
+    proj = at(setup, 256) + full_rows * at(per_row, 256)
+    res.update(per_row_s=per_row, setup_s=setup, projected_glm5_layer_s=proj,
+               projected_setup_s=at(setup, 256), projected_compute_s=full_rows * at(per_row, 256))
+    from fq.planning.calibration_cost import DEFAULT_TFLOPS
+
+    tk, h, i_, E = 250 * 2048, s["hidden"], s["inter"], 256
+    flops = tk * E * 6 * h * i_ + 2 * tk * h * h + E * 2 * tk * i_ * i_
+    res.update(flops_glm5_layer=flops, measured_tflops=flops / proj / 1e12,
+               priced_glm5_layer_s=flops / (DEFAULT_TFLOPS * 1e12))
+    print(f"per row of {args.cols} tokens: {per_row}; setup: {setup}; projected GLM-5 layer (256 experts, 250 x 2048 "
+          f"tokens): {proj:.0f} s = {proj / 3600:.3f} GPU-h (setup {res['projected_setup_s']:.0f} s), "
+          f"{res['measured_tflops']:.1f} TFLOP/s of the count; fq price assumes {res['priced_glm5_layer_s']:.0f} s",
+          flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0
