@@ -377,3 +377,53 @@ def test_importing_the_package_loads_no_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules, 'fq.codec' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "False"]
+
+
+# -- GLM-5's architecture: MLA attention with a DSA indexer ---------------------------------------------------------
+def _glm5_tiny(d: Path, **over) -> Path:
+    """A tiny GlmMoeDsaForCausalLM (GLM-5's class) with random weights, saved by transformers itself."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("glm_moe_dsa", **{**dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, index_topk=32, index_head_dim=32, index_n_heads=2, max_position_embeddings=256, n_group=1,
+        topk_group=1), **over})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return d
+
+
+def test_glm5_architecture_chain_reproduces_the_full_model(tmp_path):
+    """The chain on GLM-5's own class: 48 columns against an indexer top-k of 32, so the sparse attention selects
+    (the chain materializes the causal mask the indexer reads); each layer's output and each MoE layer's input
+    Hessian equal the full model's."""
+    from transformers import AutoModelForCausalLM
+
+    d = _glm5_tiny(tmp_path / "glm5")
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (3, 48), generator=torch.Generator().manual_seed(1))
+    seen: dict = {"layer": {}, "x": {}}
+    for L, lay in enumerate(m.model.layers):
+        lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(L, out[0].detach()))
+        if hasattr(lay.mlp, "experts"):
+            lay.mlp.register_forward_pre_hook(lambda _m, args, L=L: seen["x"].__setitem__(L, args[0].detach()))
+    with torch.no_grad():
+        m(input_ids=tokens)
+    r = capture.capture_all(d, tokens, tmp_path / "cap", row_batch=2)
+    assert sorted(r["hessians"]) == [1, 2] and layer_mod.architecture(m.config.to_dict()).name == "GlmMoeDsaForCausalLM"
+    for L in range(3):
+        out, _ = capture.load_hidden(r["hidden"][L + 1], next_layer=L + 1)
+        assert _close(out, seen["layer"][L], 1e-5), L
+    for L, p in r["hessians"].items():
+        h = store.read_hessians(p)
+        x = seen["x"][L].reshape(-1, 128).double()
+        assert h.input_count == 3 * 48 and _close(h.input(), x.T @ x / x.shape[0], 1e-6), L
+
+
+def test_glm5_shared_indexer_layers_are_refused_by_name(tmp_path):
+    d = _glm5_tiny(tmp_path / "glm5s", index_topk_pattern="FSF")
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(FqError, match="layer 1: its attention reuses the previous layer's top-k token selection"):
+        capture.capture_all(d, tokens, tmp_path / "cap")

@@ -189,6 +189,11 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
     if hidden.shape[-1] != hfc.hidden_size:
         raise FqError(f"layer {layer}: hidden states of width {hidden.shape[-1]}, the model's hidden_size is "
                       f"{hfc.hidden_size}")
+    if arch.shared_indexer is not None and arch.shared_indexer(hfc, layer):
+        raise FqError(f"layer {layer}: its attention reuses the previous layer's top-k token selection (indexer_types: "
+                      f"{hfc.indexer_types[layer]!r}); the calibration chain runs one layer per job and does not carry "
+                      "that selection yet")
+    mask_kwargs = {"allow_is_causal_skip": False} if arch.materialized_mask else {}
     module = layer_mod.build_layer(hfc, arch, layer, layer_tensors).to(device)
     rot = layer_mod.rotary(hfc, arch).to(device)
     moe = hasattr(module.mlp, "experts")
@@ -214,7 +219,7 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
                 h = hidden[lo: lo + row_batch].to(device)
                 pos_emb = rot(h, position_ids)
                 mask = create_causal_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None,
-                                          position_ids=position_ids)
+                                          position_ids=position_ids, **mask_kwargs)
                 y = module(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb)
                 y = y[0] if isinstance(y, tuple) else y
                 out[lo: lo + row_batch] = y.to("cpu", torch.float32)

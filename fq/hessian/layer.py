@@ -2,7 +2,8 @@
 
 - ``Arch`` / ``ARCHITECTURES``: per ``config.json`` architecture, transformers' decoder-layer and rotary-embedding
   classes, the checkpoint's layer prefix and which layers are MoE. Only architectures whose chain has been checked
-  against the full transformers model are registered (``tests/test_hessian.py``): ``Glm4MoeForCausalLM`` today.
+  against the full transformers model are registered (``tests/test_hessian.py``): ``Glm4MoeForCausalLM`` and GLM-5's
+  ``GlmMoeDsaForCausalLM``.
   Attention, rotary embedding, router and experts are transformers' modules, never re-implemented here.
 - ``read_tensors``: named tensors streamed from the checkpoint's shards (the index's weight map): each shard that
   holds one of them is read once, in one pass that hashes the whole file (``fq.core.safepath.sha256_stream``) and keeps
@@ -53,6 +54,11 @@ class Arch:
     prefix: str = "model.layers.{layer}."
     experts_count_key: str = "n_routed_experts"
     intermediate_key: str = "moe_intermediate_size"
+    # the causal mask always materialized (a sparse-attention indexer reads it; sdpa alone may skip it)
+    materialized_mask: bool = False
+    # layers whose attention reuses the previous layer's top-k token selection (DSA "shared" indexer): the chain,
+    # one layer per job, does not carry that selection, so they are refused
+    shared_indexer: Callable[[object, int], bool] | None = None
 
     def classes(self):
         try:
@@ -69,9 +75,26 @@ def _glm4_moe_is_moe(config: dict, layer: int) -> bool:
     return layer >= int(config.get("first_k_dense_replace", 1))
 
 
+def _glm_moe_dsa_is_moe(config: dict, layer: int) -> bool:
+    # GlmMoeDsaDecoderLayer: mlp_layer_types when given, else dense below first_k_dense_replace (its config's rule)
+    types = config.get("mlp_layer_types")
+    if isinstance(types, list) and layer < len(types):
+        return types[layer] == "sparse"
+    return layer >= int(config.get("first_k_dense_replace", 3))
+
+
+def _dsa_shared(hf_cfg, layer: int) -> bool:
+    types = getattr(hf_cfg, "indexer_types", None) or []
+    return layer < len(types) and types[layer] != "full"
+
+
 ARCHITECTURES: dict[str, Arch] = {
     "Glm4MoeForCausalLM": Arch("Glm4MoeForCausalLM", "transformers.models.glm4_moe.modeling_glm4_moe",
                                "Glm4MoeDecoderLayer", "Glm4MoeRotaryEmbedding", _glm4_moe_is_moe),
+    # GLM-5: MLA attention with a DSA indexer (it returns its top-k token selection beside the hidden states)
+    "GlmMoeDsaForCausalLM": Arch("GlmMoeDsaForCausalLM", "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
+                                 "GlmMoeDsaDecoderLayer", "GlmMoeDsaRotaryEmbedding", _glm_moe_dsa_is_moe,
+                                 materialized_mask=True, shared_indexer=_dsa_shared),
 }
 
 
