@@ -4,8 +4,8 @@
     python3 benchmarks/capture_cost.py --device cuda:0 [--experts 8,16] [--rows 2,4 --cols 2048] [--json OUT.json]
 
 One MoE decoder layer with GLM-5's expert shapes (hidden 6144, moe_intermediate 2048, top-8 routing, a shared
-expert; transformers' Glm4MoeDecoderLayer, the class fq's capture supports: GLM-5's own DSA attention is not
-registered yet) and random weights, through fq.hessian.capture.advance (all-experts capture, float64 sums), for
+expert; transformers' Glm4MoeDecoderLayer: GLM-5's own class, with MLA and the DSA indexer, changes the attention,
+i.e. the fixed part, not the per-expert work) and random weights, through fq.hessian.capture.advance (all-experts capture, float64 sums), for
 two expert counts (``--experts``) and two row counts (``--rows`` rows of ``--cols`` tokens), after a warm-up. Each
 call's time is setup(E) + rows x per_row(E): the setup (building the layer from its checkpoint tensors and copying
 it to the device) is paid once per layer, the rest scales with the tokens; both are affine in the experts. The
