@@ -188,20 +188,25 @@ def rotated_hessian(Hd: torch.Tensor, su: torch.Tensor) -> torch.Tensor:
 
 def _factor(Hs: list, sigmas: list[float], sus: list, names: list[str], device) -> tuple:
     """Block LDL of each matrix's rotated, equilibrated Hessian. Returns (L (B, k, k), f (B, k) exponents of the
-    equilibration, the damping each matrix needed, Hd per matrix)."""
+    equilibration, the damping each matrix needed, Hd per matrix: one tensor shared by the matrices of one H and
+    one damping, not a (k, k) copy each)."""
     n = len(sus)
     k = Hs[0].shape[0]
     L = None
     F = torch.zeros((n, k), dtype=torch.int64, device=device)
     used = list(sigmas)
     Hds = [None] * n
+    damped: dict[tuple[int, float], torch.Tensor] = {}
     todo = list(range(n))
     for attempt in range(DAMPING_RETRIES + 1):
         if not todo:
             break
         stack = torch.empty((len(todo), k, k), dtype=torch.float64, device=device)
         for j, i in enumerate(todo):
-            Hds[i] = _damped(Hs[i], used[i])
+            key = (id(Hs[i]), used[i])
+            if key not in damped:
+                damped[key] = _damped(Hs[i], used[i])
+            Hds[i] = damped[key]
             R = rotated_hessian(Hds[i], sus[i])
             f = _equilibration(torch.diagonal(R).clone())
             ds = pow2(-f)
