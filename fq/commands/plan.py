@@ -4,6 +4,7 @@ from __future__ import annotations
 from fq.cli_args import (add_calibration_args, add_source_args, add_window_args, calibration_from_args,
                          source_from_args, window_kwargs)
 from fq.model.usage import load_usage
+from fq.planning.calibration_cost import windows_budget
 from fq.planning.plan import DEFAULT_BLOCK_SIZE, make_plan, plan_table, write_plan
 from fq.planning.recipe import load_recipe
 
@@ -27,10 +28,8 @@ def run(args) -> int:
     usage = load_usage(args.usage) if args.usage else None
     calibration = calibration_from_args(args, source)
     windows = window_kwargs(args)
-    if windows.get("disk_budget") is not None:  # Hessians and hidden states share it
-        from fq.planning.calibration_cost import windows_budget
-
-        windows["disk_budget"] = windows_budget(windows["disk_budget"], calibration, "--disk-budget")
+    # the Hessians and hidden states share the disk budget (None and weight-only campaigns pass through)
+    windows["disk_budget"] = windows_budget(windows["disk_budget"], calibration, "--disk-budget")
     plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **windows)
     print(plan_table(plan))
     if calibration is not None:
