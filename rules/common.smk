@@ -197,14 +197,10 @@ def native_spec(wc):
             "sources": C.expert_sources(b.layer, experts), "layout": C.layout.to_json(), "hessian": hessian_spec(b.layer)}
 
 
-def weight_only_fragment(wc):
-    return fragment_of(wc)
-
-
 def weight_only_inputs(wc):
     """A twin's ancestors' twins (the chain is weight-only all the way), and the staged shards only when it will
     run (as native_inputs: a finished twin never makes Snakemake stage a retired window again)."""
-    f = weight_only_fragment(wc)
+    f = fragment_of(wc)
     inputs = {"ancestors": [C.weight_only_tensors(a, f.block) for a in C.ancestors(wc.node)]}
     if C.usage_file and C.reads_usage(wc.node):
         inputs["usage"] = ancient(C.usage_file)  # a hot stage's experts are the measurement's first
@@ -214,7 +210,7 @@ def weight_only_inputs(wc):
 
 
 def weight_only_spec(wc):
-    f = weight_only_fragment(wc)
+    f = fragment_of(wc)
     node = C.recipe.node(wc.node)
     return {"node": wc.node, "role": "base" if node.is_base else "stage", "K": node.K, "codebook": node.codebook,
             "node_digest": C.recipe.node_digest(wc.node), "layer": f.block.layer, "block": C.block_index(f.block),

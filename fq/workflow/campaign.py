@@ -141,26 +141,17 @@ class Campaign:
         """True when this twin will be (re)encoded: an output missing, its metrics recording another definition of
         its node, older than an ancestor's twin, or an ancestor's twin will be re-encoded (as
         fragment_needs_source: the rule asks for the staged shards only then)."""
-        memo = {} if _memo is None else _memo
-        key = (node, block.layer, block.first_expert)
-        if key in memo:
-            return memo[key]
+        return self._chain_needs(node, block, self._weight_only_stale, self.weight_only_tensors,
+                                 {} if _memo is None else _memo)
+
+    def _weight_only_stale(self, node: str, block: Block) -> bool:
         path, metrics = Path(self.weight_only_tensors(node, block)), Path(self.weight_only_metrics(node, block))
-        needs = not path.is_file() or not metrics.is_file()
-        if not needs:
-            try:
-                needs = json.loads(metrics.read_bytes()).get("node_digest") != self.recipe.node_digest(node)
-            except (OSError, ValueError, AttributeError):
-                needs = True
-        if not needs:
-            mtime = path.stat().st_mtime
-            for anc in self.ancestors(node):
-                if (self.weight_only_needs_source(anc, block, memo)
-                        or Path(self.weight_only_tensors(anc, block)).stat().st_mtime > mtime):
-                    needs = True
-                    break
-        memo[key] = needs
-        return needs
+        if not path.is_file() or not metrics.is_file():
+            return True
+        try:
+            return json.loads(metrics.read_bytes()).get("node_digest") != self.recipe.node_digest(node)
+        except (OSError, ValueError, AttributeError):
+            return True
 
     # -- output-level evaluation (fq eval) -----------------------------------------------------------
     @property
@@ -443,23 +434,28 @@ class Campaign:
         ancestor's fragment, or an ancestor will be re-encoded. The encode rule asks for the staged shards
         only then, so deleting one fragment re-stages its shards without re-running the other jobs that
         read them (Snakemake would rerun every consumer of a re-created temp file otherwise)."""
-        memo = {} if _memo is None else _memo
+        return self._chain_needs(node, block, self._fragment_stale, self.fragment, {} if _memo is None else _memo)
+
+    def _fragment_stale(self, node: str, block: Block) -> bool:
+        path = Path(self.fragment(node, block))
+        att = Path(self.attestation(str(path)))
+        return (not path.is_file() or not att.is_file() or not Path(self.metrics(node, block)).is_file()
+                or attested_node_digest(att) != self.recipe.node_digest(node))
+
+    def _chain_needs(self, node: str, block: Block, stale, tensors, memo: dict) -> bool:
+        """Whether (node, block) will be (re)encoded: ``stale(node, block)`` (its own outputs missing or of another
+        definition), or an ancestor will be, or an ancestor's ``tensors(node, block)`` file is newer than its own.
+        Memoized per (node, layer, first expert) in ``memo``, shared along the recursion."""
         key = (node, block.layer, block.first_expert)
         if key in memo:
             return memo[key]
-        path = Path(self.fragment(node, block))
-        att = Path(self.attestation(str(path)))
-        needs = (not path.is_file() or not att.is_file() or not Path(self.metrics(node, block)).is_file()
-                 or attested_node_digest(att) != self.recipe.node_digest(node))
+        needs = stale(node, block)
         if not needs:
-            mtime = path.stat().st_mtime
-            for anc in self.ancestors(node):
-                if self.fragment_needs_source(anc, block, memo) or Path(self.fragment(anc, block)).stat().st_mtime > mtime:
-                    needs = True
-                    break
+            mtime = Path(tensors(node, block)).stat().st_mtime
+            needs = any(self._chain_needs(anc, block, stale, tensors, memo)
+                        or Path(tensors(anc, block)).stat().st_mtime > mtime for anc in self.ancestors(node))
         memo[key] = needs
         return needs
-
 
     def committed_files(self) -> list[str]:
         """Every fragment (with its attestation and metrics) and skeleton shard (with its attestation) the plan
