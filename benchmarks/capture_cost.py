@@ -123,10 +123,9 @@ def main(argv=None) -> int:
     proj = at(setup, 256) + full_rows * at(per_row, 256)
     res.update(per_row_s=per_row, setup_s=setup, projected_glm5_layer_s=proj,
                projected_setup_s=at(setup, 256), projected_compute_s=full_rows * at(per_row, 256))
-    from fq.planning.calibration_cost import DEFAULT_TFLOPS
+    from fq.planning.calibration_cost import DEFAULT_TFLOPS, capture_flops
 
-    tk, h, i_, E = 250 * 2048, s["hidden"], s["inter"], 256
-    flops = tk * E * 6 * h * i_ + 2 * tk * h * h + E * 2 * tk * i_ * i_
+    flops = capture_flops(250 * 2048, 256, s["hidden"], s["inter"])
     res.update(flops_glm5_layer=flops, measured_tflops=flops / proj / 1e12,
                priced_glm5_layer_s=flops / (DEFAULT_TFLOPS * 1e12))
     print(f"per row of {args.cols} tokens: {per_row}; setup: {setup}; projected GLM-5 layer (256 experts, 250 x 2048 "

@@ -60,6 +60,12 @@ class CalibrationPrice:
         return self.hessian_bytes + 2 * self.hidden_bytes
 
 
+def capture_flops(tokens: int, experts: int, hidden: int, inter: int) -> int:
+    """One MoE layer's all-experts capture, counted as the module docstring says (expert forward, input Hessian,
+    down Hessians)."""
+    return tokens * experts * 6 * hidden * inter + 2 * tokens * hidden * hidden + experts * 2 * tokens * inter * inter
+
+
 def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: float = DEFAULT_TFLOPS,
                       ldlq_factor: float = DEFAULT_LDLQ_FACTOR) -> CalibrationPrice:
     for what, v in (("calibration rows", rows), ("calibration columns", cols)):
@@ -69,7 +75,7 @@ def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: floa
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
             raise FqError(f"{what}: expected a positive number, got {v!r}")
     t, E, h, i = rows * cols, source.n_experts, source.hidden_size, source.moe_intermediate_size
-    flops = t * E * 6 * h * i + 2 * t * h * h + E * 2 * t * i * i
+    flops = capture_flops(t, E, h, i)
     layers = tuple(l for l in source.moe_layers if l not in source.mtp_layers)
     return CalibrationPrice(rows, cols, layers, float(flops), flops / (tflops * 1e12), layer_bytes(h, i, E),
                             t * h * 4, float(tflops), float(ldlq_factor))
