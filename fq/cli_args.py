@@ -18,6 +18,8 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
                         "not downloaded yet")
     p.add_argument("--revision", help="source revision recorded in the run identity (default: the hub commit, or a "
                                       "digest of config.json and the index for a local directory)")
+    p.add_argument("--allow-unloadable", action="store_true",
+                   help="plan bases of a family no EXL3 runtime loads (exllamav3 1.6.5 has no class for it)")
 
 
 def source_from_args(args) -> SourceModel:
@@ -37,6 +39,7 @@ def add_window_args(p: argparse.ArgumentParser) -> None:
 
 def window_kwargs(args) -> dict:
     return {
+        "allow_unloadable": args.allow_unloadable,
         "windows": args.windows,
         "disk_budget": parse_bytes(args.disk_budget, "--disk-budget") if args.disk_budget else None,
         "windows_on_disk": args.windows_on_disk,

@@ -92,7 +92,9 @@ def write_config(d: Path, source: Path, key: Path | None = None, *, out: str = "
            "recipe": str(d / "recipe.json"), "block_size": 2, "windows": "1,2", "windows_on_disk": 1,
            "signer_key": str(key) if key else None,
            "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False, "eval": None,
-           "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}, **over}
+           "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"},
+           "allow_unloadable": True,  # a DeepseekV3 config without MLA: what it tests is the campaign, not a runtime
+           **over}
     path = d / "config.yaml"
     path.write_text(json.dumps(cfg))  # YAML is a superset of JSON
     return path

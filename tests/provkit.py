@@ -68,7 +68,7 @@ NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 EXPIRES = dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc)  # CLI tests run on the real clock
 SOURCE_SHARD = "model-00001-of-00001.safetensors"
 DERIVED = derived_specs(2, "mul1")  # what base k2's manifest declares derived (config.json, quantization_config.json)
-SOURCE_CONFIG = {"model_type": "tiny_moe", "num_experts": N_EXPERTS}
+SOURCE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": N_EXPERTS}
 
 _ENCODER = None
 

@@ -387,7 +387,7 @@ def _skeleton_flip(c):
 
 def _config_edit(c):
     p = c.root / "base/k2/config.json"
-    p.write_text(p.read_text().replace("tiny_moe", "tiny_moF"))
+    p.write_text(p.read_text().replace('"qwen3_moe"', '"qwen3_moF"'))
 
 
 def _stray(c):
@@ -408,8 +408,8 @@ def _unchosen_expert_flip(c):
 BASE_CASES = {
     "flipped byte in the skeleton shard": (_skeleton_flip, r"model-00001-of-00001\.safetensors: tensor '.*' differs "
                                                            r"from its attested range or sha256"),
-    "edited config.json": (_config_edit, r"base/k2/config\.json: model_type is \"tiny_moF\", the rule derives "
-                                          r"\"tiny_moe\" \(rule fq-exl3-config/1; a derived file must be"),
+    "edited config.json": (_config_edit, r"base/k2/config\.json: model_type is \"qwen3_moF\", the rule derives "
+                                          r"\"qwen3_moe\" \(rule fq-exl3-config/1; a derived file must be"),
     "stray file": (_stray, r"extra-weights\.safetensors: not listed in fq-manifest\.intoto\.jsonl \(stray file"),
     "missing listed shard": (_missing_skeleton, r"model-00001-of-00001\.safetensors: listed in "
                                                 r"fq-manifest\.intoto\.jsonl but missing"),

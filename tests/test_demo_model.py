@@ -73,7 +73,7 @@ def test_checkpoint_files_and_shards(written):
             assert cfg[k] == v, k
     assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5
     src = load_source(model)
-    assert src.family == "deepseek" and src.moe_layers == (1, 2) and src.dense_layers == (0,) and src.n_experts == 8
+    assert src.family == "glm4_moe" and src.moe_layers == (1, 2) and src.dense_layers == (0,) and src.n_experts == 8
     assert src.expert_shape("gate") == (128, 256) and src.expert_shape("down") == (256, 128)
     assert src.shards == tuple(shards)
     # shard 1 holds no routed expert (embeddings, dense layer 0, final norm); shard 3 holds only experts and

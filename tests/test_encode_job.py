@@ -68,11 +68,11 @@ def test_the_reader_overlaps_the_encoder_and_the_writer_the_next_block(synth, tm
     def log(what):
         events.append((time.perf_counter() - t0, what, threading.current_thread().name))
 
-    real_get, real_encode, real_commit = enc._get_source, enc.codec_encode, enc._commit
+    real_get, real_encode, real_commit = enc.read_matrix, enc.codec_encode, enc._commit
 
-    def get_source(handles, path, name):
-        log(f"read {name}")
-        return real_get(handles, path, name)
+    def get_source(handles, ref, where):
+        log(f"read {ref.tensor}")
+        return real_get(handles, ref, where)
 
     def encode(w, K, cb, seed, dev):
         log("encode start")
@@ -87,7 +87,7 @@ def test_the_reader_overlaps_the_encoder_and_the_writer_the_next_block(synth, tm
         log(f"commit end {b.block}")
         return out
 
-    monkeypatch.setattr(enc, "_get_source", get_source)
+    monkeypatch.setattr(enc, "read_matrix", get_source)
     monkeypatch.setattr(enc, "codec_encode", encode)
     monkeypatch.setattr(enc, "_commit", commit)
     run(synth, jobs(synth, tmp_path / "out"), tmp_path / "locks")

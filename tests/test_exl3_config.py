@@ -143,9 +143,26 @@ def test_the_derivation_is_byte_reproducible(pristine, tmp_path):
     assert (other / QUANTIZATION_CONFIG).stat().st_mtime_ns == mtime
 
 
-def test_a_source_that_is_already_quantized_is_refused():
-    with pytest.raises(FqError, match=r"already has a quantization_config \(quant_method=fp8\); fq encodes only"):
+def test_a_source_quantization_is_replaced_only_when_fq_reads_it():
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    got = json.loads(derive_config(json.dumps({"model_type": "deepseek_v3", "quantization_config": fp8}).encode(),
+                                   2, "mul1", "src"))
+    assert got["quantization_config"]["quant_method"] == "exl3" and got["model_type"] == "deepseek_v3"
+    with pytest.raises(FqError, match=r"quantization_config.quant_method 'awq' is not a source format fq reads"):
+        derive_config(json.dumps({"quantization_config": {"quant_method": "awq"}}).encode(), 2, "mul1", "src")
+    with pytest.raises(FqError, match=r"weight_block_size: expected"):
         derive_config(json.dumps({"quantization_config": {"quant_method": "fp8"}}).encode(), 2, "mul1", "src")
+
+
+def test_keys_exllamav3_reads_under_another_spelling_are_stated():
+    """Qwen3-MoE as transformers 5.x saves it says num_local_experts; exllamav3's Qwen3MoeConfig requires num_experts."""
+    src = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_local_experts": 128}
+    got = json.loads(derive_config(json.dumps(src).encode(), 3, "mul1", "src"))
+    assert got["num_experts"] == 128 and got["num_local_experts"] == 128
+    src["num_experts"] = 128  # the authors' spelling: nothing to add
+    assert set(json.loads(derive_config(json.dumps(src).encode(), 3, "mul1", "src"))) == set(src) | {"quantization_config"}
+    with pytest.raises(FqError, match="architecture 'LlamaForCausalLM' is not a model family fq reads"):
+        derive_config(json.dumps({"architectures": ["LlamaForCausalLM"]}).encode(), 3, "mul1", "src")
 
 
 # -- tampering -----------------------------------------------------------------------------------------------------

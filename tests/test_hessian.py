@@ -320,8 +320,13 @@ def test_capture_layer_refusals(demo, cal, tmp_path):
     with pytest.raises(FqError, match=r"ids 0\.\.600 outside the model's vocabulary 0\.\.511"):
         capture.embed(ckpt, torch.tensor([[0, 600]]))
     other = dict(ckpt.config, architectures=["MixtralForCausalLM"])
-    with pytest.raises(FqError, match="architecture 'MixtralForCausalLM': Hessian capture supports Glm4MoeForCausalLM"):
+    with pytest.raises(FqError, match="model_type 'glm4_moe' is not one of MixtralForCausalLM's"):
         layer_mod.architecture(other)
+    with pytest.raises(FqError, match="architecture 'LlamaForCausalLM' is not a model family fq reads; supported: "
+                                      ".*Glm4MoeForCausalLM"):
+        layer_mod.architecture(dict(ckpt.config, architectures=["LlamaForCausalLM"], model_type="llama"))
+    with pytest.raises(FqError, match=r"calibration: PhimoeForCausalLM \(Phi-3.5-MoE\) has no calibration chain"):
+        layer_mod.architecture(dict(ckpt.config, architectures=["PhimoeForCausalLM"], model_type="phimoe"))
 
 
 def test_calibration_tokens(demo, cal, tmp_path):

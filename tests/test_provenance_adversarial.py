@@ -401,7 +401,7 @@ def _(c, tmp):
 @case("--base is another base than the plan's", r"manifest sha256 .* is not the base this plan was built on",
       via=("combine",), base="base/k2")
 def _(c, tmp):
-    (c.root / "base/k2/source_config.json").write_text('{"model_type": "tampered"}')
+    (c.root / "base/k2/source_config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4}')
     write_derived(c.root / "base/k2", bits=2, codebook="mul1")
     write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv, derived=provkit.DERIVED)
 

@@ -237,9 +237,8 @@ def test_write_shard_refuses_non_string_metadata(tmp_path):
 
 
 def test_layout_for_source_families():
-    from fq.model.experts import LAYOUTS, layout_for
-    from fq.model.source import FAMILIES
-    assert set(FAMILIES) == set(LAYOUTS), "every source naming family needs an expert layout"
-    assert layout_for("mixtral") is MIXTRAL and layout_for("deepseek") is STANDARD
-    with pytest.raises(FqError, match="unknown naming family"):
-        layout_for("llama")
+    from fq.model import families
+    assert families.by_name("mixtral").layout is MIXTRAL and families.by_name("deepseek_v3").layout is STANDARD
+    assert families.by_name("minimax_m2").layout is MIXTRAL
+    with pytest.raises(FqError, match="model family 'llama' is not registered"):
+        families.by_name("llama")

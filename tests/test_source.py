@@ -21,7 +21,7 @@ def glm5():
 
 def test_glm5_shape(glm5):
     m = glm5
-    assert m.family == "deepseek" and m.model_type == "glm_moe_dsa"
+    assert m.family == "glm_moe_dsa" and m.model_type == "glm_moe_dsa"
     assert m.moe_layers == tuple(range(3, 78)) and m.dense_layers == (0, 1, 2) and m.mtp_layers == ()
     assert m.n_experts == 256
     assert m.expert_shape("gate") == m.expert_shape("up") == (2048, 6144)
@@ -104,14 +104,64 @@ def test_expert_index_beyond_config_refused():
         parse_source(c, i, s, origin="d")
 
 
+def _fp8(c, i, block=(128, 128)):
+    """The DeepSeek-V3 layout's metadata: every expert matrix beside its weight_scale_inv."""
+    i2 = json.loads(json.dumps(i))
+    for name, shard in list(i2["weight_map"].items()):
+        if ".mlp.experts." in name:
+            i2["weight_map"][name[: -len("weight")] + "weight_scale_inv"] = shard
+    q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    return {**c, "quantization_config": q}, i2
+
+
+def test_fp8_block_sources_are_read_with_their_scales():
+    c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)
+    c8, i8 = _fp8(c, i)
+    m = parse_source(c8, i8, s, origin="d")
+    assert m.source_format.kind == "fp8" and m.source_format.block == (128, 128) and m.dtype_bytes == 1
+    src = m.expert_source(1, 3, "down", staged=lambda shard: f"/stage/{shard}")
+    assert src.tensor == "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert src.scale == "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" and src.block == (128, 128)
+    assert src.shard.startswith("/stage/") and src.scale_shard.startswith("/stage/")
+    assert not any(t.endswith("weight_scale_inv") and ".experts." in t for t in m.skeleton_tensors)
+    # fp8 weights and float32 scales: (256*128 + 4 * 2*1) bytes per matrix
+    assert m.expert_matrix_bytes("gate") == 256 * 128 + 4 * (128 // 128) * (256 // 128)
+    assert m.expert_bytes == 3 * m.expert_matrix_bytes("gate") * 8 * 2
+
+
 def test_quantized_and_unsupported_expert_tensors_refused():
     c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)
-    with pytest.raises(FqError, match="quantization_config \\(quant_method=fp8\\)"):
+    with pytest.raises(FqError, match="quantization_config.quant_method 'awq' is not a source format fq reads"):
+        parse_source({**c, "quantization_config": {"quant_method": "awq"}}, i, s, origin="d")
+    with pytest.raises(FqError, match="weight_block_size: expected \\[rows, cols\\].*got None"):
         parse_source({**c, "quantization_config": {"quant_method": "fp8"}}, i, s, origin="d")
-    i2 = json.loads(json.dumps(i))
-    i2["weight_map"]["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = next(iter(s))
-    with pytest.raises(FqError, match="weight_scale_inv.*not a plain"):
-        parse_source(c, i2, s, origin="d")
+    c8, i8 = _fp8(c, i)
+    with pytest.raises(FqError, match="fmt 'e5m2': fq reads fp8 e4m3 weights only"):
+        parse_source({**c8, "quantization_config": {**c8["quantization_config"], "fmt": "e5m2"}}, i8, s, origin="d")
+    with pytest.raises(FqError, match="the FP8 block 96x96 .*does not divide it"):
+        parse_source(*_fp8(c, i, block=(96, 96)), s, origin="d")
+    del i8["weight_map"]["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"]
+    with pytest.raises(FqError, match="experts.5.up_proj.weight' has no weight_scale_inv .*quantization_config is fp8"):
+        parse_source(c8, i8, s, origin="d")
+    # a scale without an fp8 config, a bias, a fused tensor: named, never silently skeleton
+    for extra, want in (("model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv", "no FP8 quantization_config"),
+                        ("model.layers.0.mlp.experts.0.gate_proj.bias", "not 'bias'"),
+                        ("model.layers.0.mlp.experts.gate_up_proj", "is not one expert's gate_proj/up_proj/down_proj")):
+        i2 = json.loads(json.dumps(i))
+        i2["weight_map"][extra] = next(iter(s))
+        with pytest.raises(FqError, match=want):
+            parse_source(c, i2, s, origin="d")
+
+
+def test_unregistered_architecture_refused_by_name():
+    c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)
+    with pytest.raises(FqError, match="architecture 'Llama4ForCausalLM' is not a model family fq reads; supported: "
+                                      ".*DeepseekV3ForCausalLM.*Glm4MoeForCausalLM"):
+        parse_source({**c, "architectures": ["Llama4ForCausalLM"]}, i, s, origin="d")
+    with pytest.raises(FqError, match="model_type 'glm4_moe' is not one of DeepseekV3ForCausalLM's"):
+        parse_source({**c, "model_type": "glm4_moe"}, i, s, origin="d")
+    kimi = parse_source({**c, "model_type": "kimi_k2"}, i, s, origin="d")
+    assert kimi.family == "deepseek_v3" and kimi.model_type == "kimi_k2"
 
 
 def test_config_field_errors_are_precise():
@@ -122,8 +172,13 @@ def test_config_field_errors_are_precise():
         parse_source({**c, "torch_dtype": "float8"}, i, s, origin="d")
     c2 = dict(c)
     del c2["n_routed_experts"]
-    with pytest.raises(FqError, match="neither n_routed_experts .* nor num_experts"):
+    with pytest.raises(FqError, match="field 'n_routed_experts' or 'num_local_experts' missing"):
         parse_source(c2, i, s, origin="d")
+    with pytest.raises(FqError, match="n_routed_experts=8, num_local_experts=4: these fields name the same value"):
+        parse_source({**c, "num_local_experts": 4}, i, s, origin="d")
+    q = synthetic_checkpoint("qwen3_moe", n_layers=2, **SMALL)
+    c3 = {k: v for k, v in q[0].items() if k != "num_experts"}
+    assert parse_source({**c3, "num_local_experts": 8}, q[1], q[2], origin="q").n_experts == 8  # transformers 5.x
 
 
 def test_shard_sizes_checked():

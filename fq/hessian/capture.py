@@ -3,18 +3,21 @@ time, summing each MoE layer's routed-expert input Hessians on the way.
 
 - ``embed``: the embedding rows of the tokens (``model.embed_tokens.weight`` only), float32 [rows, cols, hidden].
 - ``advance``: one layer. transformers' own decoder layer (``fq.hessian.layer``: built from that layer's tensors
-  only, float32, sdpa attention and grouped_mm experts as ``from_pretrained`` picks them on the CPU, position
-  embeddings from the model's rotary module, the causal mask from ``transformers.masking_utils``) runs the hidden
-  states in fixed batches of ``row_batch`` rows; each row is its own sequence, positions 0..cols-1. Forward hooks
-  only read: the MoE block's input x and the router's top-k choice; the layer's output is the unchanged forward,
-  with the model's true routing. At an MoE layer, per row, in row order:
+  only, float32, the attention (sdpa; eager for gpt-oss) and grouped_mm experts as ``from_pretrained`` picks them
+  on the CPU, position embeddings from the model's rotary module, the layer's mask from ``transformers.masking_utils``
+  as the model's forward makes it for that layer's attention type: causal, sliding-window or, for a linear-attention
+  layer, none) runs the hidden states in fixed batches of ``row_batch`` rows; each row is its own sequence, positions
+  0..cols-1. Forward hooks only read: the MoE block's input x and the router's top-k choice (the family's MoE
+  block and router modules, ``layer.Arch``); the layer's output is the unchanged forward, with the model's true
+  routing. At an MoE layer, per row, in row order:
 
       input    += xᵀx                                   (every token; float64)
       down[e]  += aᵀa,  a = act(x·gate_eᵀ)·(x·up_eᵀ)    (e ascending; every token, or with ``routed_only`` the
                                                        tokens whose top-k includes e)
 
   a is computed from the layer's own fused ``gate_up_proj`` exactly as transformers' expert forward computes it
-  (float32), then upcast. Dense layers (layer 0 of the demo) advance the hidden states and sum nothing.
+  (float32; ``layer.ExpertLayout.act_inputs``: gpt-oss adds its bias and applies its clamped swiglu to interleaved
+  gate/up), then upcast. Dense layers (layer 0 of the demo) advance the hidden states and sum nothing.
 - ``save_hidden`` / ``load_hidden``: the hidden states between layers as safetensors (``hidden`` F32
   [rows, cols, hidden], metadata: format, next layer, calibration digest, source config digest), written
   atomically (fq.model.shards.write_shard: temp, fsync, rename).
@@ -144,27 +147,36 @@ def embed(source, tokens: "torch.Tensor", sha256: Mapping[str, str] | None = Non
     return torch.nn.functional.embedding(tokens, weight).contiguous()
 
 
-def _act_inputs(experts, x: "torch.Tensor", e: int) -> "torch.Tensor":
+def _act_inputs(arch: layer_mod.Arch, experts, x: "torch.Tensor", e: int) -> "torch.Tensor":
     """Expert e's down-projection input for tokens x, as transformers' expert forward computes it."""
-    import torch
-
-    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    return experts.act_fn(gate) * up
+    return arch.experts.act_inputs(experts, x, e)
 
 
-def _hooks(module):
+def _hooks(module, arch: layer_mod.Arch):
     """Forward hooks that record the MoE block's input and the router's top-k indices of the current batch."""
     seen: dict = {}
-    moe = module.mlp
+    moe = getattr(module, arch.moe_block)
 
     def pre(_mod, args, kwargs):
         seen["x"] = (args[0] if args else kwargs["hidden_states"]).detach()
 
     def router(_mod, _inp, out):
-        seen["topk"] = out[-1].detach()
+        seen["topk"] = arch.router_topk(out).detach()
 
-    handles = [moe.register_forward_pre_hook(pre, with_kwargs=True), moe.gate.register_forward_hook(router)]
+    handles = [moe.register_forward_pre_hook(pre, with_kwargs=True),
+               getattr(moe, arch.router).register_forward_hook(router)]
     return seen, handles
+
+
+def _mask_function(arch: layer_mod.Arch, hfc, layer: int):
+    """The mask function the model's forward uses for ``layer`` (masking_utils' function for its attention type)."""
+    from transformers import masking_utils
+
+    kind = arch.mask_type(hfc, layer)
+    fn = masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(kind)
+    if not callable(fn):
+        raise FqError(f"layer {layer}: attention type {kind!r} has no mask function in transformers.masking_utils")
+    return fn
 
 
 def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "torch.Tensor"], config: dict, *,
@@ -173,7 +185,6 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
     """Run ``hidden`` [rows, cols, hidden] through decoder layer ``layer`` (its checkpoint tensors, float32):
     (the layer's output, float32 on the CPU; the layer's Hessian sums for an MoE layer with ``capture``, else None)."""
     import torch
-    from transformers.masking_utils import create_causal_mask
 
     arch = layer_mod.architecture(config)
     if not isinstance(row_batch, int) or isinstance(row_batch, bool) or row_batch < 1:
@@ -194,9 +205,10 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
                       f"{hfc.indexer_types[layer]!r}); the calibration chain runs one layer per job and does not carry "
                       "that selection yet")
     mask_kwargs = {"allow_is_causal_skip": False} if arch.materialized_mask else {}
+    make_mask = _mask_function(arch, hfc, layer)
     module = layer_mod.build_layer(hfc, arch, layer, layer_tensors).to(device)
     rot = layer_mod.rotary(hfc, arch).to(device)
-    moe = hasattr(module.mlp, "experts")
+    moe = hasattr(getattr(module, arch.moe_block), "experts")
     if moe != arch.is_moe(config, layer):
         raise FqError(f"layer {layer}: transformers built a {'MoE' if moe else 'dense'} block where {arch.name}'s "
                       "config says otherwise")
@@ -204,13 +216,13 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
     sums = None
     handles = []
     if moe and capture:
-        experts = module.mlp.experts
+        experts = getattr(module, arch.moe_block).experts
         n_exp = int(experts.gate_up_proj.shape[0])
-        inter = int(experts.down_proj.shape[2])
+        inter = int(arch.experts.intermediate(experts))
         h_in = torch.zeros(width, width, dtype=torch.float64, device=device)
         h_down = torch.zeros(n_exp, inter, inter, dtype=torch.float64, device=device)
         counts = [0] * n_exp
-        seen, handles = _hooks(module)
+        seen, handles = _hooks(module, arch)
     position_ids = torch.arange(cols, device=device).unsqueeze(0)
     out = torch.empty_like(hidden)
     try:
@@ -218,8 +230,8 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
             for lo in range(0, rows, row_batch):
                 h = hidden[lo: lo + row_batch].to(device)
                 pos_emb = rot(h, position_ids)
-                mask = create_causal_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None,
-                                          position_ids=position_ids, **mask_kwargs)
+                mask = make_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None,
+                                 position_ids=position_ids, **mask_kwargs)
                 y = module(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb)
                 y = y[0] if isinstance(y, tuple) else y
                 out[lo: lo + row_batch] = y.to("cpu", torch.float32)
@@ -232,7 +244,7 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
                     xd = xr.double()
                     h_in += xd.T @ xd
                     for e in range(n_exp):
-                        a = _act_inputs(experts, xr, e)
+                        a = _act_inputs(arch, experts, xr, e)
                         if routed_only:
                             a = a[(topk[r] == e).any(dim=-1)]
                         counts[e] += int(a.shape[0])

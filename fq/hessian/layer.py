@@ -1,10 +1,13 @@
 """One decoder layer of a source checkpoint as a transformers module, from that layer's tensors only.
 
-- ``Arch`` / ``ARCHITECTURES``: per ``config.json`` architecture, transformers' decoder-layer and rotary-embedding
-  classes, the checkpoint's layer prefix and which layers are MoE. Only architectures whose chain has been checked
-  against the full transformers model are registered (``tests/test_hessian.py``): ``Glm4MoeForCausalLM`` and GLM-5's
-  ``GlmMoeDsaForCausalLM``.
-  Attention, rotary embedding, router and experts are transformers' modules, never re-implemented here.
+- ``Arch``: a family of ``fq.model.families`` as the chain runs it: the family's ``Calibration`` declaration
+  (transformers' modeling module, decoder-layer and rotary classes, checkpoint-to-module renames, how the experts
+  module computes the down projection's input, the MoE block and router modules, each layer's attention mask and the
+  attention implementation ``from_pretrained`` picks on the CPU) with its config keys, MoE-layer rule and layer
+  prefix. Only families whose chain has been checked against the full transformers model declare one
+  (``tests/test_hessian.py``: GLM-4.x, GLM-5; ``tests/test_hessian_families.py``: the others); ``architecture``
+  refuses the rest by name, when the config is read. Attention, rotary embedding, router and experts are
+  transformers' modules, never re-implemented here.
 - ``read_tensors``: named tensors streamed from the checkpoint's shards (the index's weight map): each shard that
   holds one of them is read once, in one pass that hashes the whole file (``fq.core.safepath.sha256_stream``) and keeps
   only the wanted byte ranges, so what is parsed is what was hashed; with ``sha256`` (shard -> digest, what
@@ -12,15 +15,18 @@
   exact) and the digest of every shard read.
 - ``build_layer``: the layer module built on the meta device and filled with exactly the layer's tensors
   (``load_state_dict(strict=True, assign=True)``: no random init, no copy). transformers 5.x keeps routed experts
-  as fused 3-D parameters where the checkpoint has one matrix per expert; the fusion is transformers' own
-  conversion (``conversion_mapping``, "qwen2_moe", which glm4_moe uses: ``gate_up_proj[e] = cat(gate_e, up_e)``,
-  ``down_proj[e] = down_e``), done here for one layer; ``tests/test_hessian.py`` checks the result equals the
-  full model's layer, tensor for tensor.
+  as fused 3-D parameters where most checkpoints have one matrix per expert; the fusion is transformers' own
+  conversion (``conversion_mapping``: "qwen2_moe", which glm4_moe, deepseek_v3, qwen3_moe, ... use:
+  ``gate_up_proj[e] = cat(gate_e, up_e)``, ``down_proj[e] = down_e``; "mixtral", which minimax_m2 uses too:
+  ``block_sparse_moe.`` renamed ``mlp.``, then the same fusion of ``w1`` (gate), ``w3`` (up), ``w2`` (down)), done
+  here for one layer; gpt-oss checkpoints already hold the module's fused tensors. The tests check the result equals
+  the full model's layer, tensor for tensor.
 - ``hf_config``: the transformers config from ``config.json`` as ``fq.runtime.load.build_model`` makes it, with
-  the attention and experts implementations that ``from_pretrained`` picks on the CPU (sdpa, grouped_mm).
+  the attention and experts implementations that ``from_pretrained`` picks on the CPU (sdpa, or eager where the
+  model has no sdpa attention: gpt-oss; grouped_mm).
 
     architecture(config) -> Arch
-    hf_config(config, attn_implementation="sdpa", experts_implementation="grouped_mm")
+    hf_config(config, attn_implementation=None, experts_implementation="grouped_mm")
     read_checkpoint(source_dir) -> Checkpoint                   # config.json + weight map, no payload
     read_tensors(checkpoint, names, sha256=None) -> (tensors, shard digests)
     layer_tensors(checkpoint, layer, sha256=None) -> (tensors, shard digests)
@@ -33,32 +39,89 @@ import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from fq.core import canonical
 from fq.errors import FqError
+
+if TYPE_CHECKING:  # the registry imports the codec's constants (numpy): loaded when a chain is built, not here
+    from fq.model.families import Calibration, Family
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
+def _glu_act_inputs(experts, x: "torch.Tensor", e: int) -> "torch.Tensor":
+    """Expert e's down-projection input for tokens x, as transformers' expert forward computes it from the fused
+    ``gate_up_proj`` [E, 2I, hidden]: ``act(x·gate_eᵀ)·(x·up_eᵀ)``."""
+    import torch
+
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def _glu_intermediate(experts) -> int:
+    return int(experts.down_proj.shape[2])  # down_proj [E, hidden, I]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A family's routed experts: how the checkpoint lays them out, and what transformers' experts module feeds its
+    down projection (the input whose Hessian is captured)."""
+
+    # the checkpoint holds one matrix per expert, "{moe_block}.experts.{e}.{name}.weight" (after ``Arch.renames``)
+    # for the gate, up and down projections, fused here into gate_up_proj = cat(gate, up) and down_proj; None: it
+    # holds the module's own fused tensors
+    per_expert: tuple[str, str, str] | None
+    act_inputs: Callable  # (experts module, x [tokens, hidden] float32, e) -> a [tokens, intermediate]
+    intermediate: Callable  # (experts module) -> intermediate size
+
+
+def _router_topk(out):
+    # transformers' routers return (router_logits, top-k weights, top-k indices)
+    return out[-1]
+
+
 @dataclass(frozen=True)
 class Arch:
-    name: str
-    module: str  # transformers modeling module
-    layer_class: str
-    rotary_class: str
-    is_moe: Callable[[dict, int], bool]
+    """A registered family (``fq.model.families``) as the chain runs it: its ``Calibration`` declaration, its
+    config keys and MoE-layer rule, its layer prefix."""
+
+    family: Family
+    cal: Calibration
     embed: str = "model.embed_tokens.weight"
-    prefix: str = "model.layers.{layer}."
-    experts_count_key: str = "n_routed_experts"
-    intermediate_key: str = "moe_intermediate_size"
-    # the causal mask always materialized (a sparse-attention indexer reads it; sdpa alone may skip it)
-    materialized_mask: bool = False
-    # layers whose attention reuses the previous layer's top-k token selection (DSA "shared" indexer): the chain,
-    # one layer per job, does not carry that selection, so they are refused
-    shared_indexer: Callable[[object, int], bool] | None = None
+    router_topk: Callable[[object], object] = _router_topk
+
+    name = property(lambda self: self.family.architectures[0])
+    module = property(lambda self: self.cal.module)
+    layer_class = property(lambda self: self.cal.layer_class)
+    rotary_class = property(lambda self: self.cal.rotary_class)
+    materialized_mask = property(lambda self: self.cal.materialized_mask)
+    shared_indexer = property(lambda self: self.cal.shared_indexer)
+    renames = property(lambda self: self.cal.renames)
+    moe_block = property(lambda self: self.cal.moe_block)
+    router = property(lambda self: self.cal.router)
+    mask_type = property(lambda self: self.cal.mask_type)
+    attn_implementation = property(lambda self: self.cal.attn_implementation)
+    model_types = property(lambda self: self.family.model_types)
+
+    @property
+    def prefix(self) -> str:
+        return self.family.layout.prefix.split("{layer}")[0] + "{layer}."
+
+    @property
+    def experts(self) -> ExpertLayout:
+        c = self.cal
+        per = None if c.fused_experts else tuple(self.family.layout.projections)
+        return ExpertLayout(per, c.act_inputs or _glu_act_inputs, c.intermediate or _glu_intermediate)
+
+    def is_moe(self, config: dict, layer: int) -> bool:
+        """Whether the family's decoder layer ``layer`` has routed experts (its config's own keys and defaults)."""
+        n = config.get("num_hidden_layers")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise FqError(f"{CONFIG}: num_hidden_layers: expected a positive integer, got {n!r}")
+        return layer in self.family.moe_layers(config, n, CONFIG)
 
     def classes(self):
         try:
@@ -69,53 +132,47 @@ class Arch:
             raise FqError(f"{self.name}: transformers {transformers.__version__} lacks {self.module}."
                           f"{self.layer_class}/{self.rotary_class} ({e})") from None
 
+    def module_name(self, name: str) -> str:
+        """A layer-relative checkpoint tensor name under the module's own name."""
+        for src, dst in self.renames:
+            if name.startswith(src):
+                return dst + name[len(src):]
+        return name
 
-def _glm4_moe_is_moe(config: dict, layer: int) -> bool:
-    # Glm4MoeDecoderLayer: an MoE block from first_k_dense_replace on (no moe_layer_freq in this class)
-    return layer >= int(config.get("first_k_dense_replace", 1))
-
-
-def _glm_moe_dsa_is_moe(config: dict, layer: int) -> bool:
-    # GlmMoeDsaDecoderLayer: mlp_layer_types when given, else dense below first_k_dense_replace (its config's rule)
-    types = config.get("mlp_layer_types")
-    if isinstance(types, list) and layer < len(types):
-        return types[layer] == "sparse"
-    return layer >= int(config.get("first_k_dense_replace", 3))
-
-
-def _dsa_shared(hf_cfg, layer: int) -> bool:
-    types = getattr(hf_cfg, "indexer_types", None) or []
-    return layer < len(types) and types[layer] != "full"
-
-
-ARCHITECTURES: dict[str, Arch] = {
-    "Glm4MoeForCausalLM": Arch("Glm4MoeForCausalLM", "transformers.models.glm4_moe.modeling_glm4_moe",
-                               "Glm4MoeDecoderLayer", "Glm4MoeRotaryEmbedding", _glm4_moe_is_moe),
-    # GLM-5: MLA attention with a DSA indexer (it returns its top-k token selection beside the hidden states)
-    "GlmMoeDsaForCausalLM": Arch("GlmMoeDsaForCausalLM", "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
-                                 "GlmMoeDsaDecoderLayer", "GlmMoeDsaRotaryEmbedding", _glm_moe_dsa_is_moe,
-                                 materialized_mask=True, shared_indexer=_dsa_shared),
-}
+    def checkpoint_name(self, name: str) -> str:
+        """A layer-relative module tensor name as the checkpoint spells it (``module_name`` reversed)."""
+        for src, dst in self.renames:
+            if name.startswith(dst):
+                return src + name[len(dst):]
+        return name
 
 
 def architecture(config: dict, where: str = CONFIG) -> Arch:
-    arch = config.get("architectures")
-    if not isinstance(arch, list) or len(arch) != 1 or not isinstance(arch[0], str):
-        raise FqError(f"{where}: architectures must name exactly one model class, got {arch!r}")
-    if arch[0] not in ARCHITECTURES:
-        raise FqError(f"{where}: architecture {arch[0]!r}: Hessian capture supports {', '.join(sorted(ARCHITECTURES))} "
-                      "(a layer chain checked against the full transformers model)")
-    return ARCHITECTURES[arch[0]]
+    """The chain of ``config``'s family; refused by name for an architecture fq does not read, a ``model_type``
+    that is not the architecture's, or a family without a calibration chain."""
+    from fq.model import families
+
+    family = families.for_config(config, where)
+    return Arch(family, families.check_calibration(family, where))
 
 
-def hf_config(config: dict, attn_implementation: str = "sdpa", experts_implementation: str = "grouped_mm"):
-    """The transformers config of ``config.json`` (``quantization_config`` dropped: the weights are dense)."""
+def hf_config(config: dict, attn_implementation: str | None = None, experts_implementation: str = "grouped_mm"):
+    """The transformers config of ``config.json`` (``quantization_config`` dropped: the weights are dense).
+    ``attn_implementation`` None: what ``from_pretrained`` picks on the CPU for the registered architecture (sdpa,
+    eager for gpt-oss). A ``model_type`` the architecture's declaration maps (Kimi-K2's ``kimi_k2``) is replaced by
+    transformers' own."""
     import transformers
 
     cfg = {k: v for k, v in config.items() if k != "quantization_config"}
     model_type = cfg.pop("model_type", None)
     if not isinstance(model_type, str):
         raise FqError(f"{CONFIG}: no model_type")
+    from fq.model import families
+
+    model_type = families.transformers_model_type(config)  # Kimi-K2's kimi_k2 is deepseek_v3
+    if attn_implementation is None:
+        family = families.for_config(config, CONFIG)
+        attn_implementation = family.calibration.attn_implementation if family.calibration else "sdpa"
     c = transformers.AutoConfig.for_model(model_type, **cfg)
     c._attn_implementation = attn_implementation
     c._experts_implementation = experts_implementation
@@ -156,8 +213,11 @@ def read_checkpoint(source_dir: str | os.PathLike) -> Checkpoint:
 
 
 def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = None) -> tuple[dict, dict[str, str]]:
-    """(name -> float32 tensor, shard -> sha256 of every shard read) of ``names``; one streaming pass per shard."""
+    """(name -> float32 tensor, shard -> sha256 of every shard read) of ``names``; one streaming pass per shard.
+    An FP8 weight comes back dequantized when its ``weight_scale_inv`` is among ``names`` (``layer_tensors``)."""
     import torch
+
+    from fq.model import formats
 
     from fq.core.safepath import open_regular, sha256_stream
     from fq.model.shards import read_header, torch_dtype
@@ -194,10 +254,11 @@ def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = Non
         digests[shard] = digest
         for e in entries:
             dtype = torch_dtype(e.dtype)
-            t = (torch.frombuffer(bufs.pop(e.name), dtype=torch.uint8).view(dtype).reshape(e.shape) if e.length
-                 else torch.empty(e.shape, dtype=dtype))
-            out[e.name] = t.float() if t.is_floating_point() else t
-    return out, digests
+            out[e.name] = (torch.frombuffer(bufs.pop(e.name), dtype=torch.uint8).view(dtype).reshape(e.shape)
+                           if e.length else torch.empty(e.shape, dtype=dtype))
+    # an FP8 checkpoint: each weight times its block scales (the scales dropped), as the encoder reads it
+    fmt = formats.source_format(ckpt.config, f"{ckpt.dir}/{CONFIG}")
+    return formats.dense_state(out, str(ckpt.dir), fmt.block or (128, 128)), digests
 
 
 def layer_tensors(ckpt: Checkpoint, layer: int, sha256: Mapping[str, str] | None = None) -> tuple[dict, dict[str, str]]:
@@ -209,31 +270,41 @@ def layer_tensors(ckpt: Checkpoint, layer: int, sha256: Mapping[str, str] | None
 
 
 def _module_state(module, arch: Arch, layer: int, tensors: Mapping[str, "object"]) -> dict:
-    """The layer's checkpoint tensors under the module's own names, routed experts fused where the module is."""
+    """The layer's checkpoint tensors under the module's own names (``arch.renames``), routed experts fused where the
+    checkpoint has one matrix per expert and the module a 3-D parameter."""
     import torch
 
     prefix = arch.prefix.format(layer=layer)
     strays = sorted(n for n in tensors if not n.startswith(prefix))
     if strays:
         raise FqError(f"layer {layer}: tensors {strays[:3]} are not layer {layer}'s ({prefix}*)")
-    state = {n[len(prefix):]: t for n, t in tensors.items()}
+    state: dict = {}
+    for n, t in tensors.items():
+        k = arch.module_name(n[len(prefix):])
+        if k in state:
+            raise FqError(f"layer {layer}: two checkpoint tensors map to the module's {k!r}")
+        state[k] = t
     want = module.state_dict(keep_vars=True)
-    experts = getattr(getattr(module, "mlp", None), "experts", None)
-    if experts is not None and "mlp.experts.gate_up_proj" in want:
-        n_exp, two_i, hidden = want["mlp.experts.gate_up_proj"].shape
+    experts = getattr(getattr(module, arch.moe_block, None), "experts", None)
+    base = f"{arch.moe_block}.experts."
+    names = arch.experts.per_expert
+    if experts is not None and names is not None and f"{base}gate_up_proj" in want:
+        n_exp, two_i, hidden = want[f"{base}gate_up_proj"].shape
         per = {}
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in names:
             per[proj] = []
             for e in range(n_exp):
-                key = f"mlp.experts.{e}.{proj}.weight"
+                key = f"{base}{e}.{proj}.weight"
                 if key not in state:
-                    raise FqError(f"layer {layer}: no tensor {prefix}{key} (expert {e} of {n_exp})")
+                    raise FqError(f"layer {layer}: no tensor {prefix}{arch.checkpoint_name(key)} (expert {e} of "
+                                  f"{n_exp})")
                 per[proj].append(state.pop(key))
-        extra = sorted(k for k in state if k.startswith("mlp.experts."))
+        extra = sorted(prefix + arch.checkpoint_name(k) for k in state if k.startswith(base))
         if extra:
             raise FqError(f"layer {layer}: routed-expert tensors the module has no place for: {extra[:3]}")
-        state["mlp.experts.gate_up_proj"] = torch.cat([torch.stack(per["gate_proj"]), torch.stack(per["up_proj"])], dim=1)
-        state["mlp.experts.down_proj"] = torch.stack(per["down_proj"])
+        gate, up, down = names
+        state[f"{base}gate_up_proj"] = torch.cat([torch.stack(per[gate]), torch.stack(per[up])], dim=1)
+        state[f"{base}down_proj"] = torch.stack(per[down])
     return state
 
 

@@ -7,7 +7,8 @@ A checkpoint names its routed experts with its own prefix; fq keeps that prefix 
     model.layers.12.mlp.experts.37.down_proj.trellis|suh|svh|mul1   (fq fragment)
 
 ``ExpertLayout`` carries the prefix template and the projection names (gate, up, down order):
-``STANDARD`` (Qwen/DeepSeek/GLM style) and ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``).
+``STANDARD`` (Qwen/DeepSeek/GLM style) and ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``); each family of
+``fq.model.families`` names its layout.
 
 ``derive_linear`` re-derives K, codebook and geometry from the tensors themselves (dtype, shape,
 marker value) so that a consumer never copies a runtime constant from metadata.
@@ -77,15 +78,6 @@ class ExpertLayout:
 
 STANDARD = ExpertLayout()
 MIXTRAL = ExpertLayout("model.layers.{layer}.block_sparse_moe.experts.{expert}", ("w1", "w3", "w2"))
-# Naming family of fq.model.source.SourceModel.family -> layout of its routed experts.
-LAYOUTS = {"deepseek": STANDARD, "qwen3_moe": STANDARD, "mixtral": MIXTRAL}
-
-
-def layout_for(family: str) -> ExpertLayout:
-    try:
-        return LAYOUTS[family]
-    except KeyError:
-        raise FqError(f"expert layout: unknown naming family {family!r}; expected one of {', '.join(LAYOUTS)}") from None
 
 
 def suffixes(codebook: str) -> tuple[str, ...]:

@@ -4,14 +4,11 @@ Reads ``config.json`` and ``model.safetensors.index.json`` (or a single shard's 
 tensor payload: a campaign is planned and priced before its source is downloaded, so shard sizes
 come from the filesystem or from a listing (the hub's file metadata) passed as ``sizes``.
 
-Recognized naming families (routed expert tensors; everything else is skeleton):
-- ``deepseek``: DeepSeek-V3, GLM-4.x, GLM-5 — ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight``
-  beside ``mlp.shared_experts`` and the router ``mlp.gate``; config ``n_routed_experts``,
-  ``first_k_dense_replace``, ``moe_layer_freq``; next-token-prediction layers past
-  ``num_hidden_layers`` (``num_nextn_predict_layers``) carry routed experts too and are encoded.
-- ``qwen3_moe``: the same tensor names; config ``num_experts``, ``decoder_sparse_step``, ``mlp_only_layers``.
-- ``mixtral``: ``model.layers.{L}.block_sparse_moe.experts.{E}.w1/w3/w2.weight`` (gate/up/down);
-  config ``num_local_experts``, ``intermediate_size``.
+Model families (routed expert names, config keys, MoE layers) come from the registry ``fq.model.families``; source
+formats (dense, or FP8 with block scales read in place) from ``fq.model.formats``. Every tensor under a family's
+routed-experts prefix is an expert matrix (its ``weight``, and for FP8 its ``weight_scale_inv``) or refused;
+everything else is skeleton. Next-token-prediction layers past ``num_hidden_layers`` (the family's MTP key) carry
+routed experts too and are encoded.
 """
 from __future__ import annotations
 
@@ -24,6 +21,8 @@ from typing import Mapping
 from fq.core import canonical
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
+from fq.model import families, formats
+from fq.model.families import Family
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -31,17 +30,6 @@ PROJECTIONS = ("gate", "up", "down")
 TILE_ALIGN = 128  # EXL3: both dims of an encoded matrix are multiples of the 128-wide Hadamard block
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-FAMILIES = {
-    "deepseek": "DeepSeek-V3 / GLM-4.x / GLM-5",
-    "qwen3_moe": "Qwen3-MoE",
-    "mixtral": "Mixtral",
-}
-_MLP_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_MIXTRAL_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-_MIXTRAL_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
-# Anything under a routed-experts module that the patterns above do not take (fp8 scales, fused
-# gate_up tensors, biases) would silently become "skeleton": refuse it instead.
-_EXPERT_LIKE = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +38,7 @@ class SourceModel:
 
     origin: str  # directory or hub repo, for messages
     revision: str  # hub commit, operator-given revision, or "local:sha256:<config+index digest>"
-    family: str  # key of FAMILIES
+    family: str  # name of its fq.model.families entry
     model_type: str
     hidden_size: int
     moe_intermediate_size: int
@@ -66,6 +54,13 @@ class SourceModel:
     index_sha256: str
     expert_names: Mapping[tuple[int, int, str], str] = field(repr=False)  # (layer, expert, proj) -> tensor
     skeleton_tensors: tuple[str, ...] = field(repr=False)  # every non-routed-expert tensor, sorted
+    source_format: formats.SourceFormat = formats.SourceFormat(formats.DENSE)
+    expert_scales: Mapping[tuple[int, int, str], str] = field(default_factory=dict, repr=False)  # FP8: -> scale tensor
+    exl3_problems: tuple[str, ...] = ()  # why exllamav3 1.6.5 would not load (or would misread) a base; () = it loads
+
+    @property
+    def family_entry(self) -> Family:
+        return families.by_name(self.family)
 
     # -- shapes and bytes ----------------------------------------------------------------------
     def expert_shape(self, proj: str) -> tuple[int, int]:
@@ -79,7 +74,17 @@ class SourceModel:
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        """Bytes per weight of a routed-expert matrix as stored (FP8: 1; its scales are counted apart)."""
+        return self.source_format.weight_bytes or DTYPE_BYTES[self.dtype]
+
+    def expert_matrix_bytes(self, proj: str) -> int:
+        """Source bytes of one expert matrix: its weights and, for FP8, its float32 block scales."""
+        o, i = self.expert_shape(proj)
+        scales = 0
+        if self.source_format.block is not None:
+            b0, b1 = self.source_format.block
+            scales = 4 * (o // b0) * (i // b1)
+        return o * i * self.dtype_bytes + scales
 
     def expert_tensor(self, layer: int, expert: int, proj: str) -> str:
         try:
@@ -95,9 +100,19 @@ class SourceModel:
 
     def block_shards(self, layer: int, first_expert: int, count: int) -> tuple[str, ...]:
         """Shards holding any tensor of experts ``first_expert .. first_expert+count-1`` of ``layer``."""
-        names = {self.weight_map[self.expert_tensor(layer, e, p)]
-                 for e in range(first_expert, first_expert + count) for p in PROJECTIONS}
+        names = {s for e in range(first_expert, first_expert + count) for p in PROJECTIONS
+                 for s in self.expert_source(layer, e, p).shards}
         return tuple(sorted(names))
+
+    def expert_source(self, layer: int, expert: int, proj: str, staged=lambda shard: shard) -> formats.ExpertSource:
+        """Where one expert matrix is read from; ``staged`` maps a shard name to its path."""
+        tensor = self.expert_tensor(layer, expert, proj)
+        scale = self.expert_scales.get((layer, expert, proj))
+        shape = self.expert_shape(proj)
+        if scale is None:
+            return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape)
+        return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, staged(self.weight_map[scale]),
+                                    scale, self.source_format.block)
 
     def layer_shards(self, layer: int) -> tuple[str, ...]:
         memo = self.__dict__.setdefault("_layer_shards", {})  # frozen dataclass: a private memo is fine
@@ -107,7 +122,7 @@ class SourceModel:
 
     @property
     def expert_shards(self) -> tuple[str, ...]:
-        return tuple(sorted({self.weight_map[t] for t in self.expert_names.values()}))
+        return tuple(sorted({self.weight_map[t] for t in (*self.expert_names.values(), *self.expert_scales.values())}))
 
     @property
     def skeleton_only_shards(self) -> tuple[str, ...]:
@@ -129,7 +144,7 @@ class SourceModel:
 
     @property
     def expert_bytes(self) -> int:
-        return self.expert_params * self.dtype_bytes * self.n_experts * len(self.moe_layers)
+        return sum(map(self.expert_matrix_bytes, PROJECTIONS)) * self.n_experts * len(self.moe_layers)
 
     @property
     def skeleton_bytes(self) -> int:
@@ -140,10 +155,14 @@ class SourceModel:
         cached = self.__dict__.get("_ebs")
         if cached is None:
             cached = {}
-            for (_, _, proj), tensor in self.expert_names.items():
-                o, i = self.expert_shape(proj)
+            for key, tensor in self.expert_names.items():
+                o, i = self.expert_shape(key[2])
                 shard = self.weight_map[tensor]
                 cached[shard] = cached.get(shard, 0) + o * i * self.dtype_bytes
+                if key in self.expert_scales:
+                    b0, b1 = self.source_format.block
+                    scale_shard = self.weight_map[self.expert_scales[key]]
+                    cached[scale_shard] = cached.get(scale_shard, 0) + 2 * (o // b0) * (i // b1)  # >= bf16 scales
             object.__setattr__(self, "_ebs", cached)  # frozen dataclass: a private memo is fine
         return cached
 
@@ -157,6 +176,8 @@ class SourceModel:
             "moe_intermediate_size": self.moe_intermediate_size,
             "n_experts": self.n_experts,
             "dtype": self.dtype,
+            "source_format": self.source_format.to_json(),
+            "exl3_architecture": None if self.exl3_problems else self.family_entry.exl3,  # None: no EXL3 runtime loads it
             "moe_layers": list(self.moe_layers),
             "dense_layers": list(self.dense_layers),
             "mtp_layers": list(self.mtp_layers),
@@ -237,55 +258,38 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     idx = f"{origin}/{INDEX_NAME}"
     if not isinstance(config, dict):
         raise FqError(f"{cfg}: expected a JSON object")
-    if config.get("quantization_config") is not None:
-        method = config["quantization_config"].get("quant_method", "?") if isinstance(config["quantization_config"], dict) else "?"
-        raise FqError(f"{cfg}: quantization_config (quant_method={method}) present: fq encodes bf16/fp16/fp32 "
-                      f"weights; give it the unquantized checkpoint")
     weight_map = _weight_map(index, idx)
-
-    experts: dict[tuple[int, int, str], str] = {}
-    skeleton: list[str] = []
-    family_hint = None
-    for name in sorted(weight_map):
-        m = _MLP_EXPERT.match(name)
-        if m:
-            family_hint = family_hint or "mlp"
-            key = (int(m.group(1)), int(m.group(2)), m.group(3))
-        elif (m := _MIXTRAL_EXPERT.match(name)):
-            family_hint = family_hint or "mixtral"
-            key = (int(m.group(1)), int(m.group(2)), _MIXTRAL_PROJ[m.group(3)])
-        elif _EXPERT_LIKE.search(name):
-            raise FqError(f"{idx}: tensor {name!r} belongs to routed experts but is not a plain "
-                          f"{{gate,up,down}}_proj.weight / w1/w2/w3.weight matrix (fp8 scales, fused or biased "
-                          f"experts are not supported: convert the checkpoint to bf16 per-expert matrices)")
-        else:
-            skeleton.append(name)
-            continue
-        if key in experts:  # e.g. the same expert under both naming schemes
-            raise FqError(f"{idx}: tensors {experts[key]!r} and {name!r} are the same expert matrix")
-        experts[key] = name
+    family = families.for_config(config, cfg)
+    if family.unread:
+        raise FqError(f"{cfg}: {family.architectures[0]} ({family.title}) checkpoints are not read yet: {family.unread}")
+    fmt = formats.source_format(config, cfg)
+    experts, scales, skeleton = _classify(weight_map, family, fmt, idx)
     if not experts:
-        raise FqError(f"{idx}: no routed expert tensors found (recognized: {'; '.join(FAMILIES.values())})")
-    kinds = {("mixtral" if ".block_sparse_moe." in t else "mlp") for t in experts.values()}
-    if len(kinds) > 1:
-        raise FqError(f"{idx}: routed experts use both mlp.experts and block_sparse_moe.experts names")
+        raise FqError(f"{idx}: no routed expert tensors found: a {family.architectures[0]} checkpoint names them "
+                      f"{family.layout.key('{L}', '{E}', family.layout.projections[0], 'weight')} and the like")
 
-    family = _family(config, family_hint, cfg)
-    fields = _family_fields(config, family, cfg)
-    hidden, inter, n_experts, n_layers = fields["hidden"], fields["inter"], fields["n_experts"], fields["n_layers"]
+    n_layers = families.base.read_int(config, ("num_hidden_layers",), cfg, family.title)
+    hidden = families.base.read_int(config, ("hidden_size",), cfg, family.title)
+    inter, inter_key = family.intermediate(config, cfg)
+    n_experts = family.n_experts(config, cfg)
     dtype = config.get("torch_dtype", config.get("dtype"))
     if dtype not in DTYPE_BYTES:
         raise FqError(f"{cfg}: torch_dtype: expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
 
     found = sorted({layer for layer, _, _ in experts})
-    moe_layers, mtp_layers = _check_layers(found, fields["expected"], n_layers, fields["mtp_allowed"], cfg, idx)
+    moe_layers, mtp_layers = _check_layers(found, family.moe_layers(config, n_layers, cfg), n_layers,
+                                           family.mtp_layers(config, cfg), cfg, idx)
     _check_complete(experts, moe_layers, n_experts, idx)
 
-    for dim_key, dim in ((fields["inter_key"], inter), ("hidden_size", hidden)):
+    for dim_key, dim in ((inter_key, inter), ("hidden_size", hidden)):
         if dim % TILE_ALIGN:
             raise FqError(f"{experts[(moe_layers[0], 0, 'gate')]}: shape ({inter}, {hidden}) (out, in) has a dim that is "
                           f"not a multiple of {TILE_ALIGN} ({dim_key}={dim} in {cfg}); EXL3 encodes matrices whose in and "
                           f"out are multiples of {TILE_ALIGN}")
+    if fmt.block is not None:
+        for proj in PROJECTIONS:
+            o, i = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}[proj]
+            formats.scale_grid((o, i), fmt.block, experts[(moe_layers[0], 0, proj)], cfg)
 
     shard_sizes = _shard_sizes(weight_map, sizes, origin)
     if config_bytes is None:
@@ -298,12 +302,13 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     elif not isinstance(revision, str) or not revision.strip() or any(c.isspace() for c in revision):
         raise FqError(f"revision: expected a non-empty commit or tag without whitespace, got {revision!r}")
     model = SourceModel(
-        origin=origin, revision=revision, family=family, model_type=str(config.get("model_type", "")),
+        origin=origin, revision=revision, family=family.name, model_type=str(config.get("model_type", "")),
         hidden_size=hidden, moe_intermediate_size=inter, n_experts=n_experts, dtype=dtype,
         num_hidden_layers=n_layers, moe_layers=tuple(moe_layers),
         dense_layers=tuple(l for l in range(n_layers) if l not in set(moe_layers)), mtp_layers=tuple(mtp_layers),
         weight_map=dict(weight_map), shard_sizes=shard_sizes, config_sha256=config_sha, index_sha256=index_sha,
-        expert_names=experts, skeleton_tensors=tuple(skeleton),
+        expert_names=experts, skeleton_tensors=tuple(skeleton), source_format=fmt, expert_scales=scales,
+        exl3_problems=tuple(family.exl3_problems(config, [l for l in moe_layers if l < n_layers], n_layers)),
     )
     for shard in model.shards:
         if model.shard_skeleton_bytes(shard) < 0:
@@ -374,52 +379,45 @@ def _shard_sizes(weight_map: Mapping[str, str], sizes: Mapping[str, int], origin
     return out
 
 
-def _family(config: dict, hint: str, cfg: str) -> str:
-    if hint == "mixtral":
-        return "mixtral"
-    if "n_routed_experts" in config:
-        return "deepseek"
-    if "num_experts" in config:
-        return "qwen3_moe"
-    raise FqError(f"{cfg}: routed experts are named mlp.experts.* but the config has neither n_routed_experts "
-                  f"({FAMILIES['deepseek']}) nor num_experts ({FAMILIES['qwen3_moe']})")
-
-
-def _int(config: dict, key: str, cfg: str, family: str, minimum: int = 1, default=None) -> int:
-    if key not in config:
-        if default is not None:
-            return default
-        raise FqError(f"{cfg}: field {key!r} missing (expected an integer >= {minimum} for a {FAMILIES[family]} model)")
-    v = config[key]
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise FqError(f"{cfg}: field {key!r}: expected an integer >= {minimum}, got {v!r}")
-    return v
-
-
-def _family_fields(config: dict, family: str, cfg: str) -> dict:
-    """Dims, expert count and the layers the config itself says are MoE."""
-    n_layers = _int(config, "num_hidden_layers", cfg, family)
-    hidden = _int(config, "hidden_size", cfg, family)
-    if family == "deepseek":
-        first_dense = _int(config, "first_k_dense_replace", cfg, family, minimum=0, default=0)
-        freq = _int(config, "moe_layer_freq", cfg, family, default=1)
-        expected = [l for l in range(n_layers) if l >= first_dense and l % freq == 0]
-        return dict(n_layers=n_layers, hidden=hidden, inter=_int(config, "moe_intermediate_size", cfg, family),
-                    inter_key="moe_intermediate_size", n_experts=_int(config, "n_routed_experts", cfg, family),
-                    expected=expected,
-                    mtp_allowed=_int(config, "num_nextn_predict_layers", cfg, family, minimum=0, default=0))
-    if family == "qwen3_moe":
-        step = _int(config, "decoder_sparse_step", cfg, family, default=1)
-        mlp_only = config.get("mlp_only_layers", [])
-        if not isinstance(mlp_only, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in mlp_only):
-            raise FqError(f"{cfg}: field 'mlp_only_layers': expected a list of layer numbers, got {mlp_only!r}")
-        expected = [l for l in range(n_layers) if l not in mlp_only and (l + 1) % step == 0]
-        return dict(n_layers=n_layers, hidden=hidden, inter=_int(config, "moe_intermediate_size", cfg, family),
-                    inter_key="moe_intermediate_size", n_experts=_int(config, "num_experts", cfg, family),
-                    expected=expected, mtp_allowed=0)
-    return dict(n_layers=n_layers, hidden=hidden, inter=_int(config, "intermediate_size", cfg, family),
-                inter_key="intermediate_size", n_experts=_int(config, "num_local_experts", cfg, family),
-                expected=list(range(n_layers)), mtp_allowed=0)
+def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.SourceFormat, idx: str):
+    """(experts {(layer, expert, proj): weight}, their FP8 scales {same key: scale tensor}, skeleton names)."""
+    layout = family.layout
+    proj_of = dict(zip(layout.projections, PROJECTIONS))
+    experts: dict[tuple[int, int, str], str] = {}
+    scales: dict[tuple[int, int, str], str] = {}
+    skeleton: list[str] = []
+    prefix = layout.prefix.split("{expert}")[0]
+    head, tail = prefix.split("{layer}")
+    under_experts = re.compile(re.escape(head) + r"\d+" + re.escape(tail))
+    for name in sorted(weight_map):
+        parsed = layout.parse(name)
+        if parsed is None:
+            if under_experts.match(name) and not name.startswith(family.verbatim_prefixes):
+                # A fused 3-D tensor, a bias, or names of another layout would silently become skeleton: refuse.
+                raise FqError(f"{idx}: tensor {name!r} is under the routed experts ({prefix}) but is not one expert's "
+                              f"{'/'.join(layout.projections)} matrix; a {family.architectures[0]} checkpoint stores "
+                              f"each expert's projections as {layout.key('{L}', '{E}', layout.projections[0], 'weight')}")
+            skeleton.append(name)
+            continue
+        layer, expert, proj, suffix = parsed
+        key = (layer, expert, proj_of[proj])
+        if suffix == "weight":
+            experts[key] = name
+        elif suffix == formats.SCALE_SUFFIX and fmt.kind == formats.FP8:
+            scales[key] = name
+        else:
+            want = "weight or weight_scale_inv" if fmt.kind == formats.FP8 else "weight (the config has no FP8 " \
+                "quantization_config)"
+            raise FqError(f"{idx}: tensor {name!r}: an expert matrix's tensors are {want}, not {suffix!r}")
+    strays = sorted(set(scales) - set(experts))
+    if strays:
+        raise FqError(f"{idx}: tensor {scales[strays[0]]!r} scales no weight in the index")
+    if fmt.kind == formats.FP8:
+        unscaled = sorted(set(experts) - set(scales))
+        if unscaled:  # the authors quantize every routed expert; a checkpoint that does not is not what it says
+            raise FqError(f"{idx}: tensor {experts[unscaled[0]]!r} has no {formats.SCALE_SUFFIX} ({len(unscaled)} expert "
+                          f"matrices without one), but the config's quantization_config is fp8")
+    return experts, scales, skeleton
 
 
 def _check_layers(found: list[int], expected: list[int], n_layers: int, mtp_allowed: int, cfg: str, idx: str):

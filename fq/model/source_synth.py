@@ -34,7 +34,9 @@ def synthetic_checkpoint(family: str, *, hidden: int, inter: int, n_experts: int
         raise FqError(f"{family}: first_dense and mtp_layers exist only in the deepseek family")
     dense_inter = dense_inter or 4 * inter
     config = _config(family, hidden, inter, n_experts, n_layers, first_dense, mtp_layers, vocab, dense_inter, dtype)
-    config["model_type"] = model_type or config["model_type"]
+    if model_type:  # another model type of the same naming: its architecture comes from the registry (by model_type)
+        config["model_type"] = model_type
+        config.pop("architectures")
     config.update(extra_config or {})
 
     head = [("model.embed_tokens.weight", vocab * hidden), ("model.norm.weight", hidden), ("lm_head.weight", vocab * hidden)]
@@ -99,13 +101,15 @@ def write_synthetic(out_dir: str | Path, config: dict, index: dict, sizes: dict[
 def _config(family, hidden, inter, n_experts, n_layers, first_dense, mtp_layers, vocab, dense_inter, dtype) -> dict:
     common = {"hidden_size": hidden, "num_hidden_layers": n_layers, "vocab_size": vocab, "torch_dtype": dtype}
     if family == "deepseek":
-        return {"model_type": "deepseek_v3", **common, "moe_intermediate_size": inter, "intermediate_size": dense_inter,
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common, "moe_intermediate_size": inter, "intermediate_size": dense_inter,
                 "n_routed_experts": n_experts, "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
-                "num_nextn_predict_layers": mtp_layers}
+                "num_nextn_predict_layers": mtp_layers, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+                "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                "rms_norm_eps": 1e-6}
     if family == "qwen3_moe":
-        return {"model_type": "qwen3_moe", **common, "moe_intermediate_size": inter, "num_experts": n_experts,
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common, "moe_intermediate_size": inter, "num_experts": n_experts,
                 "decoder_sparse_step": 1, "mlp_only_layers": []}
-    return {"model_type": "mixtral", **common, "intermediate_size": inter, "num_local_experts": n_experts}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common, "intermediate_size": inter, "num_local_experts": n_experts}
 
 
 def _layer_tensors(family, layer, hidden, inter, n_experts, dense_inter, dense, mtp) -> list[tuple[str, int]]:

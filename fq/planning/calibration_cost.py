@@ -68,6 +68,9 @@ def capture_flops(tokens: int, experts: int, hidden: int, inter: int) -> int:
 
 def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: float = DEFAULT_TFLOPS,
                       ldlq_factor: float = DEFAULT_LDLQ_FACTOR) -> CalibrationPrice:
+    from fq.model import families
+
+    families.check_calibration(source.family_entry, f"{source.origin}/config.json")  # before a price is quoted
     for what, v in (("calibration rows", rows), ("calibration columns", cols)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise FqError(f"{what}: expected a positive integer, got {v!r}")

@@ -23,6 +23,7 @@ from fq.core.atomic import write_bytes
 from fq.core.layer_ranges import check_partition, format_layers, parse_ranges
 from fq.core.units import fmt_bytes
 from fq.errors import FqError
+from fq.model import families
 from fq.model.source import PROJECTIONS, SourceModel
 from fq.planning.recipe import Recipe, resolve_selections
 
@@ -176,10 +177,11 @@ def encoded_expert_bytes(source: SourceModel, K: int) -> int:
 
 def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: int = DEFAULT_BLOCK_SIZE,
               windows: str | Sequence | None = None, disk_budget: int | None = None,
-              windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK) -> Plan:
+              windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK, allow_unloadable: bool = False) -> Plan:
     """The whole campaign as data. ``windows``: operator layer ranges ("3-12,13-40"), validated
     strictly; or ``disk_budget`` (bytes): the fewest balanced windows whose peak local bytes fit;
-    neither: one window."""
+    neither: one window. A source family no EXL3 runtime loads is refused unless ``allow_unloadable``."""
+    families.check_publishable(source.family_entry, source.exl3_problems, allow_unloadable, f"{source.origin}/config.json")
     block_size = _positive_int(block_size, "block_size")
     windows_on_disk = _positive_int(windows_on_disk, "windows_on_disk")
     selections = resolve_selections(recipe, source.moe_layers, source.n_experts, usage)

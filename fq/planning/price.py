@@ -24,7 +24,7 @@ from fq.planning.plan import (DEFAULT_WINDOWS_ON_DISK, choose_windows, encoded_e
                               stage_schedule)
 from fq.core.schema_check import validate
 from fq.core.units import fmt_bytes, fmt_hours
-from fq.model.source import FAMILIES, PROJECTIONS, SourceModel
+from fq.model.source import PROJECTIONS, SourceModel
 from fq.planning.recipe import Recipe, selection_counts
 
 TABLE_FORMAT = "fq-cost-table/1"
@@ -163,10 +163,13 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
                  download_bytes_per_s: float = DEFAULT_DOWNLOAD_MB_S * 1e6,
                  verify_bytes_per_s: float = DEFAULT_VERIFY_MB_S * 1e6,
                  windows=None, disk_budget: int | None = None,
-                 windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK,
+                 windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK, allow_unloadable: bool = False,
                  calibration: "CalibrationPrice | None" = None) -> Price:
     """``calibration`` (fq.planning.calibration_cost.price_calibration): encodes cost its ``ldlq_factor`` times the
     table's weight-only seconds, each calibrated layer gains its chain seconds, local disk its Hessians."""
+    from fq.model import families
+
+    families.check_publishable(source.family_entry, source.exl3_problems, allow_unloadable, f"{source.origin}/config.json")
     gpus = _positive(gpus, "gpus", integer=True)
     ldlq = calibration.ldlq_factor if calibration is not None else 1.0
     usd_per_gpu_hour = _nonnegative(usd_per_gpu_hour, "usd per GPU-hour")
@@ -261,7 +264,7 @@ def _nonnegative(value, what: str):
 
 def source_line(source: SourceModel) -> str:
     shapes = ", ".join(f"{'x'.join(map(str, source.expert_shape(p)))} ({p})" for p in PROJECTIONS)
-    return (f"source {source.model_type or source.family} ({FAMILIES[source.family]} naming) @ {source.revision}\n"
+    return (f"source {source.model_type or source.family} ({source.family_entry.title}) @ {source.revision}\n"
             f"  {len(source.moe_layers)} MoE layers ({format_layers(source.moe_layers)}) x {source.n_experts} experts; "
             f"expert matrices (out x in) {shapes}; {source.dtype}; {len(source.shards)} shards, "
             f"{fmt_bytes(source.total_bytes)} (skeleton {fmt_bytes(source.skeleton_bytes)})")

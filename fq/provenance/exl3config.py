@@ -13,9 +13,11 @@ and the two files are **derived**: the base manifest names, per file, the rule a
 sha256), and every consumer of the manifest recomputes them (``check_derived``). Rules:
 
 ``fq-exl3-config/1`` -> ``config.json`` from ``source_config.json`` and params ``{bits, codebook}``:
-    the source config parsed (fq's strict JSON loader; it must be an object without a non-null
-    ``quantization_config``: fq encodes only unquantized sources), with ``quantization_config`` set to
-    ``quantization_block(bits, codebook)``; nothing else changes (``tie_word_embeddings`` keeps the source's
+    the source config parsed (fq's strict JSON loader; an object whose ``quantization_config``, if any, is a source
+    format fq reads: ``fq.model.formats``, FP8 with block scales), with ``quantization_config`` set to
+    ``quantization_block(bits, codebook)`` and, where the family's exllamav3 class reads a key under another
+    spelling than the source's (``fq.model.families``: ``Exl3Needs.aliases``, e.g. Qwen3-MoE's ``num_experts``
+    when transformers 5.x saved ``num_local_experts``), that key stated with the source's value; nothing else changes (``tie_word_embeddings`` keeps the source's
     value: fq leaves lm_head and the embeddings as they are, where the converter writes a separate lm_head and
     unties them). Written as ``fq.core.canonical.pretty`` (sorted keys, indent 2, trailing newline).
 ``fq-exl3-quantization-config/1`` -> ``quantization_config.json`` from every ``*.safetensors`` of the base
@@ -66,6 +68,8 @@ from fq.codec.codebook import CODEBOOKS, MARKERS
 from fq.core import atomic, canonical
 from fq.core.safepath import open_regular, sha256_stream
 from fq.errors import FqError
+from fq.model import families
+from fq.model.formats import source_format
 from fq.model.shards import DTYPES, read_header
 
 SOURCE_CONFIG = "source_config.json"
@@ -99,11 +103,13 @@ def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_C
     cfg = canonical.loads(source, where)
     if not isinstance(cfg, dict):
         raise FqError(f"{where}: expected a JSON object (a model config)")
-    if cfg.get("quantization_config") is not None:
-        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
-        raise FqError(f"{where}: already has a quantization_config (quant_method={method}); fq encodes only "
-                      "unquantized sources")
-    return canonical.pretty({**cfg, "quantization_config": quantization_block(bits, codebook)}).encode()
+    # A source format fq reads (FP8 with block scales) is replaced: the skeleton keeps its FP8 tensors and their
+    # scales verbatim, which EXL3 loaders dequantize per tensor; the block names how the experts are stored now.
+    source_format(cfg, where)
+    # keys the family's exllamav3 class reads under another spelling than the source's (Qwen3-MoE saved by
+    # transformers 5.x: num_local_experts, exllamav3 reads num_experts), stated from the source's own value
+    stated = families.for_config(cfg, where).exl3_needs.derived_keys(cfg)
+    return canonical.pretty({**cfg, **stated, "quantization_config": quantization_block(bits, codebook)}).encode()
 
 
 def _torch_dtype(dtype: str) -> str:

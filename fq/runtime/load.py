@@ -45,6 +45,8 @@ from fq.core.canonical import loads, sha256_hex
 from fq.provenance.combine import Verified, narrow, verify_adapter, verify_fragments
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout, suffixes
+from fq.model.families import transformers_model_type
+from fq.model.formats import dense_state
 from fq.provenance.manifest import VerifiedBase
 from fq.provenance.product import Product, open_product
 from fq.core.safepath import open_regular
@@ -178,7 +180,7 @@ def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dic
     plan = product.predicate
     layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
     config, skeleton, base_sets = _base_tensors(base_dir, base, plan, layout)
-    tensors = {name: (t.float() if t.is_floating_point() else t) for name, t in skeleton.items()}
+    tensors = dense_state(skeleton, f"{base_dir}: skeleton")  # FP8 tensors a base keeps verbatim, dequantized
     stages: dict = {}
     for (layer, ex, proj), base_set in sorted(base_sets.items()):
         chain_sets = stage_sets.get((layer, ex, proj), [])
@@ -300,7 +302,8 @@ def build_model(config: dict, tensors: dict):
 
     cfg = {k: v for k, v in config.items() if k != "quantization_config"}  # dense weights: no quantizer
     cls = model_class(cfg)
-    model_type = cfg.pop("model_type", None)
+    model_type = transformers_model_type(cfg)
+    cfg.pop("model_type", None)
     if not isinstance(model_type, str):
         raise FqError("config.json: no model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
@@ -342,7 +345,7 @@ def checkpoint_state(directory: str | os.PathLike, sha256: dict[str, str] | None
         shards = sorted(set(loads(index.read_bytes(), str(index))["weight_map"].values()))
     else:
         shards = ["model.safetensors"]
-    tensors: dict = {}
+    raw: dict = {}
     for name in shards:
         where = f"{d}/{name}"
         with open_regular(d, name, where) as fh:
@@ -354,9 +357,8 @@ def checkpoint_state(directory: str | os.PathLike, sha256: dict[str, str] | None
         if data[:header.data_start] != header.raw:
             raise FqError(f"{where}: changed while it was read")
         for e in header.entries:
-            t = tensor_from(e.dtype, e.shape, data[e.start:e.end])
-            tensors[e.name] = t.float() if t.is_floating_point() else t
-    return config, tensors
+            raw[e.name] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
+    return config, dense_state(raw, str(d))  # an FP8 checkpoint: every matrix times its block scales
 
 
 def load_checkpoint(directory: str | os.PathLike, sha256: dict[str, str] | None = None):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from fq.core import canonical
 from fq.errors import FqError
-from fq.model.experts import ExpertLayout, layout_for
+from fq.model import families
+from fq.model.experts import ExpertLayout
 from fq.model.source import PROJECTIONS, SourceModel, load_source, parse_source
 from fq.model.usage import ExpertUsage, load_usage, parse_usage
 from fq.planning.plan import Block, Fragment, Plan, make_plan
@@ -85,7 +86,7 @@ class Campaign:
 
     @cached_property
     def layout(self) -> ExpertLayout:
-        return layout_for(self.source.family)
+        return self.source.family_entry.layout
 
     # -- paths (relative to the working directory, as Snakemake wants them) --------------------------
     def p(self, *parts) -> str:
@@ -401,9 +402,9 @@ class Campaign:
         return tuple(self.skeleton_tensors)
 
     def expert_sources(self, layer: int, experts) -> dict:
-        """{expert: {proj: [staged shard path, tensor name]}} for the encode job's params."""
-        return {str(e): {p: [self.staged(self.source.weight_map[self.source.expert_tensor(layer, e, p)]),
-                             self.source.expert_tensor(layer, e, p)] for p in PROJECTIONS} for e in experts}
+        """{expert: {proj: fq.model.formats.ExpertSource as JSON}} (staged paths) for the encode job's params."""
+        return {str(e): {p: self.source.expert_source(layer, e, p, self.staged).to_json() for p in PROJECTIONS}
+                for e in experts}
 
     # -- native comparisons (report) ----------------------------------------------------------------
     @cached_property
@@ -562,6 +563,8 @@ def load_campaign(config: dict) -> Campaign:
         raise FqError(f"config: source.kind: {kind!r}, expected one of {', '.join(SOURCE_KINDS)}")
     if config.get("usage"):
         usage = load_usage(config["usage"])
+    if config.get("calibration"):  # refused when the config is read, not at the calib_embed job
+        families.check_calibration(source.family_entry, f"config calibration ({source.origin}/config.json)")
     recipe = load_recipe(config["recipe"])
     return Campaign(config, Path(config["out"]), source, recipe, usage, campaign_plan(config, recipe, source, usage))
 
@@ -576,7 +579,8 @@ def campaign_plan(config: dict, recipe, source, usage=None):
         need = price_calibration(source, int(cal.get("rows", CALIB_ROWS)), int(cal.get("columns", CALIB_COLUMNS)))
         budget = windows_budget(budget, need, "config disk_budget")
     return make_plan(recipe, source, usage=usage, block_size=config["block_size"], windows=config.get("windows"),
-                     disk_budget=budget, windows_on_disk=config["windows_on_disk"])
+                     disk_budget=budget, windows_on_disk=config["windows_on_disk"],
+                     allow_unloadable=bool(config.get("allow_unloadable", False)))
 
 
 def load_campaign_json(path: str | os.PathLike) -> dict:

@@ -40,6 +40,7 @@ from fq.codec.exact import tree_sum
 from fq.core import atomic, canonical
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout, suffixes
+from fq.model.formats import ExpertSource, read_matrix
 from fq.model.source import PROJECTIONS
 from fq.provenance.attest import keys
 from fq.provenance.attest.fragment import attest_fragment, check_node_digest, verify_shard
@@ -85,24 +86,41 @@ def load_sets(path: Path, layout: ExpertLayout, layer: int, experts, codebook: s
     return out
 
 
+def expert_sources(sources: dict) -> dict:
+    """{expert: {proj: ExpertSource}} from an encode job's ``sources`` param (fq.model.formats)."""
+    return {int(e): {p: ExpertSource.from_json(ref, f"sources[{e}][{p}]") for p, ref in projs.items()}
+            for e, projs in sources.items()}
+
+
 def read_source(sources: dict) -> dict:
-    """{expert: {proj: float32 W}} from the staged shards ({expert: {proj: [path, tensor name]}})."""
+    """{expert: {proj: float32 W}} from the staged shards (FP8 matrices dequantized with their block scales)."""
     handles: dict = {}
     try:
-        return {int(e): {p: _get_source(handles, path, name) for p, (path, name) in projs.items()}
-                for e, projs in sources.items()}
+        return {e: {p: read_matrix(handles, ref, f"expert {e} {p}") for p, ref in projs.items()}
+                for e, projs in expert_sources(sources).items()}
     finally:
         handles.clear()
 
 
-def _get_source(handles: dict, path: str, name: str) -> torch.Tensor:
-    """One source matrix as float32 (``handles``: the shards this reader has open, by path)."""
-    if path not in handles:
-        if not Path(path).is_file():
-            raise FqError(f"{path}: source shard is not staged (its window retired and the job was forced?); "
-                          f"delete the fragment instead of forcing it, so Snakemake stages the shard again")
-        handles[path] = safe_open(path, "pt")
-    return handles[path].get_tensor(name).to(torch.float32)
+def source_tensors(refs) -> list[dict]:
+    """The source ranges an encode read (``refs``: ExpertSource), as a fragment's attestation names them: per
+    tensor (weights and FP8 scales) its shard, dtype, shape and [start, end) byte range in the shard."""
+    from fq.model.shards import read_header
+
+    want: dict[str, set[str]] = {}
+    for r in refs:
+        want.setdefault(r.shard, set()).add(r.tensor)
+        if r.scale is not None:
+            want.setdefault(r.scale_shard, set()).add(r.scale)
+    out = []
+    for shard in sorted(want):
+        with open(shard, "rb") as fh:
+            header = read_header(fh, shard)
+        for name in sorted(want[shard]):
+            e = header.entry(name)
+            out.append({"tensor": name, "shard": Path(shard).name, "dtype": e.dtype, "shape": list(e.shape),
+                        "range": [e.start, e.end]})
+    return out
 
 
 @dataclass
@@ -188,8 +206,9 @@ def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout):
                 check_node_digest(att, anc["digest"], f"ancestor {anc['node']} of {b.node}")
                 anc_sets.append(load_sets(path, layout, b.layer, b.experts, anc["codebook"]))
                 parent = {"name": path.name, "sha256": att.sha256}
+            refs = expert_sources(b.sources)
             for e in b.experts:
-                W = {p: _get_source(handles, *b.sources[str(e)][p]) for p in PROJECTIONS}
+                W = {p: read_matrix(handles, refs[e][p], f"layer {b.layer} expert {e} {p}") for p in PROJECTIONS}
                 yield i, e, W, {p: [sets[e][p] for sets in anc_sets] for p in PROJECTIONS}, parent
     finally:
         handles.clear()
@@ -244,10 +263,11 @@ def _commit(b: BlockJob, tensors: dict, metrics: dict, parent: dict | None, *, d
     info = write_fragment(b.out_fragment, layout=layout, node=b.node, role=b.role, layer=b.layer, block=b.block,
                           K=b.K, codebook=b.codebook, experts=tensors)
     t_frag = time.perf_counter()
-    shards = sorted({path for projs in b.sources.values() for path, _ in projs.values()})
+    refs = [r for projs in expert_sources(b.sources).values() for r in projs.values()]
+    shards = sorted({Path(s).name for r in refs for s in r.shards})
     quant_args = quant_args_for(b.K, b.codebook, seed, bound)
-    att = attest_fragment(b.out_fragment, key=priv, campaign=doc["identity"],
-                          source=source_statement(doc, [Path(s).name for s in shards]), encoder=doc["encoder"],
+    source = dict(source_statement(doc, shards), tensors=source_tensors(refs))
+    att = attest_fragment(b.out_fragment, key=priv, campaign=doc["identity"], source=source, encoder=doc["encoder"],
                           quant_args=quant_args, node_digest=b.node_digest, parent=parent, info=info)
     t_att = time.perf_counter()
     summary = {"node": b.node, "layer": b.layer, "block": b.block, "K": b.K, "codebook": b.codebook,

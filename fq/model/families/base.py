@@ -1,0 +1,248 @@
+"""What a model family declares: how its config names experts and MoE layers, where its routed experts live on
+disk, which EXL3 runtime class loads it, and which transformers classes run its layers for calibration.
+
+A family is plain data (``Family``) plus a rule that says which layers are MoE (``MoeRule``). Config values are
+read with every spelling the family's checkpoints use (its authors' and transformers 5.x's, which renames some keys
+on ``save_pretrained``): several spellings present must agree, none present takes the family's transformers default
+or is refused by name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fq.errors import FqError
+from fq.model.experts import ExpertLayout
+
+_NO_DEFAULT = object()
+
+
+def read_int(config: dict, keys: tuple[str, ...], cfg: str, title: str, *, minimum: int = 1, default=_NO_DEFAULT) -> int:
+    """The integer a family stores under any of ``keys`` (aliases must agree)."""
+    found = {k: config[k] for k in keys if k in config and config[k] is not None}
+    if not found:
+        if default is not _NO_DEFAULT:
+            return default
+        spelled = " or ".join(repr(k) for k in keys)
+        raise FqError(f"{cfg}: field {spelled} missing (expected an integer >= {minimum} for a {title} model)")
+    for k, v in found.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise FqError(f"{cfg}: field {k!r}: expected an integer >= {minimum}, got {v!r}")
+    if len(set(found.values())) > 1:
+        shown = ", ".join(f"{k}={v}" for k, v in found.items())
+        raise FqError(f"{cfg}: {shown}: these fields name the same value for a {title} model and must agree")
+    return next(iter(found.values()))
+
+
+def _int_list(config: dict, key: str, cfg: str) -> list[int]:
+    v = config.get(key, [])
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise FqError(f"{cfg}: field {key!r}: expected a list of layer numbers, got {v!r}")
+    return v
+
+
+# -- which layers are MoE: each rule is what the family's transformers decoder layer tests ----------------------
+@dataclass(frozen=True)
+class DenseFirst:
+    """MoE from layer ``first_k_dense_replace`` on (DeepSeek's original code also skips layers off ``freq_key``)."""
+
+    default: int
+    freq_key: str | None = None
+
+    def layers(self, config: dict, n_layers: int, cfg: str, title: str) -> list[int]:
+        first = read_int(config, ("first_k_dense_replace",), cfg, title, minimum=0, default=self.default)
+        freq = read_int(config, (self.freq_key,), cfg, title, default=1) if self.freq_key else 1
+        return [l for l in range(n_layers) if l >= first and l % freq == 0]
+
+
+@dataclass(frozen=True)
+class LayerTypes:
+    """``mlp_layer_types[l] == "sparse"``; absent, the config class fills it with ``default_dense`` dense layers
+    first, or ``first_k_dense_replace`` of them where the class reads that key (``reads_first_k``)."""
+
+    default_dense: int
+    reads_first_k: bool = True
+
+    def layers(self, config: dict, n_layers: int, cfg: str, title: str) -> list[int]:
+        types = config.get("mlp_layer_types")
+        if types is None:
+            if not self.reads_first_k:
+                return list(range(min(self.default_dense, n_layers), n_layers))
+            return DenseFirst(self.default_dense).layers(config, n_layers, cfg, title)
+        if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {"dense", "sparse"}:
+            raise FqError(f"{cfg}: field 'mlp_layer_types': expected num_hidden_layers={n_layers} entries, each "
+                          f"'dense' or 'sparse', got {types!r}")
+        return [l for l, t in enumerate(types) if t == "sparse"]
+
+
+@dataclass(frozen=True)
+class SparseStep:
+    """Qwen-MoE: not in ``mlp_only_layers`` and ``(l + 1) % decoder_sparse_step == 0``."""
+
+    def layers(self, config: dict, n_layers: int, cfg: str, title: str) -> list[int]:
+        step = read_int(config, ("decoder_sparse_step",), cfg, title, default=1)
+        only = set(_int_list(config, "mlp_only_layers", cfg))
+        return [l for l in range(n_layers) if l not in only and (l + 1) % step == 0]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Ernie-4.5: ``(l + 1) % moe_layer_interval == 0`` and start <= l <= end (end -1: the last layer)."""
+
+    def layers(self, config: dict, n_layers: int, cfg: str, title: str) -> list[int]:
+        start = read_int(config, ("moe_layer_start_index",), cfg, title, minimum=0, default=1)
+        end = config.get("moe_layer_end_index", -1)
+        if not isinstance(end, int) or isinstance(end, bool) or end < -1:
+            raise FqError(f"{cfg}: field 'moe_layer_end_index': expected a layer number or -1, got {end!r}")
+        end = n_layers - 1 if end == -1 else end
+        every = read_int(config, ("moe_layer_interval",), cfg, title, default=1)
+        return [l for l in range(n_layers) if (l + 1) % every == 0 and start <= l <= end]
+
+
+@dataclass(frozen=True)
+class AllLayers:
+    def layers(self, config: dict, n_layers: int, cfg: str, title: str) -> list[int]:
+        return list(range(n_layers))
+
+
+MoeRule = DenseFirst | LayerTypes | SparseStep | Interval | AllLayers
+
+
+@dataclass(frozen=True)
+class Exl3Needs:
+    """What the family's exllamav3 1.6.5 class reads from ``config.json`` differently from transformers: a base
+    whose config it would misread is not loadable (``problems``), and keys it reads under another spelling are
+    stated in the base's derived config.json (``aliases``, fq.provenance.exl3config)."""
+
+    stated: tuple[str, ...] = ()  # keys whose exllamav3 default differs from transformers' (or that it requires)
+    values: tuple[tuple[str, tuple, object], ...] = ()  # (key, values exllamav3 accepts, the value when absent)
+    all_moe: bool = False  # exllamav3 makes every layer MoE (decoder_sparse_step / mlp_only_layers unread)
+    aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (key exllamav3 reads, spellings fq derives it from)
+    always: str | None = None  # a problem every checkpoint of the family has
+    check: Callable[[dict, int], list[str]] | None = None  # the family's own (config, num_hidden_layers) -> problems
+
+    def derived_keys(self, config: dict) -> dict:
+        """The keys the base's config.json states for exllamav3 (read from the source's own spellings)."""
+        out = {}
+        for key, spellings in self.aliases:
+            if key not in config:
+                for k in spellings:
+                    if config.get(k) is not None:
+                        out[key] = config[k]
+                        break
+        return out
+
+    def problems(self, config: dict, moe_layers, n_layers: int) -> list[str]:
+        have = {**config, **self.derived_keys(config)}
+        out = [f"{k} is not stated (exllamav3 requires it or assumes another default)" for k in self.stated
+               if have.get(k) is None]
+        for key, allowed, absent in self.values:
+            v = have.get(key, absent)
+            if v not in allowed:
+                out.append(f"{key}={v!r} (exllamav3 accepts {', '.join(map(repr, allowed))})")
+        if self.all_moe and list(moe_layers) != list(range(n_layers)):
+            out.append("not every layer is MoE (exllamav3 makes every layer MoE: decoder_sparse_step and "
+                       "mlp_only_layers are unread)")
+        if self.check is not None:
+            out += self.check(have, n_layers)
+        if self.always:
+            out.append(self.always)
+        return out
+
+
+def full_attention(hf_cfg, layer: int) -> str:
+    return "full_attention"
+
+
+def sliding_if_window(hf_cfg, layer: int) -> str:
+    # Qwen3MoeModel / MixtralModel: one mask for every layer, sliding when the config has a window
+    return "full_attention" if getattr(hf_cfg, "sliding_window", None) is None else "sliding_attention"
+
+
+def per_layer_types(hf_cfg, layer: int) -> str:
+    # Qwen3NextModel / GptOssModel / Dots1Model: the mask of config.layer_types[layer]
+    return hf_cfg.layer_types[layer]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How the calibration chain (``fq.hessian``) runs one of the family's decoder layers with transformers' own
+    classes: checked against the full transformers model (tests/test_hessian.py, tests/test_hessian_families.py).
+    Functions run on transformers objects; none imports torch at module import."""
+
+    module: str  # transformers modeling module
+    layer_class: str
+    rotary_class: str
+    # the causal mask always materialized (a sparse-attention indexer reads it; sdpa alone may skip it)
+    materialized_mask: bool = False
+    # layers whose attention reuses the previous layer's top-k token selection (DSA "shared" indexer): refused
+    shared_indexer: Callable[[object, int], bool] | None = None
+    # (checkpoint name prefix, module name prefix), relative to the layer prefix; the first that matches applies
+    renames: tuple[tuple[str, str], ...] = ()
+    # the checkpoint holds the module's own fused experts (gpt-oss) instead of one matrix per expert
+    fused_experts: bool = False
+    # (experts module, x [tokens, hidden] float32, e) -> a [tokens, intermediate], what expert e's forward feeds its
+    # down projection; None: act(x·gate_eᵀ)·(x·up_eᵀ) from the fused gate_up_proj [E, 2I, hidden]
+    act_inputs: Callable | None = None
+    intermediate: Callable | None = None  # (experts module) -> intermediate size; None: down_proj [E, hidden, I]
+    moe_block: str = "mlp"  # the decoder layer's MoE block (its input is the input Hessian's x)
+    router: str = "gate"  # the MoE block's router module, hooked for its top-k
+    # (transformers config, layer) -> the layer's attention type as masking_utils names it (its mask function)
+    mask_type: Callable[[object, int], str] = full_attention
+    attn_implementation: str = "sdpa"  # what from_pretrained picks on the CPU for this model class
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family, as fq reads, encodes, calibrates and publishes it."""
+
+    name: str  # registry key (fq's name; also SourceModel.family)
+    title: str  # the releases it covers, for messages and the support table
+    architectures: tuple[str, ...]  # config.json architectures[0] values
+    model_types: tuple[str, ...]  # config.json model_type values (the first is the one transformers knows)
+    layout: ExpertLayout  # per-expert tensor names on disk
+    experts_keys: tuple[str, ...]  # spellings of the routed-expert count
+    inter_keys: tuple[str, ...]  # spellings of a routed expert's intermediate size
+    moe_rule: MoeRule
+    mtp_key: str | None = None  # next-token-prediction layers past num_hidden_layers, with routed experts
+    router: str = "mlp.gate"  # router module under the layer prefix
+    exl3: str | None = None  # the exllamav3 1.6.5 architecture class that loads a base; None: no EXL3 runtime does
+    exl3_needs: Exl3Needs = field(default_factory=Exl3Needs)
+    calibration: Calibration | None = None
+    # tensors under an expert-like name that are kept verbatim (modules no EXL3 runtime runs, e.g. MTP heads)
+    verbatim_prefixes: tuple[str, ...] = field(default=())
+    # why fq cannot read this family's checkpoints yet (None: it can); its other declarations still hold
+    unread: str | None = None
+
+    @property
+    def transformers_model_type(self) -> str:
+        return self.model_types[0]
+
+    def exl3_problems(self, config: dict, moe_layers, n_layers: int) -> list[str]:
+        """Why exllamav3 1.6.5 would not load (or would misread) a base of this config; empty: it loads."""
+        if self.exl3 is None:
+            return [f"exllamav3 1.6.5 has no class for {self.architectures[0]}"]
+        return self.exl3_needs.problems(config, moe_layers, n_layers)
+
+    def moe_layers(self, config: dict, n_layers: int, cfg: str) -> list[int]:
+        return self.moe_rule.layers(config, n_layers, cfg, self.title)
+
+    def n_experts(self, config: dict, cfg: str) -> int:
+        return read_int(config, self.experts_keys, cfg, self.title)
+
+    def intermediate(self, config: dict, cfg: str) -> tuple[int, str]:
+        """(a routed expert's intermediate size, the key it was read from)."""
+        v = read_int(config, self.inter_keys, cfg, self.title)
+        return v, next(k for k in self.inter_keys if config.get(k) is not None)
+
+    def mtp_layers(self, config: dict, cfg: str) -> int:
+        return read_int(config, (self.mtp_key,), cfg, self.title, minimum=0, default=0) if self.mtp_key else 0
+
+    def router_name(self, layer: int) -> str:
+        return f"{self.layout.prefix.split('{layer}')[0]}{layer}.{self.router}.weight"
+
+    def experts_prefix(self, layer: int) -> str:
+        """Every tensor name that starts with this belongs to the layer's routed experts."""
+        return self.layout.prefix.split("{expert}")[0].format(layer=layer)

@@ -1,0 +1,28 @@
+"""gpt-oss-20b / 120b: fused expert tensors on disk (``mlp.experts.gate_up_proj`` with gate and up interleaved,
+``mlp.experts.down_proj``, both with biases; published as MXFP4 ``*_blocks`` / ``*_scales``), router ``mlp.router``
+with a bias, sliding and full attention layers with sinks."""
+from fq.model.experts import STANDARD
+from fq.model.families.base import AllLayers, Calibration, Family, per_layer_types
+
+
+def _act_inputs(experts, x, e: int):
+    """GptOssExperts: gate_up_proj [E, hidden, 2I] (gate and up interleaved) with a bias, then its own clamped
+    swiglu (``_apply_gate``: gate <= limit, |up| <= limit, (up + 1)·gate·σ(α·gate))."""
+    return experts._apply_gate(x @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e])
+
+
+def _intermediate(experts) -> int:
+    return int(experts.down_proj.shape[1])  # down_proj [E, I, hidden]
+
+
+GPT_OSS = Family(
+    name="gpt_oss", title="gpt-oss-20b / 120b", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",),
+    layout=STANDARD, experts_keys=("num_local_experts", "num_experts"), inter_keys=("intermediate_size",),
+    moe_rule=AllLayers(), router="mlp.router", exl3="GptOssForCausalLM",
+    unread="its routed experts are fused 3-D tensors (mlp.experts.gate_up_proj with gate and up interleaved, "
+           "published as MXFP4 *_blocks / *_scales) with biases, and hidden 2880 is not a multiple of 128: fq reads "
+           "per-expert matrices of 128-multiple dims so far (the calibration chain for this class is registered)",
+    calibration=Calibration("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssDecoderLayer",
+                            "GptOssRotaryEmbedding", fused_experts=True, act_inputs=_act_inputs,
+                            intermediate=_intermediate, router="router", mask_type=per_layer_types,
+                            attn_implementation="eager"))

@@ -1,0 +1,37 @@
+"""Mixtral, MiniMax-M2, MiniMax-Text-01 and Phi-3.5-MoE: ``block_sparse_moe.experts.{E}.w1/w3/w2`` (gate/up/down)."""
+from fq.model.experts import MIXTRAL as LAYOUT
+from fq.model.families.base import AllLayers, Calibration, Exl3Needs, Family, sliding_if_window
+
+_EXPERTS = ("num_local_experts", "num_experts")
+_RENAMES = (("block_sparse_moe.", "mlp."),)
+
+MIXTRAL = Family(
+    name="mixtral", title="Mixtral 8x7B / 8x22B", architectures=("MixtralForCausalLM",), model_types=("mixtral",),
+    layout=LAYOUT, experts_keys=_EXPERTS, inter_keys=("intermediate_size",), moe_rule=AllLayers(),
+    router="block_sparse_moe.gate", exl3="MixtralForCausalLM",
+    exl3_needs=Exl3Needs(stated=("num_local_experts", "intermediate_size")),
+    # transformers 5.x names the block mlp (block_sparse_moe. on disk) and fuses w1 (gate) / w3 (up) / w2 (down)
+    calibration=Calibration("transformers.models.mixtral.modeling_mixtral", "MixtralDecoderLayer",
+                            "MixtralRotaryEmbedding", renames=_RENAMES, mask_type=sliding_if_window))
+
+MINIMAX_M2 = Family(
+    name="minimax_m2", title="MiniMax-M2", architectures=("MiniMaxM2ForCausalLM",), model_types=("minimax_m2",),
+    layout=LAYOUT, experts_keys=_EXPERTS, inter_keys=("intermediate_size",), moe_rule=AllLayers(),
+    router="block_sparse_moe.gate", exl3="MiniMaxM2ForCausalLM",
+    exl3_needs=Exl3Needs(
+        stated=("num_local_experts", "intermediate_size"),
+        always="exllamav3 1.6.5 looks up the router's score bias only at block_sparse_moe.gate.e_score_correction_bias; "
+               "MiniMax-M2 stores it at block_sparse_moe.e_score_correction_bias, so exllamav3 would route without it"),
+    # as Mixtral, plus block_sparse_moe.e_score_correction_bias (the block's buffer, passed to its sigmoid router)
+    calibration=Calibration("transformers.models.minimax_m2.modeling_minimax_m2", "MiniMaxM2DecoderLayer",
+                            "MiniMaxM2RotaryEmbedding", renames=_RENAMES))
+
+MINIMAX = Family(
+    name="minimax", title="MiniMax-Text-01", architectures=("MiniMaxForCausalLM",), model_types=("minimax",),
+    layout=LAYOUT, experts_keys=_EXPERTS, inter_keys=("intermediate_size",), moe_rule=AllLayers(),
+    router="block_sparse_moe.gate")
+
+PHIMOE = Family(
+    name="phimoe", title="Phi-3.5-MoE", architectures=("PhimoeForCausalLM",), model_types=("phimoe",),
+    layout=LAYOUT, experts_keys=_EXPERTS, inter_keys=("intermediate_size",), moe_rule=AllLayers(),
+    router="block_sparse_moe.gate")

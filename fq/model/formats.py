@@ -1,0 +1,214 @@
+"""Source weight formats as published, read without a converted copy.
+
+``source_format(config, where)`` reads ``quantization_config``:
+
+- none: dense bf16 / fp16 / fp32 weights.
+- ``quant_method: "fp8"`` with ``weight_block_size [b0, b1]`` (DeepSeek-V3/R1, Kimi-K2, MiniMax-M2, Qwen3-FP8,
+  GLM-FP8): a linear's ``NAME.weight`` is float8_e4m3fn and ``NAME.weight_scale_inv`` holds one float scale per
+  b0 x b1 block. A matrix is read as ``dequantize_fp8`` defines it: every fp8 value (exact in float32) times its
+  block's scale as float32, one rounding. For a routed expert the block must divide the matrix (EXL3 dims are
+  multiples of 128), and then this is transformers' reference (``integrations.finegrained_fp8.Fp8Dequantize`` with
+  a float32 output) bit for bit. exllamav3 computes the same product before its fp16 cast (``modules/linear.py``,
+  ``apply_fp8_scales_inv_``), which is how it loads the FP8 tensors a base keeps verbatim in its skeleton, partial
+  128-blocks included (DeepSeek-V3's 576-row kv_a_proj_with_mqa).
+
+Anything else (another ``quant_method``, another fp8 ``fmt``, a block size that is not two positive integers) is
+refused naming the field.
+
+``ExpertSource``: where one routed-expert matrix comes from (shard, tensor, and for FP8 the scale tensor and
+block), in the JSON an encode job receives; ``read_matrix`` reads it as float32 (torch (out, in)), checking dtype,
+shape and scale grid against what the plan expects. ``dense_state`` turns a checkpoint's tensors (FP8 with their
+scales, or dense) into the float32 tensors a transformers model is built from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fq.errors import FqError
+
+DENSE = "dense"
+FP8 = "fp8"
+SCALE_SUFFIX = "weight_scale_inv"
+FP8_DTYPE = "F8_E4M3"
+SCALE_DTYPES = ("F32", "BF16")
+_SUPPORTED = "none (bf16/fp16/fp32), fp8 with weight_block_size (DeepSeek-V3 layout)"
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    kind: str  # DENSE | FP8
+    block: tuple[int, int] | None = None  # FP8: (rows, cols) of one scale block
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind} if self.block is None else {"kind": self.kind, "block": list(self.block)}
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """Bytes per weight of a quantized matrix (None: the config's dtype)."""
+        return 1 if self.kind == FP8 else None
+
+
+def source_format(config: dict, where: str) -> SourceFormat:
+    q = config.get("quantization_config")
+    if q is None:
+        return SourceFormat(DENSE)
+    if not isinstance(q, dict):
+        raise FqError(f"{where}: quantization_config: expected an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise FqError(f"{where}: quantization_config.quant_method {method!r} is not a source format fq reads; "
+                      f"supported: {_SUPPORTED}")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise FqError(f"{where}: quantization_config.fmt {fmt!r}: fq reads fp8 e4m3 weights only")
+    block = q.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise FqError(f"{where}: quantization_config.weight_block_size: expected [rows, cols] of one scale block "
+                      f"(two positive integers; per-tensor fp8 is not read), got {block!r}")
+    return SourceFormat(FP8, (block[0], block[1]))
+
+
+def scale_name(weight: str) -> str:
+    """``X.weight`` -> ``X.weight_scale_inv``."""
+    if not weight.endswith(".weight"):
+        raise FqError(f"{weight}: an FP8 weight's name ends in .weight")
+    return weight[: -len("weight")] + SCALE_SUFFIX
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """One routed-expert matrix in the staged shards: ``shard``/``tensor`` and the torch (out, in) ``shape`` the
+    config gives it, plus ``scale_shard``/``scale`` and ``block`` for an FP8 matrix."""
+
+    shard: str
+    tensor: str
+    shape: tuple[int, int] | None = None
+    scale_shard: str | None = None
+    scale: str | None = None
+    block: tuple[int, int] | None = None
+
+    def to_json(self) -> dict:
+        d = {"shard": self.shard, "tensor": self.tensor}
+        if self.shape is not None:
+            d["shape"] = list(self.shape)
+        if self.scale is not None:
+            d.update(scale_shard=self.scale_shard, scale=self.scale, block=list(self.block))
+        return d
+
+    @classmethod
+    def from_json(cls, obj, where: str) -> "ExpertSource":
+        if isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, str) for x in obj):
+            return cls(obj[0], obj[1])  # [shard, tensor]: a dense matrix
+        keys = {"shard", "tensor"}
+        fp8 = {"scale_shard", "scale", "block"}
+        names = set(obj) - {"shape"} if isinstance(obj, dict) else set()
+        if not isinstance(obj, dict) or names not in (keys, keys | fp8) or not all(
+                isinstance(obj[k], str) for k in names - {"block"}):
+            raise FqError(f"{where}: expected {{shard, tensor[, shape]}} or {{shard, tensor, shape, scale_shard, "
+                          f"scale, block}}, got {obj!r}")
+        pairs = {}
+        for k in ("shape", "block"):
+            v = obj.get(k)
+            if v is not None and not (isinstance(v, list) and len(v) == 2
+                                      and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in v)):
+                raise FqError(f"{where}: {k}: expected two positive integers, got {v!r}")
+            pairs[k] = tuple(v) if v is not None else None
+        return cls(obj["shard"], obj["tensor"], pairs["shape"], obj.get("scale_shard"), obj.get("scale"),
+                   pairs["block"])
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return tuple(sorted({self.shard} | ({self.scale_shard} if self.scale_shard else set())))
+
+
+def scale_grid(shape: tuple[int, int], block: tuple[int, int], weight: str, where: str) -> tuple[int, int]:
+    """The (rows, cols) of the scale tensor of an FP8 matrix; the block must divide the matrix."""
+    (rows, cols), (b0, b1) = shape, block
+    if rows % b0 or cols % b1:
+        raise FqError(f"{where}: tensor {weight!r} is ({rows}, {cols}); the FP8 block {b0}x{b1} "
+                      f"(quantization_config.weight_block_size) does not divide it")
+    return rows // b0, cols // b1
+
+
+def dequantize_fp8(q, scale_inv, block: tuple[int, int] = (128, 128), where: str = "fp8"):
+    """float32 (rows, cols): each e4m3 value times its ``block``'s scale as float32, one rounding. The grid must be
+    the ceil grid of the blocks; a last partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows) takes its
+    block's scale, as exllamav3 (``apply_fp8_scales_inv_``) and DeepSeek's own dequantization read it. Where the
+    blocks divide the weight this is transformers' reference (``Fp8Dequantize`` with a float32 output), bit for bit;
+    transformers derives the block from the grid, so it cannot read a partial block."""
+    import torch
+
+    if q.dim() != 2 or scale_inv.dim() != 2:
+        raise FqError(f"{where}: expected a 2-D fp8 weight and a 2-D scale grid, got {list(q.shape)} and "
+                      f"{list(scale_inv.shape)}")
+    (rows, cols), (b0, b1) = q.shape, block
+    grid = (-(-rows // b0), -(-cols // b1))
+    if tuple(scale_inv.shape) != grid:
+        raise FqError(f"{where}: weight ({rows}, {cols}) has a {tuple(scale_inv.shape)} scale grid, expected {grid} "
+                      f"(one scale per {b0}x{b1} block)")
+    s = scale_inv.to(torch.float32).repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    return q.to(torch.float32) * s
+
+
+def read_matrix(handles: dict, src: ExpertSource, where: str):
+    """One routed-expert matrix as float32 torch (out, in), its shape the one ``src`` expects. ``handles``: open
+    safe_open handles by shard path (the caller's, so each shard opens once)."""
+    import torch
+    from safetensors import safe_open
+
+    def handle(path):
+        if path not in handles:
+            from pathlib import Path
+
+            if not Path(path).is_file():
+                raise FqError(f"{path}: source shard is not staged (its window retired and the job was forced?); "
+                              f"delete the fragment instead of forcing it, so Snakemake stages the shard again")
+            handles[path] = safe_open(path, "pt")
+        return handles[path]
+
+    t = handle(src.shard).get_tensor(src.tensor)
+    if src.shape is not None and tuple(t.shape) != tuple(src.shape):
+        raise FqError(f"{src.shard}: tensor {src.tensor!r} is {list(t.shape)}, the config makes it "
+                      f"{list(src.shape)} (out, in)")
+    if src.scale is None:
+        if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise FqError(f"{src.shard}: tensor {src.tensor!r} is {t.dtype}; a matrix without a {SCALE_SUFFIX} is read "
+                          f"as bf16/fp16/fp32")
+        return t.to(torch.float32)
+    if t.dtype != torch.float8_e4m3fn:
+        raise FqError(f"{src.shard}: tensor {src.tensor!r} is {t.dtype}, expected float8_e4m3fn (the config's "
+                      f"quantization_config is fp8 and the tensor has a {SCALE_SUFFIX})")
+    s = handle(src.scale_shard).get_tensor(src.scale)
+    want = scale_grid(tuple(t.shape), src.block, src.tensor, src.shard)
+    if tuple(s.shape) != want or s.dtype not in (torch.float32, torch.bfloat16):
+        raise FqError(f"{src.scale_shard}: tensor {src.scale!r} is {s.dtype} {list(s.shape)}, expected float32 "
+                      f"{list(want)} (one scale per {src.block[0]}x{src.block[1]} block of {src.tensor})")
+    if not bool(torch.isfinite(s).all()):
+        raise FqError(f"{src.scale_shard}: tensor {src.scale!r} has non-finite scales")
+    return dequantize_fp8(t, s, src.block, f"{src.shard}: {src.tensor}")
+
+
+def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) -> dict:
+    """float32 tensors from a checkpoint's (or a base skeleton's) tensors: every ``X.weight`` with an
+    ``X.weight_scale_inv`` dequantized in ``block``s (the scale dropped), other floats upcast, integers as they are.
+    A base's skeleton is read with 128x128 blocks, the only ones exllamav3 loads."""
+    import torch
+
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("." + SCALE_SUFFIX):
+            weight = name[: -len(SCALE_SUFFIX)] + "weight"
+            if weight not in tensors:
+                raise FqError(f"{where}: {name} has no {weight} to scale")
+            continue
+        scale = tensors.get(name[: -len("weight")] + SCALE_SUFFIX) if name.endswith(".weight") else None
+        if scale is not None:
+            if t.dtype != torch.float8_e4m3fn:
+                raise FqError(f"{where}: {name} is {t.dtype} beside a {SCALE_SUFFIX}; expected float8_e4m3fn")
+            out[name] = dequantize_fp8(t, scale, block, f"{where}: {name}")
+        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise FqError(f"{where}: {name} is {t.dtype} without a {SCALE_SUFFIX}")
+        else:
+            out[name] = t.float() if t.is_floating_point() else t
+    return out

@@ -1,0 +1,412 @@
+"""Tiny random mixture-of-experts checkpoints laid out the way their authors publish them, built offline.
+
+Every family is transformers' own config class and modeling code (transformers 5.24), at one tiny size: vocab 512,
+hidden 256, 3 decoder layers (layer 0 dense where the family has dense layers), 8 routed experts of intermediate size
+128, top-2, 4 attention heads / 4 KV heads of 64 (MLA families: small LoRA ranks and head dims), n_group = topk_group
+= 1, no next-token-prediction layers, untied embeddings. Nothing is downloaded.
+
+    ARCHS: architecture -> Recipe(model_type, keys, expert_count_key, expert_inter_key, dense_layers, ...)
+    hf_config(arch, **keys) -> transformers config      # keys: what the config class is given (recipe, then **keys)
+    config_of(arch, **keys) -> dict                     # config.json as transformers 5.24 writes it
+    model_of(arch, seed=0, **keys) -> model             # seeded random init, bfloat16, eval
+    build(arch, out_dir, *, seed=0, max_shard_size=None, legacy_keys=False, extra_config=None, keys=None) -> Path
+    legacy_config(arch, cfg) -> dict                    # config.json in the pre-5.0 key style (torch_dtype, rope_theta)
+    to_fp8(src_dir, out_dir, *, block=(128, 128)) -> Path   # DeepSeek-V3 / Kimi-K2 / MiniMax-M2 / Qwen3-FP8 layout
+    to_mxfp4_gptoss(src_dir, out_dir) -> Path               # openai/gpt-oss-20b/120b layout
+    as_kimi_k2(src_dir, out_dir) -> Path                    # a DeepseekV3 checkpoint relabelled as Kimi-K2
+    fp8_target(name, tensor) -> bool                        # what the published FP8 layout stores in fp8
+    fp8_quantize(w, block=(128, 128)) -> (q float8_e4m3fn, weight_scale_inv float32 (ceil(out/b0), ceil(in/b1)))
+    fp8_dequantize(q, scale_inv, block=(128, 128)) -> float32
+    mxfp4_quantize(w) -> (blocks uint8 (..., n/32, 16), scales uint8 (..., n/32))   # groups of 32 on w's last dim
+    weight_map(dir) -> {tensor: shard};  load_tensors(dir) -> {tensor: tensor}
+
+``build`` is seeded (``torch.manual_seed``, then transformers' own ``_init_weights`` run directly in bfloat16:
+normal(0, 0.02) linears and embeddings, ones for norms, zeros for biases), so two builds are byte-identical and a
+``from_pretrained`` of the result gives exactly ``model_of``'s logits. It saves with ``save_pretrained(max_shard_size=
+...)``, a size that gives 11-16 shards, in the checkpoint's original (published) tensor names: transformers reverts
+its fused-expert conversion on save (gpt-oss is natively fused). Every tensor is bfloat16 except the routers
+transformers keeps in float32 (``_keep_in_fp32_modules_strict``: ``mlp.gate.weight`` and ``e_score_correction_bias``
+of the DeepSeek-style families and Ernie).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+CONFIG = "config.json"
+DTYPE = "bfloat16"
+TARGET_SHARDS = 12
+
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K, EXPERT_INTER, DENSE_INTER = 512, 256, 3, 8, 2, 128, 512
+HEADS, KV_HEADS, HEAD_DIM = 4, 4, 64
+
+# every family
+_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+               num_key_value_heads=KV_HEADS, tie_word_embeddings=False, initializer_range=0.02)
+# DeepSeek-style routing (n_routed_experts, shared experts, grouped top-k)
+_DEEPSEEK_MOE = dict(moe_intermediate_size=EXPERT_INTER, n_routed_experts=EXPERTS, n_shared_experts=1,
+                     num_experts_per_tok=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True)
+# multi-head latent attention, small
+_MLA = dict(kv_lora_rank=64, q_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64)
+# Qwen3-Next / Qwen3.5 gated delta-net layers, small
+_LINEAR_ATTN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=["linear_attention", "linear_attention", "full_attention"])
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One family's tiny config: transformers' ``model_type`` and the keys its config class is given."""
+
+    model_type: str
+    keys: dict = field(default_factory=dict)  # passed to the config class; every one is a key the class defines
+    expert_count_key: str = ""  # the key config.json carries the routed-expert count under (as transformers saves)
+    expert_inter_key: str = "moe_intermediate_size"
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of routed experts
+    # legacy_keys=True: config.json keys transformers 5 writes under another name than the published config
+    renames: dict = field(default_factory=dict)
+    rotary_dim: bool = False  # legacy_keys=True: partial RoPE as ``rotary_dim`` (MiniMax-M2), not partial_rotary_factor
+
+
+ARCHS: dict[str, Recipe] = {
+    "Glm4MoeForCausalLM": Recipe("glm4_moe", dict(
+        _COMMON, **_DEEPSEEK_MOE, intermediate_size=DENSE_INTER, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, num_nextn_predict_layers=0, rms_norm_eps=1e-5, partial_rotary_factor=0.5,
+        use_qk_norm=False), "n_routed_experts", dense_layers=(0,)),
+    "GlmMoeDsaForCausalLM": Recipe("glm_moe_dsa", dict(
+        _COMMON, **_DEEPSEEK_MOE, **_MLA, intermediate_size=DENSE_INTER, first_k_dense_replace=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+        index_topk=8, index_head_dim=64, index_n_heads=4), "n_routed_experts", dense_layers=(0,)),
+    "Glm4MoeLiteForCausalLM": Recipe("glm4_moe_lite", dict(
+        _COMMON, **_DEEPSEEK_MOE, **_MLA, intermediate_size=DENSE_INTER,
+        mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=1.8, rms_norm_eps=1e-5),
+        "n_routed_experts", dense_layers=(0,)),
+    "DeepseekV3ForCausalLM": Recipe("deepseek_v3", dict(
+        _COMMON, **_DEEPSEEK_MOE, **_MLA, intermediate_size=DENSE_INTER, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, num_nextn_predict_layers=0, rms_norm_eps=1e-6), "n_routed_experts",
+        dense_layers=(0,)),
+    "DeepseekV2ForCausalLM": Recipe("deepseek_v2", dict(
+        _COMMON, **dict(_DEEPSEEK_MOE, norm_topk_prob=False), **dict(_MLA, q_lora_rank=None),
+        intermediate_size=DENSE_INTER, first_k_dense_replace=1, routed_scaling_factor=1.0, topk_method="greedy",
+        rms_norm_eps=1e-6), "n_routed_experts", dense_layers=(0,)),
+    "Qwen3MoeForCausalLM": Recipe("qwen3_moe", dict(
+        _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        rms_norm_eps=1e-6), "num_local_experts", renames={"num_local_experts": "num_experts"}),
+    "Qwen3NextForCausalLM": Recipe("qwen3_next", dict(
+        _COMMON, **_LINEAR_ATTN, head_dim=HEAD_DIM, intermediate_size=DENSE_INTER,
+        moe_intermediate_size=EXPERT_INTER, shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        rms_norm_eps=1e-6), "num_experts"),
+    "Qwen3_5MoeForCausalLM": Recipe("qwen3_5_moe_text", dict(
+        _COMMON, **_LINEAR_ATTN, head_dim=HEAD_DIM, moe_intermediate_size=EXPERT_INTER,
+        shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        rms_norm_eps=1e-6), "num_experts"),
+    "MixtralForCausalLM": Recipe("mixtral", dict(
+        _COMMON, head_dim=HEAD_DIM, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, rms_norm_eps=1e-5), "num_local_experts", "intermediate_size"),
+    "MiniMaxM2ForCausalLM": Recipe("minimax_m2", dict(
+        _COMMON, head_dim=HEAD_DIM, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, rotary_dim=HEAD_DIM // 2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+        "num_local_experts", "intermediate_size", rotary_dim=True),
+    "GptOssForCausalLM": Recipe("gpt_oss", dict(
+        _COMMON, head_dim=HEAD_DIM, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, rms_norm_eps=1e-5), "num_local_experts", "intermediate_size"),
+    "Dots1ForCausalLM": Recipe("dots1", dict(
+        _COMMON, **dict(_DEEPSEEK_MOE, norm_topk_prob=True), intermediate_size=DENSE_INTER, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, rms_norm_eps=1e-5), "n_routed_experts", dense_layers=(0,)),
+    "Ernie4_5_MoeForCausalLM": Recipe("ernie4_5_moe", dict(
+        _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER, moe_num_experts=EXPERTS,
+        moe_k=TOP_K, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1, use_bias=False,
+        rms_norm_eps=1e-5), "moe_num_experts", dense_layers=(0,)),
+    "SolarOpenForCausalLM": Recipe("solar_open", dict(
+        _COMMON, head_dim=HEAD_DIM, moe_intermediate_size=EXPERT_INTER, n_routed_experts=EXPERTS, n_shared_experts=1,
+        num_experts_per_tok=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+        rms_norm_eps=1e-5), "n_routed_experts"),
+    "Qwen2MoeForCausalLM": Recipe("qwen2_moe", dict(
+        _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
+        shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, rms_norm_eps=1e-6), "num_experts"),
+}
+
+
+def hf_config(arch: str, **keys):
+    """The transformers config of ``arch``'s recipe, ``keys`` over it (architectures and dtype set)."""
+    import transformers
+
+    r = ARCHS[arch]
+    cfg = transformers.AutoConfig.for_model(r.model_type, **{**r.keys, **keys})
+    cfg.architectures = [arch]
+    cfg.dtype = torch.bfloat16
+    return cfg
+
+
+def config_of(arch: str, **keys) -> dict:
+    """config.json of ``arch``'s tiny model as transformers writes it."""
+    return json.loads(hf_config(arch, **keys).to_json_string())
+
+
+def model_of(arch: str, seed: int = 0, **keys):
+    """The tiny model, seeded random init, bfloat16, eval mode."""
+    import transformers
+
+    cfg = hf_config(arch, **keys)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+def _shard_size(model) -> int:
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return max(1, math.ceil(total / TARGET_SHARDS))
+
+
+def legacy_config(arch: str, cfg: dict) -> dict:
+    """``cfg`` (config.json as transformers 5 writes it) in the pre-5.0 key style most published checkpoints carry:
+    ``torch_dtype``; top-level ``rope_theta`` / ``partial_rotary_factor`` (MiniMax-M2: ``rotary_dim``) and, for a
+    non-default RoPE, ``rope_scaling``; the recipe's renames (Qwen3-MoE: ``num_experts``). transformers reads both."""
+    r = ARCHS[arch]
+    cfg = dict(cfg)
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    rope = dict(cfg.pop("rope_parameters", None) or {})
+    if "rope_theta" in rope:
+        cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        factor = rope.pop("partial_rotary_factor")
+        if r.rotary_dim:
+            cfg["rotary_dim"] = int(round(factor * cfg["head_dim"]))
+        else:
+            cfg["partial_rotary_factor"] = factor
+    if rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rope
+    for old, new in r.renames.items():
+        if old in cfg:
+            cfg[new] = cfg.pop(old)
+    return cfg
+
+
+def build(arch: str, out_dir, *, seed: int = 0, max_shard_size: int | str | None = None, legacy_keys: bool = False,
+          extra_config: dict | None = None, keys: dict | None = None) -> Path:
+    """Save ``arch``'s tiny model (seeded) to ``out_dir`` as bfloat16 safetensors shards; returns ``out_dir``.
+
+    ``max_shard_size`` defaults to 1/12 of the weights (11-16 shards); ``legacy_keys`` writes config.json in the
+    published pre-5.0 key style (``legacy_config``); ``extra_config`` keys are merged into config.json last (keys a
+    published config carries that transformers' class does not define, e.g. GLM-4.7-Flash's first_k_dense_replace);
+    ``keys`` go to the config class over the recipe's (e.g. ``{"mlp_only_layers": [0]}``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model_of(arch, seed, **(keys or {}))
+    model.save_pretrained(out, max_shard_size=max_shard_size or _shard_size(model))
+    cfg = json.loads((out / CONFIG).read_text())
+    cfg.setdefault("dtype", DTYPE)
+    if legacy_keys:
+        cfg = legacy_config(arch, cfg)
+    if extra_config:
+        cfg.update(extra_config)
+    _write_json(out / CONFIG, cfg)
+    return out
+
+
+# --- checkpoint reading / writing ---------------------------------------------------------------------------------
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def weight_map(src_dir) -> dict[str, str]:
+    """tensor name -> shard file of a checkpoint directory (sharded or single-file)."""
+    src = Path(src_dir)
+    if (src / INDEX).exists():
+        return dict(json.loads((src / INDEX).read_text())["weight_map"])
+    from safetensors import safe_open
+
+    with safe_open(src / SINGLE, "pt") as f:
+        return {k: SINGLE for k in f.keys()}
+
+
+def load_tensors(src_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory."""
+    from safetensors.torch import load_file
+
+    src = Path(src_dir)
+    out = {}
+    for shard in sorted(set(weight_map(src).values())):
+        out.update(load_file(src / shard))
+    return out
+
+
+def _rewrite(src_dir, out_dir, convert, config_update) -> Path:
+    """Each shard of ``src_dir`` through ``convert(name, tensor) -> {name: tensor}`` into the same shard file name of
+    ``out_dir``; index and config.json rewritten, every other file copied."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wmap = weight_map(src)
+    new_map, total = {}, 0
+    for shard in sorted(set(wmap.values())):
+        with safe_open(src / shard, "pt") as f:
+            meta = f.metadata()
+            tensors = {}
+            for name in sorted(f.keys()):
+                tensors.update(convert(name, f.get_tensor(name)))
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, out / shard, metadata=meta or {"format": "pt"})
+        for k, v in tensors.items():
+            new_map[k] = shard
+            total += v.numel() * v.element_size()
+    if (src / INDEX).exists():
+        index = json.loads((src / INDEX).read_text())
+        index["weight_map"] = dict(sorted(new_map.items()))
+        index.setdefault("metadata", {})["total_size"] = total
+        _write_json(out / INDEX, index)
+    cfg = json.loads((src / CONFIG).read_text())
+    config_update(cfg)
+    _write_json(out / CONFIG, cfg)
+    for p in sorted(src.iterdir()):
+        if p.name in (INDEX, CONFIG) or p.name.endswith(".safetensors"):
+            continue
+        if p.is_file():
+            shutil.copyfile(p, out / p.name)
+    return out
+
+
+# --- FP8 (DeepSeek-V3 block scaling) ------------------------------------------------------------------------------
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_FP8_SKIP = ("embed_tokens", "lm_head", "norm", "e_score_correction_bias")
+_FP8_ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".shared_expert_gate.weight")
+
+
+def fp8_target(name: str, t: torch.Tensor) -> bool:
+    """Whether the published FP8 layout stores ``name`` in fp8: a 2-D linear weight inside the decoder layers, not
+    the router (``mlp.gate.weight``), norms, embeddings or lm_head."""
+    if t.ndim != 2 or not name.endswith(".weight") or ".layers." not in name:
+        return False
+    if any(s in name for s in _FP8_SKIP) or ".router." in name or name.endswith(_FP8_ROUTERS):
+        return False
+    return True
+
+
+def fp8_quantize(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block quantizer: per (b0, b1) block s = amax|w| / 448 (zero blocks: 1), q = (w / s) in e4m3;
+    returns (q, s float32 of shape (ceil(out/b0), ceil(in/b1))) — ``weight_scale_inv`` is s (w ~ q * s)."""
+    b0, b1 = block
+    rows, cols = w.shape
+    gr, gc = -(-rows // b0), -(-cols // b1)
+    x = w.float()
+    pad = torch.zeros(gr * b0, gc * b1, dtype=torch.float32)
+    pad[:rows, :cols] = x
+    blocks = pad.view(gr, b0, gc, b1)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.view(gr * b0, gc * b1)[:rows, :cols].contiguous()
+    return q, scale.float().contiguous()
+
+
+def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    b0, b1 = block
+    s = scale_inv.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[: q.shape[0], : q.shape[1]]
+    return q.float() * s
+
+
+def to_fp8(src_dir, out_dir, *, block=(128, 128)) -> Path:
+    """A bf16 checkpoint in the published DeepSeek-V3 FP8 layout: each fp8 target (``fp8_target``) becomes
+    float8_e4m3fn beside a float32 ``NAME_scale_inv`` (``...weight_scale_inv``) in the same shard; config.json gains
+    the block-fp8 ``quantization_config``."""
+    block = (int(block[0]), int(block[1]))
+
+    def convert(name, t):
+        if not fp8_target(name, t):
+            return {name: t}
+        q, s = fp8_quantize(t, block)
+        return {name: q, name + "_scale_inv": s}
+
+    def update(cfg):
+        cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "weight_block_size": list(block)}
+        cfg.setdefault("dtype", DTYPE)
+
+    return _rewrite(src_dir, out_dir, convert, update)
+
+
+# --- MXFP4 (gpt-oss) ----------------------------------------------------------------------------------------------
+
+# e2m1 magnitudes of codes 0..7 (bit 3 is the sign), as transformers' FP4_VALUES
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MX_GROUP = 32
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX fp4: ``w`` (..., n) in groups of 32 along n, each an e8m0 scale 2^(byte-127) and 32 e2m1 codes, two per
+    byte, low nibble first. Returns (blocks uint8 (..., n/32, 16), scales uint8 (..., n/32)). The scale is the
+    smallest power of two that puts the group's amax within e2m1's 6.0, codes round to nearest."""
+    *lead, n = w.shape
+    assert n % MX_GROUP == 0, f"last dim {n} not a multiple of {MX_GROUP}"
+    x = w.float().reshape(*lead, n // MX_GROUP, MX_GROUP)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    mant, e = torch.frexp(amax / 6.0)  # amax/6 = mant * 2^e, mant in [0.5, 1): ceil(log2) exactly
+    exp = torch.where(mant == 0.5, e - 1, e).float()
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0)).clamp(-127, 127)
+    y = x / torch.exp2(exp)
+    mags = torch.tensor(E2M1)
+    idx = (y.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)  # ties: the lower code (round half down)
+    codes = (idx | ((y < 0) & (idx > 0)).long() << 3).to(torch.uint8)
+    codes = codes.reshape(*lead, n // MX_GROUP, MX_GROUP // 2, 2)
+    blocks = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    scales = (exp.squeeze(-1) + 127).to(torch.uint8)
+    return blocks.contiguous(), scales.contiguous()
+
+
+GPTOSS_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def to_mxfp4_gptoss(src_dir, out_dir) -> Path:
+    """A bf16 gpt-oss checkpoint (transformers' layout: ``mlp.experts.gate_up_proj`` (E, hidden, 2I), gate/up
+    interleaved on the last dim; ``down_proj`` (E, I, hidden)) in openai/gpt-oss' published MXFP4 layout:
+    ``gate_up_proj_blocks`` (E, 2I, hidden/32, 16) / ``_scales`` (E, 2I, hidden/32), ``down_proj_blocks``
+    (E, hidden, I/32, 16) / ``_scales`` (E, hidden, I/32), i.e. (out, in) with groups of 32 inputs; biases kept."""
+
+    def convert(name, t):
+        if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
+            blocks, scales = mxfp4_quantize(t.transpose(1, 2))  # (E, out, in)
+            return {name + "_blocks": blocks, name + "_scales": scales}
+        return {name: t}
+
+    def update(cfg):
+        cfg["quantization_config"] = {"modules_to_not_convert": list(GPTOSS_NOT_CONVERT), "quant_method": "mxfp4"}
+
+    return _rewrite(src_dir, out_dir, convert, update)
+
+
+# --- Kimi-K2 ------------------------------------------------------------------------------------------------------
+
+KIMI_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+
+
+def as_kimi_k2(src_dir, out_dir) -> Path:
+    """A DeepseekV3ForCausalLM checkpoint (bf16 or ``to_fp8``'s) relabelled as moonshotai/Kimi-K2 publishes it:
+    config.json ``model_type`` "kimi_k2" and an ``auto_map`` to its remote code; every other file copied as is."""
+    src, out = Path(src_dir), Path(out_dir)
+    cfg = json.loads((src / CONFIG).read_text())
+    if cfg.get("architectures") != ["DeepseekV3ForCausalLM"]:
+        raise ValueError(f"as_kimi_k2: expected a DeepseekV3ForCausalLM checkpoint, got {cfg.get('architectures')}")
+    out.mkdir(parents=True, exist_ok=True)
+    for p in sorted(src.iterdir()):
+        if p.is_file() and p.name != CONFIG:
+            shutil.copyfile(p, out / p.name)
+    cfg["model_type"] = "kimi_k2"
+    cfg["auto_map"] = dict(KIMI_AUTO_MAP)
+    _write_json(out / CONFIG, cfg)
+    return out

@@ -1,0 +1,307 @@
+"""The calibration chain (fq.hessian) on every registered family besides GLM (tests/test_hessian.py covers
+Glm4MoeForCausalLM and GLM-5's GlmMoeDsaForCausalLM): on a tiny random checkpoint that transformers itself builds
+and saves in several shards, the layer modules equal the full model's layers tensor for tensor, the chain
+reproduces the full model's layer outputs, the input Hessian is XᵀX of the MoE block input hooked on the full model,
+and the down-projection Hessians (all experts and routed-only) are those of the down projection's input as the full
+model's own experts module computes it (checked against that module's output)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fq.errors import FqError
+from fq.hessian import capture, layer as layer_mod
+
+ROWS, COLS = 2, 32
+VOCAB, HIDDEN, INTER, N_EXPERTS, TOP_K = 512, 256, 128, 8, 2
+COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=TOP_K, bos_token_id=0,
+              eos_token_id=1, pad_token_id=None)
+MLA = dict(num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+           v_head_dim=32)
+
+# model_type -> (architecture, transformers config arguments, the MoE layers)
+FAMILIES = {
+    # group-limited routing: 4 groups of 2 experts, the top-2 chosen within the best 2 groups
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, first_k_dense_replace=1, n_routed_experts=N_EXPERTS,
+        n_shared_experts=1, n_group=4, topk_group=2, **MLA), [1, 2]),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, head_dim=64, mlp_only_layers=[0],
+        norm_topk_prob=True), [1, 2]),
+    # a sliding window shorter than the rows: the chain must make the sliding mask the model makes
+    "mixtral": ("MixtralForCausalLM", dict(intermediate_size=INTER, num_local_experts=N_EXPERTS, sliding_window=16),
+                [0, 1, 2]),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", dict(intermediate_size=INTER, num_local_experts=N_EXPERTS, head_dim=64),
+                   [0, 1, 2]),
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, n_routed_experts=N_EXPERTS, n_shared_experts=1, **MLA),
+        [1, 2]),
+    "qwen3_next": ("Qwen3NextForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS,
+        shared_expert_intermediate_size=INTER, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], mlp_only_layers=[0]), [1, 2]),
+    # sliding (layers 0, 2) and full (layer 1) attention with sinks; swiglu_limit low enough that the clamp acts
+    "gpt_oss": ("GptOssForCausalLM", dict(intermediate_size=INTER, num_local_experts=N_EXPERTS, head_dim=64,
+                                          sliding_window=16, swiglu_limit=0.3), [0, 1, 2]),
+    # layer 2 sliding (max_window_layers)
+    "dots1": ("Dots1ForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, first_k_dense_replace=1, n_routed_experts=N_EXPERTS,
+        n_shared_experts=1, head_dim=64, sliding_window=16, max_window_layers=2), [1, 2]),
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, moe_num_experts=N_EXPERTS, moe_k=TOP_K,
+        moe_layer_start_index=1, moe_num_shared_experts=1, head_dim=64), [1, 2]),
+}
+
+
+def _close(a, b, rtol=1e-5):
+    """max |a - b| relative to max |b| (tests/test_hessian.py's measure)."""
+    return float((a - b).abs().max()) <= rtol * float(b.abs().max())
+
+
+def _save_tiny(model_type: str, d: Path) -> Path:
+    """A tiny random checkpoint of ``model_type``, saved by transformers in several shards; every bias (the routers'
+    e_score_correction_bias, gpt-oss's router, expert and attention biases) and gpt-oss's attention sinks made
+    non-zero, so that they act."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, args, _ = FAMILIES[model_type]
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **args})
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if name.endswith(("bias", "sinks")):
+                t.add_(0.05 * torch.randn(t.shape, generator=g))
+    m.save_pretrained(d, max_shard_size="1MB")
+    assert len(set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 3
+    return d
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made: dict = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in made:
+            made[model_type] = _save_tiny(model_type, tmp_path_factory.mktemp(model_type) / "model")
+        return made[model_type]
+    return get
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (ROWS, COLS), generator=torch.Generator().manual_seed(2))
+
+
+def _reference(d: Path, arch):
+    """The full transformers model (from_pretrained) on the tokens, with hooks: each layer's output, each MoE block's
+    input, its router's top-k and its experts module's inputs and output."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
+    handles = []
+    for L, lay in enumerate(m.model.layers):
+        handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
+            L, (out[0] if isinstance(out, tuple) else out).detach())))
+        block = getattr(lay, arch.moe_block)
+        if hasattr(block, "experts"):
+            handles.append(block.register_forward_pre_hook(lambda _m, args, L=L: seen["x"].__setitem__(
+                L, args[0].detach())))
+            handles.append(getattr(block, arch.router).register_forward_hook(
+                lambda _m, _i, out, L=L: seen["topk"].__setitem__(L, out[-1].detach())))
+            handles.append(block.experts.register_forward_hook(lambda _m, args, out, L=L: seen["experts"].__setitem__(
+                L, ([a.detach() for a in args], out.detach()))))
+    with torch.no_grad():
+        m(input_ids=_tokens())
+    for h in handles:
+        h.remove()
+    return m, seen
+
+
+def _expert_act(experts, x, e):
+    """Expert e's down-projection input as transformers' experts module computes it, written from the module's own
+    layout flags (``use_experts_implementation``: transposed, bias) and its ``_apply_gate``."""
+    w = experts.gate_up_proj[e]
+    y = x @ w if experts.is_transposed else torch.nn.functional.linear(x, w)
+    if experts.has_bias:
+        y = y + experts.gate_up_proj_bias[e]
+    return experts._apply_gate(y)
+
+
+def _expert_down(experts, a, e):
+    w = experts.down_proj[e]
+    y = a @ w if experts.is_transposed else torch.nn.functional.linear(a, w)
+    return y + experts.down_proj_bias[e] if experts.has_bias else y
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_family_chain_reproduces_the_full_model(checkpoints, model_type):
+    name, _, moe_layers = FAMILIES[model_type]
+    d = checkpoints(model_type)
+    ckpt = layer_mod.read_checkpoint(d)
+    arch = layer_mod.architecture(ckpt.config)
+    assert arch.name == name == ckpt.config["architectures"][0]
+    assert [L for L in range(3) if arch.is_moe(ckpt.config, L)] == moe_layers
+    m, seen = _reference(d, arch)
+    hfc = layer_mod.hf_config(ckpt.config)
+    # the chain's attention and experts implementations are what from_pretrained picked on the CPU
+    assert (hfc._attn_implementation, hfc._experts_implementation) == \
+        (m.config._attn_implementation, m.config._experts_implementation)
+    assert torch.equal(layer_mod.rotary(hfc, arch).inv_freq, m.model.rotary_emb.inv_freq)
+
+    hidden = capture.embed(ckpt, _tokens())
+    assert torch.equal(hidden, m.model.embed_tokens(_tokens()).detach())
+    for L in range(3):
+        tensors, shards = layer_mod.layer_tensors(ckpt, L)
+        assert set(shards) == {ckpt.weight_map[n] for n in tensors}
+        # the layer module holds exactly the full model's layer (transformers' own checkpoint conversion)
+        mine = layer_mod.build_layer(hfc, arch, L, tensors).state_dict()
+        theirs = m.model.layers[L].state_dict()
+        assert sorted(mine) == sorted(theirs), L
+        for k in theirs:
+            assert torch.equal(mine[k], theirs[k]), (L, k)
+
+        out, s = capture.advance(L, hidden, tensors, ckpt.config)
+        assert _close(out, seen["layer"][L], 1e-5), L
+        assert (s is not None) == (L in moe_layers), L
+        if s is not None:
+            _, r = capture.advance(L, hidden, tensors, ckpt.config, routed_only=True)
+            _check_hessians(m, arch, seen, L, s, r, model_type)
+        hidden = out
+
+
+def _check_hessians(m, arch, seen, L, s, r, model_type):
+    block = getattr(m.model.layers[L], arch.moe_block)
+    experts = block.experts
+    x = seen["x"][L].reshape(-1, HIDDEN)
+    (ex_in, ex_idx, ex_w), ex_out = seen["experts"][L]
+    # the MoE block's input is what its experts receive, and the router's top-k is what routes them
+    assert torch.equal(ex_in, x) and torch.equal(ex_idx, seen["topk"][L].reshape(x.shape[0], -1))
+    topk = ex_idx
+    assert topk.shape == (ROWS * COLS, TOP_K)
+    if model_type == "deepseek_v3":  # group-limited: every token's experts within topk_group of the n_group groups
+        groups = topk // (N_EXPERTS // 4)
+        assert all(len(set(g.tolist())) <= 2 for g in groups)
+
+    # the input Hessian: XᵀX of the MoE block input on the full model; the mode changes only the down sums
+    xd = x.double()
+    assert s.input_count == ROWS * COLS and _close(s.input, xd.T @ xd), L
+    assert torch.equal(r.input, s.input)
+
+    # expert e's down-projection input a, as the full model's experts module computes it: its output is
+    # Σ_k w_k · down_e(a) over the token's top-k
+    with torch.no_grad():
+        acts = [_expert_act(experts, ex_in, e) for e in range(N_EXPERTS)]
+        rebuilt = torch.zeros_like(ex_out)
+        for e in range(N_EXPERTS):
+            tok, k = torch.where(topk == e)
+            rebuilt.index_add_(0, tok, _expert_down(experts, acts[e][tok], e) * ex_w[tok, k, None])
+    assert _close(rebuilt, ex_out, 1e-5), L
+    if model_type == "gpt_oss":  # the clamp acts on these activations
+        gate_up = ex_in @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+        assert float(gate_up.detach().abs().max()) > experts.limit and experts.gate_up_proj_bias.detach().any()
+
+    counts = torch.bincount(topk.reshape(-1), minlength=N_EXPERTS).tolist()
+    assert s.mode == "all-experts" and r.mode == "routed-only"
+    assert s.down.shape == (N_EXPERTS, INTER, INTER) and s.intermediate_size == INTER
+    assert s.down_counts == [ROWS * COLS] * N_EXPERTS
+    assert r.down_counts == counts and sum(counts) == ROWS * COLS * TOP_K
+    for e in range(N_EXPERTS):
+        a = acts[e].double()
+        assert _close(s.down[e], a.T @ a), (L, e)
+        ar = a[(topk == e).any(dim=-1)]
+        assert ar.shape[0] == counts[e]
+        if counts[e]:
+            assert _close(r.down[e], ar.T @ ar), (L, e)
+        else:
+            assert not r.down[e].any()
+
+
+def test_kimi_k2_model_type_is_deepseek_v3(checkpoints, tmp_path):
+    """Kimi-K2 ships DeepseekV3ForCausalLM with model_type "kimi_k2" (unknown to transformers): the chain builds
+    transformers' deepseek_v3 config from it and computes what it computes for the same checkpoint as deepseek_v3."""
+    src = checkpoints("deepseek_v3")
+    kimi = tmp_path / "kimi"
+    shutil.copytree(src, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    a, b = layer_mod.read_checkpoint(src), layer_mod.read_checkpoint(kimi)
+    assert layer_mod.architecture(b.config).name == "DeepseekV3ForCausalLM"
+    assert layer_mod.hf_config(b.config).model_type == "deepseek_v3"
+    hidden = capture.embed(a, _tokens())
+    assert torch.equal(capture.embed(b, _tokens()), hidden)
+    for L in range(2):
+        ta, _ = layer_mod.layer_tensors(a, L)
+        tb, _ = layer_mod.layer_tensors(b, L)
+        out_a, sa = capture.advance(L, hidden, ta, a.config)
+        out_b, sb = capture.advance(L, hidden, tb, b.config)
+        assert torch.equal(out_a, out_b)
+        assert (sa is None) == (sb is None) == (L == 0)
+        if sa is not None:
+            assert torch.equal(sa.input, sb.input) and torch.equal(sa.down, sb.down)
+        hidden = out_a
+
+
+# config.json as a hub checkpoint may write it: the family's expert count under its own key, the rule's keys only
+# where a case sets them (the rest at the config class's defaults)
+RULE_CASES = [
+    ("deepseek_v3", "DeepseekV3ForCausalLM", {"n_routed_experts": 4},
+     [{}, {"first_k_dense_replace": 0}, {"first_k_dense_replace": 2}]),
+    ("glm4_moe", "Glm4MoeForCausalLM", {"n_routed_experts": 4}, [{}, {"first_k_dense_replace": 2}]),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", {"num_experts": 4},
+     [{}, {"mlp_only_layers": [0, 2]}, {"decoder_sparse_step": 2}, {"decoder_sparse_step": 3},
+      {"num_experts": None, "num_local_experts": 4, "mlp_only_layers": [1]}]),  # the spelling transformers writes
+    ("qwen3_next", "Qwen3NextForCausalLM", {"num_experts": 4},
+     [{}, {"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}]),
+    ("glm4_moe_lite", "Glm4MoeLiteForCausalLM", {"n_routed_experts": 4},
+     [{}, {"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}, {"first_k_dense_replace": 3}]),
+    ("dots1", "Dots1ForCausalLM", {"n_routed_experts": 4, "n_shared_experts": 1},
+     [{}, {"first_k_dense_replace": 1}, {"first_k_dense_replace": 3}]),
+    ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", {"moe_num_experts": 4},
+     [{}, {"moe_layer_start_index": 0}, {"moe_layer_interval": 2},
+      {"moe_layer_start_index": 1, "moe_layer_end_index": 2}, {"moe_layer_start_index": 2, "moe_layer_end_index": -1}]),
+    ("mixtral", "MixtralForCausalLM", {"num_local_experts": 4}, [{}]),
+    ("minimax_m2", "MiniMaxM2ForCausalLM", {"num_local_experts": 4}, [{}]),
+    ("gpt_oss", "GptOssForCausalLM", {"num_local_experts": 4}, [{}]),
+]
+
+
+@pytest.mark.parametrize("model_type, name, base, variants", RULE_CASES, ids=[c[0] for c in RULE_CASES])
+def test_moe_layer_rule_matches_transformers(model_type, name, base, variants):
+    """Each family's is_moe, read from config.json's own keys (missing ones at the config class's defaults), says
+    what transformers' decoder layer builds (on the meta device), from a hub-style config.json and from the one
+    transformers writes."""
+    from transformers import AutoConfig
+
+    arch = layer_mod.architecture({"architectures": [name], "model_type": model_type})
+    layer_cls, _ = arch.classes()
+    small = dict(vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=32, intermediate_size=64, moe_intermediate_size=32, num_experts_per_tok=2)
+    for over in variants:
+        args = {k: v for k, v in {**small, **base, **over}.items() if v is not None}
+        hfc = AutoConfig.for_model(model_type, **args)
+        with torch.device("meta"):
+            built = [hasattr(getattr(layer_cls(hfc, L), arch.moe_block), "experts") for L in range(4)]
+        assert any(built), (model_type, over)
+        raw = {"architectures": [name], "model_type": model_type, **args}
+        assert [arch.is_moe(raw, L) for L in range(4)] == built, (model_type, over)
+        written = {**hfc.to_dict(), "architectures": [name]}
+        assert [arch.is_moe(written, L) for L in range(4)] == built, (model_type, over, "written")
+
+
+def test_model_type_must_be_the_architectures():
+    # a remote-code config (model_type "minimax", transformers' MiniMax-01 config) beside MiniMaxM2ForCausalLM
+    with pytest.raises(FqError, match=r"model_type 'minimax' is not one of MiniMaxM2ForCausalLM's \(minimax_m2\)"):
+        layer_mod.architecture({"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax"})
+    with pytest.raises(FqError, match=r"architecture 'LlamaForCausalLM' is not a model family fq reads"):
+        layer_mod.architecture({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert layer_mod.architecture({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2"}).name == \
+        "DeepseekV3ForCausalLM"
