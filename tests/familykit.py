@@ -30,6 +30,7 @@ of the DeepSeek-style families and Ernie).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -410,3 +411,48 @@ def as_kimi_k2(src_dir, out_dir) -> Path:
     cfg["auto_map"] = dict(KIMI_AUTO_MAP)
     _write_json(out / CONFIG, cfg)
     return out
+
+
+# keys the published configs carry that transformers' classes do not write, and exllamav3 reads: build(arch, d,
+# extra_config=PUBLISHED_KEYS.get(arch)) gives a checkpoint whose base exllamav3 1.6.5 loads
+PUBLISHED_KEYS = {"SolarOpenForCausalLM": {"intermediate_size": DENSE_INTER},
+                  "Qwen3NextForCausalLM": {"full_attention_interval": 3}}  # transformers derives layer_types from it
+
+
+# --- one-node campaigns of a kit checkpoint (tests/test_family_campaigns.py, benchmarks/family_campaigns.py) -----
+
+CAMPAIGN_RECIPE = {"format": "fq-cartridge/2", "name": "famc",
+                   "description": "one K3 base (the CPU's cheapest Viterbi)",
+                   "nodes": [{"name": "a", "kind": "base", "K": 3, "codebook": "mul1"}],
+                   "products": [{"name": "a", "chain": ["a"]}]}
+ROWS, COLUMNS = 2, 32  # calibration tokens: the least that still gives every expert a full-rank-ish Hessian input
+
+
+def token_file(path: Path) -> tuple[Path, str]:
+    """ROWS x COLUMNS seeded ids below the kit's vocab, as fq.hessian.calibration.save_tokens writes them."""
+    from fq.hessian import calibration as hc
+
+    ids = torch.randint(0, VOCAB, (ROWS, COLUMNS), generator=torch.Generator().manual_seed(0))
+    hc.save_tokens(path, hc.Calibration(ids, hc.token_digest(ids), {"kind": "test", "seed": 0}))
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def campaign_config(d: Path, source: Path, *, calibrated: bool, allow_unloadable: bool = False) -> Path:
+    """``d/config.yaml`` (and ``d/recipe.json``): a campaign of ``source`` with one K3 base, one block per layer, one
+    window, on the CPU; calibrated with ``token_file``'s tokens (the kit has no tokenizer); the signer key made at
+    init (``OUT/signer.pub``)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "recipe.json").write_text(json.dumps(CAMPAIGN_RECIPE))
+    cfg = {"campaign": "famc", "out": "campaign", "source": {"kind": "local", "path": str(source), "revision": "kit-1"},
+           "recipe": str(d / "recipe.json"), "block_size": EXPERTS, "windows": None, "windows_on_disk": 1,
+           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False, "eval": None,
+           "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}}
+    if allow_unloadable:
+        cfg["allow_unloadable"] = True
+    if calibrated:
+        tokens, sha = token_file(d / "tokens.safetensors")
+        cfg["calibration"] = {"text": None, "tokens": str(tokens), "sha256": sha, "rows": ROWS, "columns": COLUMNS,
+                              "capture": "all-experts", "compare_weight_only": False}
+    path = d / "config.yaml"
+    path.write_text(json.dumps(cfg))  # YAML is a superset of JSON
+    return path

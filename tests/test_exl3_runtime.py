@@ -16,16 +16,9 @@ import pytest
 import torch
 
 from conftest import cuda
+from exl3kit import base_agreement, exllamav3_or_skip
 
 TOKENS, SEQ = 512, 128
-
-
-def _exllamav3():
-    try:
-        import exllamav3  # noqa: F401  (JIT-builds its extension at first import: minutes)
-    except Exception as e:  # noqa: BLE001  a missing wheel, or an extension that does not build
-        pytest.skip(f"exllamav3 unavailable: {type(e).__name__}: {e}")
-    return exllamav3
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +40,9 @@ def _windows(campaign: Path) -> torch.Tensor:
 
 @cuda
 def test_exllamav3_loads_every_published_base_and_matches_the_reference_forward(published_campaign):
-    ex = _exllamav3()
+    ex = exllamav3_or_skip()
     from fq.provenance.attest import keys
     from fq.provenance.publication import read_publication
-    from fq.runtime.load import load_product
 
     root = published_campaign / "published"
     key = keys.load_public(published_campaign / "signer.pub")
@@ -60,23 +52,7 @@ def test_exllamav3_loads_every_published_base_and_matches_the_reference_forward(
     ids = _windows(published_campaign)
     results = {}
     for name in bases:
-        ref_model = load_product(root / products[name]["file"], key, state=None).model.to("cuda:0")
-        with torch.no_grad():
-            ref = ref_model(ids.to("cuda:0")).logits.float()
-        del ref_model
-        config = ex.Config.from_directory(str(root / "base" / name))
-        model = ex.Model.from_config(config)
-        model.load("cuda:0")
-        try:
-            got = torch.cat([model.forward(w[None], {"attn_mode": "flash_attn_nc"}).float().to("cuda:0") for w in ids])
-        finally:
-            model.unload()
-        assert got.shape == ref.shape, (got.shape, ref.shape)
-        lp_ref, lp_got = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-        kl = (lp_ref.exp() * (lp_ref - lp_got)).sum(-1).mean().item()
-        results[name] = {"max_abs_logit_diff": (got - ref).abs().max().item(), "logit_abs_max": ref.abs().max().item(),
-                         "kl_ref_exl3": kl, "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
-                         "positions": int(ids.numel())}
+        results[name] = base_agreement(ex, root, products[name], key, ids)
         print(name, results[name])
     if os.environ.get("FQ_EXL3_JSON"):
         Path(os.environ["FQ_EXL3_JSON"]).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
@@ -122,7 +98,7 @@ def _reference_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
 def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaign, tmp_path):
     """Every published chain product (base + stages), and one expert-narrowed ``fq combine`` adapter on its base:
     fq.runtime.exl3 in exllamav3 against the CPU path (fq.runtime.load) on held-out tokens."""
-    _exllamav3()
+    exllamav3_or_skip()
     from fq.provenance.attest import keys
     from fq.provenance.combine import combine
     from fq.provenance.publication import read_publication

@@ -23,9 +23,6 @@ from fq.planning.recipe import parse_recipe
 REGISTERED = sorted(a for a in fk.ARCHS
                     if a in {x for f in families.REGISTRY.values() if not f.unread for x in f.architectures})
 FP8_ARCHS = ["DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"]
-# keys the published configs carry that transformers' class does not write (exllamav3 requires them)
-PUBLISHED_KEYS = {"SolarOpenForCausalLM": {"intermediate_size": 512},
-                  "Qwen3NextForCausalLM": {"full_attention_interval": 3}}  # transformers derives layer_types from it
 # exllamav3 1.6.5 has no class for these, or misreads the kit's configs (docs/families.md says why)
 UNLOADABLE = {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM"}
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
@@ -41,7 +38,8 @@ def built(tmp_path_factory):
 
     def get(arch: str, variant: str = "bf16") -> Path:
         if (arch, variant) not in cache:
-            src = cache.get((arch, "bf16")) or fk.build(arch, root / arch, extra_config=PUBLISHED_KEYS.get(arch))
+            src = cache.get((arch, "bf16")) or fk.build(arch, root / arch,
+                                                        extra_config=fk.PUBLISHED_KEYS.get(arch))
             cache[(arch, "bf16")] = src
             if variant == "fp8":
                 cache[(arch, variant)] = fk.to_fp8(src, root / f"{arch}-fp8")
@@ -251,3 +249,15 @@ def test_refused_when_the_config_is_read_not_mid_campaign(built, tmp_path):
     (d / "recipe.json").write_text(json.dumps(RECIPE))
     p = subprocess.run(k.smk_cmd(d, "-n"), capture_output=True, text=True, env=k.env())
     assert p.returncode != 0 and "set allow_unloadable: true" in (p.stdout + p.stderr).replace("Set", "set")
+
+
+def test_the_support_table_in_the_docs_is_the_registrys():
+    from fq.model.families.table import support_table
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "families.md"
+    measured = json.loads((doc.parent / "data" / "families_exl3.json").read_text())
+    text = doc.read_text()
+    start = text.index("-->\n", text.index("<!-- support table")) + 4
+    end = text.index("<!-- end of the generated table -->")
+    assert text[start:end] == support_table(measured), \
+        "docs/families.md is stale: python -m fq.model.families.table docs/data/families_exl3.json"

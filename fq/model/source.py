@@ -261,7 +261,8 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     weight_map = _weight_map(index, idx)
     family = families.for_config(config, cfg)
     if family.unread:
-        raise FqError(f"{cfg}: {family.architectures[0]} ({family.title}) checkpoints are not read yet: {family.unread}")
+        raise FqError(f"{cfg}: {family.architectures[0]} ({family.title}) checkpoints are not read yet: "
+                      f"{family.unread}")
     fmt = formats.source_format(config, cfg)
     experts, scales, skeleton = _classify(weight_map, family, fmt, idx)
     if not experts:

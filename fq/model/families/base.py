@@ -17,7 +17,8 @@ from fq.model.experts import ExpertLayout
 _NO_DEFAULT = object()
 
 
-def read_int(config: dict, keys: tuple[str, ...], cfg: str, title: str, *, minimum: int = 1, default=_NO_DEFAULT) -> int:
+def read_int(config: dict, keys: tuple[str, ...], cfg: str, title: str, *, minimum: int = 1,
+             default=_NO_DEFAULT) -> int:
     """The integer a family stores under any of ``keys`` (aliases must agree)."""
     found = {k: config[k] for k in keys if k in config and config[k] is not None}
     if not found:
@@ -215,6 +216,7 @@ class Family:
     verbatim_prefixes: tuple[str, ...] = field(default=())
     # why fq cannot read this family's checkpoints yet (None: it can); its other declarations still hold
     unread: str | None = None
+    on_disk: str | None = None  # how the routed experts are stored, where ``layout`` (fq's per-expert names) is not it
 
     @property
     def transformers_model_type(self) -> str:

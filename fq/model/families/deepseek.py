@@ -24,11 +24,13 @@ DEEPSEEK_V3 = Family(
                 ("topk_method", ("noaux_tc",), "noaux_tc"))))
 
 DEEPSEEK_V32 = Family(
-    name="deepseek_v32", title="DeepSeek-V3.2", architectures=("DeepseekV32ForCausalLM",), model_types=("deepseek_v32",),
+    name="deepseek_v32", title="DeepSeek-V3.2", architectures=("DeepseekV32ForCausalLM",),
+    model_types=("deepseek_v32",),
     layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
     moe_rule=LayerTypes(default_dense=3), mtp_key="num_nextn_predict_layers")
 
 DEEPSEEK_V2 = Family(
-    name="deepseek_v2", title="DeepSeek-V2 / V2.5", architectures=("DeepseekV2ForCausalLM",), model_types=("deepseek_v2",),
+    name="deepseek_v2", title="DeepSeek-V2 / V2.5", architectures=("DeepseekV2ForCausalLM",),
+    model_types=("deepseek_v2",),
     layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
     moe_rule=DenseFirst(default=0))

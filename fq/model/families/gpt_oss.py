@@ -19,6 +19,7 @@ GPT_OSS = Family(
     name="gpt_oss", title="gpt-oss-20b / 120b", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",),
     layout=STANDARD, experts_keys=("num_local_experts", "num_experts"), inter_keys=("intermediate_size",),
     moe_rule=AllLayers(), router="mlp.router", exl3="GptOssForCausalLM",
+    on_disk="`model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}[_bias]` (E first; MXFP4: `*_blocks`, `*_scales`)",
     unread="its routed experts are fused 3-D tensors (mlp.experts.gate_up_proj with gate and up interleaved, "
            "published as MXFP4 *_blocks / *_scales) with biases, and hidden 2880 is not a multiple of 128: fq reads "
            "per-expert matrices of 128-multiple dims so far (the calibration chain for this class is registered)",

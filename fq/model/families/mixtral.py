@@ -20,7 +20,8 @@ MINIMAX_M2 = Family(
     router="block_sparse_moe.gate", exl3="MiniMaxM2ForCausalLM",
     exl3_needs=Exl3Needs(
         stated=("num_local_experts", "intermediate_size"),
-        always="exllamav3 1.6.5 looks up the router's score bias only at block_sparse_moe.gate.e_score_correction_bias; "
+        always="exllamav3 1.6.5 looks up the router's score bias only at "
+               "block_sparse_moe.gate.e_score_correction_bias; "
                "MiniMax-M2 stores it at block_sparse_moe.e_score_correction_bias, so exllamav3 would route without it"),
     # as Mixtral, plus block_sparse_moe.e_score_correction_bias (the block's buffer, passed to its sigmoid router)
     calibration=Calibration("transformers.models.minimax_m2.modeling_minimax_m2", "MiniMaxM2DecoderLayer",

@@ -43,10 +43,11 @@ QWEN3_NEXT = Family(
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", title="Qwen3.5-MoE (text)", architectures=("Qwen3_5MoeForCausalLM",),
     model_types=("qwen3_5_moe_text",), layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
-    # exllamav3's Qwen3_5MoeForCausalLM reads model.language_model.layers.*: the text model as transformers saves it
-    # (model.layers.*) does not load there
-    moe_rule=AllLayers(), verbatim_prefixes=("mtp.",))
+    moe_rule=AllLayers(), verbatim_prefixes=("mtp.",), exl3="Qwen3_5MoeForCausalLM",
+    exl3_needs=Exl3Needs(always="exllamav3 1.6.5's Qwen3_5MoeForCausalLM reads model.language_model.layers.*; the text "
+                                "model as transformers saves it names its layers model.layers.*"))
 
 QWEN2_MOE = Family(
-    name="qwen2_moe", title="Qwen1.5-MoE / Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",), model_types=("qwen2_moe",),
+    name="qwen2_moe", title="Qwen1.5-MoE / Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",),
+    model_types=("qwen2_moe",),
     layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",), moe_rule=SparseStep())

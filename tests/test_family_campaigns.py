@@ -1,0 +1,236 @@
+"""Whole Snakemake campaigns on the model families' tiny checkpoints (tests/familykit.py), end to end.
+
+- CI: a Kimi-K2-layout FP8 checkpoint (DeepSeek-V3 with 128x128 block scales, model_type kimi_k2) through a
+  calibrated campaign: init, staging, the calibration chain, LDLQ encodes, skeleton, finalize and the verification
+  of the published tree. Then the consumer's view: ``fq verify`` under the campaign key, the fragment attestations
+  naming the FP8 expert weights and their scales byte range by byte range, the skeleton's FP8 attention weights
+  verbatim, the derived and source configs, and fq's CPU runtime built from the published base against
+  transformers' model on the dequantized source. One K3 base node, one window, 2 x 32 calibration tokens: about
+  35 s on two idle cores, 50 s on busy ones (the two LDLQ encodes, one per MoE layer, side by side, are most of it).
+- Opt-in (``FQ_ALL_FAMILIES=1``, about 14 minutes on two cores): every registered family of the kit, bf16 (and FP8
+  for the four families published in FP8), through the same one-node campaign (calibrated where the family has a
+  calibration chain, ``allow_unloadable`` where exllamav3 would not load its base), ``fq verify`` and the runtime.
+  gpt-oss is included as a strict xfail while fq.model.source refuses its fused experts ("checkpoints are not read
+  yet"): it turns into a failure the day it passes.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import familykit as fk
+from crashkit import TARGETS  # the published, verified campaign (no report)
+from fq.core import canonical
+from fq.model import families, formats
+from fq.model.shards import read_header
+from test_workflow import campaign, smk
+
+pytestmark = pytest.mark.slow
+
+FP8_ARCHS = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM")
+REGISTERED = [a for a in fk.ARCHS if any(a in f.architectures for f in families.REGISTRY.values())]
+IDS = torch.randint(0, fk.VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
+write_config = fk.campaign_config
+
+
+def statement(p: Path) -> dict:
+    env = canonical.loads(p.with_name(p.name + ".intoto.jsonl").read_bytes())
+    return canonical.loads(base64.b64decode(env["payload"]))
+
+
+def fq_verify(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fq", "verify", str(out / "published"), "--key",
+                           str(out / "signer.pub")], capture_output=True, text=True)
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+def compare_logits(out: Path, src: Path) -> dict:
+    """fq's runtime on the published base (verified under the campaign key) against transformers' model on the
+    dequantized source, and, as the yardstick a broken pipeline would reach, the source with its routed experts
+    zeroed. The skeleton's tensors must be the source's exactly."""
+    from fq.model.source import load_source
+    from fq.provenance.attest import keys
+    from fq.runtime import load as rt
+
+    loaded = rt.load_product(out / "published" / "assemblies" / "a.assembly.intoto.jsonl",
+                             keys.load_public(out / "signer.pub"))
+    config, tensors = rt.checkpoint_state(src)
+    experts = set(tensors) - set(load_source(src).skeleton_tensors)  # the routed experts (dense names)
+    assert sorted(loaded.state.tensors) == sorted(tensors)
+    for n, t in tensors.items():
+        if n not in experts:
+            assert torch.equal(loaded.state.tensors[n], t), f"skeleton tensor {n} differs from the source's"
+    ref = rt.build_model(config, tensors)
+    zeroed = rt.build_model(config, {n: torch.zeros_like(t) if n in experts else t for n, t in tensors.items()})
+    with torch.no_grad():
+        want, got, zero = (m(input_ids=IDS).logits.float() for m in (ref, loaded.model, zeroed))
+    assert torch.isfinite(got).all()
+    top1 = want.argmax(-1)
+    return {"kl": _kl(want, got), "max_dlogit": float((got - want).abs().max()),
+            "top1": float((got.argmax(-1) == top1).float().mean()),
+            "zeroed_kl": _kl(want, zero), "zeroed_max_dlogit": float((zero - want).abs().max()),
+            "zeroed_top1": float((zero.argmax(-1) == top1).float().mean()), "experts": len(experts)}
+
+
+# -- CI: Kimi-K2 FP8, calibrated ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kimi")
+    t0 = time.monotonic()
+    bf16 = fk.build("DeepseekV3ForCausalLM", root / "bf16", extra_config={"n_group": 1, "topk_group": 1})
+    src = fk.as_kimi_k2(fk.to_fp8(bf16, root / "fp8"), root / "kimi")
+    d = root / "run"
+    write_config(d, src, calibrated=True)  # no allow_unloadable: exllamav3 loads a Kimi-K2 (n_group = topk_group = 1)
+    smk(d, *TARGETS)
+    print(f"\nKimi-K2 FP8 calibrated campaign: {time.monotonic() - t0:.1f} s (kit build and Snakemake)")
+    return d, src
+
+
+def test_kimi_k2_fp8_campaign_is_published_and_verified(kimi):
+    d, src = kimi
+    out = d / "campaign"
+    assert (out / "published.verified").read_text().startswith("ok: ")
+    p = fq_verify(out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    c = campaign(d)
+    assert c.source.family == "deepseek_v3" and c.source.model_type == "kimi_k2"
+    assert c.source.source_format == formats.SourceFormat("fp8", (128, 128))
+    assert c.calibrated_layers == (1, 2) and len(c.fragments) == 2  # one block of 8 experts per MoE layer
+
+
+def test_fragment_attestations_name_the_fp8_experts_and_their_scales(kimi):
+    """Each fragment's signed source.tensors: every expert weight (F8_E4M3) and its weight_scale_inv (F32) it read,
+    each with the byte range the source shard's own header gives, inside the shard, whose sha256 is attested."""
+    d, src = kimi
+    c = campaign(d)
+    for f in c.fragments:
+        path = Path(c.fragment(f.node, f.block))
+        st = statement(path)["predicate"]
+        shards = {s["name"]: s["sha256"] for s in st["source"]["shards"]}
+        named = {t["tensor"]: t for t in st["source"]["tensors"]}
+        want = set()
+        for e in f.experts:
+            for proj in ("gate", "up", "down"):
+                w = c.source.expert_tensor(f.block.layer, e, proj)
+                want |= {w, formats.scale_name(w)}
+        assert set(named) == want, sorted(set(named) ^ want)[:6]
+        for name, t in named.items():
+            assert t["dtype"] == ("F32" if name.endswith("weight_scale_inv") else "F8_E4M3"), (name, t["dtype"])
+            shard = src / t["shard"]
+            assert shards[t["shard"]] == hashlib.sha256(shard.read_bytes()).hexdigest()
+            with open(shard, "rb") as fh:
+                entry = read_header(fh, str(shard)).entry(name)
+            lo, hi = t["range"]
+            assert (lo, hi) == (entry.start, entry.end) and 0 < lo < hi <= shard.stat().st_size, (name, t["range"])
+            assert list(t["shape"]) == list(entry.shape)
+
+
+def test_the_base_skeleton_keeps_the_fp8_attention_weights_and_scales_verbatim(kimi):
+    d, src = kimi
+    base = d / "campaign" / "published" / "base" / "a"
+    skeleton = sorted(p for p in base.glob("model-*.safetensors"))
+    fp8_attn = 0
+    for p in skeleton:
+        data, orig = p.read_bytes(), (src / p.name).read_bytes()
+        with open(p, "rb") as fh:
+            header = read_header(fh, str(p))
+        with open(src / p.name, "rb") as fh:
+            source = {e.name: e for e in read_header(fh, str(src / p.name)).entries}
+        for e in header.entries:
+            s = source[e.name]
+            assert (e.dtype, e.shape) == (s.dtype, s.shape), e.name
+            assert data[e.start:e.end] == orig[s.start:s.end], f"{p.name}: {e.name} is not the source's bytes"
+            if ".self_attn." in e.name and e.name.endswith(".weight") and e.dtype == "F8_E4M3":
+                assert source[formats.scale_name(e.name)].dtype == "F32"
+                assert formats.scale_name(e.name) in {x.name for x in header.entries}
+                fp8_attn += 1
+    # q_a, q_b, kv_a_proj_with_mqa, kv_b, o of every layer
+    assert fp8_attn == 5 * fk.LAYERS
+
+
+def test_the_base_config_is_exl3_and_source_config_is_the_fp8_original(kimi):
+    d, src = kimi
+    base = d / "campaign" / "published" / "base" / "a"
+    cfg = json.loads((base / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "exl3" and qc["bits"] == 3 and qc["codebook"] == "mul1"
+    assert cfg["model_type"] == "kimi_k2" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    source_cfg = json.loads((base / "source_config.json").read_text())
+    assert source_cfg == json.loads((src / "config.json").read_text())
+    assert source_cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                                 "weight_block_size": [128, 128]}
+
+
+def test_ldlq_fragments_name_their_bound_hessian(kimi):
+    d, _ = kimi
+    c = campaign(d)
+    for f in c.fragments:
+        qa = statement(Path(c.fragment(f.node, f.block)))["predicate"]["quant_args"]
+        bound = canonical.load(c.hessian_binding(f.block.layer))
+        assert bound["sha256"] == hashlib.sha256(Path(c.hessian(f.block.layer)).read_bytes()).hexdigest()
+        assert qa["objective"].startswith("LDLQ") and qa["hessian"] == {
+            "file": bound["file"], "sha256": bound["sha256"], "calibration": bound["calibration"],
+            "capture": "all-experts"}
+
+
+def test_the_runtime_builds_the_published_base_close_to_the_source(kimi):
+    """fq.runtime from the published, verified base against transformers on the dequantized FP8 source. Measured
+    (K3 mul1, 4 x 64 positions): KL 0.0026 nats, max |dlogit| 0.54, top-1 0.67; with the routed experts zeroed
+    KL 0.016, max |dlogit| 0.98, top-1 0.28 (a seed-1 random model: KL 0.10, top-1 0)."""
+    d, src = kimi
+    m = compare_logits(d / "campaign", src)
+    print(f"\nKimi-K2 K3 base vs source: {m}")
+    assert m["experts"] == 2 * fk.EXPERTS * 3
+    assert m["kl"] < 0.3 * m["zeroed_kl"], m
+    assert m["max_dlogit"] < m["zeroed_max_dlogit"], m
+    assert m["top1"] >= 0.5 and m["top1"] > m["zeroed_top1"], m
+
+
+# -- opt-in: every family -----------------------------------------------------------------------------------------
+CASES = [(a, "bf16") for a in REGISTERED] + [(a, "fp8") for a in FP8_ARCHS if a in REGISTERED]
+
+
+UNREAD = {a for f in families.REGISTRY.values() if f.unread for a in f.architectures}  # refused by name for now
+
+
+@pytest.mark.skipif(os.environ.get("FQ_ALL_FAMILIES") != "1",
+                    reason="opt-in (about 14 min on two cores): FQ_ALL_FAMILIES=1 runs one campaign per family")
+@pytest.mark.parametrize("arch,variant", [pytest.param(a, v, marks=pytest.mark.xfail(
+    a in UNREAD, reason="fq does not read this family's checkpoints yet (Family.unread)", strict=True)) for a, v in CASES],
+    ids=[f"{a}-{v}" for a, v in CASES])
+def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
+    from fq.model.source import load_source
+
+    t0 = time.monotonic()
+    src = fk.build(arch, tmp_path / "bf16", extra_config=fk.PUBLISHED_KEYS.get(arch))
+    if variant == "fp8":
+        src = fk.to_fp8(src, tmp_path / "fp8")
+    s = load_source(src)
+    calibrated = families.by_name(s.family).calibration is not None
+    d = tmp_path / "run"
+    write_config(d, src, calibrated=calibrated, allow_unloadable=bool(s.exl3_problems))
+    smk(d, *TARGETS)
+    out = d / "campaign"
+    p = fq_verify(out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    c = campaign(d)
+    for f in c.fragments:
+        qa = statement(Path(c.fragment(f.node, f.block)))["predicate"]["quant_args"]
+        assert qa["objective"].startswith("LDLQ") == calibrated, qa["objective"]
+    m = compare_logits(out, src)
+    print(f"\n{arch} {variant}: calibrated={calibrated} allow_unloadable={bool(s.exl3_problems)} "
+          f"{time.monotonic() - t0:.1f} s {m}")
+    assert m["kl"] < 0.5 * m["zeroed_kl"], m
