@@ -24,7 +24,8 @@ REGISTERED = sorted(a for a in fk.ARCHS
                     if a in {x for f in families.REGISTRY.values() if not f.unread for x in f.architectures})
 FP8_ARCHS = ["DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"]
 # exllamav3 1.6.5 has no class for these, or misreads the kit's configs (docs/families.md says why)
-UNLOADABLE = {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM"}
+UNLOADABLE = {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
+              "GptOssForCausalLM"}
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
 RECIPE = {"format": "fq-cartridge/2", "name": "one", "nodes": [{"name": "k3", "kind": "base", "K": 3,
                                                                   "codebook": "mul1"}],
@@ -43,6 +44,8 @@ def built(tmp_path_factory):
             cache[(arch, "bf16")] = src
             if variant == "fp8":
                 cache[(arch, variant)] = fk.to_fp8(src, root / f"{arch}-fp8")
+            elif variant == "mxfp4":
+                cache[(arch, variant)] = fk.to_mxfp4_gptoss(src, root / f"{arch}-mxfp4")
             elif variant == "kimi":
                 cache[(arch, variant)] = fk.as_kimi_k2(get(arch, "fp8"), root / f"{arch}-kimi")
         return cache[(arch, variant)]
@@ -76,6 +79,8 @@ def test_each_family_is_read_as_transformers_saved_it(built, arch):
     for e in (0, 7):
         for p in PROJECTIONS:
             want = _saved(d, src.expert_tensor(layer, e, p))
+            if family.fused_experts:  # transformers' (E, in, out), gate and up interleaved along the output
+                want = want[e].T if p == "down" else want[e][:, {"gate": 0, "up": 1}[p]::2].T
             assert got[e][p].dtype == torch.float32 and torch.equal(got[e][p], want.float())
             assert tuple(want.shape) == src.expert_shape(p)
     recipe = parse_recipe(RECIPE, "recipe")
@@ -97,10 +102,59 @@ def test_registry_is_consistent():
         families.for_config({"architectures": ["Llama4ForCausalLM"]}, "c")
 
 
-def test_a_family_fq_cannot_read_yet_is_refused_with_the_reason(built):
-    with pytest.raises(FqError, match=r"GptOssForCausalLM \(gpt-oss-20b / 120b\) checkpoints are not read yet: its "
-                                      r"routed experts are fused 3-D tensors"):
-        load_source(built("GptOssForCausalLM"))
+def test_gpt_oss_mxfp4_is_read_per_expert_as_the_reference_dequantizes_it(built):
+    """openai/gpt-oss's published layout: fused MXFP4 blocks and scales, each expert's slice read alone and
+    dequantized bit for bit as transformers' convert_moe_packed_tensors (float32) does; the fused biases stay
+    skeleton; fq's CPU runtime builds the model on the same weights transformers' MXFP4 dequantization gives."""
+    import transformers
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from fq.runtime.load import build_model, checkpoint_state
+    from fq.workflow.encode import read_source
+
+    d = built("GptOssForCausalLM", "mxfp4")
+    src = load_source(d)
+    assert src.source_format.kind == "mxfp4" and src.n_experts == fk.EXPERTS and src.moe_layers == (0, 1, 2)
+    assert "model.layers.1.mlp.experts.gate_up_proj_bias" in src.skeleton_tensors
+    assert not any(t.endswith(("_blocks", "_scales")) for t in src.skeleton_tensors)
+    assert src.expert_matrix_bytes("gate") == 128 * 256 // 2 + 128 * 256 // 32  # e2m1 nibbles + e8m0 bytes
+    layer = 1
+    refs = {str(e): {p: src.expert_source(layer, e, p, lambda s: str(d / s)).to_json() for p in PROJECTIONS}
+            for e in (3, 6)}
+    got = read_source(refs)
+    pre = f"model.layers.{layer}.mlp.experts."
+    ref = {n: convert_moe_packed_tensors(_saved(d, pre + n + "_blocks"), _saved(d, pre + n + "_scales"),
+                                         dtype=torch.float32) for n in ("gate_up_proj", "down_proj")}
+    for e in (3, 6):
+        assert torch.equal(got[e]["gate"], ref["gate_up_proj"][e][:, 0::2].T)
+        assert torch.equal(got[e]["up"], ref["gate_up_proj"][e][:, 1::2].T)
+        assert torch.equal(got[e]["down"], ref["down_proj"][e].T)
+    config, tensors = checkpoint_state(d)
+    assert torch.equal(tensors[pre + "gate_up_proj"], ref["gate_up_proj"])
+    reference = dict(tensors)
+    model = transformers.GptOssForCausalLM.from_pretrained(None, config=fk.hf_config("GptOssForCausalLM"),
+                                                           state_dict=reference, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(build_model(config, tensors)(IDS).logits, model(IDS).logits)
+
+
+def test_fused_experts_round_trip():
+    from fq.model.experts import STANDARD
+
+    g = torch.Generator().manual_seed(0)
+    gu, dn = torch.randn(4, 256, 256, generator=g), torch.randn(4, 128, 256, generator=g)
+    pre = "model.layers.2.mlp.experts."
+    per = {}
+    for e in range(4):
+        per[f"{pre}{e}.gate_proj.weight"] = gu[e][:, 0::2].T
+        per[f"{pre}{e}.up_proj.weight"] = gu[e][:, 1::2].T
+        per[f"{pre}{e}.down_proj.weight"] = dn[e].T
+    out = formats.fuse_experts({**per, "x": torch.ones(1)}, STANDARD, ("gate_up_proj", "down_proj"), "t")
+    assert set(out) == {"x", pre + "gate_up_proj", pre + "down_proj"}
+    assert torch.equal(out[pre + "gate_up_proj"], gu) and torch.equal(out[pre + "down_proj"], dn)
+    del per[f"{pre}2.up_proj.weight"]
+    with pytest.raises(FqError, match="layer 2: every expert 0..3 needs its gate_proj, up_proj and down_proj"):
+        formats.fuse_experts(per, STANDARD, ("gate_up_proj", "down_proj"), "t")
 
 
 @pytest.mark.parametrize("arch", FP8_ARCHS)
@@ -261,3 +315,20 @@ def test_the_support_table_in_the_docs_is_the_registrys():
     end = text.index("<!-- end of the generated table -->")
     assert text[start:end] == support_table(measured), \
         "docs/families.md is stale: python -m fq.model.families.table docs/data/families_exl3.json"
+
+
+def test_usage_reads_a_kimi_k2_fp8_checkpoint(built, tmp_path):
+    """fq usage routes text through the source as fq's runtime builds it: Kimi-K2's FP8 layout (which transformers'
+    from_pretrained would need accelerate and Moonshot's remote code for) included."""
+    import shutil
+
+    import runtimekit
+    from fq.model.usage import measure_usage
+
+    d = tmp_path / "kimi"
+    shutil.copytree(built("DeepseekV3ForCausalLM", "kimi"), d)
+    (d / "tokenizer.json").write_text(runtimekit.tokenizer_json())
+    doc = measure_usage(d, runtimekit.texts()[1][:4000], seq_len=64, batch=4, hash_weights=False)
+    counts = {int(L): c for L, c in doc["layers"].items()} if isinstance(doc["layers"], dict) else None
+    assert counts is not None and sorted(counts) == [1, 2], doc["layers"]
+    assert all(len(c) == fk.EXPERTS and sum(c) > 0 for c in counts.values())

@@ -10,8 +10,8 @@
 - Opt-in (``FQ_ALL_FAMILIES=1``, about 14 minutes on two cores): every registered family of the kit, bf16 (and FP8
   for the four families published in FP8), through the same one-node campaign (calibrated where the family has a
   calibration chain, ``allow_unloadable`` where exllamav3 would not load its base), ``fq verify`` and the runtime.
-  gpt-oss is included as a strict xfail while fq.model.source refuses its fused experts ("checkpoints are not read
-  yet"): it turns into a failure the day it passes.
+  gpt-oss runs in bf16 and in its published MXFP4 layout (``allow_unloadable``: docs/families.md says why). A family
+  the registry marks ``unread`` would be a strict xfail: it turns into a failure the day it passes.
 """
 from __future__ import annotations
 
@@ -200,7 +200,8 @@ def test_the_runtime_builds_the_published_base_close_to_the_source(kimi):
 
 
 # -- opt-in: every family -----------------------------------------------------------------------------------------
-CASES = [(a, "bf16") for a in REGISTERED] + [(a, "fp8") for a in FP8_ARCHS if a in REGISTERED]
+CASES = [(a, "bf16") for a in REGISTERED] + [(a, "fp8") for a in FP8_ARCHS if a in REGISTERED] + \
+    [("GptOssForCausalLM", "mxfp4")]
 
 
 UNREAD = {a for f in families.REGISTRY.values() if f.unread for a in f.architectures}  # refused by name for now
@@ -218,6 +219,8 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
     src = fk.build(arch, tmp_path / "bf16", extra_config=fk.PUBLISHED_KEYS.get(arch))
     if variant == "fp8":
         src = fk.to_fp8(src, tmp_path / "fp8")
+    elif variant == "mxfp4":
+        src = fk.to_mxfp4_gptoss(src, tmp_path / "mxfp4")
     s = load_source(src)
     calibrated = families.by_name(s.family).calibration is not None
     d = tmp_path / "run"

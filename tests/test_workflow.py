@@ -154,7 +154,8 @@ def test_eval_measures_every_product_at_the_output_and_feeds_the_report(run):
     rows = {r["product"]: r for r in canonical.load(out / "report" / "products.json")}
     assert all(rows[p]["kl"] == kl[p] and rows[p]["top1"] == doc["products"][p]["top1"] for p in kl)
     header = (out / "report" / "products.tsv").read_text().splitlines()[0].split("\t")
-    assert {"kl", "ppl", "top1"} <= set(header)
+    assert {"kl", "ppl", "top1", "exl3_runtime"} <= set(header)
+    assert {r["exl3_runtime"] for r in rows.values()} == {"Glm4MoeForCausalLM"}  # where the demo's bases run
     assert (out / "report" / "kl.png").stat().st_size > 0
     assert (out / "eval" / "eval.tsv").read_text().count("\n") == 1 + 3
     stmt = read_publication(out / "published", keys.load_public(out / "signer.pub"))

@@ -12,6 +12,12 @@
   ``apply_fp8_scales_inv_``), which is how it loads the FP8 tensors a base keeps verbatim in its skeleton, partial
   128-blocks included (DeepSeek-V3's 576-row kv_a_proj_with_mqa).
 
+- ``quant_method: "mxfp4"`` (gpt-oss): the routed experts' fused tensors are ``NAME_blocks`` uint8 (E, out, in/32,
+  16), two e2m1 values a byte (low nibble first), and ``NAME_scales`` uint8 (E, out, in/32), one e8m0 exponent
+  (2^(byte - 127)) per 32 inputs; ``dequantize_mxfp4`` gives each value times its scale in float32, exactly (an e2m1
+  value times a power of two), which is transformers' ``convert_moe_packed_tensors`` with a float32 output, bit for
+  bit, before its transpose to (E, in, out).
+
 Anything else (another ``quant_method``, another fp8 ``fmt``, a block size that is not two positive integers) is
 refused naming the field.
 
@@ -28,24 +34,27 @@ from fq.errors import FqError
 
 DENSE = "dense"
 FP8 = "fp8"
+MXFP4 = "mxfp4"
+MX_GROUP = 32  # inputs per e8m0 scale
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_SUFFIX = "weight_scale_inv"
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16")
-_SUPPORTED = "none (bf16/fp16/fp32), fp8 with weight_block_size (DeepSeek-V3 layout)"
+_SUPPORTED = "none (bf16/fp16/fp32), fp8 with weight_block_size (DeepSeek-V3 layout), mxfp4 (gpt-oss)"
 
 
 @dataclass(frozen=True)
 class SourceFormat:
-    kind: str  # DENSE | FP8
+    kind: str  # DENSE | FP8 | MXFP4
     block: tuple[int, int] | None = None  # FP8: (rows, cols) of one scale block
 
     def to_json(self) -> dict:
         return {"kind": self.kind} if self.block is None else {"kind": self.kind, "block": list(self.block)}
 
     @property
-    def weight_bytes(self) -> int | None:
-        """Bytes per weight of a quantized matrix (None: the config's dtype)."""
-        return 1 if self.kind == FP8 else None
+    def weight_bytes(self) -> float | None:
+        """Bytes per weight of a quantized matrix, its scales apart (None: the config's dtype)."""
+        return {FP8: 1, MXFP4: 0.5}.get(self.kind)
 
 
 def source_format(config: dict, where: str) -> SourceFormat:
@@ -55,6 +64,8 @@ def source_format(config: dict, where: str) -> SourceFormat:
     if not isinstance(q, dict):
         raise FqError(f"{where}: quantization_config: expected an object, got {q!r}")
     method = q.get("quant_method")
+    if method == MXFP4:
+        return SourceFormat(MXFP4)
     if method != "fp8":
         raise FqError(f"{where}: quantization_config.quant_method {method!r} is not a source format fq reads; "
                       f"supported: {_SUPPORTED}")
@@ -87,13 +98,20 @@ class ExpertSource:
     scale_shard: str | None = None
     scale: str | None = None
     block: tuple[int, int] | None = None
+    # a fused 3-D tensor with the expert first (gpt-oss): the expert's index, and which matrix of it
+    index: int | None = None
+    part: str | None = None  # "gate" / "up" (interleaved along the output) or "down"
 
     def to_json(self) -> dict:
         d = {"shard": self.shard, "tensor": self.tensor}
         if self.shape is not None:
             d["shape"] = list(self.shape)
         if self.scale is not None:
-            d.update(scale_shard=self.scale_shard, scale=self.scale, block=list(self.block))
+            d.update(scale_shard=self.scale_shard, scale=self.scale)
+            if self.block is not None:
+                d["block"] = list(self.block)
+        if self.index is not None:
+            d.update(index=self.index, part=self.part)
         return d
 
     @classmethod
@@ -101,12 +119,15 @@ class ExpertSource:
         if isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, str) for x in obj):
             return cls(obj[0], obj[1])  # [shard, tensor]: a dense matrix
         keys = {"shard", "tensor"}
-        fp8 = {"scale_shard", "scale", "block"}
-        names = set(obj) - {"shape"} if isinstance(obj, dict) else set()
-        if not isinstance(obj, dict) or names not in (keys, keys | fp8) or not all(
-                isinstance(obj[k], str) for k in names - {"block"}):
-            raise FqError(f"{where}: expected {{shard, tensor[, shape]}} or {{shard, tensor, shape, scale_shard, "
-                          f"scale, block}}, got {obj!r}")
+        optional = {"shape", "block", "scale_shard", "scale", "index", "part"}
+        names = set(obj) if isinstance(obj, dict) else set()
+        if (not isinstance(obj, dict) or not keys <= names <= keys | optional
+                or ("scale" in names) != ("scale_shard" in names) or ("index" in names) != ("part" in names)
+                or not all(isinstance(obj[k], str) for k in names & {"shard", "tensor", "scale_shard", "scale"})
+                or obj.get("part", "gate") not in ("gate", "up", "down")
+                or not isinstance(obj.get("index", 0), int) or isinstance(obj.get("index"), bool)):
+            raise FqError(f"{where}: expected {{shard, tensor[, shape][, scale_shard, scale[, block]][, index, part]}}, "
+                          f"got {obj!r}")
         pairs = {}
         for k in ("shape", "block"):
             v = obj.get(k)
@@ -115,7 +136,7 @@ class ExpertSource:
                 raise FqError(f"{where}: {k}: expected two positive integers, got {v!r}")
             pairs[k] = tuple(v) if v is not None else None
         return cls(obj["shard"], obj["tensor"], pairs["shape"], obj.get("scale_shard"), obj.get("scale"),
-                   pairs["block"])
+                   pairs["block"], obj.get("index"), obj.get("part"))
 
     @property
     def shards(self) -> tuple[str, ...]:
@@ -151,6 +172,30 @@ def dequantize_fp8(q, scale_inv, block: tuple[int, int] = (128, 128), where: str
     return q.to(torch.float32) * s
 
 
+def dequantize_mxfp4(blocks, scales, where: str = "mxfp4"):
+    """float32 (..., out, in) of MXFP4 ``blocks`` uint8 (..., out, in/32, 16) and ``scales`` uint8 (..., out, in/32):
+    each e2m1 value (low nibble first) times 2^(scale - 127), exact."""
+    import torch
+
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != 16 \
+            or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise FqError(f"{where}: expected uint8 blocks (..., out, in/32, 16) and uint8 scales (..., out, in/32), got "
+                      f"{blocks.dtype} {list(blocks.shape)} and {scales.dtype} {list(scales.shape)}")
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    b = blocks.to(torch.int64)
+    values = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).reshape(*blocks.shape[:-1], MX_GROUP)
+    w = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.float32))
+    return w.reshape(*blocks.shape[:-2], blocks.shape[-2] * MX_GROUP)
+
+
+def _fused_part(w, part: str):
+    """One expert's matrix, torch (out, in), from its slice of a fused tensor in (out, in) order: gate and up are the
+    even and odd rows of gate_up (gpt-oss interleaves them), down is the whole slice."""
+    if part == "down":
+        return w
+    return w[0::2] if part == "gate" else w[1::2]
+
+
 def read_matrix(handles: dict, src: ExpertSource, where: str):
     """One routed-expert matrix as float32 torch (out, in), its shape the one ``src`` expects. ``handles``: open
     safe_open handles by shard path (the caller's, so each shard opens once)."""
@@ -167,6 +212,8 @@ def read_matrix(handles: dict, src: ExpertSource, where: str):
             handles[path] = safe_open(path, "pt")
         return handles[path]
 
+    if src.index is not None:
+        return _read_fused(handle, src)
     t = handle(src.shard).get_tensor(src.tensor)
     if src.shape is not None and tuple(t.shape) != tuple(src.shape):
         raise FqError(f"{src.shard}: tensor {src.tensor!r} is {list(t.shape)}, the config makes it "
@@ -189,6 +236,32 @@ def read_matrix(handles: dict, src: ExpertSource, where: str):
     return dequantize_fp8(t, s, src.block, f"{src.shard}: {src.tensor}")
 
 
+def _read_fused(handle, src: ExpertSource):
+    """Expert ``src.index``'s slice of a fused tensor, the only bytes read (safetensors slices the first dim)."""
+    import torch
+
+    def expert_slice(shard, name):
+        sl = handle(shard).get_slice(name)
+        shape = sl.get_shape()
+        if not shape or not 0 <= src.index < shape[0]:
+            raise FqError(f"{shard}: tensor {name!r} is {list(shape)}; expert {src.index} is not in it")
+        return sl[src.index]
+
+    t = expert_slice(src.shard, src.tensor)
+    if src.scale is not None:  # MXFP4: (out, in/32, 16) blocks beside (out, in/32) scales, (out, in) once unpacked
+        w = dequantize_mxfp4(t, expert_slice(src.scale_shard, src.scale), f"{src.shard}: {src.tensor}")
+    else:  # bf16: the expert's (in, out) slice of transformers' (E, in, out)
+        if not t.is_floating_point() or t.dim() != 2:
+            raise FqError(f"{src.shard}: tensor {src.tensor!r}: expert {src.index} is {t.dtype} {list(t.shape)}, "
+                          f"expected a 2-D float (in, out) slice")
+        w = t.to(torch.float32).T
+    w = _fused_part(w, src.part).contiguous()
+    if src.shape is not None and tuple(w.shape) != tuple(src.shape):
+        raise FqError(f"{src.shard}: tensor {src.tensor!r}: expert {src.index}'s {src.part} is {list(w.shape)}, the "
+                      f"config makes it {list(src.shape)} (out, in)")
+    return w
+
+
 def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) -> dict:
     """float32 tensors from a checkpoint's (or a base skeleton's) tensors: every ``X.weight`` with an
     ``X.weight_scale_inv`` dequantized in ``block``s (the scale dropped), other floats upcast, integers as they are.
@@ -197,6 +270,13 @@ def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) 
 
     out = {}
     for name, t in tensors.items():
+        if name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in tensors:
+            # gpt-oss MXFP4: the fused tensor in transformers' (E, in, out) order, as its bf16 checkpoint has it
+            base = name[: -len("_blocks")]
+            out[base] = dequantize_mxfp4(t, tensors[base + "_scales"], f"{where}: {name}").transpose(-1, -2).contiguous()
+            continue
+        if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in tensors:
+            continue
         if name.endswith("." + SCALE_SUFFIX):
             weight = name[: -len(SCALE_SUFFIX)] + "weight"
             if weight not in tensors:
@@ -212,3 +292,36 @@ def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) 
         else:
             out[name] = t.float() if t.is_floating_point() else t
     return out
+
+
+def fuse_experts(tensors: dict, layout, fused: tuple[str, str], where: str) -> dict:
+    """``tensors`` with every expert's ``layout`` matrices (torch (out, in), float32) put back into the fused tensors
+    a family's checkpoint has (gpt-oss: ``{prefix}gate_up_proj`` (E, in, 2·I) with gate and up interleaved along
+    the output, ``{prefix}down_proj`` (E, I, hidden)): what transformers loads such a checkpoint from."""
+    import torch
+
+    gate_up, down = fused
+    per: dict[int, dict[int, dict[str, object]]] = {}
+    out = {}
+    for name, t in tensors.items():
+        parsed = layout.parse(name)
+        if parsed is None or parsed[3] != "weight":
+            out[name] = t
+            continue
+        layer, expert, proj, _ = parsed
+        per.setdefault(layer, {}).setdefault(expert, {})[proj] = t
+    g, u, d = layout.projections
+    for layer, experts in sorted(per.items()):
+        n = len(experts)
+        if sorted(experts) != list(range(n)) or any(set(m) != {g, u, d} for m in experts.values()):
+            raise FqError(f"{where}: layer {layer}: every expert 0..{n - 1} needs its {g}, {u} and {d} to be fused")
+        prefix = layout.prefix.split("{expert}")[0].format(layer=layer)
+        first = experts[0]
+        gu = torch.empty(n, first[g].shape[1], 2 * first[g].shape[0], dtype=first[g].dtype)
+        for e, m in experts.items():
+            gu[e, :, 0::2] = m[g].T
+            gu[e, :, 1::2] = m[u].T
+        out[prefix + gate_up] = gu
+        out[prefix + down] = torch.stack([experts[e][d].T for e in range(n)]).contiguous()
+    return out
+

@@ -77,14 +77,20 @@ class SourceModel:
         """Bytes per weight of a routed-expert matrix as stored (FP8: 1; its scales are counted apart)."""
         return self.source_format.weight_bytes or DTYPE_BYTES[self.dtype]
 
-    def expert_matrix_bytes(self, proj: str) -> int:
-        """Source bytes of one expert matrix: its weights and, for FP8, its float32 block scales."""
+    def _scale_bytes(self, proj: str, per_scale: int) -> int:
         o, i = self.expert_shape(proj)
-        scales = 0
-        if self.source_format.block is not None:
+        if self.source_format.block is not None:  # FP8: one scale per block
             b0, b1 = self.source_format.block
-            scales = 4 * (o // b0) * (i // b1)
-        return o * i * self.dtype_bytes + scales
+            return per_scale * (o // b0) * (i // b1)
+        if self.source_format.kind == formats.MXFP4:  # one e8m0 byte per 32 inputs
+            return o * i // formats.MX_GROUP
+        return 0
+
+    def expert_matrix_bytes(self, proj: str) -> int:
+        """Source bytes of one expert matrix: its weights and its scales (FP8: float32 per block; MXFP4: a byte
+        per 32 weights)."""
+        o, i = self.expert_shape(proj)
+        return int(o * i * self.dtype_bytes) + self._scale_bytes(proj, 4)
 
     def expert_tensor(self, layer: int, expert: int, proj: str) -> str:
         try:
@@ -109,10 +115,11 @@ class SourceModel:
         tensor = self.expert_tensor(layer, expert, proj)
         scale = self.expert_scales.get((layer, expert, proj))
         shape = self.expert_shape(proj)
+        fused = (expert, proj) if self.family_entry.fused_experts else (None, None)
         if scale is None:
-            return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape)
+            return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, None, None, None, *fused)
         return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, staged(self.weight_map[scale]),
-                                    scale, self.source_format.block)
+                                    scale, self.source_format.block, *fused)
 
     def layer_shards(self, layer: int) -> tuple[str, ...]:
         memo = self.__dict__.setdefault("_layer_shards", {})  # frozen dataclass: a private memo is fine
@@ -158,11 +165,10 @@ class SourceModel:
             for key, tensor in self.expert_names.items():
                 o, i = self.expert_shape(key[2])
                 shard = self.weight_map[tensor]
-                cached[shard] = cached.get(shard, 0) + o * i * self.dtype_bytes
+                cached[shard] = cached.get(shard, 0) + int(o * i * self.dtype_bytes)
                 if key in self.expert_scales:
-                    b0, b1 = self.source_format.block
                     scale_shard = self.weight_map[self.expert_scales[key]]
-                    cached[scale_shard] = cached.get(scale_shard, 0) + 2 * (o // b0) * (i // b1)  # >= bf16 scales
+                    cached[scale_shard] = cached.get(scale_shard, 0) + self._scale_bytes(key[2], 2)  # >= bf16 scales
             object.__setattr__(self, "_ebs", cached)  # frozen dataclass: a private memo is fine
         return cached
 
@@ -264,15 +270,20 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
         raise FqError(f"{cfg}: {family.architectures[0]} ({family.title}) checkpoints are not read yet: "
                       f"{family.unread}")
     fmt = formats.source_format(config, cfg)
-    experts, scales, skeleton = _classify(weight_map, family, fmt, idx)
-    if not experts:
-        raise FqError(f"{idx}: no routed expert tensors found: a {family.architectures[0]} checkpoint names them "
-                      f"{family.layout.key('{L}', '{E}', family.layout.projections[0], 'weight')} and the like")
-
     n_layers = families.base.read_int(config, ("num_hidden_layers",), cfg, family.title)
     hidden = families.base.read_int(config, ("hidden_size",), cfg, family.title)
     inter, inter_key = family.intermediate(config, cfg)
     n_experts = family.n_experts(config, cfg)
+    if fmt.kind == formats.MXFP4 and not family.fused_experts:
+        raise FqError(f"{cfg}: quantization_config.quant_method 'mxfp4': fq reads MXFP4 as gpt-oss publishes it (fused "
+                      f"expert tensors), not for a {family.architectures[0]} checkpoint")
+    if family.fused_experts:
+        experts, scales, skeleton = _classify_fused(weight_map, family, fmt, n_experts, idx)
+    else:
+        experts, scales, skeleton = _classify(weight_map, family, fmt, idx)
+    if not experts:
+        raise FqError(f"{idx}: no routed expert tensors found: a {family.architectures[0]} checkpoint names them "
+                      f"{family.layout.key('{L}', '{E}', family.layout.projections[0], 'weight')} and the like")
     dtype = config.get("torch_dtype", config.get("dtype"))
     if dtype not in DTYPE_BYTES:
         raise FqError(f"{cfg}: torch_dtype: expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -378,6 +389,46 @@ def _shard_sizes(weight_map: Mapping[str, str], sizes: Mapping[str, int], origin
             raise FqError(f"{origin}: size of shard {shard}: expected a positive integer number of bytes, got {size!r}")
         out[shard] = size
     return out
+
+
+def _classify_fused(weight_map: Mapping[str, str], family: Family, fmt: formats.SourceFormat, n_experts: int,
+                    idx: str):
+    """``_classify`` for a family whose checkpoint fuses each layer's experts into 3-D tensors (expert first):
+    ``{prefix}gate_up_proj`` and ``{prefix}down_proj`` (bf16, transformers' (E, in, out)) or their MXFP4
+    ``_blocks`` / ``_scales``; every expert's matrices point into them (``SourceModel.expert_source`` slices them);
+    their ``_bias`` tensors are skeleton."""
+    gate_up, down = family.fused_experts
+    head, tail = family.layout.prefix.split("{expert}")[0].split("{layer}")
+    pattern = re.compile(re.escape(head) + r"(0|[1-9][0-9]{0,8})" + re.escape(tail) + r"(.+)$")
+    packed = fmt.kind == formats.MXFP4
+    want = {f"{gate_up}_blocks", f"{gate_up}_scales", f"{down}_blocks", f"{down}_scales"} if packed else {gate_up, down}
+    kept = {f"{gate_up}_bias", f"{down}_bias"}
+    layers: dict[int, set[str]] = {}
+    skeleton: list[str] = []
+    for name in sorted(weight_map):
+        m = pattern.match(name)
+        if m is None:
+            skeleton.append(name)
+        elif m[2] in kept:
+            skeleton.append(name)
+        elif m[2] in want:
+            layers.setdefault(int(m[1]), set()).add(m[2])
+        else:
+            raise FqError(f"{idx}: tensor {name!r} is under the routed experts but is not one of "
+                          f"{', '.join(sorted(want | kept))} (a {family.architectures[0]} checkpoint"
+                          f"{' in MXFP4' if packed else ''} fuses each layer's experts into these)")
+    experts: dict[tuple[int, int, str], str] = {}
+    scales: dict[tuple[int, int, str], str] = {}
+    for layer, have in sorted(layers.items()):
+        if have != want:
+            raise FqError(f"{idx}: layer {layer}'s routed experts lack {', '.join(sorted(want - have))}")
+        prefix = f"{head}{layer}{tail}"
+        for e in range(n_experts):
+            for proj, fused in (("gate", gate_up), ("up", gate_up), ("down", down)):
+                experts[(layer, e, proj)] = prefix + (f"{fused}_blocks" if packed else fused)
+                if packed:
+                    scales[(layer, e, proj)] = prefix + f"{fused}_scales"
+    return experts, scales, skeleton
 
 
 def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.SourceFormat, idx: str):

@@ -113,16 +113,19 @@ def count_selections(model, ids, *, seq_len: int = 256, batch: int = 8, progress
 def measure_usage(model_dir: str | Path, text: str, *, seq_len: int = 256, batch: int = 8, hash_weights: bool = True,
                   text_name: str | None = None, progress: bool = False) -> dict:
     """fq-expert-usage/1 of the checkpoint in ``model_dir`` (transformers' own model class, float32 on the
-    CPU) over ``text`` (its tokenizer, no special tokens), with provenance: the text's sha256 and token count,
+    CPU, as fq.model.checkpoint_model builds it) over ``text`` (its tokenizer, no special tokens), with provenance: the text's sha256 and token count,
     the model's config/index (and, with ``hash_weights``, shard) sha256, window length, library versions."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from fq.model.checkpoint_model import load_checkpoint
 
     model_dir = Path(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    # fq's own loader: FP8 sources dequantized, Kimi-K2's kimi_k2 built as deepseek_v3 (from_pretrained needs
+    # accelerate for the first and remote code for the second)
+    model = load_checkpoint(model_dir)
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     if not ids:
         raise FqError("expert usage: the text is empty")

@@ -45,8 +45,9 @@ from fq.core.canonical import loads, sha256_hex
 from fq.provenance.combine import Verified, narrow, verify_adapter, verify_fragments
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout, suffixes
-from fq.model.families import transformers_model_type
-from fq.model.formats import dense_state
+from fq.model.checkpoint_model import build_model, checkpoint_state, load_checkpoint, tensor_from  # noqa: F401
+from fq.model import families
+from fq.model.formats import dense_state, fuse_experts
 from fq.provenance.manifest import VerifiedBase
 from fq.provenance.product import Product, open_product
 from fq.core.safepath import open_regular
@@ -96,16 +97,6 @@ def read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[He
     if header is not None and data[:header.data_start] != header.raw:
         raise FqError(f"{where}: changed since it was verified (header)")
     return header, data
-
-
-def tensor_from(dtype: str, shape, data) -> "torch.Tensor":
-    import torch
-
-    from fq.model.shards import torch_dtype
-
-    if not len(data):
-        return torch.empty(tuple(shape), dtype=torch_dtype(dtype))
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(dtype)).reshape(tuple(shape))
 
 
 def check_tensor_file(base_dir: Path, name: str, base: VerifiedBase, plan: dict) -> str:
@@ -190,6 +181,9 @@ def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dic
     stray = sorted(set(stage_sets) - set(base_sets))
     if stray:
         raise FqError(f"stage tensors for linears the base does not have: {stray[:3]}")
+    family = families.for_config(config, f"{base_dir}/config.json")
+    if family.fused_experts:  # the checkpoint's own fused tensors (gpt-oss), which transformers loads
+        tensors = fuse_experts(tensors, layout, family.fused_experts, str(base_dir))
     return ProductState(plan["product"], product.plan.sha256, plan, [n["node"] for n in plan["chain"]], config, tensors,
                         layout, stages)
 
@@ -276,91 +270,3 @@ def load_product(plan_path, public_key, **kw) -> Loaded:
 def load_adapter(base_dir, adapter, plan_path, public_key, **kw) -> Loaded:
     s = adapter_state(base_dir, adapter, plan_path, public_key, **kw)
     return Loaded(build_model(s.config, s.tensors), s)
-
-
-# -- transformers --------------------------------------------------------------------------------------------
-def model_class(config: dict):
-    import transformers
-
-    arch = config.get("architectures")
-    if not isinstance(arch, list) or len(arch) != 1 or not isinstance(arch[0], str):
-        raise FqError(f"config.json: architectures must name exactly one model class, got {arch!r}")
-    cls = getattr(transformers, arch[0], None)
-    if cls is None or not isinstance(cls, type):
-        raise FqError(f"config.json: architecture {arch[0]!r} is not a model class of transformers "
-                      f"{transformers.__version__}")
-    return cls
-
-
-def build_model(config: dict, tensors: dict):
-    """A float32 transformers model holding exactly ``tensors`` (checkpoint names; transformers converts them to
-    its own layout on load). Refuses missing, unexpected or mismatched keys, and checks every tensor read back
-    (transformers' reverse conversion) equals the one given."""
-    import torch
-    import transformers
-    from transformers.core_model_loading import revert_weight_conversion
-
-    cfg = {k: v for k, v in config.items() if k != "quantization_config"}  # dense weights: no quantizer
-    cls = model_class(cfg)
-    model_type = transformers_model_type(cfg)
-    cfg.pop("model_type", None)
-    if not isinstance(model_type, str):
-        raise FqError("config.json: no model_type")
-    hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    try:
-        model, info = cls.from_pretrained(None, config=hf_config, state_dict=dict(tensors), dtype=torch.float32,
-                                          output_loading_info=True)
-    except (RuntimeError, ValueError) as e:  # transformers refuses a size mismatch itself
-        first = str(e).strip().splitlines()
-        raise FqError(f"{cls.__name__}: the verified tensors do not fill the model ({first[-1] if first else e})") from None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        transformers.logging.enable_progress_bar()
-    problems = [f"{k}: {sorted(info.get(k) or ())[:5]}" for k in ("missing_keys", "unexpected_keys", "mismatched_keys",
-                                                                   "error_msgs") if info.get(k)]
-    if problems:
-        raise FqError(f"{cls.__name__}: the verified tensors do not fill the model ({'; '.join(problems)})")
-    model.eval()
-    with torch.no_grad():
-        back = revert_weight_conversion(model, model.state_dict())
-    for name, t in tensors.items():
-        got = back.get(name)
-        if got is None or got.shape != t.shape or not torch.equal(got.to(t.dtype), t):
-            raise FqError(f"{cls.__name__}: tensor {name} as loaded differs from the one handed over "
-                          "(weight conversion changed it)")
-    return model
-
-
-def checkpoint_state(directory: str | os.PathLike, sha256: dict[str, str] | None = None) -> tuple[dict, dict]:
-    """(config, float32 tensors) of a Hugging Face checkpoint directory (config.json, the shard index or one
-    model.safetensors). ``sha256``: shard name -> digest (what ``fq init`` recorded): each shard is read once and
-    compared before it is parsed."""
-    d = Path(directory)
-    config = loads((d / CONFIG).read_bytes(), str(d / CONFIG))
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(loads(index.read_bytes(), str(index))["weight_map"].values()))
-    else:
-        shards = ["model.safetensors"]
-    raw: dict = {}
-    for name in shards:
-        where = f"{d}/{name}"
-        with open_regular(d, name, where) as fh:
-            header = read_header(fh, where)
-            fh.seek(0)
-            data = fh.read()
-        if sha256 is not None and sha256.get(name) != sha256_hex(data):
-            raise FqError(f"{where}: sha256 is not the one the campaign recorded for this source shard")
-        if data[:header.data_start] != header.raw:
-            raise FqError(f"{where}: changed while it was read")
-        for e in header.entries:
-            raw[e.name] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
-    return config, dense_state(raw, str(d))  # an FP8 checkpoint: every matrix times its block scales
-
-
-def load_checkpoint(directory: str | os.PathLike, sha256: dict[str, str] | None = None):
-    config, tensors = checkpoint_state(directory, sha256)
-    return build_model(config, tensors)

@@ -68,6 +68,9 @@ def effective_bpw(c: Campaign, chain) -> float:
 def build_rows(c: Campaign, summary: dict) -> list[dict]:
     metrics = _load_metrics(c)
     bases = {(n.K, n.codebook): n.name for n in c.recipe.bases}
+    # where a base runs: the family's exllamav3 class, or why none loads it (published with allow_unloadable)
+    runtime = c.source.family_entry.exl3 if not c.source.exl3_problems else \
+        "none: " + "; ".join(c.source.exl3_problems)
     rows = []
     for prod in c.recipe.products:
         chain = list(prod.chain)
@@ -88,7 +91,7 @@ def build_rows(c: Campaign, summary: dict) -> list[dict]:
             "native": native_name or "", "native_rel_mse": native,
             "vs_native": (_rel(errs, sorted(last)) / native) if native else None,
             "per_layer": {l: _rel(errs, [k for k in errs if k[0] == l]) for l in c.source.moe_layers},
-            "bytes": info.get("bytes"), "assembly_sha256": info.get("sha256", ""),
+            "bytes": info.get("bytes"), "assembly_sha256": info.get("sha256", ""), "exl3_runtime": runtime,
         })
     return rows
 
@@ -113,7 +116,7 @@ def add_eval(rows: list[dict], doc: dict | None) -> list[dict]:
 def write_table(rows: list[dict], path: str) -> None:
     cols = ["product", "chain", "nominal_bpw", "effective_bpw", "rel_mse", "native", "native_rel_mse",
             "vs_native", "kl", "ppl", "top1", "native_kl", "native_top1", "weight_only_kl", "weight_only_top1", "bytes",
-            "assembly_sha256"]
+            "assembly_sha256", "exl3_runtime"]
     lines = ["\t".join(cols)]
     for r in rows:
         vals = []

@@ -217,6 +217,9 @@ class Family:
     # why fq cannot read this family's checkpoints yet (None: it can); its other declarations still hold
     unread: str | None = None
     on_disk: str | None = None  # how the routed experts are stored, where ``layout`` (fq's per-expert names) is not it
+    # the fused 3-D tensors (gate_up, down) under the experts prefix that hold every expert of a layer (gpt-oss);
+    # None: one matrix per expert, named by ``layout``
+    fused_experts: tuple[str, str] | None = None
 
     @property
     def transformers_model_type(self) -> str:

@@ -2,7 +2,7 @@
 ``mlp.experts.down_proj``, both with biases; published as MXFP4 ``*_blocks`` / ``*_scales``), router ``mlp.router``
 with a bias, sliding and full attention layers with sinks."""
 from fq.model.experts import STANDARD
-from fq.model.families.base import AllLayers, Calibration, Family, per_layer_types
+from fq.model.families.base import AllLayers, Calibration, Exl3Needs, Family, per_layer_types
 
 
 def _act_inputs(experts, x, e: int):
@@ -20,9 +20,11 @@ GPT_OSS = Family(
     layout=STANDARD, experts_keys=("num_local_experts", "num_experts"), inter_keys=("intermediate_size",),
     moe_rule=AllLayers(), router="mlp.router", exl3="GptOssForCausalLM",
     on_disk="`model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}[_bias]` (E first; MXFP4: `*_blocks`, `*_scales`)",
-    unread="its routed experts are fused 3-D tensors (mlp.experts.gate_up_proj with gate and up interleaved, "
-           "published as MXFP4 *_blocks / *_scales) with biases, and hidden 2880 is not a multiple of 128: fq reads "
-           "per-expert matrices of 128-multiple dims so far (the calibration chain for this class is registered)",
+    fused_experts=("gate_up_proj", "down_proj"),
+    # exllamav3's gpt-oss class reads an EXL3 expert's bias as mlp.experts.{E}.{gate,up,down}_proj.bias (the fused
+    # biases split per expert): fq's bases keep the fused bias tensors as published, so exllamav3 would run without
+    exl3_needs=Exl3Needs(always="exllamav3 1.6.5 reads an EXL3 expert's bias as mlp.experts.{E}.{gate,up,down}_proj.bias;"
+                                " fq's bases keep gpt-oss's fused gate_up_proj_bias / down_proj_bias as published"),
     calibration=Calibration("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssDecoderLayer",
                             "GptOssRotaryEmbedding", fused_experts=True, act_inputs=_act_inputs,
                             intermediate=_intermediate, router="router", mask_type=per_layer_types,

@@ -62,7 +62,8 @@ def support_table(measured: dict | None = None) -> str:
     measured = measured or {}
     rows = [HEADER, RULE]
     for f in families.REGISTRY.values():
-        formats = "not read yet: " + f.unread if f.unread else "bf16 / fp16 / fp32, FP8 e4m3 + block scales"
+        formats = ("not read yet: " + f.unread if f.unread else
+                   "bf16 (fused), MXFP4" if f.fused_experts else "bf16 / fp16 / fp32, FP8 e4m3 + block scales")
         cal = f"`{f.calibration.layer_class}`" if f.calibration else "—"
         rows.append(f"| `{f.architectures[0]}` | {f.title} | {_experts(f)} | {formats} | {cal} | {_exl3(f)} | "
                     f"{_measured(f, measured)} |")

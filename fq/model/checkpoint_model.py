@@ -1,0 +1,120 @@
+"""A checkpoint's tensors as a float32 transformers model: what fq's CPU runtime, ``fq eval``'s reference and
+``fq usage`` run. FP8 block-scaled tensors are dequantized (``fq.model.formats.dense_state``) and a ``model_type``
+transformers does not know but the family registry maps (Kimi-K2's ``kimi_k2``) is built as the family's own.
+
+    checkpoint_state(directory, sha256=None) -> (config, float32 tensors)
+    build_model(config, tensors) -> transformers model (float32, eval), every tensor checked as loaded
+    load_checkpoint(directory, sha256=None) -> build_model(*checkpoint_state(directory, sha256))
+    tensor_from(dtype, shape, bytes) -> torch tensor (a safetensors entry's bytes)
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fq.core.canonical import loads, sha256_hex
+from fq.core.safepath import open_regular
+from fq.errors import FqError
+from fq.model.families import transformers_model_type
+from fq.model.formats import dense_state
+from fq.model.shards import read_header
+
+CONFIG = "config.json"
+
+
+def tensor_from(dtype: str, shape, data) -> "torch.Tensor":
+    import torch
+
+    from fq.model.shards import torch_dtype
+
+    if not len(data):
+        return torch.empty(tuple(shape), dtype=torch_dtype(dtype))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(dtype)).reshape(tuple(shape))
+
+
+
+def model_class(config: dict):
+    import transformers
+
+    arch = config.get("architectures")
+    if not isinstance(arch, list) or len(arch) != 1 or not isinstance(arch[0], str):
+        raise FqError(f"config.json: architectures must name exactly one model class, got {arch!r}")
+    cls = getattr(transformers, arch[0], None)
+    if cls is None or not isinstance(cls, type):
+        raise FqError(f"config.json: architecture {arch[0]!r} is not a model class of transformers "
+                      f"{transformers.__version__}")
+    return cls
+
+
+def build_model(config: dict, tensors: dict):
+    """A float32 transformers model holding exactly ``tensors`` (checkpoint names; transformers converts them to
+    its own layout on load). Refuses missing, unexpected or mismatched keys, and checks every tensor read back
+    (transformers' reverse conversion) equals the one given."""
+    import torch
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cfg = {k: v for k, v in config.items() if k != "quantization_config"}  # dense weights: no quantizer
+    cls = model_class(cfg)
+    model_type = transformers_model_type(cfg)
+    cfg.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise FqError("config.json: no model_type")
+    hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        model, info = cls.from_pretrained(None, config=hf_config, state_dict=dict(tensors), dtype=torch.float32,
+                                          output_loading_info=True)
+    except (RuntimeError, ValueError) as e:  # transformers refuses a size mismatch itself
+        first = str(e).strip().splitlines()
+        raise FqError(f"{cls.__name__}: the verified tensors do not fill the model ({first[-1] if first else e})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
+    problems = [f"{k}: {sorted(info.get(k) or ())[:5]}" for k in ("missing_keys", "unexpected_keys", "mismatched_keys",
+                                                                   "error_msgs") if info.get(k)]
+    if problems:
+        raise FqError(f"{cls.__name__}: the verified tensors do not fill the model ({'; '.join(problems)})")
+    model.eval()
+    with torch.no_grad():
+        back = revert_weight_conversion(model, model.state_dict())
+    for name, t in tensors.items():
+        got = back.get(name)
+        if got is None or got.shape != t.shape or not torch.equal(got.to(t.dtype), t):
+            raise FqError(f"{cls.__name__}: tensor {name} as loaded differs from the one handed over "
+                          "(weight conversion changed it)")
+    return model
+
+
+def checkpoint_state(directory: str | os.PathLike, sha256: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """(config, float32 tensors) of a Hugging Face checkpoint directory (config.json, the shard index or one
+    model.safetensors). ``sha256``: shard name -> digest (what ``fq init`` recorded): each shard is read once and
+    compared before it is parsed."""
+    d = Path(directory)
+    config = loads((d / CONFIG).read_bytes(), str(d / CONFIG))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(loads(index.read_bytes(), str(index))["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    raw: dict = {}
+    for name in shards:
+        where = f"{d}/{name}"
+        with open_regular(d, name, where) as fh:
+            header = read_header(fh, where)
+            fh.seek(0)
+            data = fh.read()
+        if sha256 is not None and sha256.get(name) != sha256_hex(data):
+            raise FqError(f"{where}: sha256 is not the one the campaign recorded for this source shard")
+        if data[:header.data_start] != header.raw:
+            raise FqError(f"{where}: changed while it was read")
+        for e in header.entries:
+            raw[e.name] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
+    return config, dense_state(raw, str(d))  # an FP8 checkpoint: every matrix times its block scales
+
+
+def load_checkpoint(directory: str | os.PathLike, sha256: dict[str, str] | None = None):
+    config, tensors = checkpoint_state(directory, sha256)
+    return build_model(config, tensors)
