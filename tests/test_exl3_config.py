@@ -6,8 +6,9 @@
 - both are declared derived in the base manifest (rule, params, inputs with their sha256) and recomputed byte for
   byte by ``fq verify`` and ``fq combine --base``: an edited field is one line naming the file and the field,
   whether the edit was left unsigned or an insider re-signed everything around it;
-- the derivation is byte-reproducible, the publication statement lists the new files, and finalizing a campaign
-  twice publishes identical bytes (a real Snakemake campaign, marked slow).
+- the derivation is byte-reproducible and the publication statement lists the new files. What a real Snakemake
+  campaign's finalize writes, and that finalizing twice publishes identical bytes, is checked on the Kimi-K2 FP8
+  campaign of tests/test_family_campaigns.py.
 """
 from __future__ import annotations
 
@@ -322,60 +323,3 @@ def test_an_untouched_base_passes_combine_base(pristine, tmp_path):
             base_dir=pristine.root / "base/k2", experts="1:0-3")
     assert (tmp_path / "a.safetensors").is_file()
     assert verify_path(pristine.root, pristine.pub, now=NOW).ok
-
-
-# -- a real campaign: finalize writes it, and twice the same bytes --------------------------------------------------
-@pytest.fixture(scope="module")
-def campaign(tmp_path_factory):
-    import crashkit as k
-
-    root = tmp_path_factory.mktemp("exl3-campaign")
-    src = k.tiny_checkpoint(root / "src")
-    d = root / "run"
-    k.write_config(d, src, k.keygen(root / "keys" / "signer"))
-    k.smk(d, *k.TARGETS)
-    return d / "campaign", src
-
-
-@pytest.mark.slow
-def test_finalize_publishes_an_exl3_model_directory(campaign):
-    camp, src = campaign
-    base = camp / "published/base/a"  # crashkit's recipe: base a, K1 mul1
-    assert (camp / "published.verified").read_text().startswith("ok: ")
-    assert (base / "source_config.json").read_bytes() == (src / "config.json").read_bytes()
-    cfg = json.loads((base / "config.json").read_text())
-    assert cfg == {**json.loads((src / "config.json").read_text()), "quantization_config": block(1, "mul1")}
-    qc = json.loads((base / QUANTIZATION_CONFIG).read_text())
-    assert qc == {**block(1, "mul1"), "tensor_storage": storage_read_by_safetensors(base)}
-    exl3 = {k for k, e in qc["tensor_storage"].items() if e.get("quant_format") == "exl3"}
-    assert exl3 == {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj" for layer in (1, 2) for e in range(2)
-                    for p in ("gate", "up", "down")}
-    for key in ("lm_head", "model.embed_tokens", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate"):
-        assert set(qc["tensor_storage"][key]) == {"stored_tensors"}, key
-    pub = json.loads((camp / "campaign_summary.json").read_text())
-    stmt = _publication_files(camp)
-    for n in ("config.json", QUANTIZATION_CONFIG, "source_config.json"):
-        assert stmt[f"base/a/{n}"] == hashlib.sha256((base / n).read_bytes()).hexdigest()
-    assert pub  # the summary exists beside the tree
-
-
-def _publication_files(camp: Path) -> dict:
-    env = canonical.loads((camp / "published/publication.intoto.jsonl").read_bytes())
-    st = canonical.loads(base64.b64decode(env["payload"]))
-    return {s["name"]: s["digest"]["sha256"] for s in st["subject"]}
-
-
-@pytest.mark.slow
-def test_finalize_twice_publishes_identical_bytes(campaign):
-    import crashkit as k
-
-    camp, _ = campaign
-    before = k.tree_digest(camp / "published")
-    summary = (camp / "campaign_summary.json").read_bytes()
-    shutil.rmtree(camp / "published")
-    for n in ("campaign_summary.json", "published.verified"):
-        (camp / n).unlink()
-    k.smk(camp.parent, *k.TARGETS)
-    assert k.tree_digest(camp / "published") == before
-    assert (camp / "campaign_summary.json").read_bytes() == summary
-    assert {"base/a/config.json", "base/a/quantization_config.json", "base/a/source_config.json"} <= set(before)

@@ -19,6 +19,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -90,7 +91,9 @@ def compare_logits(out: Path, src: Path) -> dict:
 def kimi(tmp_path_factory):
     root = tmp_path_factory.mktemp("kimi")
     t0 = time.monotonic()
-    bf16 = fk.build("DeepseekV3ForCausalLM", root / "bf16", extra_config={"n_group": 1, "topk_group": 1})
+    # 3 shards: each shard is a staging and a skeleton job (test_families reads the kit's dozen shards)
+    bf16 = fk.build("DeepseekV3ForCausalLM", root / "bf16", extra_config={"n_group": 1, "topk_group": 1},
+                    max_shard_size=2_500_000)
     src = fk.as_kimi_k2(fk.to_fp8(bf16, root / "fp8"), root / "kimi")
     d = root / "run"
     write_config(d, src, calibrated=True)  # no allow_unloadable: exllamav3 loads a Kimi-K2 (n_group = topk_group = 1)
@@ -197,6 +200,48 @@ def test_the_runtime_builds_the_published_base_close_to_the_source(kimi):
     assert m["kl"] < 0.3 * m["zeroed_kl"], m
     assert m["max_dlogit"] < m["zeroed_max_dlogit"], m
     assert m["top1"] >= 0.5 and m["top1"] > m["zeroed_top1"], m
+
+
+def test_finalize_lists_every_stored_tensor_as_the_converter_would(kimi):
+    """quantization_config.json's tensor_storage is the base's shards as the safetensors library reads them: the EXL3
+    experts with their bits, the FP8 attention weights beside their scales, every other module 16-bit; the derived
+    files are in the signed publication."""
+    from test_exl3_config import QUANTIZATION_CONFIG, block, storage_read_by_safetensors
+
+    camp = kimi[0] / "campaign"
+    base = camp / "published/base/a"
+    qc = json.loads((base / QUANTIZATION_CONFIG).read_text())
+    want = {**block(3, "mul1"), "tensor_storage": storage_read_by_safetensors(base)}
+    assert {k: v for k, v in qc.items() if k != "calibration"} == {k: v for k, v in want.items() if k != "calibration"}
+    storage = qc["tensor_storage"]
+    exl3 = {k for k, e in storage.items() if e.get("quant_format") == "exl3"}
+    assert exl3 == {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj" for layer in (1, 2) for e in range(fk.EXPERTS)
+                    for p in ("gate", "up", "down")}
+    for key in ("lm_head", "model.embed_tokens", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate"):
+        assert set(storage[key]) == {"stored_tensors"}, key
+    o_proj = storage["model.layers.1.self_attn.o_proj"]["stored_tensors"]
+    assert o_proj["model.layers.1.self_attn.o_proj.weight"]["dtype"] == "torch.float8_e4m3fn"
+    assert o_proj["model.layers.1.self_attn.o_proj.weight_scale_inv"]["dtype"] == "torch.float32"
+    env = canonical.loads((camp / "published/publication.intoto.jsonl").read_bytes())
+    listed = {s["name"]: s["digest"]["sha256"] for s in canonical.loads(base64.b64decode(env["payload"]))["subject"]}
+    for n in ("config.json", QUANTIZATION_CONFIG, "source_config.json"):
+        assert listed[f"base/a/{n}"] == hashlib.sha256((base / n).read_bytes()).hexdigest()
+
+
+def test_finalize_twice_publishes_identical_bytes(kimi):
+    """Last of the module: it re-publishes the campaign the tests above read."""
+    import crashkit as k
+
+    d = kimi[0]
+    camp = d / "campaign"
+    before = k.tree_digest(camp / "published")
+    summary = (camp / "campaign_summary.json").read_bytes()
+    shutil.rmtree(camp / "published")
+    for n in ("campaign_summary.json", "published.verified"):
+        (camp / n).unlink()
+    smk(d, *TARGETS)
+    assert k.tree_digest(camp / "published") == before
+    assert (camp / "campaign_summary.json").read_bytes() == summary
 
 
 # -- opt-in: every family -----------------------------------------------------------------------------------------
