@@ -288,12 +288,12 @@ def test_refused_when_the_config_is_read_not_mid_campaign(built, tmp_path):
         p = subprocess.run(fq + [cmd, str(recipe), "--model", str(src), "--calibration", "4x64"], capture_output=True,
                            text=True)
         assert p.returncode != 0 and re.search(want_cal, p.stderr), (cmd, p.stderr)
-        p = subprocess.run(fq + [cmd, str(recipe), "--model", str(src)], capture_output=True, text=True)
-        assert p.returncode != 0 and "exllamav3 1.6.5 has no class for Qwen2MoeForCausalLM" in p.stderr, p.stderr
-        assert "--allow-unloadable" in p.stderr
-        p = subprocess.run(fq + [cmd, str(recipe), "--model", str(src), "--allow-unloadable"], capture_output=True,
-                           text=True)
-        assert p.returncode == 0, p.stderr
+    p = subprocess.run(fq + ["price", str(recipe), "--model", str(src)], capture_output=True, text=True)
+    assert p.returncode != 0 and "exllamav3 1.6.5 has no class for Qwen2MoeForCausalLM" in p.stderr, p.stderr
+    assert "--allow-unloadable" in p.stderr
+    p = subprocess.run(fq + ["plan", str(recipe), "--model", str(src), "--allow-unloadable"], capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr  # (the plan without the flag: test_each_family_is_read_as_transformers_saved_it)
     d = tmp_path / "run"
     k.write_config(d, src, calibration={"tokens": None, "text": None, "rows": 2, "columns": 32})
     (d / "recipe.json").write_text(json.dumps(RECIPE))
@@ -332,3 +332,27 @@ def test_usage_reads_a_kimi_k2_fp8_checkpoint(built, tmp_path):
     counts = {int(L): c for L, c in doc["layers"].items()} if isinstance(doc["layers"], dict) else None
     assert counts is not None and sorted(counts) == [1, 2], doc["layers"]
     assert all(len(c) == fk.EXPERTS and sum(c) > 0 for c in counts.values())
+
+
+def test_the_calibration_chain_reads_fp8_sources_dequantized(built):
+    """A calibrated FP8 campaign's chain runs the layer on the weights the encoder reads: every FP8 tensor of the
+    layer (attention and experts) comes to transformers' decoder layer as transformers' reference dequantization."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from fq.hessian import capture, layer as layer_mod
+
+    d = built("DeepseekV3ForCausalLM", "fp8")
+    ckpt = layer_mod.read_checkpoint(d)
+    tensors, _ = layer_mod.layer_tensors(ckpt, 1)
+    raw = fk.load_tensors(d)
+    assert not any(n.endswith("weight_scale_inv") for n in tensors)
+    fp8 = [n for n in tensors if n + "_scale_inv" in raw]
+    assert any(".self_attn." in n for n in fp8) and any(".mlp.experts." in n for n in fp8)
+    for n, t in tensors.items():
+        want = (Fp8Dequantize(None)._dequantize_one(raw[n], raw[n + "_scale_inv"], output_dtype=torch.float32)
+                if n in fp8 else raw[n].float())
+        assert torch.equal(t, want), n
+    hidden = torch.randn(2, 16, fk.HIDDEN, generator=torch.Generator().manual_seed(0))
+    out, sums = capture.advance(1, hidden, tensors, ckpt.config)
+    assert torch.isfinite(out).all() and sums.input_count == 2 * 16
+    assert torch.isfinite(sums.input).all() and torch.isfinite(sums.down).all()
