@@ -212,8 +212,6 @@ class Family:
     exl3: str | None = None  # the exllamav3 1.6.5 architecture class that loads a base; None: no EXL3 runtime does
     exl3_needs: Exl3Needs = field(default_factory=Exl3Needs)
     calibration: Calibration | None = None
-    # tensors under an expert-like name that are kept verbatim (modules no EXL3 runtime runs, e.g. MTP heads)
-    verbatim_prefixes: tuple[str, ...] = field(default=())
     # why fq cannot read this family's checkpoints yet (None: it can); its other declarations still hold
     unread: str | None = None
     on_disk: str | None = None  # how the routed experts are stored, where ``layout`` (fq's per-expert names) is not it

@@ -1,7 +1,8 @@
 """Qwen3-MoE (30B / 235B / 480B), Qwen3-Next, Qwen3.5-MoE (text), Qwen2-MoE.
 
 transformers 5.x saves Qwen3-MoE's expert count as ``num_local_experts``; the authors' configs say ``num_experts``.
-Qwen3-Next's next-token-prediction head (``mtp.*``) has experts of its own that no EXL3 runtime runs: kept verbatim."""
+Qwen3-Next's next-token-prediction head (``mtp.*``) has experts of its own that no EXL3 runtime runs: outside the
+``model.layers.*`` experts prefix, they are skeleton, kept verbatim."""
 from fq.model.experts import STANDARD
 from fq.model.families.base import (AllLayers, Calibration, Exl3Needs, Family, SparseStep, per_layer_types,
                                      sliding_if_window)
@@ -34,7 +35,7 @@ QWEN3_MOE = Family(
 QWEN3_NEXT = Family(
     name="qwen3_next", title="Qwen3-Next", architectures=("Qwen3NextForCausalLM",), model_types=("qwen3_next",),
     layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",), moe_rule=SparseStep(),
-    exl3="Qwen3NextForCausalLM", exl3_needs=Exl3Needs(**_NEEDS, check=_next_attention), verbatim_prefixes=("mtp.",),
+    exl3="Qwen3NextForCausalLM", exl3_needs=Exl3Needs(**_NEEDS, check=_next_attention),
     # gated-delta-net (linear attention) and full-attention layers (layer_types); the shared expert and its gate
     # are not captured (fq encodes routed experts only)
     calibration=Calibration("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextDecoderLayer",
@@ -43,7 +44,7 @@ QWEN3_NEXT = Family(
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", title="Qwen3.5-MoE (text)", architectures=("Qwen3_5MoeForCausalLM",),
     model_types=("qwen3_5_moe_text",), layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
-    moe_rule=AllLayers(), verbatim_prefixes=("mtp.",), exl3="Qwen3_5MoeForCausalLM",
+    moe_rule=AllLayers(), exl3="Qwen3_5MoeForCausalLM",
     exl3_needs=Exl3Needs(always="exllamav3 1.6.5's Qwen3_5MoeForCausalLM reads model.language_model.layers.*; the text "
                                 "model as transformers saves it names its layers model.layers.*"))
 
