@@ -1,8 +1,19 @@
 import json
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# Under `make test` two xdist workers share the machine's cores (CI: 2), and each Snakemake job they start is
+# another process: one intra-op thread each. Left at torch's default (a thread per core) every process spins
+# OpenMP threads against the others, and the suite takes about 1.5x as long on 2 cores. Tests that are about
+# thread counts set them explicitly.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from safetensors.torch import load_file
 
 DATA = Path(__file__).parent / "data"
