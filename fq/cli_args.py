@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fq.core.units import parse_bytes
+from fq.core.units import is_decimal, parse_bytes
 from fq.model.source import SourceModel, load_sizes, load_source
 from fq.planning.plan import DEFAULT_WINDOWS_ON_DISK
 
@@ -57,6 +57,20 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
                    help="LDLQ encode time over weight-only (default 1.35, measured on an H200 at K2-K4)")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a positive decimal integer (ASCII digits)."""
+    if not is_decimal(text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def count(text: str) -> int:
+    """argparse type: a non-negative decimal integer (ASCII digits)."""
+    if not is_decimal(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return int(text)
+
+
 def calibration_from_args(args, source: SourceModel):
     """The CalibrationPrice of ``--calibration ROWSxCOLS`` (None without it)."""
     if not args.calibration:
@@ -65,7 +79,7 @@ def calibration_from_args(args, source: SourceModel):
     from fq.planning.calibration_cost import DEFAULT_LDLQ_FACTOR, DEFAULT_TFLOPS, price_calibration
 
     rows, _, cols = args.calibration.lower().partition("x")
-    if not (rows.isdigit() and cols.isdigit()):
+    if not (is_decimal(rows) and is_decimal(cols)):
         raise FqError(f"--calibration: expected ROWSxCOLS (e.g. 250x2048), got {args.calibration!r}")
     return price_calibration(source, int(rows), int(cols),
                              tflops=args.calib_tflops if args.calib_tflops is not None else DEFAULT_TFLOPS,

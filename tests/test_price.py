@@ -232,6 +232,31 @@ def test_fq_price_calibration_flag(tmp_path, capsys):
                  "--calibration", "lots"]) == 2
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--calibration", "\u00b2x2048"], "--calibration: expected ROWSxCOLS"),  # superscript two passes str.isdigit
+    (["--calibration", "9" * 30 + "x" + "9" * 30], "calibration rows: expected an integer in 1..1000000"),
+    (["--calibration", "250x2000000"], "calibration columns: expected an integer in 1..1048576"),
+    (["--calibration", "250x2048", "--ldlq-factor", "inf"], "LDLQ encode factor: expected a number above 0 and at most 100"),
+    (["--calibration", "250x2048", "--ldlq-factor", "nan"], "LDLQ encode factor: expected"),
+    (["--calibration", "250x2048", "--calib-tflops", "1e9"], "calibration TFLOP/s: expected a number above 0 and at most"),
+])
+def test_fq_price_refuses_numbers_no_one_means(tmp_path, capsys, args, message):
+    """Out-of-range or non-ASCII numbers get one line naming the option and its bound, never a price of 1e30 hours
+    or a traceback."""
+    d = write_synthetic(tmp_path / "glm5", *glm5_like())
+    assert main(["price", str(RECIPES / "glm52-k2k3-lean.json"), "--model", str(d), "--sizes", str(d / "sizes.json"),
+                 *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("value", ["-1", "\u00b2", "1.5"])
+def test_min_version_is_a_non_negative_integer(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["combine", "--key", "k.pub", "--plan", "p", "--out", "o", "--min-version", value])
+    assert e.value.code == 2 and f"--min-version: {value!r} is not a non-negative integer" in capsys.readouterr().err
+
+
 def test_fq_plan_calibration_flag_reserves_the_hessians_disk(tmp_path, capsys):
     """fq plan with --calibration chooses windows from the disk budget less calibration's, as fq price does."""
     d = write_synthetic(tmp_path / "glm5", *glm5_like())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fq.cli_args import count
 from fq.commands.verify import load_pinned
 from fq.display import printable
 from fq.provenance.assembly import PlanState
@@ -30,7 +31,7 @@ def register(sub) -> None:
     p.add_argument("--root", metavar="DIR", help="campaign root (default: the directory above assemblies/)")
     p.add_argument("--out", required=True, metavar="FILE", help="adapter to write (safetensors)")
     p.add_argument("--sign-key", metavar="KEY", help="sign the adapter's attestation with this private key")
-    p.add_argument("--min-version", type=int, metavar="N", help="refuse plans with a version below N")
+    p.add_argument("--min-version", type=count, metavar="N", help="refuse plans with a version below N")
     p.add_argument("--state", metavar="FILE", help=f"plan-version state (default {default_state()})")
     p.add_argument("--no-state", action="store_true", help="do not read or record plan versions")
     p.set_defaults(func=run)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from fq.cli_args import count, positive_int
 from fq.commands.combine import default_state
 from fq.commands.verify import load_pinned
 from fq.core.canonical import pretty
@@ -19,25 +20,14 @@ from fq.tp.manifest import ASSIGNMENTS
 from fq.tp.mesh import DeviceMesh, describe, plan
 
 
-def _size(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return int(text)
-
 
 def _product_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", metavar="PLAN", help="ROOT/assemblies/PRODUCT.assembly.intoto.jsonl")
     p.add_argument("--key", required=True, metavar="PUBKEY", help="the campaign signer's public key (PEM)")
     p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
     p.add_argument("--root", metavar="DIR", help="campaign root (default: the directory above assemblies/)")
-    p.add_argument("--tp", type=_size, required=True, metavar="N", help="tensor-parallel size")
-    p.add_argument("--ep", type=_size, default=1, metavar="M", help="expert-parallel size (default 1)")
+    p.add_argument("--tp", type=positive_int, required=True, metavar="N", help="tensor-parallel size")
+    p.add_argument("--ep", type=positive_int, default=1, metavar="M", help="expert-parallel size (default 1)")
     p.add_argument("--assign", choices=ASSIGNMENTS, default="contiguous",
                    help="experts over ep ranks: contiguous blocks (default) or strided (expert i on i mod ep)")
 
@@ -48,7 +38,7 @@ def register(sub) -> None:
     _product_args(p)
     p.add_argument("--sign-key", required=True, metavar="KEY", help="sign the export with this private key")
     p.add_argument("--out", required=True, metavar="DIR", help="export directory to create (must not exist)")
-    p.add_argument("--min-version", type=_count, metavar="N", help="refuse plans with a version below N")
+    p.add_argument("--min-version", type=count, metavar="N", help="refuse plans with a version below N")
     p.add_argument("--state", metavar="FILE", help=f"plan-version state (default {default_state()})")
     p.add_argument("--no-state", action="store_true", help="do not read or record plan versions")
     p.set_defaults(func=run_export)
@@ -56,8 +46,8 @@ def register(sub) -> None:
     q = sub.add_parser("mesh-plan", help="print where every weight of a product goes on a tp x ep x pp mesh",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _product_args(q)
-    q.add_argument("--pp", type=_size, default=1, metavar="P", help="pipeline stages (default 1)")
-    q.add_argument("--epoch", type=_count, default=0, metavar="E", help="mesh epoch (default 0)")
+    q.add_argument("--pp", type=positive_int, default=1, metavar="P", help="pipeline stages (default 1)")
+    q.add_argument("--epoch", type=count, default=0, metavar="E", help="mesh epoch (default 0)")
     q.add_argument("--json", action="store_true", help="print the full plan as JSON (fq-mesh-plan/1)")
     q.set_defaults(func=run_plan)
 

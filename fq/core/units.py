@@ -7,7 +7,13 @@ from fq.errors import FqError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$", re.ASCII)
+_DECIMAL = re.compile(r"[0-9]+")
+
+
+def is_decimal(text: str) -> bool:
+    """``text`` is ASCII digits only: ``str.isdigit`` also passes ``²`` and other digits ``int()`` refuses."""
+    return isinstance(text, str) and _DECIMAL.fullmatch(text) is not None
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:

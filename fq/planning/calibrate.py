@@ -12,6 +12,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
+from fq.core.units import is_decimal
 from fq.errors import FqError
 from fq.planning.price import TABLE_FORMAT
 from fq.planning.recipe import CODEBOOKS
@@ -92,7 +93,7 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
     out = []
     for token in [t for t in spec.replace(" ", ",").split(",") if t]:
         parts = token.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        if len(parts) != 2 or not all(is_decimal(p) for p in parts):
             raise FqError(f"--shape {spec!r}: {token!r} is not OUTxIN (e.g. 2048x6144)")
         out.append((int(parts[0]), int(parts[1])))
     if not out:

@@ -28,6 +28,10 @@ from fq.model.source import SourceModel
 
 DEFAULT_TFLOPS = 7.8  # an upper bound measured on an H200 (see above); 60 would be the arithmetic at the GPU's rate
 DEFAULT_LDLQ_FACTOR = 1.35
+# Bounds a price is quoted within: beyond them a figure is a typo, not a campaign (1e6 rows of 1 Mi tokens is
+# 1e12 calibration tokens; no accelerator does 1e5 TFLOP/s; LDLQ is a small multiple of a weight-only encode).
+MAX_ROWS, MAX_COLUMNS = 1_000_000, 1 << 20
+MAX_TFLOPS, MAX_LDLQ_FACTOR = 1e5, 100.0
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,12 @@ def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: floa
     from fq.model import families
 
     families.check_calibration(source.family_entry, f"{source.origin}/config.json")  # before a price is quoted
-    for what, v in (("calibration rows", rows), ("calibration columns", cols)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise FqError(f"{what}: expected a positive integer, got {v!r}")
-    for what, v in (("calibration TFLOP/s", tflops), ("LDLQ encode factor", ldlq_factor)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise FqError(f"{what}: expected a positive number, got {v!r}")
+    for what, v, most in (("calibration rows", rows, MAX_ROWS), ("calibration columns", cols, MAX_COLUMNS)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+            raise FqError(f"{what}: expected an integer in 1..{most}, got {v!r}")
+    for what, v, most in (("calibration TFLOP/s", tflops, MAX_TFLOPS), ("LDLQ encode factor", ldlq_factor, MAX_LDLQ_FACTOR)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= most:  # NaN and inf fail too
+            raise FqError(f"{what}: expected a number above 0 and at most {most:g}, got {v!r}")
     t, E, h, i = rows * cols, source.n_experts, source.hidden_size, source.moe_intermediate_size
     flops = capture_flops(t, E, h, i)
     layers = tuple(l for l in source.moe_layers if l not in source.mtp_layers)

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 from fq.core import canonical
+from fq.core.units import is_decimal
 from fq.errors import FqError
 from fq.model import families
 from fq.model.experts import ExpertLayout
@@ -516,7 +517,7 @@ def normalize_config(config: dict) -> dict:
     """Snakemake's --config passes nested values as strings ('encode={devices: [0]}' gives ['0']); turn
     digit strings back into the integers the schema asks for, before it is validated. In place."""
     def fix(v):
-        return int(v) if isinstance(v, str) and v.isdigit() else v
+        return int(v) if is_decimal(v) else v
 
     enc = config.get("encode")
     if isinstance(enc, dict):
