@@ -67,6 +67,12 @@ def test_a_calibrated_campaign_binds_its_hessians_and_every_fragment_names_its_o
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert (out / "report" / "proxy.png").stat().st_size > 0  # the proxy errors, plotted per node and layer
+    # the base's derived config says what its Hessians were captured from (exllamav3's rows and cols)
+    for name, at in (("config.json", ("quantization_config", "calibration")), ("quantization_config.json", ("calibration",))):
+        doc = json.loads((out / "published" / "base" / "a" / name).read_text())
+        for k in at:
+            doc = doc[k]
+        assert doc == {"rows": CALIBRATION["rows"], "cols": CALIBRATION["columns"]}
     from fq.workflow.report import load_proxy
 
     proxy = load_proxy(c)

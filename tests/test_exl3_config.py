@@ -144,6 +144,31 @@ def test_the_derivation_is_byte_reproducible(pristine, tmp_path):
     assert (other / QUANTIZATION_CONFIG).stat().st_mtime_ns == mtime
 
 
+def test_a_calibrated_base_states_its_calibration_rows_and_columns(pristine, tmp_path):
+    """A calibrated campaign's bases say how many calibration rows and columns their Hessians came from, as the
+    converter's ``calibration`` block does; the manifest declares it as a param of both rules, which a consumer
+    re-derives; a weight-only base keeps {rows: 0, cols: 0} and declares no such param."""
+    from fq.errors import FqError
+    from fq.provenance.exl3config import quantization_block, specs
+
+    base = pristine.root / "base/k2"
+    other = tmp_path / "calibrated"
+    other.mkdir()
+    for p in base.iterdir():
+        if p.suffix == ".safetensors" or p.name == "source_config.json":
+            shutil.copyfile(p, other / p.name)
+    cal = {"rows": 250, "cols": 2048}
+    out = write_derived(other, bits=2, codebook="mul1", calibration=cal)
+    assert [d["params"] for d in out] == [{"bits": 2, "codebook": "mul1", "calibration": cal}] * 2
+    assert json.loads((other / "config.json").read_bytes())["quantization_config"]["calibration"] == cal
+    assert json.loads((other / QUANTIZATION_CONFIG).read_bytes())["calibration"] == cal
+    assert quantization_block(2, "mul1")["calibration"] == {"rows": 0, "cols": 0}
+    assert "calibration" not in specs(2, "mul1")[0]["params"]
+    for bad in ({"rows": 0, "cols": 2048}, {"rows": 4}, {"rows": 4, "cols": 64, "seed": 1}, {"rows": 1.5, "cols": 2}):
+        with pytest.raises(FqError, match="calibration .*expected"):
+            specs(2, "mul1", bad)
+
+
 def test_a_source_quantization_is_replaced_only_when_fq_reads_it():
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     got = json.loads(derive_config(json.dumps({"model_type": "deepseek_v3", "quantization_config": fp8}).encode(),

@@ -39,8 +39,11 @@ The block (``quantization_block``), and why each value is fq's true one:
   not code is 16-bit, module by module in ``tensor_storage``.
 - ``head_bits``: 16, the converter's value for an lm_head stored unquantized (``--head_bits 16``): fq never
   quantizes lm_head.
-- ``calibration``: ``{"rows": 0, "cols": 0}``: fq's encoder is weight-only (no Hessian, no calibration data).
-  Loaders treat it as informational (exllamav3's ``Exl3Config``: "everything but quant_method is informational").
+- ``calibration``: ``{"rows": R, "cols": C}``, the converter's fields: the calibration rows (token sequences) and
+  columns (tokens per row) the base's LDLQ Hessians were captured from (config ``calibration: {rows, columns}``,
+  the ``calibration`` param of both rules); ``{"rows": 0, "cols": 0}`` for a weight-only base (no Hessian, no
+  calibration data, and the param absent). Loaders treat it as informational (exllamav3's ``Exl3Config``:
+  "everything but quant_method is informational").
 - ``out_scales``: ``"always"``: fq's regularization always applies the output-channel RMS scales
   (``fq.codec.regularize``), the converter's ``apply_out_scales = True``.
 - ``codebook``: the base's codebook, ``3inst`` / ``mcg`` / ``mul1``, which is exllamav3's spelling
@@ -49,10 +52,10 @@ The block (``quantization_block``), and why each value is fq's true one:
   format and loader fq's bases are written for (docs: ../shared/EXL3-RUNTIME.md), the local label says fq's
   rule wrote it, not that release's converter (a PEP 440 version, so a loader that parses it still can).
 
-    quantization_block(bits, codebook) -> dict
-    derive_config(source_bytes, bits, codebook, where) -> bytes
-    derive_quantization_config(base_dir, shards, bits, codebook) -> bytes
-    write_derived(base_dir, *, bits, codebook) -> [spec]     # producer: writes both files, returns the specs
+    quantization_block(bits, codebook, calibration=None) -> dict
+    derive_config(source_bytes, bits, codebook, where, calibration=None) -> bytes
+    derive_quantization_config(base_dir, shards, bits, codebook, calibration=None) -> bytes
+    write_derived(base_dir, *, bits, codebook, calibration=None) -> [spec]   # producer: writes both, returns the specs
     rule_inputs(rule, listed_names) -> [name]               # what a rule derives from, in order
     check_derived(base_dir, entry, where) -> problem | None  # consumer: recompute one declared file
 """
@@ -83,11 +86,16 @@ HEAD_BITS = 16
 MAX_DERIVED_BYTES = canonical.MAX_JSON_BYTES  # a file fq would derive larger than this is refused
 
 
-def quantization_block(bits: int, codebook: str) -> dict:
-    """The ``quantization_config`` of a base whose routed experts are EXL3 at K=``bits`` (module docstring)."""
-    _check_params({"bits": bits, "codebook": codebook}, "quantization_config")
+WEIGHT_ONLY = {"rows": 0, "cols": 0}  # the calibration block of a base encoded without Hessians
+
+
+def quantization_block(bits: int, codebook: str, calibration: dict | None = None) -> dict:
+    """The ``quantization_config`` of a base whose routed experts are EXL3 at K=``bits`` (module docstring);
+    ``calibration``: ``{"rows", "cols"}`` of a calibrated base's Hessians, None for a weight-only one."""
+    params = {"bits": bits, "codebook": codebook, **({"calibration": calibration} if calibration is not None else {})}
+    _check_params(params, "quantization_config")
     return {"quant_method": "exl3", "version": VERSION, "bits": bits, "head_bits": HEAD_BITS,
-            "calibration": {"rows": 0, "cols": 0}, "out_scales": "always", "codebook": codebook}
+            "calibration": dict(calibration or WEIGHT_ONLY), "out_scales": "always", "codebook": codebook}
 
 
 def _check_params(params: dict, where: str) -> None:
@@ -96,9 +104,20 @@ def _check_params(params: dict, where: str) -> None:
         raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8")
     if codebook not in CODEBOOKS:
         raise FqError(f"{where}: codebook {codebook!r}: expected one of {', '.join(CODEBOOKS)}")
+    extra = sorted(set(params) - {"bits", "codebook", "calibration"})
+    if extra:
+        raise FqError(f"{where}: unknown param(s) {', '.join(extra)}; expected bits, codebook and, for a calibrated "
+                      "base, calibration")
+    if "calibration" in params:
+        cal = params["calibration"]
+        if not isinstance(cal, dict) or set(cal) != {"rows", "cols"} or not all(
+                type(cal[k]) is int and cal[k] >= 1 for k in ("rows", "cols")):
+            raise FqError(f"{where}: calibration {cal!r}: expected {{\"rows\": R, \"cols\": C}}, two positive "
+                          "integers (a weight-only base has no calibration param)")
 
 
-def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_CONFIG) -> bytes:
+def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_CONFIG,
+                  calibration: dict | None = None) -> bytes:
     """``config.json`` of a base (rule ``fq-exl3-config/1``) from the source config's bytes."""
     cfg = canonical.loads(source, where)
     if not isinstance(cfg, dict):
@@ -109,7 +128,8 @@ def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_C
     # keys the family's exllamav3 class reads under another spelling than the source's (Qwen3-MoE saved by
     # transformers 5.x: num_local_experts, exllamav3 reads num_experts), stated from the source's own value
     stated = families.for_config(cfg, where).exl3_needs.derived_keys(cfg)
-    return canonical.pretty({**cfg, **stated, "quantization_config": quantization_block(bits, codebook)}).encode()
+    block = quantization_block(bits, codebook, calibration)
+    return canonical.pretty({**cfg, **stated, "quantization_config": block}).encode()
 
 
 def _torch_dtype(dtype: str) -> str:
@@ -172,9 +192,11 @@ def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, co
     return modules
 
 
-def derive_quantization_config(base_dir: str | os.PathLike, shards: list[str], bits: int, codebook: str) -> bytes:
+def derive_quantization_config(base_dir: str | os.PathLike, shards: list[str], bits: int, codebook: str,
+                               calibration: dict | None = None) -> bytes:
     """``quantization_config.json`` of a base (rule ``fq-exl3-quantization-config/1``)."""
-    doc = {**quantization_block(bits, codebook), "tensor_storage": tensor_storage(base_dir, shards, bits, codebook)}
+    doc = {**quantization_block(bits, codebook, calibration),
+           "tensor_storage": tensor_storage(base_dir, shards, bits, codebook)}
     return canonical.dumps(doc) + b"\n"
 
 
@@ -197,7 +219,8 @@ class _ConfigRule(Rule):
         where = f"{base_dir}/{SOURCE_CONFIG}"
         with open_regular(base_dir, SOURCE_CONFIG, where) as fh:
             data = fh.read(MAX_DERIVED_BYTES + 1)
-        return derive_config(data, params["bits"], params["codebook"], where)
+        _check_params(params, f"{where}: rule {RULE_CONFIG} params")
+        return derive_config(data, params["bits"], params["codebook"], where, params.get("calibration"))
 
 
 class _QuantizationConfigRule(Rule):
@@ -205,7 +228,8 @@ class _QuantizationConfigRule(Rule):
         return sorted(n for n in listed if n.endswith(".safetensors") and "/" not in n)
 
     def derive(self, base_dir, inputs, params):
-        return derive_quantization_config(base_dir, inputs, params["bits"], params["codebook"])
+        _check_params(params, f"{base_dir}/{QUANTIZATION_CONFIG}: rule {RULE_QUANTIZATION_CONFIG} params")
+        return derive_quantization_config(base_dir, inputs, params["bits"], params["codebook"], params.get("calibration"))
 
 
 RULES: dict[str, Rule] = {RULE_CONFIG: _ConfigRule(CONFIG), RULE_QUANTIZATION_CONFIG: _QuantizationConfigRule(QUANTIZATION_CONFIG)}
@@ -215,14 +239,16 @@ def rule_inputs(rule: str, listed: list[str]) -> list[str]:
     return RULES[rule].inputs(sorted(listed))
 
 
-def specs(bits: int, codebook: str) -> list[dict]:
-    """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer)."""
-    params = {"bits": bits, "codebook": codebook}
+def specs(bits: int, codebook: str, calibration: dict | None = None) -> list[dict]:
+    """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer);
+    ``calibration`` (``{"rows", "cols"}``) only for a calibrated base."""
+    params = {"bits": bits, "codebook": codebook, **({"calibration": dict(calibration)} if calibration else {})}
+    _check_params(params, "derived files")
     return [{"name": CONFIG, "rule": RULE_CONFIG, "params": dict(params)},
             {"name": QUANTIZATION_CONFIG, "rule": RULE_QUANTIZATION_CONFIG, "params": dict(params)}]
 
 
-def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str) -> list[dict]:
+def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, calibration: dict | None = None) -> list[dict]:
     """Producer: write ``config.json`` and ``quantization_config.json`` of ``base_dir`` (which holds
     ``source_config.json`` and every shard) and return the specs its manifest declares. A file that already
     holds the derived bytes is left alone (finalize is idempotent)."""
@@ -231,7 +257,7 @@ def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str) -> l
         raise FqError(f"{base_dir}/{SOURCE_CONFIG}: missing; a published base keeps its source's config.json "
                       "under that name and derives config.json from it")
     listed = sorted(p.name for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
-    out = specs(bits, codebook)
+    out = specs(bits, codebook, calibration)
     for spec in out:
         rule = RULES[spec["rule"]]
         data = rule.derive(base_dir, rule.inputs(listed), spec["params"])

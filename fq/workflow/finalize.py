@@ -233,6 +233,13 @@ def _base_index(c: Campaign, base: str, root: Path) -> bytes:
     return canonical.pretty({"metadata": {"format": "fq-exl3-base/1", "node": base}, "weight_map": weight_map}).encode()
 
 
+def _calibration_block(c: Campaign) -> dict | None:
+    """The bases' ``quantization_config.calibration`` (exllamav3's rows and cols): the token rows and columns the
+    Hessians were captured from, None for a weight-only campaign."""
+    cal = c.calibration
+    return {"rows": cal["rows"], "cols": cal["columns"]} if cal else None
+
+
 def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     _T0[0] = time.monotonic()
     # held until this process exits: through verify, publish and signing, as one critical section
@@ -273,7 +280,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         with disk_full_is_one_line(d / INDEX):
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
         with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # and config.json: both derived, declared below
-            derived = write_derived(d, bits=base.K, codebook=base.codebook)
+            derived = write_derived(d, bits=base.K, codebook=base.codebook, calibration=_calibration_block(c))
         with disk_full_is_one_line(d / MANIFEST_NAME):
             _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv, derived=derived)
 
