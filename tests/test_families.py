@@ -279,14 +279,15 @@ def test_refused_when_the_config_is_read_not_mid_campaign(built, tmp_path):
 
     import crashkit as k
 
-    src = built("Qwen2MoeForCausalLM")  # no exllamav3 class, no calibration chain
+    uncal = built("Qwen3_5MoeForCausalLM")  # no calibration chain
+    src = built("Qwen2MoeForCausalLM")  # no exllamav3 class
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps(RECIPE))
     fq = [sys.executable, "-m", "fq"]
-    want_cal = r"calibration: Qwen2MoeForCausalLM \(Qwen1.5-MoE / Qwen2-MoE\) has no calibration chain"
+    want_cal = r"calibration: Qwen3_5MoeForCausalLM \(Qwen3.5-MoE \(text\)\) has no calibration chain"
     for cmd in ("plan", "price"):
-        p = subprocess.run(fq + [cmd, str(recipe), "--model", str(src), "--calibration", "4x64"], capture_output=True,
-                           text=True)
+        p = subprocess.run(fq + [cmd, str(recipe), "--model", str(uncal), "--calibration", "4x64", "--allow-unloadable"],
+                           capture_output=True, text=True)
         assert p.returncode != 0 and re.search(want_cal, p.stderr), (cmd, p.stderr)
     p = subprocess.run(fq + ["price", str(recipe), "--model", str(src)], capture_output=True, text=True)
     assert p.returncode != 0 and "exllamav3 1.6.5 has no class for Qwen2MoeForCausalLM" in p.stderr, p.stderr
@@ -295,7 +296,7 @@ def test_refused_when_the_config_is_read_not_mid_campaign(built, tmp_path):
                        text=True)
     assert p.returncode == 0, p.stderr  # (the plan without the flag: test_each_family_is_read_as_transformers_saved_it)
     d = tmp_path / "run"
-    k.write_config(d, src, calibration={"tokens": None, "text": None, "rows": 2, "columns": 32})
+    k.write_config(d, uncal, calibration={"tokens": None, "text": None, "rows": 2, "columns": 32})
     (d / "recipe.json").write_text(json.dumps(RECIPE))
     p = subprocess.run(k.smk_cmd(d, "-n"), capture_output=True, text=True, env=k.env())
     assert p.returncode != 0 and re.search(want_cal, p.stdout + p.stderr), p.stderr[-2000:]

@@ -325,8 +325,8 @@ def test_capture_layer_refusals(demo, cal, tmp_path):
     with pytest.raises(FqError, match="architecture 'LlamaForCausalLM' is not a model family fq reads; supported: "
                                       ".*Glm4MoeForCausalLM"):
         layer_mod.architecture(dict(ckpt.config, architectures=["LlamaForCausalLM"], model_type="llama"))
-    with pytest.raises(FqError, match=r"calibration: PhimoeForCausalLM \(Phi-3.5-MoE\) has no calibration chain"):
-        layer_mod.architecture(dict(ckpt.config, architectures=["PhimoeForCausalLM"], model_type="phimoe"))
+    with pytest.raises(FqError, match=r"calibration: MiniMaxForCausalLM \(MiniMax-Text-01\) has no calibration chain"):
+        layer_mod.architecture(dict(ckpt.config, architectures=["MiniMaxForCausalLM"], model_type="minimax"))
 
 
 def test_calibration_tokens(demo, cal, tmp_path):

@@ -56,6 +56,23 @@ FAMILIES = {
     "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", dict(
         intermediate_size=512, moe_intermediate_size=INTER, moe_num_experts=N_EXPERTS, moe_k=TOP_K,
         moe_layer_start_index=1, moe_num_shared_experts=1, head_dim=64), [1, 2]),
+    # a gated shared expert, qkv biases, layer 0 dense (mlp_only_layers); layers 0 and 2 sliding (layer_types)
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS,
+        shared_expert_intermediate_size=INTER, mlp_only_layers=[0], norm_topk_prob=True, use_sliding_window=True,
+        sliding_window=16, max_window_layers=3), [1, 2]),
+    # the sparsemixer router (mlp.router, block_sparse_moe.gate on disk), LayerNorms and attention with biases, a
+    # sliding window
+    "phimoe": ("PhimoeForCausalLM", dict(
+        intermediate_size=INTER, num_local_experts=N_EXPERTS, sliding_window=16, attention_bias=True), [0, 1, 2]),
+    # group-limited sigmoid routing (4 groups of 2, the best 2) with a score bias, a shared expert
+    "solar_open": ("SolarOpenForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, n_routed_experts=N_EXPERTS, n_shared_experts=1,
+        n_group=4, topk_group=2, head_dim=64), [0, 1, 2]),
+    # MLA, layer 0 dense, group-limited greedy softmax routing (4 groups of 2, the best 2), a shared expert
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, first_k_dense_replace=1, n_routed_experts=N_EXPERTS,
+        n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=2, **MLA), [1, 2]),
 }
 
 
@@ -186,7 +203,7 @@ def _check_hessians(m, arch, seen, L, s, r, model_type):
     assert torch.equal(ex_in, x) and torch.equal(ex_idx, seen["topk"][L].reshape(x.shape[0], -1))
     topk = ex_idx
     assert topk.shape == (ROWS * COLS, TOP_K)
-    if model_type == "deepseek_v3":  # group-limited: every token's experts within topk_group of the n_group groups
+    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open"):  # group-limited: every token's experts within topk_group of the n_group groups
         groups = topk // (N_EXPERTS // 4)
         assert all(len(set(g.tolist())) <= 2 for g in groups)
 
@@ -271,6 +288,12 @@ RULE_CASES = [
     ("mixtral", "MixtralForCausalLM", {"num_local_experts": 4}, [{}]),
     ("minimax_m2", "MiniMaxM2ForCausalLM", {"num_local_experts": 4}, [{}]),
     ("gpt_oss", "GptOssForCausalLM", {"num_local_experts": 4}, [{}]),
+    ("qwen2_moe", "Qwen2MoeForCausalLM", {"num_experts": 4},
+     [{}, {"mlp_only_layers": [0, 2]}, {"decoder_sparse_step": 2}, {"decoder_sparse_step": 3}]),
+    ("phimoe", "PhimoeForCausalLM", {"num_local_experts": 4}, [{}]),
+    ("solar_open", "SolarOpenForCausalLM", {"n_routed_experts": 4}, [{}]),
+    ("deepseek_v2", "DeepseekV2ForCausalLM", {"n_routed_experts": 4},
+     [{}, {"first_k_dense_replace": 1}, {"first_k_dense_replace": 3}]),
 ]
 
 

@@ -33,4 +33,8 @@ DEEPSEEK_V2 = Family(
     name="deepseek_v2", title="DeepSeek-V2 / V2.5", architectures=("DeepseekV2ForCausalLM",),
     model_types=("deepseek_v2",),
     layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
-    moe_rule=DenseFirst(default=0))
+    moe_rule=DenseFirst(default=0),
+    # MLA attention (complex rotary), softmax router, greedy or group-limited greedy top-k (topk_method), a shared
+    # expert (not captured)
+    calibration=Calibration("transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2DecoderLayer",
+                            "DeepseekV2RotaryEmbedding"))

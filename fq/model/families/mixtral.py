@@ -35,4 +35,10 @@ MINIMAX = Family(
 PHIMOE = Family(
     name="phimoe", title="Phi-3.5-MoE", architectures=("PhimoeForCausalLM",), model_types=("phimoe",),
     layout=LAYOUT, experts_keys=_EXPERTS, inter_keys=("intermediate_size",), moe_rule=AllLayers(),
-    router="block_sparse_moe.gate")
+    router="block_sparse_moe.gate",
+    # transformers 5.x names the block mlp and its router mlp.router (block_sparse_moe.gate. on disk: its
+    # conversion_mapping "phimoe"), fuses w1/w3/w2 as Mixtral's; the router is sparsemixer (top-2, deterministic in
+    # eval), the norms are LayerNorms with biases
+    calibration=Calibration("transformers.models.phimoe.modeling_phimoe", "PhimoeDecoderLayer",
+                            "PhimoeRotaryEmbedding", renames=(("block_sparse_moe.gate.", "mlp.router."),) + _RENAMES,
+                            router="router", mask_type=sliding_if_window))

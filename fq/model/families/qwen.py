@@ -51,4 +51,8 @@ QWEN3_5_MOE = Family(
 QWEN2_MOE = Family(
     name="qwen2_moe", title="Qwen1.5-MoE / Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",),
     model_types=("qwen2_moe",),
-    layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",), moe_rule=SparseStep())
+    layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",), moe_rule=SparseStep(),
+    # softmax top-k router (norm_topk_prob), a sigmoid-gated shared expert (not captured: fq encodes routed experts
+    # only), qkv biases; sliding attention on the layers config.layer_types names (use_sliding_window)
+    calibration=Calibration("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeDecoderLayer",
+                            "Qwen2MoeRotaryEmbedding", mask_type=per_layer_types))
