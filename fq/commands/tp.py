@@ -20,7 +20,6 @@ from fq.tp.manifest import ASSIGNMENTS
 from fq.tp.mesh import DeviceMesh, describe, plan
 
 
-
 def _product_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", metavar="PLAN", help="ROOT/assemblies/PRODUCT.assembly.intoto.jsonl")
     p.add_argument("--key", required=True, metavar="PUBKEY", help="the campaign signer's public key (PEM)")

@@ -89,11 +89,18 @@ MAX_DERIVED_BYTES = canonical.MAX_JSON_BYTES  # a file fq would derive larger th
 WEIGHT_ONLY = {"rows": 0, "cols": 0}  # the calibration block of a base encoded without Hessians
 
 
+def rule_params(bits: int, codebook: str, calibration: dict | None = None, where: str = "derived files") -> dict:
+    """The params both rules take, checked: ``calibration`` (``{"rows", "cols"}`` of a calibrated base's
+    Hessians) only for a calibrated base, None for a weight-only one."""
+    params = {"bits": bits, "codebook": codebook, **({"calibration": dict(calibration)} if calibration is not None else {})}
+    _check_params(params, where)
+    return params
+
+
 def quantization_block(bits: int, codebook: str, calibration: dict | None = None) -> dict:
     """The ``quantization_config`` of a base whose routed experts are EXL3 at K=``bits`` (module docstring);
     ``calibration``: ``{"rows", "cols"}`` of a calibrated base's Hessians, None for a weight-only one."""
-    params = {"bits": bits, "codebook": codebook, **({"calibration": calibration} if calibration is not None else {})}
-    _check_params(params, "quantization_config")
+    rule_params(bits, codebook, calibration, "quantization_config")
     return {"quant_method": "exl3", "version": VERSION, "bits": bits, "head_bits": HEAD_BITS,
             "calibration": dict(calibration or WEIGHT_ONLY), "out_scales": "always", "codebook": codebook}
 
@@ -242,8 +249,7 @@ def rule_inputs(rule: str, listed: list[str]) -> list[str]:
 def specs(bits: int, codebook: str, calibration: dict | None = None) -> list[dict]:
     """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer);
     ``calibration`` (``{"rows", "cols"}``) only for a calibrated base."""
-    params = {"bits": bits, "codebook": codebook, **({"calibration": dict(calibration)} if calibration else {})}
-    _check_params(params, "derived files")
+    params = rule_params(bits, codebook, calibration)
     return [{"name": CONFIG, "rule": RULE_CONFIG, "params": dict(params)},
             {"name": QUANTIZATION_CONFIG, "rule": RULE_QUANTIZATION_CONFIG, "params": dict(params)}]
 
