@@ -1,8 +1,11 @@
-"""Command-line options shared by the planning commands (plan, price): which source checkpoint,
-which windows. Parsing only; the checks live in fq.model.source, fq.core.layer_ranges and fq.planning.plan."""
+"""Command-line options shared by several commands: which source checkpoint and which windows (plan, price),
+the consumers' plan-version state (verify, eval, combine, tp-export), integer types. Parsing only; the checks live
+in fq.model.source, fq.core.layer_ranges, fq.planning.plan and fq.provenance.assembly.PlanState."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from fq.core.units import is_decimal, parse_bytes
 from fq.model.source import SourceModel, load_sizes, load_source
@@ -84,3 +87,24 @@ def calibration_from_args(args, source: SourceModel):
     return price_calibration(source, int(rows), int(cols),
                              tflops=args.calib_tflops if args.calib_tflops is not None else DEFAULT_TFLOPS,
                              ldlq_factor=args.ldlq_factor if args.ldlq_factor is not None else DEFAULT_LDLQ_FACTOR)
+
+
+def default_state() -> Path:
+    """The plan-version state every consumer reads and records unless told otherwise (XDG state directory)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "fq" / "plan-versions.json"
+
+
+def add_state_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--state", metavar="FILE",
+                   help=f"plan-version state: refuse plans and publications older than ones seen (per signer, across "
+                        f"its campaigns) and record what was accepted (default {default_state()})")
+    g.add_argument("--no-state", action="store_true", help="do not read or record plan versions")
+
+
+def state_from_args(args):
+    """The PlanState of ``--state``/``--no-state`` (None with --no-state)."""
+    from fq.provenance.assembly import PlanState
+
+    return None if args.no_state else PlanState(args.state or default_state())

@@ -1,6 +1,14 @@
+import itertools
 import json
 import os
+import tempfile
 from pathlib import Path
+
+# Consumers record plan versions in $XDG_STATE_HOME/fq/ by default: never the user's real state, and never one
+# shared by tests (a test that re-signs a plan would make a later test's genuine one look like a rollback).
+_STATE_ROOT = Path(tempfile.mkdtemp(prefix="fq-test-state-"))
+os.environ["XDG_STATE_HOME"] = str(_STATE_ROOT / "session")
+_STATE_DIRS = itertools.count()
 
 # Under `make test` two xdist workers share the machine's cores (CI: 2), and each Snakemake job they start is
 # another process: one intra-op thread each. Left at torch's default (a thread per core) every process spins
@@ -20,6 +28,11 @@ DATA = Path(__file__).parent / "data"
 CODEBOOK_NAMES = ("3inst", "mcg", "mul1")
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _own_state_home(monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(_STATE_ROOT / f"test{next(_STATE_DIRS)}"))
 
 
 @pytest.fixture(scope="session")

@@ -53,10 +53,17 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
 BIG_INT = b"1" * 5000
 
 
+DEEP_HEADER = b"[" * 20_000 + b"]" * 20_000  # fits in a demo shard: the hostile header must pass the size check
+
+
 def _header_shard(c, rel, body: bytes):
-    """Replace a shard's JSON header with ``body`` (the attestation stays: the shard must be refused by its header)."""
+    """Replace a shard's JSON header with ``body``, padded to the attested size (the attestation stays: the shard
+    must be refused by its header, not by its size, which consumers compare first)."""
     p = c.root / rel
-    p.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * 16)
+    size = p.stat().st_size
+    data = struct.pack("<Q", len(body)) + body
+    assert len(data) < size
+    p.write_bytes(data + b"\0" * (size - len(data)))
 
 
 JSON_CASES = {
@@ -67,8 +74,8 @@ JSON_CASES = {
         lambda c: att(c.root / c.frag("r1", 1, 1)).write_bytes(b'{"payload":' + BIG_INT + b"}\n"),
         r"r1-layer001-block001\.safetensors\.intoto\.jsonl: integer of 5000 digits \(at most 64 accepted\)"),
     "deeply nested safetensors header": (
-        lambda c: _header_shard(c, c.frag("r1", 3, 0), b'{"a":' + DEEP + b"}"),
-        r"r1-layer003-block000\.safetensors \(safetensors header\): JSON nested 100001 levels deep"),
+        lambda c: _header_shard(c, c.frag("r1", 3, 0), b'{"a":' + DEEP_HEADER + b"}"),
+        r"r1-layer003-block000\.safetensors \(safetensors header\): JSON nested 20001 levels deep"),
     "5000-digit data offset in a safetensors header": (
         lambda c: _header_shard(c, c.frag("r1", 3, 1), b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,'
                                 + BIG_INT + b"]}}"),
@@ -470,8 +477,8 @@ def test_combine_base_reads_each_file_once(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             self.fh.close()
 
-    def counting(root, name, what=None):
-        return Counting(real(root, name, what), os.path.join(str(root), name))
+    def counting(root, name, what=None, **kw):
+        return Counting(real(root, name, what, **kw), os.path.join(str(root), name))
 
     for mod in (fragment_mod, manifest_mod, combine_mod):
         monkeypatch.setattr(mod, "open_regular", counting)

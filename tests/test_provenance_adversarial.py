@@ -158,7 +158,7 @@ def _(c, tmp):
     p.write_bytes(bytes(data))
 
 
-@case("truncated shard", r"truncated: header says data ends at byte \d+, file has \d+ bytes")
+@case("truncated shard", r"\d+ bytes, (its attestation|the plan) says \d+ \(truncated; refused before reading it\)")
 def _(c, tmp):
     p = shard(c)
     p.write_bytes(p.read_bytes()[:-100])

@@ -4,6 +4,7 @@ The kit (tests/runtimekit.py) publishes a tiny random-init GLM-4-MoE whose sourc
 sum, so ``k2.r1.h2`` is the source exactly."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import runtimekit as rk
 from fq.errors import FqError
+from fq.provenance.assembly import PlanState
 from fq.model.experts import STANDARD
 from fq.provenance.combine import combine
 from fq.runtime import load as rt
@@ -265,6 +267,54 @@ def test_fq_eval_refuses_a_tampered_product_before_measuring(kit, tmp_path):
     p = subprocess.run([sys.executable, "-m", "fq", "eval", str(root), "--key", str(kit.pub_path), "--source",
                         str(kit.source), "--text", str(kit.heldout), "--out", str(out)], capture_output=True, text=True)
     assert p.returncode == 2 and "h2-layer001-block000" in p.stderr and not out.exists()
+
+
+def _no_forward_pass(monkeypatch):
+    """evaluate() must refuse before it loads the source or runs any model."""
+    from fq.runtime import quality
+
+    def refuse(*a, **k):
+        raise AssertionError("a forward pass ran before the refusal")
+    monkeypatch.setattr(quality, "Reference", refuse)
+    monkeypatch.setattr(quality, "compare", refuse)
+
+
+@pytest.mark.parametrize("tamper", ["flipped byte in the last product's stage", "unlisted extra file"])
+def test_fq_eval_verifies_the_whole_tree_before_any_forward_pass(kit, tmp_path, monkeypatch, tamper):
+    """k2.r1.h2 is measured last: a flipped byte in its stage used to be found after the source and two products ran;
+    a file the publication statement does not list used to pass."""
+    from fq.runtime.evaluate import evaluate
+
+    root = copy_tree(kit, tmp_path)
+    if tamper.startswith("flipped"):
+        flip(root / "stages/h2/h2-layer001-block000.safetensors")
+        want = "h2-layer001-block000"
+    else:
+        (root / "stages/h2/notes.txt").write_text("x")
+        want = "notes.txt: not covered by any attestation or base manifest"
+    _no_forward_pass(monkeypatch)
+    out = tmp_path / "e.json"
+    with pytest.raises(FqError, match="refused before any forward pass") as e:
+        evaluate(root, kit.pub, source=kit.source, text=kit.heldout, out_json=out)
+    assert want in str(e.value) and not out.exists()
+
+
+def test_fq_eval_reads_and_records_the_version_state(kit, tmp_path, monkeypatch):
+    from fq.runtime.evaluate import evaluate
+
+    state_path = tmp_path / "state.json"
+    _no_forward_pass(monkeypatch)
+    with pytest.raises(AssertionError, match="a forward pass ran"):  # verified and accepted: then measured
+        evaluate(kit.root, kit.pub, source=kit.source, text=kit.heldout, out_json=tmp_path / "e.json",
+                 state=PlanState(state_path))
+    recorded = json.loads(state_path.read_text())
+    pub_key = f"{kit.campaign['signer']}/publication"
+    assert recorded[pub_key]["version"] == 1 and len(recorded) == 1 + len(rk.PRODUCTS)
+    recorded[pub_key]["version"] += 1  # a newer publication of this signer was seen since
+    state_path.write_text(json.dumps(recorded))
+    with pytest.raises(FqError, match=r"refused before any forward pass .*older than version \d+ already seen"):
+        evaluate(kit.root, kit.pub, source=kit.source, text=kit.heldout, out_json=tmp_path / "e.json",
+                 state=PlanState(state_path))
 
 
 def test_an_adapter_relabelled_for_another_plan_is_refused(kit, tmp_path, no_model):

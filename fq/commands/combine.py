@@ -5,19 +5,10 @@ adapter (the residual tensors of the chosen experts) plus its attestation ``FILE
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-from fq.cli_args import count
+from fq.cli_args import add_state_args, count, state_from_args
 from fq.commands.verify import load_pinned
 from fq.display import printable
-from fq.provenance.assembly import PlanState
 from fq.provenance.attest import keys
-
-
-def default_state() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "fq" / "plan-versions.json"
 
 
 def register(sub) -> None:
@@ -32,8 +23,7 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="adapter to write (safetensors)")
     p.add_argument("--sign-key", metavar="KEY", help="sign the adapter's attestation with this private key")
     p.add_argument("--min-version", type=count, metavar="N", help="refuse plans with a version below N")
-    p.add_argument("--state", metavar="FILE", help=f"plan-version state (default {default_state()})")
-    p.add_argument("--no-state", action="store_true", help="do not read or record plan versions")
+    add_state_args(p)
     p.set_defaults(func=run)
 
 
@@ -41,7 +31,7 @@ def run(args) -> int:
     from fq.provenance.combine import combine  # torch: loaded by the command that needs it, not by every `fq` start
 
     key, fp = load_pinned(args)
-    state = None if args.no_state else PlanState(args.state or default_state())
+    state = state_from_args(args)
     sign_key = keys.load_private(args.sign_key) if args.sign_key else None
     result = combine(args.plan, key, args.out, experts=args.experts, base_dir=args.base, root=args.root,
                      state=state, min_version=args.min_version, sign_key=sign_key)

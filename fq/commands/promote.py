@@ -45,7 +45,9 @@ def run(args) -> int:
         if args.keep is not None or args.grace is not None:
             raise FqError("--keep and --grace apply to a local publication directory, not a Hub repository")
         repo = parse_target(args.repo or args.to)
-        raise_report(verify_path(pub.published, key, summary=pub.summary), f"promote {pub.campaign}")
+        report = verify_path(pub.published, key, summary=pub.summary)  # sizes before any whole-file hash
+        raise_report(report, f"promote {pub.campaign}")
+        pub.adopt(report)
         r = promote_hub(pub, repo, staging=args.staging or DEFAULT_STAGING, endpoint=args.endpoint, key=key)
         print(f"promoted {pub.campaign} to hf://{r.repo}: main {r.previous_main[:12]} -> {r.main_sha[:12]}, "
               f"a copy of {r.staging}@{r.staged_sha[:12]} ({r.files} files"

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from fq.cli_args import count, positive_int
-from fq.commands.combine import default_state
+from fq.cli_args import add_state_args, count, positive_int, state_from_args
 from fq.commands.verify import load_pinned
 from fq.core.canonical import pretty
-from fq.provenance.assembly import PlanState
 from fq.provenance.attest import keys
 from fq.tp.manifest import ASSIGNMENTS
 from fq.tp.mesh import DeviceMesh, describe, plan
@@ -38,8 +36,7 @@ def register(sub) -> None:
     p.add_argument("--sign-key", required=True, metavar="KEY", help="sign the export with this private key")
     p.add_argument("--out", required=True, metavar="DIR", help="export directory to create (must not exist)")
     p.add_argument("--min-version", type=count, metavar="N", help="refuse plans with a version below N")
-    p.add_argument("--state", metavar="FILE", help=f"plan-version state (default {default_state()})")
-    p.add_argument("--no-state", action="store_true", help="do not read or record plan versions")
+    add_state_args(p)
     p.set_defaults(func=run_export)
 
     q = sub.add_parser("mesh-plan", help="print where every weight of a product goes on a tp x ep x pp mesh",
@@ -54,7 +51,7 @@ def register(sub) -> None:
 def run_export(args) -> int:
     from fq.tp.export import tp_export
     key, _ = load_pinned(args)
-    state = None if args.no_state else PlanState(args.state or default_state())
+    state = state_from_args(args)
     res = tp_export(args.plan, key, args.out, tp=args.tp, ep=args.ep, assign=args.assign,
                     sign_key=keys.load_private(args.sign_key), root=args.root, state=state,
                     min_version=args.min_version)

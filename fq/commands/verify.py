@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from fq.cli_args import add_state_args, state_from_args
 from fq.display import printable
-from fq.provenance.assembly import PlanState
 from fq.provenance.attest import keys
 from fq.provenance.verify import publication_versions, verify_path
 
@@ -19,8 +19,7 @@ def register(sub) -> None:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--key", required=True, metavar="PUBKEY", help="the signer's public key (PEM)")
     p.add_argument("--fingerprint", metavar="HEX", help="refuse unless PUBKEY has this fingerprint")
-    p.add_argument("--state", metavar="FILE", help="plan-version state file: refuse plans and publications older "
-                                                   "than ones seen (per signer, across its campaigns)")
+    add_state_args(p)
     p.set_defaults(func=run)
 
 
@@ -35,11 +34,15 @@ def load_pinned(args):
 
 def run(args) -> int:
     key, fp = load_pinned(args)
-    report = verify_path(args.path, key, state=PlanState(args.state) if args.state else None)
+    state = state_from_args(args)
+    if state is not None:
+        state.validate()
+    report = verify_path(args.path, key, state=state)
     for problem in report.problems:  # names in problem lines come from the tree: shown escaped
         print(f"fq verify: {printable(problem)}", file=sys.stderr)
     if not report.ok:
         return 1
+    report.record(state)  # what was accepted: a later consumer with this state refuses anything older
     print(f"ok: {report.shards} shards, {report.manifests} base manifests, {report.assemblies} plans"
           f"{publication_versions(report)} verified under key {fp}")
     return 0

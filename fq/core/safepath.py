@@ -49,8 +49,11 @@ def describe_mode(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(root: str | os.PathLike, name: str, what: str | None = None) -> BinaryIO:
-    """Open ``root/name`` for reading; every component must be a real directory or regular file."""
+def open_regular(root: str | os.PathLike, name: str, what: str | None = None, *, size: int | None = None,
+                 listed_by: str = "its signed listing") -> BinaryIO:
+    """Open ``root/name`` for reading; every component must be a real directory or regular file. ``size``: the
+    size a signed document lists for the file, compared before a byte is read (a planted 1 TB sparse file costs
+    its maker nothing and a reader an hour of hashing); ``listed_by`` names that document in the refusal."""
     check_name(name, what or "name")
     label = what or name
     parts = name.split("/")
@@ -80,6 +83,9 @@ def open_regular(root: str | os.PathLike, name: str, what: str | None = None) ->
         st2 = os.fstat(dfd)
         if not stat.S_ISREG(st2.st_mode) or (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
             raise FqError(f"{label}: changed while being opened; refusing")
+        if size is not None and st2.st_size != size:
+            how = "truncated" if st2.st_size < size else "larger than listed"
+            raise FqError(f"{label}: {st2.st_size} bytes, {listed_by} says {size} ({how}; refused before reading it)")
         fh = os.fdopen(dfd, "rb")
         dfd = -1
         return fh

@@ -59,12 +59,21 @@ class Publication:
         return self.campaign / SUMMARY_NAME
 
     def digests(self) -> dict[str, tuple[str, int]]:
-        """name -> (sha256, size), computed once."""
+        """name -> (sha256, size), computed once: from ``verified`` (``adopt``) where it has the file, else hashed."""
         cached = self.__dict__.get("_digests")
         if cached is None:
-            cached = {n: (sha256_file(p), p.stat().st_size) for n, p in sorted(self.files.items())}
+            known = self.__dict__.get("_verified", {})
+            cached = {n: (known.get(n) or sha256_file(p), p.stat().st_size) for n, p in sorted(self.files.items())}
             object.__setattr__(self, "_digests", cached)
         return cached
+
+    def adopt(self, report) -> None:
+        """Take the digests a successful ``verify_path(self.published)`` checked (``Report.digests``): the files are
+        not hashed a second time, and nothing is hashed before its listed size was compared."""
+        if not report.ok:
+            raise FqError(f"promote {self.campaign}: adopting digests of a tree that did not verify")
+        object.__setattr__(self, "_verified", dict(report.digests))
+        self.__dict__.pop("_digests", None)
 
     def digest(self) -> str:
         """Content digest of the whole publication: names, sizes and sha256 of every file."""

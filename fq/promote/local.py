@@ -6,8 +6,11 @@
     DEST/promotions.jsonl                    (one line per promotion: generation, previous, digest, files,
                                               signer, version)
 
-G is ``gen-`` + the first 16 hex digits of the publication's content digest, so promoting the same
-campaign twice names the same generation. A new generation is copied (never linked: published bytes
+The campaign's published tree is verified with the pinned key first, before any file is hashed whole or
+copied (``verify_path`` compares each file's listed size before reading it: a planted sparse terabyte is refused,
+not hashed and copied). G is ``gen-`` + the first 16 hex digits of the publication's content digest (names,
+sizes and the digests that verification checked), so promoting the same campaign twice names the same
+generation. A new generation is copied (never linked: published bytes
 are their own) into a hidden staging name, verified there with the pinned key, renamed to G, and only
 then is ``published`` swapped: a new link is made under a temporary name and ``os.replace``d over the old
 one, one atomic rename. A consumer resolves ``published`` to a whole verified generation, old or new,
@@ -149,15 +152,6 @@ def _promoted_versions(dest: Path, current: str | None, signer: str, key) -> lis
     return out
 
 
-def _readable_publication(directory: Path, key):
-    try:
-        return read_publication(directory, key)
-    except FqError:
-        return None
-
-
-
-
 def _mark_replaced(gens: Path, name: str, by: str | None, now_ns: int) -> None:
     atomic.write_text(gens / f"{name}{REPLACED}", canonical.dumps(
         {"generation": name, "replaced_at_ns": now_ns, "replaced_by": by}).decode() + "\n")
@@ -192,18 +186,18 @@ def promote_local(pub: Publication, dest: str | os.PathLike, key, *, keep: int |
     with _dest_lock(dest):
         _remove_dead_leftovers(dest)
         previous = current_generation(dest)
+        # the source verified before anything is hashed whole or copied: sizes first (a planted 1 TB sparse file is
+        # refused, not hashed and copied), then the digests verification checked name the generation
+        report = verify_path(pub.published, key, summary=pub.summary)
+        raise_report(report, f"promote {pub.campaign}")
+        pub.adopt(report)
         name = f"gen-{pub.digest()[:16]}"
         target = gens / name
         where = f"promote {pub.campaign} to {dest}"
         rollback = name != previous and target.is_dir() and any(h.get("generation") == name for h in _history(dest))
-        if name != previous and not rollback:  # before copying; a statement that does not verify is verify_path's
-            early = _readable_publication(pub.published, key)
-            if early is not None:
-                try:
-                    check_version(early, _promoted_versions(dest, previous, early.signer, key), where)
-                except FqError:  # refused without copying; a campaign that does not verify says so first
-                    raise_report(verify_path(pub.published, key, summary=pub.summary), f"promote {pub.campaign}")
-                    raise
+        if name != previous and not rollback:  # before copying
+            early = read_publication(pub.published, key)
+            check_version(early, _promoted_versions(dest, previous, early.signer, key), where)
         if not target.exists():
             stage = gens / f".staging-{name}-{os.getpid()}"
             if stage.exists():

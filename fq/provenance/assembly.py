@@ -260,6 +260,10 @@ class PlanState:
             raise FqError(f"{self.path}: plan state must map signer/product to {{version, sha256, statement_sha256}}")
         return obj
 
+    def validate(self) -> None:
+        """Refuse a state file fq cannot read, once, before anything is verified against it."""
+        self._load()
+
     @staticmethod
     def plan_key(plan: Plan) -> str:
         return f"{plan.signer}/product/{plan.predicate['product']}"

@@ -144,7 +144,7 @@ def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[
         att = read_attestation(src_root, src_name, public_key, plan["campaign"], sha256=f["attestation_sha256"])
         product.check_fragment(att, f, where)
         result.fragments_opened.append(where)
-        with open_regular(src_root, src_name, where) as fh:
+        with open_regular(src_root, src_name, where, size=f["size"], listed_by="the plan") as fh:
             header = read_header(fh, where)
             product.check_header(att, header, f, where)
             meta = fragment_meta(header)
@@ -212,8 +212,12 @@ def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) ->
     plan = product.predicate
     chain = plan["chain"]
     layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
+    stage_bytes = sum(f["size"] for f in plan["fragments"] if f["node"] != chain[0]["node"])
     with open_regular(directory, name, where) as fh:
         header = read_header(fh, where)
+        if header.file_size - header.data_start > stage_bytes:  # before reading it whole (a planted sparse file)
+            raise FqError(f"{where}: {header.file_size - header.data_start} bytes of tensors, more than the "
+                          f"{stage_bytes} bytes of all the plan's stage fragments; not an adapter of this plan")
         fh.seek(0)
         data = fh.read()
     if len(data) != header.file_size:

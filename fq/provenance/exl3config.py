@@ -69,7 +69,7 @@ from pathlib import Path
 
 from fq.codec.codebook import CODEBOOKS, MARKERS
 from fq.core import atomic, canonical
-from fq.core.safepath import open_regular, sha256_stream
+from fq.core.safepath import open_regular
 from fq.errors import FqError
 from fq.model import families
 from fq.model.formats import source_format
@@ -318,7 +318,8 @@ def check_derived(base_dir: str | os.PathLike, entry: dict, where: str) -> tuple
     """Recompute one declared derived file of ``base_dir`` and compare it with the file there. Returns
     (problem or None, sha256, size) of the file as present (its digest is then compared with the manifest's).
     ``entry``: the manifest's ``{name, rule, params, from}``; its inputs are checked against the manifest by the
-    caller. ``where``: the file's path as messages name it."""
+    caller. ``where``: the file's path as messages name it. A file larger than any derived file is refused by its
+    size, unread."""
     base_dir = Path(base_dir)
     rule = RULES[entry["rule"]]
     name = entry["name"]
@@ -327,13 +328,14 @@ def check_derived(base_dir: str | os.PathLike, entry: dict, where: str) -> tuple
     except FqError as e:
         return f"{where}: cannot be derived by rule {entry['rule']}: {e}", "", -1
     with open_regular(base_dir, name, where) as fh:
-        digest, size, _ = sha256_stream(fh)
-    if size == len(want) and digest == canonical.sha256_hex(want):
-        return None, digest, size
-    if size > MAX_DERIVED_BYTES:
-        return f"{where}: {size} bytes, not the {len(want)} bytes rule {entry['rule']} derives", digest, size
-    with open_regular(base_dir, name, where) as fh:
-        data = fh.read()
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_DERIVED_BYTES:  # before reading it (a planted sparse file)
+            return (f"{where}: {size} bytes, not the {len(want)} bytes rule {entry['rule']} derives (refused before "
+                    "reading it)"), "", size
+        data = fh.read(MAX_DERIVED_BYTES + 1)
+    digest = canonical.sha256_hex(data)
+    if data == want:
+        return None, digest, len(data)
     try:
         got = canonical.loads(data, where)
     except FqError as e:

@@ -80,8 +80,8 @@ def list_files(base_dir: str | os.PathLike) -> list[str]:
     return names
 
 
-def _hash(base_dir, name: str) -> tuple[str, int]:
-    with open_regular(base_dir, name, f"{base_dir}/{name}") as fh:
+def _hash(base_dir, name: str, size: int | None = None) -> tuple[str, int]:
+    with open_regular(base_dir, name, f"{base_dir}/{name}", size=size, listed_by=MANIFEST_NAME) as fh:
         digest, size, _ = sha256_stream(fh)
     return digest, size
 
@@ -209,7 +209,7 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
                 shards[name] = att
                 got, got_size = att.info.sha256, att.info.size
             else:
-                got, got_size = _hash(base_dir, name)
+                got, got_size = _hash(base_dir, name, size)
         except FqError as e:  # verify_shard names files relative to base_dir: name them in full here
             problems.append(f"{base_dir}/{e}" if str(e).startswith(name) else str(e))
             bad.add(name)

@@ -62,6 +62,8 @@ class Report:
     manifests: int = 0
     assemblies: int = 0
     publications: list = field(default_factory=list)  # verified publication statements
+    plans: list = field(default_factory=list)  # verified plans (fq.provenance.assembly.Plan)
+    digests: dict = field(default_factory=dict)  # tree mode: name -> sha256 a verified signed document states for it
     campaigns: dict = field(default_factory=dict)  # campaign digest -> (first document naming it, identity)
     wrong_key: list = field(default_factory=list)  # SignatureErrors: documents with no signature by the pinned key
 
@@ -72,6 +74,16 @@ class Report:
     @property
     def signed_ok(self) -> int:
         return self.shards + self.manifests + self.assemblies + len(self.publications)
+
+    def record(self, state: PlanState | None) -> None:
+        """Record every plan and publication statement this report accepted in ``state`` (only a tree that
+        verified: a consumer who ran ``fq verify`` is then refused an older version by every later consumer)."""
+        if state is None or not self.ok:
+            return
+        for plan in self.plans:
+            state.record(plan)
+        for pub in self.publications:
+            state.record_publication(pub)
 
     def fail(self, e: FqError) -> None:
         self.problems.append(str(e))
@@ -132,6 +144,7 @@ def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, 
     for name in absent:
         missing.setdefault(name, []).append(plan["product"])
     check_geometry([a.predicate for a in atts], [a.info for a in atts], str(path))
+    report.plans.append(product.plan)
     return product.plan
 
 
@@ -338,6 +351,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
     for rel in files:
         if rel not in covered:
             report.problems.append(f"{root / rel}: not covered by any attestation or base manifest")
+    report.digests = digests
     if not files and not report.problems:
         report.problems.append(f"{root}: no files to verify")
 

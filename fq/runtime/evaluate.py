@@ -1,8 +1,10 @@
 """``fq eval``: every product of a published campaign, and every one-pass ("native") comparison point the campaign
 encoded, measured at the model's output against the SOURCE model on held-out text.
 
-- Products: every product the tree's signed publication statement lists, each loaded by ``fq.runtime.load``
-  (verified under the pinned key first, exactly as ``fq combine`` verifies; nothing unverified runs).
+- Products: every product the tree's signed publication statement lists. The whole tree is verified first, as
+  ``fq verify`` verifies it (every file against the statement both ways, every plan, fragment and base; the
+  version state), and refused before the source or any product is loaded; then each product is loaded by
+  ``fq.runtime.load``, which verifies the bytes it loads once more (nothing unverified runs).
 - Native points: for a product of more than one node at B = the chain's K summed (B <= 8), the recipe's base at
   B bits when one is published (a product of its own, already measured: named in ``native``), else the one-pass
   K=B encode of the experts the chain's last node covers (``NATIVE_DIR/K{B}-{codebook}/*.safetensors``, written
@@ -29,7 +31,7 @@ the comparison's) and the standard error of that paired difference over windows.
 fixed batches, exact sums): the same inputs give the same file, byte for byte, on one machine and build.
 
     evaluate(published, public_key, *, source, text, native_dir=None, weight_only_dir=None, source_sha256=None,
-             tokens=4096, seq_len=256, out_json, out_tsv=None, progress=None) -> dict
+             tokens=4096, seq_len=256, out_json, out_tsv=None, progress=None, state=None) -> dict
 """
 from __future__ import annotations
 
@@ -123,21 +125,30 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
              text: str | os.PathLike, out_json: str | os.PathLike, native_dir: str | os.PathLike | None = None,
              weight_only_dir: str | os.PathLike | None = None,
              source_sha256: dict | None = None, tokens: int = 4096, seq_len: int = 256,
-             out_tsv: str | os.PathLike | None = None, progress=None) -> dict:
+             out_tsv: str | os.PathLike | None = None, progress=None, state=None) -> dict:
     import torch
     import transformers
 
     from fq.codec import reconstruct
     from fq.provenance.product import open_product
     from fq.provenance.publication import read_publication
+    from fq.provenance.verify import verify_path
     from fq.runtime import quality
     from fq.runtime.load import build_model, load_checkpoint, product_state
 
     say = progress or (lambda msg: None)
     root = Path(published)
+    report = verify_path(root, public_key, state=state)  # everything eval will load, before any forward pass
+    if not report.ok:
+        shown = "; ".join(report.problems[:5]) + (f"; … ({len(report.problems) - 5} more)" if len(report.problems) > 5
+                                                    else "")
+        raise FqError(f"{root}: refused before any forward pass ({len(report.problems)} problem(s); fq verify lists "
+                      f"them all): {shown}")
+    report.record(state)
     stmt = read_publication(root, public_key)
     products = stmt.predicate["products"]
-    plans = {name: open_product(root / e["file"], public_key, root=root).predicate for name, e in products.items()}
+    plans = {name: open_product(root / e["file"], public_key, root=root, state=state).predicate
+             for name, e in products.items()}
     bare = {(p["chain"][0]["K"], p["chain"][0]["codebook"]): name for name, p in sorted(plans.items())
             if len(p["chain"]) == 1}
     natives = native_sets(Path(native_dir) if native_dir is not None else None)
@@ -153,18 +164,18 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
     native_rows: dict = {}
     twin_rows: dict = {}
     for name in sorted(products):
-        state = product_state(root / products[name]["file"], public_key, root=root)  # verified first, whole
-        plan = state.plan
+        loaded = product_state(root / products[name]["file"], public_key, root=root)  # its bytes verified as loaded
+        plan = loaded.plan
         chain = plan["chain"]
-        q = quality.compare(build_model(state.config, state.tensors), ref)
+        q = quality.compare(build_model(loaded.config, loaded.tensors), ref)
         bits, cb = sum(n["K"] for n in chain), chain[0]["codebook"]
         row = rows[name] = _row(q, chain=[n["node"] for n in chain], nominal_bpw=bits,
-                                effective_bpw=effective_bpw(plan), plan_sha256=state.plan_sha256, native=None)
+                                effective_bpw=effective_bpw(plan), plan_sha256=loaded.plan_sha256, native=None)
         say(f"{name}: KL {q.kl:.6g}, perplexity {q.ppl:.4f}, top-1 {q.top1:.4f}")
         row["weight_only"] = None
         if twins:
             tname = f"{name} (weight-only)"
-            tq = quality.compare(build_model(state.config, _twin_tensors(state, plan, twins, weight_only_dir)), ref)
+            tq = quality.compare(build_model(loaded.config, _twin_tensors(loaded, plan, twins, weight_only_dir)), ref)
             twin_rows[tname] = _row(tq, product=name, chain=[n["node"] for n in chain], nominal_bpw=bits,
                                     effective_bpw=row["effective_bpw"])
             row["weight_only"] = tname
@@ -179,15 +190,15 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
         last = chain[-1]["node"]
         experts = sorted((f["layer"], e["expert"]) for f in plan["fragments"] if f["node"] == last for e in f["experts"])
         sets = natives[(bits, cb)]
-        tensors = dict(state.tensors)
+        tensors = dict(loaded.tensors)
         for layer, expert in experts:
-            for proj in state.layout.projections:
+            for proj in loaded.layout.projections:
                 tset = sets.get((layer, expert, proj))
                 if tset is None:
                     raise FqError(f"{native_dir}: K{bits}-{cb} has no one-pass encode of layer {layer} expert {expert} "
                                   f"{proj}, which {name}'s last node {last} covers")
-                tensors[state.expert_key(layer, expert, proj)] = reconstruct(tset, f"native K{bits} {cb} {proj}")
-        nq = quality.compare(build_model(state.config, tensors), ref)
+                tensors[loaded.expert_key(layer, expert, proj)] = reconstruct(tset, f"native K{bits} {cb} {proj}")
+        nq = quality.compare(build_model(loaded.config, tensors), ref)
         nname = f"native K{bits} {cb} for {name}"
         native_rows[nname] = _row(nq, product=name, K=bits, codebook=cb, experts=len(experts),
                                   chain=[n["node"] for n in chain[:-1]] + [f"native-K{bits}-{cb}"], nominal_bpw=bits,

@@ -88,7 +88,7 @@ def read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[He
     """A base file's bytes, read once, whose sha256 and size are the manifest's (so what is parsed is what was
     verified, whatever happens to the file afterwards); and its safetensors header parsed from those bytes."""
     where = f"{base_dir}/{name}"
-    with open_regular(base_dir, name, where) as fh:
+    with open_regular(base_dir, name, where, size=size, listed_by="the base manifest") as fh:
         header = read_header(fh, where) if name.endswith(".safetensors") else None
         fh.seek(0)
         data = fh.read(size + 1)

@@ -252,7 +252,7 @@ def verify_shard(root: str | os.PathLike, name: str, public_key: Ed25519PublicKe
                  campaign: dict | None = None) -> Attested:
     """Attestation first (signature, then parse), then one read of the shard checked against it."""
     att = read_attestation(root, name, public_key, campaign)
-    with open_regular(root, name, name) as fh:
+    with open_regular(root, name, name, size=att.predicate["shard"]["size"], listed_by="its attestation") as fh:
         check_header(att, read_header(fh, name), name)  # a header altered after signing, named as such
         info = describe(fh, name)
     compare(att, info, name)
