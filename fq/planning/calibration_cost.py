@@ -7,13 +7,13 @@ upper bound), its FLOPs counted per MoE layer as
     input Hessian     2 · tokens · hidden²          (one per layer, float64 sums)
     down Hessians     E · 2 · tokens · inter²       (one per expert: the dominant term at GLM-5 sizes)
 
-(attention, norms and dense layers left out of the count), run at ``tflops``: default 7.8, an upper bound on the
-time measured on an H200 (benchmarks/capture_cost.py: a GLM-5-shaped MoE layer with 8 and 16 experts on 8192 tokens,
-1.24 and 1.93 s per call, scaled to 256 experts and 250 x 2048 tokens: 1416 s per layer for the 11.0 PFLOP count).
-It is an upper bound because each call also paid the layer's setup (its build from the checkpoint tensors and the
-copy to the GPU, 0.26 s per expert on the 2-core dev CPU), which a real layer pays once, not per 8192 tokens; the
-arithmetic alone at the GPU's rate would be 184 s (``--calib-tflops 60``). The benchmark now separates the two (two
-token counts); its next H200 run replaces this default.
+(attention, norms and dense layers left out of the count), run at ``tflops``: default 42, measured on an H200
+(benchmarks/capture_cost.py --experts 8,32 --rows 4,40 --cols 2048: a GLM-5-shaped MoE layer at two expert and two
+token counts, which separates the layer's one-time setup from the per-token work, projected to 256 experts and
+250 x 2048 tokens: 259 s per layer for the 11.0 PFLOP count, 42.6 TFLOP/s, setup 20 s). Three runs on one warm
+H200 projected 259, 155 and 196 s (42.6, 71.3, 56.4 TFLOP/s): the default is the slowest, so a price does not
+promise what a run may miss. An earlier run that could not separate the setup projected 1416 s (7.8 TFLOP/s), an
+upper bound now known to be 5x too high.
 LDLQ's encode premium ``ldlq_factor`` (default 1.35) is measured: 0.478 s per 2048×6144 matrix at K2 batched ×32
 (a layer's gate/up matrices share one H) against 0.359 s weight-only in the same run, H200; 1.36× at K3 and K4
 (docs/benchmarks.md).
@@ -26,7 +26,7 @@ from fq.errors import FqError
 from fq.hessian.store import layer_bytes
 from fq.model.source import SourceModel
 
-DEFAULT_TFLOPS = 7.8  # an upper bound measured on an H200 (see above); 60 would be the arithmetic at the GPU's rate
+DEFAULT_TFLOPS = 42.0  # the slowest of three H200 projections (see above; docs/pricing.md)
 DEFAULT_LDLQ_FACTOR = 1.35
 # Bounds a price is quoted within: beyond them a figure is a typo, not a campaign (1e6 rows of 1 Mi tokens is
 # 1e12 calibration tokens; no accelerator does 1e5 TFLOP/s; LDLQ is a small multiple of a weight-only encode).
