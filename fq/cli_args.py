@@ -54,8 +54,8 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
                    help="a calibrated campaign: its calibration chain (all-experts capture), Hessian disk and LDLQ "
                         "encodes (exllamav3's converter: 250x2048; docs/calibration.md)")
     p.add_argument("--calib-tflops", type=float, default=None,
-                   help="calibration forward and Hessian sums throughput in TFLOP/s (default 7.8: an upper bound on the time "
-                        "of fq's capture, measured on an H200; 60: the arithmetic at the GPU's rate, a lower bound)")
+                   help="calibration forward and Hessian sums throughput in TFLOP/s (default 42: the slowest of "
+                        "three H200 projections of fq's capture, docs/pricing.md)")
     p.add_argument("--ldlq-factor", type=float, default=None,
                    help="LDLQ encode time over weight-only (default 1.35, measured on an H200 at K2-K4)")
 
