@@ -2,7 +2,8 @@
 ``register(subparsers)``; a subcommand's handler takes the parsed args and returns an exit code.
 
 Every error a user can cause is an ``FqError``: printed as one line ``fq <cmd>: <message>`` on
-stderr with exit status 2, never a traceback.
+stderr with exit status 2, never a traceback. Commands check the paths they were given before any work
+(``fq.core.paths``); an ``OSError`` that still escapes is printed the same way, as ``fq <cmd>: PATH: reason``.
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FqError as e:
         print(f"fq {args.command}: {printable(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a safety net: commands check their paths before working; what slips by is one line too
+        where = "".join(f"{f}: " for f in (e.filename, e.filename2) if f is not None)
+        print(f"fq {args.command}: {printable(where + (e.strerror or str(e)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fq {args.command}: interrupted", file=sys.stderr)

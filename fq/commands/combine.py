@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fq.cli_args import add_state_args, count, state_from_args
 from fq.commands.verify import load_pinned
+from fq.core.paths import check_output_file
 from fq.display import printable
 from fq.provenance.attest import keys
 
@@ -28,6 +29,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # the adapter and its attestation beside it: checked before a fragment is read, not when the adapter is done
+    check_output_file(args.out, "--out")
+    check_output_file(f"{args.out}.intoto.jsonl", "--out")
     from fq.provenance.combine import combine  # torch: loaded by the command that needs it, not by every `fq` start
 
     key, fp = load_pinned(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from fq.cli_args import add_state_args, positive_int, state_from_args
 from fq.commands.verify import load_pinned
 from fq.display import printable
 from fq.workflow.common import recorded_shards
@@ -28,21 +29,38 @@ def register(sub) -> None:
                         "its Hessians too")
     p.add_argument("--campaign-json", metavar="FILE",
                    help="campaign.json: check each source shard against the sha256 fq init recorded")
-    p.add_argument("--tokens", type=int, default=4096, metavar="N", help="tokens of text to measure (default 4096)")
-    p.add_argument("--seq-len", type=int, default=256, metavar="N", help="tokens per window (default 256)")
+    p.add_argument("--tokens", type=positive_int, default=4096, metavar="N",
+                   help="tokens of text to measure (default 4096)")
+    p.add_argument("--seq-len", type=positive_int, default=256, metavar="N", help="tokens per window (default 256)")
     p.add_argument("--out", required=True, metavar="FILE", help="fq-eval/1 JSON to write")
     p.add_argument("--tsv", metavar="FILE", help="also write the rows as TSV")
+    add_state_args(p)
     p.set_defaults(func=run)
 
 
+def check_paths(args) -> None:
+    """What would otherwise fail only after every forward pass (the outputs) or after the products are verified
+    (the text): checked first."""
+    from fq.core.paths import check_output_file, read_text_arg
+
+    read_text_arg(args.text, "--text")
+    check_output_file(args.out, "--out")
+    if args.tsv:
+        check_output_file(args.tsv, "--tsv")
+
+
 def run(args) -> int:
+    check_paths(args)
     from fq.runtime.evaluate import evaluate  # torch and transformers: only for this command
 
     key, _ = load_pinned(args)
+    state = state_from_args(args)
+    if state is not None:
+        state.validate()
     shas = recorded_shards(args.campaign_json) if args.campaign_json else None
     evaluate(args.published, key, source=args.source, text=args.text, out_json=args.out, native_dir=args.native,
              weight_only_dir=args.weight_only,
-             source_sha256=shas, tokens=args.tokens, seq_len=args.seq_len, out_tsv=args.tsv,
+             source_sha256=shas, tokens=args.tokens, seq_len=args.seq_len, out_tsv=args.tsv, state=state,
              progress=lambda m: print(printable(m), file=sys.stderr))
     print(printable(f"wrote {args.out}" + (f" and {args.tsv}" if args.tsv else "")))
     return 0

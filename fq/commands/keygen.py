@@ -12,7 +12,22 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_out(prefix: str) -> None:
+    """Both key files can be written (a private key written and its public half refused would be half a pair);
+    an existing key is refused by keys.generate."""
+    from fq.core.paths import check_output_file
+    from fq.errors import FqError
+
+    try:
+        paths = keys.key_paths(prefix)
+    except ValueError:  # "", "/": no file name to add .key to
+        raise FqError(f"--out {prefix!r}: expected a path prefix such as keys/signer") from None
+    for p in paths:
+        check_output_file(p, "--out")
+
+
 def run(args) -> int:
+    check_out(args.out)
     priv, pub, fp = keys.generate(args.out)
     print(f"private key: {priv}")
     print(f"public key:  {pub}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from fq.cli_args import (add_calibration_args, add_source_args, add_window_args, calibration_from_args,
                          source_from_args, window_kwargs)
+from fq.core.paths import check_output_file
 from fq.model.usage import load_usage
 from fq.planning.calibration_cost import windows_budget
 from fq.planning.plan import DEFAULT_BLOCK_SIZE, make_plan, plan_table, write_plan
@@ -23,6 +24,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    if args.out:  # before the source is read (perhaps from the hub) and the plan made
+        check_output_file(args.out, "--out")
     recipe = load_recipe(args.recipe)
     source = source_from_args(args)
     usage = load_usage(args.usage) if args.usage else None

@@ -32,9 +32,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from fq.core.paths import check_output_dir
     from fq.errors import FqError
     from fq.promote import collect, raise_report
 
+    if args.repo is None and not args.to.startswith("hf://"):
+        check_output_dir(args.to, "--to")  # a local destination: before the campaign is read and verified
     key, fp = load_pinned(args)
     pub = collect(args.campaign)
     hub = args.repo is not None or args.to.startswith("hf://")

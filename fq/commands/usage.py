@@ -1,18 +1,24 @@
 """``fq usage --model DIR --text FILE --out FILE``: measure expert usage (fq-expert-usage/1) by routing text."""
 from __future__ import annotations
 
+from fq.cli_args import positive_int
+
 
 def register(sub) -> None:
     p = sub.add_parser("usage", help="measure expert usage (fq-expert-usage/1, for hot stages) by routing text through "
                                      "the model with transformers and counting each layer's router top-k selections")
     p.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face checkpoint directory (config, tokenizer, "
-                                                                   "safetensors) that transformers loads")
+                                                                   "safetensors) that transformers loads; never a hub "
+                                                                   "repo id")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 calibration text, tokenized as one stream")
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the statistics (the recipe's hot "
                                                                 "selection reads them: --usage FILE / config usage:)")
-    p.add_argument("--seq-len", type=int, default=256, metavar="N", help="tokens per window (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=8, metavar="N", help="windows per forward (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--seq-len", type=positive_int, default=256, metavar="N",
+                   help="tokens per window (default: %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=8, metavar="N",
+                   help="windows per forward (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's)")
     p.add_argument("--no-hash-weights", action="store_true",
                    help="record only config/index sha256, not every shard's (hashing a huge checkpoint takes a while)")
     p.set_defaults(func=run)
@@ -21,15 +27,13 @@ def register(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from fq.errors import FqError
-    from fq.model.usage import measure_usage, parse_usage, write_usage
+    from fq.core.paths import check_output_file, read_text_arg
+    from fq.model.usage import check_checkpoint_dir, measure_usage, parse_usage, write_usage
 
-    if args.seq_len < 1 or args.batch < 1:
-        raise FqError("fq usage: --seq-len and --batch must be positive")
-    try:
-        text = Path(args.text).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise FqError(f"{args.text}: cannot read UTF-8 text: {e}") from None
+    # before the model loads and the measurement runs (tens of seconds): not only after them
+    check_checkpoint_dir(args.model, "--model")
+    check_output_file(args.out, "--out")
+    text = read_text_arg(args.text, "--text")
     if args.threads:
         import torch
 

@@ -20,9 +20,12 @@ import argparse
 import functools
 import hashlib
 import lzma
+import os
+import stat
 from pathlib import Path
 
 from fq.core import atomic, canonical
+from fq.core.paths import check_output_dir
 from fq.errors import FqError
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "demo"  # fq/data/demo
@@ -217,11 +220,43 @@ def metadata() -> tuple[dict, dict, dict[str, int]]:
     return (canonical.loads(f["config.json"]), canonical.loads(f["model.safetensors.index.json"]), sizes)
 
 
-def write(out_dir: str | Path, text_dir: str | Path | None = None) -> Path:
+@functools.lru_cache(maxsize=1)
+def text_files() -> dict[str, bytes]:
+    """The text splits as written: ``train.txt``, ``calibration.txt``, ``heldout.txt``."""
+    return {f"{split}.txt": text(split).encode("utf-8") for split in TEXT_SPLITS}
+
+
+def check_target(out_dir: str | Path, expected: dict[str, bytes], what: str) -> Path:
+    """``out_dir`` may receive the files ``expected`` (name -> bytes): it is new, empty, or holds only those files
+    with those bytes (a rerun, or one a crash interrupted: rewriting them loses nothing). Anything else -- someone's
+    config.json, another checkpoint's shards under the same standard names, an earlier demo model -- is refused
+    rather than overwritten; so is a regular file or an unwritable directory."""
+    d = check_output_dir(out_dir, what)
+    if not d.is_dir():
+        return d
+    for entry in sorted(os.listdir(d)):
+        if any(entry.startswith(f".tmp-{name}.") for name in expected):
+            continue  # fq.core.atomic's temp file of an interrupted write
+        if entry not in expected:
+            raise FqError(f"{what} {out_dir}: holds {entry}, which the demo model does not write; refusing to write "
+                          f"into a directory with other files (use a new or empty one)")
+        if not stat.S_ISREG(os.lstat(d / entry).st_mode) or (d / entry).read_bytes() != expected[entry]:
+            raise FqError(f"{what} {out_dir}: {entry} is not the demo model's {entry} (another file, or an earlier "
+                          f"demo model); refusing to overwrite it (remove it, or use a new or empty directory)")
+    return d
+
+
+def write(out_dir: str | Path, text_dir: str | Path | None = None, *, out_what: str = "demo model directory",
+          text_what: str = "demo text directory") -> Path:
     """Write the checkpoint atomically into ``out_dir`` (and, with ``text_dir``, the text splits as
-    ``train.txt``, ``calibration.txt``, ``heldout.txt``); returns ``out_dir``."""
+    ``train.txt``, ``calibration.txt``, ``heldout.txt``); returns ``out_dir``. Both directories are checked
+    (``check_target``, named ``out_what`` and ``text_what`` in a refusal) before anything is written."""
     out_dir = Path(out_dir)
-    for name, b in files().items():
+    model = files()
+    check_target(out_dir, model, out_what)
+    if text_dir is not None:
+        check_target(text_dir, text_files(), text_what)
+    for name, b in model.items():
         atomic.write_bytes(out_dir / name, b)
     if text_dir is not None:
         write_text(text_dir)
@@ -230,8 +265,8 @@ def write(out_dir: str | Path, text_dir: str | Path | None = None) -> Path:
 
 def write_text(text_dir: str | Path) -> Path:
     text_dir = Path(text_dir)
-    for split in TEXT_SPLITS:
-        atomic.write_bytes(text_dir / f"{split}.txt", text(split).encode("utf-8"))
+    for name, b in text_files().items():
+        atomic.write_bytes(text_dir / name, b)
     return text_dir
 
 

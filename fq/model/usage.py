@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from fq.core import canonical
-from fq.core.safepath import sha256_file
+from fq.core.safepath import describe_mode, sha256_file
 from fq.core.schema_check import validate
 from fq.errors import FqError
 
@@ -110,6 +110,21 @@ def count_selections(model, ids, *, seq_len: int = 256, batch: int = 8, progress
     return {L: c.tolist() for L, c in sorted(counts.items())}
 
 
+def check_checkpoint_dir(model_dir: str | Path, what: str = "model") -> Path:
+    """``model_dir`` is a local checkpoint directory. Checked first: transformers takes a path that is not a
+    directory for a hub repo id (a minute of network attempts, then a traceback)."""
+    d = Path(model_dir)
+    if not d.exists():
+        raise FqError(f"{what} {model_dir}: no such directory (a checkpoint on disk is measured; a path is never "
+                      f"taken for a hub repo id: download the repo first)")
+    if not d.is_dir():
+        kind = "a regular file" if d.is_file() else describe_mode(d.stat().st_mode)
+        raise FqError(f"{what} {model_dir}: is {kind}, not a checkpoint directory")
+    if not (d / "config.json").is_file():
+        raise FqError(f"{what} {model_dir}: no config.json; expected a Hugging Face checkpoint directory")
+    return d
+
+
 def measure_usage(model_dir: str | Path, text: str, *, seq_len: int = 256, batch: int = 8, hash_weights: bool = True,
                   text_name: str | None = None, progress: bool = False) -> dict:
     """fq-expert-usage/1 of the checkpoint in ``model_dir`` (transformers' own model class, float32 on the
@@ -121,7 +136,7 @@ def measure_usage(model_dir: str | Path, text: str, *, seq_len: int = 256, batch
 
     from fq.model.checkpoint_model import load_checkpoint
 
-    model_dir = Path(model_dir)
+    model_dir = check_checkpoint_dir(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     # fq's own loader: FP8 sources dequantized, Kimi-K2's kimi_k2 built as deepseek_v3 (from_pretrained needs
     # accelerate for the first and remote code for the second)
