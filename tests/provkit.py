@@ -117,7 +117,12 @@ class Campaign:
         return self.root / name
 
     def replan(self, product: str, version: int, expires=EXPIRES, key=None) -> Path:
+        """Re-sign ``product``'s plan at ``version`` (the others too, at that version, as finalize signs every plan
+        of a publication with its version; they keep their expiry) and the publication statement."""
         path = _plan(self, product, version, expires, key or self.priv)
+        for other in self.plans:
+            if other != product and other in PRODUCTS and self.plans[other].exists():
+                _plan(self, other, version, EXPIRES, key or self.priv)
         publish(self, key=key)
         return path
 
@@ -252,9 +257,14 @@ def _statement_line(st: dict, key) -> bytes:
 
 
 def _attested(p: Path) -> dict:
+    return _attested_line(p.with_name(p.name + ".intoto.jsonl"))
+
+
+def _attested_line(p: Path) -> dict:
+    """The in-toto statement inside the envelope line at ``p``."""
     import base64
     from fq.core.canonical import loads
-    env = loads(p.with_name(p.name + ".intoto.jsonl").read_bytes())
+    env = loads(p.read_bytes())
     return loads(base64.b64decode(env["payload"]))
 
 
@@ -272,11 +282,11 @@ def insider_attest_as_is(c: Campaign, rel: str) -> None:
     p.with_name(p.name + ".intoto.jsonl").write_bytes(_statement_line(st, c.priv))
 
 
-def insider_resign(c: Campaign, rel: str) -> None:
+def insider_resign(c: Campaign, rel: str, quant_args: dict | None = None) -> None:
     """Re-attest fragment ``rel`` as its bytes now are, with the campaign's own key and none of the producer's
     checks (a compromised or buggy pipeline): its attestation, its children's parent edges, the base manifest
     (for a base fragment), every plan and the publication statement. Only the consumer's own checks stand between
-    these bytes and a user."""
+    these bytes and a user. ``quant_args``: what the new attestation says it was encoded with."""
     from fq.core.safepath import sha256_stream
     from fq.model.shards import read_header
     from fq.provenance.assembly import read_assembly, sign_assembly
@@ -293,6 +303,8 @@ def insider_resign(c: Campaign, rel: str) -> None:
     pred["experts"] = [{"expert": k, "offset": o, "length": n, "sha256": d}
                        for k, (o, n), d in zip(sorted(groups), spans, digests)]
     pred["shard"] = {"size": size, "header_sha256": header.sha256}
+    if quant_args is not None:
+        pred["quant_args"] = quant_args
     st["subject"] = [{"name": p.name, "digest": {"sha256": whole}}]
     lines = {rel: _statement_line(st, c.priv)}
     for child in sorted(c.root.rglob("*.safetensors")):

@@ -157,7 +157,7 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
     from fq.provenance.attest import keys
     from fq.provenance.publication import read_publication
     from fq.provenance.summary import summary_view
-    from fq.workflow.calibration import OBJECTIVE_WEIGHT
+    from fq.hessian.store import OBJECTIVE_WEIGHT
     from fq.workflow.encode import load_sets, matrix_seed
 
     out = cal / "campaign"

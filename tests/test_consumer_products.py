@@ -183,7 +183,7 @@ def test_single_plan_consumers_require_the_plan_the_publication_lists(c, tmp_pat
         plan = other.replan("k2only", 1)
     finally:
         del provkit.PRODUCTS["k2only"]
-    provkit.publish(c)
+    c.replan("k2r1r2", 2)  # a publication again: every plan at its version 2
     shutil.copy(plan, c.root / "assemblies" / plan.name)
     with pytest.raises(FqError, match=r"campaign identity differs in 'name'"):
         combine(c.root / "assemblies" / plan.name, c.pub, tmp_path / "c.safetensors", now=NOW)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -140,3 +141,67 @@ def test_promote_refuses_a_sparse_terabyte_before_hashing_or_copying(tmp_path, c
     err = capsys.readouterr().err
     assert f"{TB} bytes, its attestation says" in err and "refused before reading it" in err
     assert not (dest / "generations").exists() or not any((dest / "generations").iterdir())
+
+
+# -- insider-signed but checkable: what a fragment says it was encoded with ------------------------------------------
+
+def ldlq_args(layer: int, K: int = 1, codebook: str = "mcg", sha: str = "a" * 64) -> dict:
+    from fq.hessian import store
+    return {"seed": 0, "K": K, "codebook": codebook, "objective": store.OBJECTIVE_LDLQ,
+            "hessian": {"file": store.file_name(layer), "sha256": sha, "calibration": "c" * 64,
+                        "capture": "all-experts"}}
+
+
+def refusals(c, rel, tmp_path):
+    """What each entry point says of the tree: fq verify (tree and the shard alone) and fq combine."""
+    tree = verify_path(c.root, c.pub, now=provkit.NOW).problems
+    alone = verify_path(c.root / rel, c.pub, now=provkit.NOW).problems
+    with pytest.raises(FqError) as e:
+        combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=provkit.NOW)
+    return tree, alone, str(e.value)
+
+
+@pytest.mark.parametrize("case,args,message", [
+    ("another layer's Hessian", {**ldlq_args(3)}, r"a fragment of layer 1 names Hessian file "
+                                                   r"'hessian-layer003\.safetensors', not its layer's"),
+    ("K that is not the fragment's", {**ldlq_args(1, K=3)}, r"quant_args says K=3, the fragment is K=1"),
+    ("LDLQ without a Hessian", {k: v for k, v in ldlq_args(1).items() if k != "hessian"},
+     r"objective is LDLQ but names no Hessian"),
+    ("a Hessian under weight-only", {**ldlq_args(1), "objective": "weight-only MSE, no Hessian"},
+     r"names a Hessian, but its objective is 'weight-only MSE, no Hessian', not LDLQ"),
+])
+def test_every_consumer_cross_checks_the_attested_quant_args(tmp_path, case, args, message):
+    c = provkit.build_campaign(tmp_path)
+    rel = c.frag("r1", 1, 0)
+    provkit.insider_resign(c, rel, quant_args=args)
+    tree, alone, combined = refusals(c, rel, tmp_path)
+    for got in (tree, alone, [combined]):
+        assert any(re.search(message, m) for m in got), (case, got)
+
+
+def test_combine_refuses_a_plan_whose_layer_mixes_two_objectives(tmp_path):
+    """One fragment of layer 1 re-signed as encoded against layer 1's Hessian, its neighbours weight-only: fq verify
+    of the tree found it; fq combine and the runtime, which open one plan, now do too."""
+    c = provkit.build_campaign(tmp_path)
+    provkit.insider_resign(c, c.frag("r1", 1, 0), quant_args=ldlq_args(1))
+    with pytest.raises(FqError, match=r"encoded against (weight-only|Hessian a{64}), but .* of the same layer 1 "
+                                      r"against (Hessian a{64}|weight-only); a campaign binds one Hessian per layer"):
+        combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=provkit.NOW)
+    assert any("a campaign binds one Hessian per layer" in p for p in verify_path(c.root, c.pub, now=provkit.NOW).problems)
+
+
+def test_a_publication_and_its_plans_carry_one_version(tmp_path):
+    """An insider's statement at version 3 over plans of version 1 (finalize signs every plan with the publication's
+    version): refused by the producer's own builder and by every consumer."""
+    from fq.provenance.publication import NAME
+
+    c = provkit.build_campaign(tmp_path)
+    with pytest.raises(FqError, match="products.k2r1 is a plan of version 1, the publication is version 3"):
+        provkit.publish(c, version=3)
+    st = provkit._attested_line(c.root / NAME)
+    st["predicate"]["version"] = 3
+    (c.root / NAME).write_bytes(provkit._statement_line(st, c.priv))
+    want = r"products\.k2r1 is a plan of version 1, the publication is version 3; a publication's plans carry its version"
+    assert any(re.search(want, p) for p in verify_path(c.root, c.pub, now=provkit.NOW).problems)
+    with pytest.raises(FqError, match=want):
+        combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=provkit.NOW)

@@ -5,6 +5,7 @@ operational files a real campaign directory holds (logs, locks, keys, metrics, s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,6 +38,9 @@ OPERATIONAL = ("logs/encode/k2-layer001-block000.log", "locks/gpu-0.lock", "keys
 def write_summary(out: Path, c, recipe_name: str = "provkit", version: int = 1) -> None:
     """What finalize writes: the signed publication statement (re-signed, with ``version``, when what it states
     changes) and the summary, its view (fq.provenance.summary.summary_view)."""
+    here = dataclasses.replace(c, root=out / "published")
+    for product in provkit.PRODUCTS:  # finalize signs every plan with the publication's version
+        provkit._plan(here, product, version, provkit.EXPIRES, c.priv)
     provkit.publish(c, version=version, recipe_name=recipe_name, root=out / "published")
     stmt = read_publication(out / "published", c.pub)
     (out / SUMMARY_NAME).write_text(canonical.pretty(summary_view(stmt.predicate)))
@@ -122,6 +126,7 @@ def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path,
     # resolving the link meanwhile only ever sees one whole generation
     summary_v1 = (out / SUMMARY_NAME).read_bytes()
     publication_v1 = (out / "published" / PUBLICATION_NAME).read_bytes()
+    plans_v1 = {f"assemblies/{p.name}": p.read_bytes() for p in (out / "published" / "assemblies").iterdir()}
     write_summary(out, c, recipe_name="provkit-v2", version=2)
     families = [set(files_under(link))]
     seen, stop = [], threading.Event()
@@ -145,7 +150,8 @@ def test_local_promotion_swaps_one_link_to_a_verified_generation(camp, tmp_path,
     # --keep 1 does not remove the generation this promotion replaced (a reader may have resolved it a moment
     # before the swap); a later promotion does: test_local_keep_removes_replaced_generations_only_later
     assert files_under(dest / first) == files_under(Path(os.path.realpath(link))) | {SUMMARY_NAME: summary_v1,
-                                                                                      PUBLICATION_NAME: publication_v1}
+                                                                                      PUBLICATION_NAME: publication_v1,
+                                                                                      **plans_v1}
     assert fq_main(["verify", str(dest / first), "--key", str(c.pub_path)]) == 0
     said = capsys.readouterr().out
     assert "pruned" not in said and "1 replaced kept for readers" in said

@@ -240,7 +240,10 @@ def test_changing_one_stage_reencodes_only_that_node(tmp_path):
     write_assembly(c.root, plan, c.priv)
     assert all(p.read_bytes() == data for p, data in untouched.items())
     assert not verify_path(c.root, c.pub, now=NOW).ok  # the publication statement still lists the old r2 and plan
-    provkit.publish(c)  # what finalize signs after re-planning
+    # what finalize signs after re-planning: every plan at the publication's version (k2r1's fragments and recipe
+    # digest unchanged), then the statement
+    provkit._plan(c, "k2r1", 2, provkit.EXPIRES, c.priv)
+    provkit.publish(c)
     report = verify_path(c.root, c.pub, now=NOW)
     assert report.ok, report.problems
     assert (report.shards, report.assemblies) == (13, 2)

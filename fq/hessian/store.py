@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 FORMAT = "fq-hessian/1"
 MODES = ("all-experts", "routed-only")
+# what a fragment's attestation says it was encoded against (quant_args.objective)
+OBJECTIVE_LDLQ = "LDLQ in the H metric of calibration activations (fq.codec.ldlq)"
+OBJECTIVE_WEIGHT = "weight-only MSE, no Hessian"
 META_KEYS = ("architecture", "calibration", "capture", "cols", "config_sha256", "format", "hidden_in", "hidden_size",
              "intermediate_size", "layer", "n_experts", "row_batch", "rows", "source_shards", "tokens", "torch",
              "transformers")

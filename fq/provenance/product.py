@@ -15,8 +15,10 @@
 
 Then, per fragment a consumer uses, ``Product.check_fragment`` (its attestation against the plan entry and
 the chain node: digests, node, layer, block, parent, experts, size, header digest, node digest, role, K,
-codebook) and ``Product.check_header`` (the shard's header against the attestation, its size against the
-plan).
+codebook; and one objective per layer: every fragment of a layer names the same Hessian, or none) and
+``Product.check_header`` (the shard's header against the attestation, its size against the plan). What each
+attestation's ``quant_args`` says agrees with the rest of it already (``attest.fragment.check_quant_args``, run
+on every attestation read).
 
     open_product(plan_path, public_key, *, root=None, now=None, state=None, min_version=None,
                  publication=BESIDE) -> Product
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -43,6 +45,7 @@ class Product:
     plan: Plan
     root: Path
     publication: Statement | None
+    objectives: dict = field(default_factory=dict)  # layer -> (objective, first fragment checked): one per layer
 
     @property
     def predicate(self) -> dict:
@@ -74,6 +77,11 @@ class Product:
         if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
             raise FqError(f"{where}: attested {p['role']} K={p['K']} {p['codebook']}, the plan's chain says "
                           f"{node['role']} K={node['K']} {node['codebook']}")
+        got = objective(p)
+        first = self.objectives.setdefault(p["layer"], (got, att.name))
+        if first[0] != got:
+            raise FqError(f"{where}: encoded against {got}, but {first[1]} of the same layer {p['layer']} against "
+                          f"{first[0]}; a campaign binds one Hessian per layer")
 
     def check_header(self, att: Attested, header, f: dict, where: str) -> None:
         """The shard's safetensors header as read: the attested one, and the size the plan names."""
@@ -86,6 +94,13 @@ class Product:
             state.record(self.plan)
             if self.publication is not None:
                 state.record_publication(self.publication)
+
+
+def objective(pred: dict) -> str:
+    """What an expert fragment was encoded against, in words: its Hessian's sha256, or weight-only
+    (``fq.provenance.attest.fragment.check_quant_args`` has checked the two agree with the objective)."""
+    h = pred["quant_args"].get("hessian")
+    return "weight-only" if h is None else f"Hessian {h['sha256']}"
 
 
 def open_product(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,

@@ -212,6 +212,9 @@ def _consistent(subjects: list[tuple[str, str]], pred: dict, where: str) -> dict
             raise FqError(f"{where}: products.{product}: {e['file']} is not a subject with sha256 {e['sha256'][:16]}…")
         if e["chain"][0] not in pred["bases"]:
             raise FqError(f"{where}: products.{product}: base {e['chain'][0]!r} is not among the bases")
+        if e["version"] != pred["version"]:  # one publication, one version: finalize signs every plan with it
+            raise FqError(f"{where}: products.{product} is a plan of version {e['version']}, the publication is "
+                          f"version {pred['version']}; a publication's plans carry its version")
     for node, b in sorted(pred["bases"].items()):
         if not b["manifest"].endswith("/" + MANIFEST_NAME) or files.get(b["manifest"]) != b["manifest_sha256"]:
             raise FqError(f"{where}: bases.{node}: {b['manifest']} is not a subject base manifest with sha256 "

@@ -46,7 +46,7 @@ from fq.provenance.attest.fragment import Attested, verify_shard
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.fragments import attestation_name
 from fq.provenance.manifest import MANIFEST_NAME, check_base_files, read_base_manifest
-from fq.provenance.product import BESIDE, open_product
+from fq.provenance.product import BESIDE, objective, open_product
 from fq.provenance.publication import (NAME as PUBLICATION_NAME, Statement, file_problems, plan_problems,
                                        read_publication)
 from fq.provenance.summary import SUMMARY_NAME, check_summary, check_summary_publication
@@ -392,8 +392,7 @@ def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
         p = att.predicate
         if p["kind"] != "expert":
             continue
-        h = (p.get("quant_args") or {}).get("hessian")
-        key = "weight-only" if h is None else (f"Hessian {h.get('sha256')}" if isinstance(h, dict) else repr(h))
+        key = objective(p)
         by_layer.setdefault(p["layer"], {}).setdefault(key, []).append(rel)
     for layer, keys in sorted(by_layer.items()):
         if len(keys) > 1:

@@ -30,8 +30,6 @@ from fq.workflow import devices
 from fq.workflow.common import recorded_shards
 
 BINDING_FORMAT = "fq-hessian-binding/1"
-OBJECTIVE_LDLQ = "LDLQ in the H metric of calibration activations (fq.codec.ldlq)"
-OBJECTIVE_WEIGHT = "weight-only MSE, no Hessian"
 
 
 def tokens_job(*, out: str, rows: int, cols: int, sha256: str | None, text: str | None = None,

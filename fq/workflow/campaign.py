@@ -14,6 +14,7 @@ from pathlib import Path
 from fq.core import canonical
 from fq.core.units import is_decimal
 from fq.errors import FqError
+from fq.hessian import store
 from fq.model import families
 from fq.model.experts import ExpertLayout
 from fq.model.source import PROJECTIONS, SourceModel, load_source, parse_source
@@ -230,7 +231,7 @@ class Campaign:
         return self.calib_path("hidden-embed.safetensors" if layer is None else f"hidden-layer{layer:03d}.safetensors")
 
     def hessian(self, layer: int) -> str:
-        return self.calib_path(f"hessian-layer{layer:03d}.safetensors")
+        return self.calib_path(store.file_name(layer))
 
     def hessian_binding(self, layer: int) -> str:
         return self.calib_path(f"hessian-layer{layer:03d}.bound.json")

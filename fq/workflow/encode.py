@@ -39,6 +39,7 @@ from fq.codec.ldlq import encode_ldlq
 from fq.codec.exact import tree_sum
 from fq.core import atomic, canonical
 from fq.errors import FqError
+from fq.hessian import store
 from fq.model.experts import ExpertLayout, suffixes
 from fq.model.formats import ExpertSource, read_matrix
 from fq.model.source import PROJECTIONS
@@ -219,8 +220,8 @@ def quant_args_for(K: int, codebook: str, seed: int, bound: dict | None) -> dict
     and capture mode (a re-encode is byte-identical given those bytes: fq.provenance.identity.determinism_scope)."""
     args = {"K": K, "codebook": codebook, "seed": seed, "seed_rule": SEED_RULE, "scale_search": "gaussian-prior/3"}
     if bound is None:
-        return dict(args, objective=calibration.OBJECTIVE_WEIGHT)
-    return dict(args, objective=calibration.OBJECTIVE_LDLQ, hessian=calibration.quant_hessian(bound))
+        return dict(args, objective=store.OBJECTIVE_WEIGHT)
+    return dict(args, objective=store.OBJECTIVE_LDLQ, hessian=calibration.quant_hessian(bound))
 
 
 class _Hessians:

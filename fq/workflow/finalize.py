@@ -51,7 +51,8 @@ from fq.provenance.fragments import attestation_name
 from fq.provenance.manifest import MANIFEST_NAME, write_base_manifest
 from fq.provenance.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
 from fq.provenance.summary import summary_view
-from fq.workflow.calibration import OBJECTIVE_WEIGHT, quant_hessian, read_binding
+from fq.hessian.store import OBJECTIVE_WEIGHT
+from fq.workflow.calibration import quant_hessian, read_binding
 from fq.workflow import locks
 from fq.workflow.campaign import Campaign
 from fq.workflow.common import INDEX, SIDE_FILES, SUMMARY, check_signer

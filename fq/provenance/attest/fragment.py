@@ -28,6 +28,7 @@ from fq.core import atomic
 from fq.core.canonical import sha256_hex
 from fq.core.safepath import open_regular, read_regular
 from fq.errors import FqError
+from fq.hessian import store
 from fq.model.shards import read_header
 from fq.provenance.attest import dsse
 from fq.provenance.attest.campaign import require_same
@@ -76,6 +77,42 @@ def _describe(path: str | os.PathLike) -> tuple[Path, ShardInfo]:
         return p, describe(fh, p.name, str(p))
 
 
+HESSIAN_FIELDS = {"file", "sha256", "calibration", "capture"}
+
+
+def check_quant_args(pred: dict, where: str) -> None:
+    """What an expert fragment says it was encoded with must agree with the rest of what it attests: K and codebook
+    (when stated) are the fragment's; the objective is one fq encodes with; a Hessian only with LDLQ and LDLQ only
+    with a Hessian, which must be the artifact of the fragment's own layer (``fq.hessian.store.file_name``). Run
+    for every attestation signed (``attest_fragment``) and every one read (``read_attestation``), so every consumer
+    applies it whatever its entry point; that all fragments of one layer name one Hessian is
+    ``Product.check_fragment``'s (per plan) and ``fq verify``'s (per tree)."""
+    qa = pred["quant_args"]
+    for k in ("K", "codebook"):
+        if k in qa and qa[k] != pred[k]:
+            raise FqError(f"{where}: quant_args says {k}={qa[k]!r}, the fragment is {k}={pred[k]!r}")
+    objective = qa.get("objective")
+    if objective is not None and objective not in (store.OBJECTIVE_LDLQ, store.OBJECTIVE_WEIGHT):
+        raise FqError(f"{where}: quant_args objective {objective!r} is not one fq encodes with "
+                      f"({store.OBJECTIVE_LDLQ!r} or {store.OBJECTIVE_WEIGHT!r})")
+    h = qa.get("hessian")
+    if h is None:
+        if objective == store.OBJECTIVE_LDLQ:
+            raise FqError(f"{where}: quant_args objective is LDLQ but names no Hessian")
+        return
+    if objective != store.OBJECTIVE_LDLQ:
+        raise FqError(f"{where}: quant_args names a Hessian, but its objective is {objective!r}, not LDLQ")
+    if not (isinstance(h, dict) and set(h) == HESSIAN_FIELDS and isinstance(h["sha256"], str)
+            and SHA256_HEX.fullmatch(h["sha256"])):
+        raise FqError(f"{where}: quant_args hessian must be {{{', '.join(sorted(HESSIAN_FIELDS))}}} with a sha256 "
+                      f"hex digest")
+    if h["file"] != store.file_name(pred["layer"]):
+        raise FqError(f"{where}: a fragment of layer {pred['layer']} names Hessian file {h['file']!r}, not its "
+                      f"layer's {store.file_name(pred['layer'])!r} (bound to another layer's Hessian)")
+    if h["capture"] not in store.MODES:
+        raise FqError(f"{where}: quant_args hessian capture {h['capture']!r} is not one of {', '.join(store.MODES)}")
+
+
 def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
                     encoder: dict, quant_args: dict, node_digest: str, parent: dict | None = None,
                     determinism: dict | None = None, info: ShardInfo | None = None) -> Attested:
@@ -109,6 +146,7 @@ def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
                       "layer": m["layer"], "block": m["block"], "K": m["K"], "codebook": m["codebook"],
                       "layout": m["layout"].to_json(), "quant_args": quant_args, "parent": parent,
                       "experts": [e.to_json() for e in info.experts]})
+    check_quant_args(predicate, str(p))  # never sign what a consumer would refuse
     return _sign_and_write(p, info, predicate, key)
 
 
@@ -174,6 +212,8 @@ def _check_line(data: bytes, att: str, name: str, public_key: Ed25519PublicKey, 
     if subj_name != base:
         raise FqError(f"{att}: attests {subj_name!r}, not {base!r} (attestation replayed from another shard?)")
     check_location(name, pred, att)
+    if pred["kind"] == "expert":
+        check_quant_args(pred, att)
     if pred["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{att}: campaign identity names signer {pred['campaign']['signer'][:16]}…, "
                       f"not the pinned key {fingerprint(public_key)[:16]}…")
