@@ -22,14 +22,16 @@ def exllamav3_or_skip():
     return exllamav3
 
 
-def base_agreement(ex, root, product: dict, key, ids: torch.Tensor) -> dict:
+def base_agreement(ex, root, product: dict, key, ids: torch.Tensor, exl3_dir=None) -> dict:
+    """``exl3_dir``: the directory exllamav3 loads instead of the published base (a control: the base with a file
+    removed)."""
     from fq.runtime.load import load_product
 
     ref_model = load_product(root / product["file"], key, state=None).model.to("cuda:0")
     with torch.no_grad():
         ref = ref_model(ids.to("cuda:0")).logits.float()
     del ref_model
-    model = ex.Model.from_config(ex.Config.from_directory(str(root / "base" / product["chain"][0])))
+    model = ex.Model.from_config(ex.Config.from_directory(str(exl3_dir or root / "base" / product["chain"][0])))
     model.load("cuda:0")
     try:
         got = torch.cat([model.forward(w[None], {"attn_mode": "flash_attn_nc"}).float().to("cuda:0") for w in ids])

@@ -160,7 +160,12 @@ def model_of(arch: str, seed: int = 0, **keys):
 
     cfg = hf_config(arch, **keys)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # expert biases start at zero: seeded noise, so a runtime that skips them is caught
+        for name, param in model.named_parameters():
+            if ".experts." in name and name.endswith("bias") and not param.any():
+                param.normal_(0.0, 0.05)
+    return model
 
 
 def _shard_size(model) -> int:

@@ -250,6 +250,53 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
     return c
 
 
+SECOND_BASE = {"node": "k3", "role": "base", "K": 3, "codebook": "mul1", "parent": None}
+
+
+def add_base(c: Campaign, seed: int = 1) -> Path:
+    """A second base, ``base/k3`` (K=3 mul1, every expert; its own skeleton, source config, derived files and
+    manifest, like the demo campaign's second base), product ``k3`` (chain [k3]) in ``c.plans``, and the
+    publication statement re-signed over both. Returns the plan's path. Not in NODES/PRODUCTS: other helpers
+    (``replan``, ``insider_resign``) leave it alone."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = {**SECOND_BASE, "digest": sha256_hex(dumps({"format": "provkit-node/1", "chain": [SECOND_BASE]}))}
+    node, base = spec["node"], c.root / "base" / SECOND_BASE["node"]
+    enc = encoder()
+    skel = [("model.embed_tokens.weight", torch.randn(64, 128, generator=gen).bfloat16()),
+            ("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
+    skel += [(f"model.layers.{layer}.mlp.gate.weight", torch.randn(N_EXPERTS, 128, generator=gen).bfloat16())
+             for layer in LAYERS]
+    write_skeleton(base / SOURCE_SHARD, tensors=skel, source_shard=SOURCE_SHARD)
+    attest_skeleton(base / SOURCE_SHARD, key=c.priv, campaign=c.campaign, source=c.source, encoder=enc)
+    (base / "source_config.json").write_text(json.dumps(SOURCE_CONFIG))
+    names = []
+    for layer in LAYERS:
+        for b in range(N_EXPERTS // BLOCK):
+            experts = {}
+            for e in range(b * BLOCK, (b + 1) * BLOCK):
+                experts[e] = {}
+                for proj, (o, i) in DIMS.items():
+                    s = random_set(o, i, spec["K"], spec["codebook"], gen)
+                    c.sets[(node, layer, e, proj)] = experts[e][proj] = s
+            name = f"base/{node}/{fragment_filename(node, layer, b)}"
+            write_fragment(c.root / name, layout=STANDARD, node=node, role="base", layer=layer, block=b,
+                           K=spec["K"], codebook=spec["codebook"], experts=experts)
+            attest_fragment(c.root / name, key=c.priv, campaign=c.campaign, source=c.source, encoder=enc,
+                            quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
+                            node_digest=spec["digest"])
+            names.append(name)
+    write_derived(base, bits=spec["K"], codebook=spec["codebook"])
+    write_base_manifest(base, node=node, campaign=c.campaign, key=c.priv,
+                        derived=derived_specs(spec["K"], spec["codebook"]))
+    version = max(_read_signed_plan(p, c).predicate["version"] for p in c.plans.values())
+    plan = build_assembly(c.root, product=node, chain=[spec], fragments=names, base_dir=f"base/{node}",
+                          campaign=c.campaign, recipe_sha256=RECIPE_SHA256, version=version, expires=EXPIRES,
+                          public_key=c.pub)
+    c.plans[node] = write_assembly(c.root, plan, c.priv)
+    publish(c)
+    return c.plans[node]
+
+
 # --- an insider: bytes changed after encoding, then everything re-signed with the campaign's own key ---
 def _statement_line(st: dict, key) -> bytes:
     from fq.provenance.attest import dsse

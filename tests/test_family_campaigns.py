@@ -11,7 +11,7 @@
 - Opt-in (``FQ_ALL_FAMILIES=1``, about 14 minutes on two cores): every registered family of the kit, bf16 (and FP8
   for the four families published in FP8), through the same one-node campaign (calibrated where the family has a
   calibration chain, ``allow_unloadable`` where exllamav3 would not load its base), ``fq verify`` and the runtime.
-  gpt-oss runs in bf16 and in its published MXFP4 layout (``allow_unloadable``: docs/families.md says why). A family
+  gpt-oss runs in bf16 and in its published MXFP4 layout (its bases derive the per-expert biases exllamav3 reads). A family
   the registry marks ``unread`` would be a strict xfail: it turns into a failure the day it passes.
 """
 from __future__ import annotations

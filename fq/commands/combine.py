@@ -38,7 +38,8 @@ def run(args) -> int:
     state = state_from_args(args)
     sign_key = keys.load_private(args.sign_key) if args.sign_key else None
     result = combine(args.plan, key, args.out, experts=args.experts, base_dir=args.base, root=args.root,
-                     state=state, min_version=args.min_version, sign_key=sign_key)
+                     state=state, min_version=args.min_version, sign_key=sign_key,
+                     base_option="--base" if args.base is not None else None)
     stages = ", ".join(f"{s['node']} (K={s['K']} {s['codebook']})" for s in result.stages)
     print(printable(f"wrote {result.path} ({len(result.experts)} experts, stages: {stages}; sha256 {result.sha256})"))
     print(printable(f"attestation: {result.attestation}"))

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 from fq.errors import FqError
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")  # ASCII digits only
 
 
 def format_layers(layers: Iterable[int]) -> str:
@@ -31,21 +31,27 @@ def format_layers(layers: Iterable[int]) -> str:
     return ", ".join(parts) if parts else "none"
 
 
-def parse_ranges(spec: str | Sequence[str], what: str = "windows") -> list[tuple[int, int]]:
-    """``"3-12,13-40"`` (commas and/or spaces) or ``["3-12", "13-40"]`` -> ``[(3, 12), (13, 40)]``."""
+def parse_ranges(spec: str | Sequence[str], what: str = "windows", *, unit: str = "layer",
+                 example: str = "3-12,13-40") -> list[tuple[int, int]]:
+    """``"3-12,13-40"`` (commas and/or spaces) or ``["3-12", "13-40"]`` -> ``[(3, 12), (13, 40)]``. ``unit`` and
+    ``example`` word the refusals (``fq calibrate --k`` ranges K values, not layers)."""
     if isinstance(spec, str):
         tokens = [t for t in re.split(r"[,\s]+", spec.strip()) if t]
     elif isinstance(spec, (list, tuple)):
         tokens = [str(t).strip() for t in spec]
     else:
-        raise FqError(f"{what}: expected layer ranges like '3-12,13-40', got {spec!r}")
+        raise FqError(f"{what}: expected {unit} ranges like {example!r}, got {spec!r}")
     if not tokens:
-        raise FqError(f"{what}: empty; expected layer ranges like '3-12,13-40'")
+        raise FqError(f"{what}: empty; expected {unit} ranges like {example!r}")
     out = []
     for token in tokens:
         m = _RANGE.match(token)
         if not m:
-            raise FqError(f"{what} {_show(spec)}: {token!r} is not a layer range (expected A-B or A, e.g. 3-12,13-40)")
+            if unit == "layer":
+                raise FqError(f"{what} {_show(spec)}: {token!r} is not a layer range (expected A-B or A, e.g. "
+                              f"{example})")
+            raise FqError(f"{what} {_show(spec)}: {token!r} is not a {unit} value or range (expected {unit} or A-B, "
+                          f"e.g. {example})")
         first = int(m.group(1))
         last = int(m.group(2)) if m.group(2) is not None else first
         if last < first:

@@ -59,6 +59,8 @@ def open_regular(root: str | os.PathLike, name: str, what: str | None = None, *,
     parts = name.split("/")
     try:
         dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:  # the file wanted is what is missing (a deleted base directory, say), named as such
+        raise FqError(f"{label}: missing (its directory {root} does not exist)") from None
     except OSError as e:
         raise FqError(f"{root}: cannot open directory: {e.strerror}") from None
     try:

@@ -82,7 +82,7 @@ def merge_table(existing: dict | None, gpu: str, section: dict) -> dict:
 def parse_ks(spec: str) -> list[int]:
     from fq.core.layer_ranges import parse_ranges
 
-    out = sorted({k for a, b in parse_ranges(spec, "--k") for k in range(a, b + 1)})
+    out = sorted({k for a, b in parse_ranges(spec, "--k", unit="K", example="1-4,8") for k in range(a, b + 1)})
     bad = [k for k in out if not 1 <= k <= 8]
     if bad:
         raise FqError(f"--k {spec!r}: K {bad[0]} out of range (1..8)")

@@ -24,7 +24,7 @@ Output: ``out`` (see ``fq.provenance.adapter``) and ``out.intoto.jsonl``: an in-
 (a record of exactly which plan and bytes it was built from).
 
     combine(plan_path, public_key, out, experts="all", base_dir=None, root=None, now=None,
-            state=None, min_version=None, sign_key=None) -> Combined
+            state=None, min_version=None, sign_key=None, base_option=None) -> Combined
 
 Shared with ``fq.runtime`` (which loads a product into a model instead of writing an adapter), so that a
 consumer that runs a product checks exactly what ``fq combine`` checks:
@@ -116,11 +116,14 @@ class Verified:
 
 
 def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[tuple[dict, list[dict]]],
-                     chosen: list[tuple[int, int]], *, base_dir: str | os.PathLike | None = None) -> Verified:
+                     chosen: list[tuple[int, int]], *, base_dir: str | os.PathLike | None = None,
+                     base_option: str | None = None) -> Verified:
     """Steps 3-5 of the module docstring for the fragments ``work`` names (``narrow``), in the plan's order: what
     ``fq combine`` writes into an adapter, and what ``fq.runtime`` loads. With ``base_dir``, the base checkpoint
     is verified whole first and the base fragments' chosen ranges are checked against the plan; without it, the
-    base's payload is not read (its geometry still comes from the attested header)."""
+    base's payload is not read (its geometry still comes from the attested header). ``base_option``: the
+    command-line option that named ``base_dir`` (``--base``), which its errors then start with; None (the Python
+    API, the runtime's own base directory): they name the directory only."""
     plan, root = product.predicate, product.root
     layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
     chain = plan["chain"]
@@ -129,7 +132,7 @@ def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[
     result = Verified(layout, work, chosen)
     if base_dir is not None:
         base = verify_base(base_dir, public_key, plan["campaign"], sha256=plan["base"]["manifest"]["sha256"],
-                           option="--base")
+                           option=base_option)
         result.base, manifest = base, base.manifest
     geometry, residual = result.geometry, result.residual
     for f, ranges in work:
@@ -139,7 +142,8 @@ def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[
         if i == 0 and base_dir is not None:
             src_root, src_name = Path(base_dir), f["name"][len(base_rel):]
             if manifest.files.get(src_name, (None,))[0] != f["sha256"]:
-                raise FqError(f"--base {base_dir}: {src_name} is not listed in its manifest with the plan's sha256")
+                raise FqError(f"{base_option + ' ' if base_option else ''}{base_dir}: {src_name} is not listed in "
+                              "its manifest with the plan's sha256")
         where = f"{src_root}/{src_name}"
         att = read_attestation(src_root, src_name, public_key, plan["campaign"], sha256=f["attestation_sha256"])
         product.check_fragment(att, f, where)
@@ -290,7 +294,9 @@ def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) ->
 def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *,
             experts: str | Selection = "all", base_dir: str | os.PathLike | None = None,
             root: str | os.PathLike | None = None, now: dt.datetime | None = None, state: PlanState | None = None,
-            min_version: int | None = None, sign_key: Ed25519PrivateKey | None = None) -> Combined:
+            min_version: int | None = None, sign_key: Ed25519PrivateKey | None = None,
+            base_option: str | None = None) -> Combined:
+    """``base_option``: the command-line option that named ``base_dir`` (fq combine passes ``--base``)."""
     product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
     plan_obj, plan = product.plan, product.predicate
     chain = plan["chain"]
@@ -301,7 +307,7 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
     work, chosen = narrow(plan, sel)
     if not any(index[f["node"]] > 0 for f, _ in work):
         raise FqError(f"--experts {sel.describe()}: no stage of {plan['product']} corrects any chosen expert")
-    v = verify_fragments(product, public_key, work, chosen, base_dir=base_dir)
+    v = verify_fragments(product, public_key, work, chosen, base_dir=base_dir, base_option=base_option)
     layout, residual = v.layout, v.residual
     result = Combined(Path(out), "", Path(str(out) + ".intoto.jsonl"), chosen, [], v.fragments_opened,
                       v.payload_bytes_read)

@@ -33,6 +33,17 @@ sha256), and every consumer of the manifest recomputes them (``check_derived``).
     whitespace) and a final newline: a GLM-5 base lists 57,600 expert modules, about 19 MB this way (the
     pretty form would be 50 MB).
 
+``fq-exl3-expert-bias/1`` -> ``expert_bias.safetensors``, only in a base whose skeleton keeps fused expert biases
+    (gpt-oss: ``{P}.experts.gate_up_proj_bias`` [E, 2I], gate and up interleaved, and ``{P}.experts.down_proj_bias``
+    [E, H]), from every other top-level ``*.safetensors`` of the base and the same params: per layer and expert
+    ``{P}.experts.{e}.gate_proj.bias`` (the fused bias's even columns), ``.up_proj.bias`` (odd) and
+    ``.down_proj.bias``, float16 (exllamav3's runtime dtype for biases: rounded as its own loader rounds the fused
+    ones; a value beyond float16's range is refused), where exllamav3 1.6.5's gpt-oss class reads an EXL3 expert's
+    bias (``{key}.bias`` beside its trellis). Layers in order, experts in order, gate/up/down; metadata
+    ``{"format": "fq-exl3-expert-bias/1"}``. The fused tensors stay in the skeleton as published (fq's runtime
+    and transformers read those). It is listed among the files ``quantization_config.json`` is derived from, so
+    it is derived first.
+
 The block (``quantization_block``), and why each value is fq's true one:
 
 - ``bits``: the base's K, the bits per weight of every EXL3-coded tensor (the routed experts); what fq does
@@ -55,7 +66,8 @@ The block (``quantization_block``), and why each value is fq's true one:
     quantization_block(bits, codebook, calibration=None) -> dict
     derive_config(source_bytes, bits, codebook, where, calibration=None) -> bytes
     derive_quantization_config(base_dir, shards, bits, codebook, calibration=None) -> bytes
-    write_derived(base_dir, *, bits, codebook, calibration=None) -> [spec]   # producer: writes both, returns the specs
+    derive_expert_bias(base_dir, shards) -> bytes              # gpt-oss: per-expert biases for exllamav3
+    write_derived(base_dir, *, bits, codebook, calibration=None) -> [spec]   # producer: writes them, returns the specs
     rule_inputs(rule, listed_names) -> [name]               # what a rule derives from, in order
     check_derived(base_dir, entry, where) -> problem | None  # consumer: recompute one declared file
 """
@@ -80,6 +92,9 @@ CONFIG = "config.json"
 QUANTIZATION_CONFIG = "quantization_config.json"
 RULE_CONFIG = "fq-exl3-config/1"
 RULE_QUANTIZATION_CONFIG = "fq-exl3-quantization-config/1"
+EXPERT_BIAS = "expert_bias.safetensors"
+RULE_EXPERT_BIAS = "fq-exl3-expert-bias/1"
+MAX_EXPERT_BIAS_BYTES = 1 << 30  # gpt-oss-120b's: 36 layers x 128 experts x 8640 float16 = 80 MB
 EXLLAMAV3 = "1.6.5"
 VERSION = f"{EXLLAMAV3}+fq.exl3config.1"  # a label in every published config: it names the rule, not the module path
 HEAD_BITS = 16
@@ -210,6 +225,8 @@ def derive_quantization_config(base_dir: str | os.PathLike, shards: list[str], b
 @dataclass(frozen=True)
 class Rule:
     output: str
+    max_bytes: int = MAX_DERIVED_BYTES  # a file at this name larger than this is refused unread
+    json: bool = True  # the output is JSON (a mismatch is explained field by field)
 
     def inputs(self, listed: list[str]) -> list[str]:
         raise NotImplementedError
@@ -239,18 +256,94 @@ class _QuantizationConfigRule(Rule):
         return derive_quantization_config(base_dir, inputs, params["bits"], params["codebook"], params.get("calibration"))
 
 
-RULES: dict[str, Rule] = {RULE_CONFIG: _ConfigRule(CONFIG), RULE_QUANTIZATION_CONFIG: _QuantizationConfigRule(QUANTIZATION_CONFIG)}
+_FUSED_BIAS = re.compile(r"(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)_bias")
+
+
+def fused_expert_biases(base_dir: str | os.PathLike, shards: list[str]) -> dict:
+    """(experts prefix, "gate_up_proj" | "down_proj") -> (shard, header entry) of the fused expert biases the
+    base's shards hold (headers only)."""
+    base_dir = Path(base_dir)
+    found: dict = {}
+    for shard in shards:
+        where = f"{base_dir}/{shard}"
+        with open_regular(base_dir, shard, where) as fh:
+            for e in read_header(fh, where).entries:
+                m = _FUSED_BIAS.fullmatch(e.name)
+                if m:
+                    found[(m["prefix"], m["proj"])] = (shard, e)
+    return found
+
+
+def derive_expert_bias(base_dir: str | os.PathLike, shards: list[str]) -> bytes:
+    """``expert_bias.safetensors`` (rule ``fq-exl3-expert-bias/1``, module docstring) from ``shards``."""
+    import torch
+
+    from fq.model.shards import RawTensor, encode_header
+    from fq.model.checkpoint_model import tensor_from
+
+    base_dir = Path(base_dir)
+    fused = fused_expert_biases(base_dir, shards)
+    prefixes = sorted({p for p, _ in fused}, key=lambda p: [int(t) if t.isdigit() else t for t in p.split(".")])
+    if not prefixes:
+        raise FqError(f"{base_dir}: no fused expert biases ({{P}}.experts.gate_up_proj_bias / down_proj_bias) in "
+                      f"{len(shards)} shards; rule {RULE_EXPERT_BIAS} derives nothing")
+    out: list[RawTensor] = []
+    for prefix in prefixes:
+        parts = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            if (prefix, proj) not in fused:
+                raise FqError(f"{base_dir}: {prefix}.{proj}_bias missing; rule {RULE_EXPERT_BIAS} splits both fused "
+                              "expert biases of a layer")
+            shard, e = fused[(prefix, proj)]
+            where = f"{base_dir}/{shard}: {e.name}"
+            if len(e.shape) != 2 or e.dtype not in ("BF16", "F16", "F32"):
+                raise FqError(f"{where}: {e.dtype} {list(e.shape)}, expected a 2-D [experts, features] float tensor")
+            with open_regular(base_dir, shard, where) as fh:
+                fh.seek(e.start)
+                data = fh.read(e.length)
+            t = tensor_from(e.dtype, e.shape, data).to(torch.float32)
+            half = t.to(torch.float16)  # as exllamav3 rounds a bias it loads from the fused tensors
+            if not torch.isfinite(half).all():
+                raise FqError(f"{where}: values beyond float16's range (exllamav3 runs biases in float16)")
+            parts[proj] = half
+        gate_up, down = parts["gate_up_proj"], parts["down_proj"]
+        if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2:
+            raise FqError(f"{base_dir}: {prefix}: gate_up_proj_bias {list(gate_up.shape)} and down_proj_bias "
+                          f"{list(down.shape)} are not [E, 2I] and [E, H]")
+        for x in range(gate_up.shape[0]):
+            for proj, row in (("gate_proj", gate_up[x, 0::2]), ("up_proj", gate_up[x, 1::2]), ("down_proj", down[x])):
+                row = row.contiguous()
+                out.append(RawTensor(f"{prefix}.{x}.{proj}.bias", "F16", tuple(row.shape),
+                                     row.view(torch.uint8).numpy().tobytes()))
+    return encode_header(out, {"format": RULE_EXPERT_BIAS}) + b"".join(t.data for t in out)
+
+
+class _ExpertBiasRule(Rule):
+    def inputs(self, listed):
+        return sorted(n for n in listed if n.endswith(".safetensors") and "/" not in n and n != EXPERT_BIAS)
+
+    def derive(self, base_dir, inputs, params):
+        _check_params(params, f"{base_dir}/{EXPERT_BIAS}: rule {RULE_EXPERT_BIAS} params")
+        return derive_expert_bias(base_dir, inputs)
+
+
+
+RULES: dict[str, Rule] = {RULE_CONFIG: _ConfigRule(CONFIG),
+                          RULE_QUANTIZATION_CONFIG: _QuantizationConfigRule(QUANTIZATION_CONFIG),
+                          RULE_EXPERT_BIAS: _ExpertBiasRule(EXPERT_BIAS, MAX_EXPERT_BIAS_BYTES, json=False)}
 
 
 def rule_inputs(rule: str, listed: list[str]) -> list[str]:
     return RULES[rule].inputs(sorted(listed))
 
 
-def specs(bits: int, codebook: str, calibration: dict | None = None) -> list[dict]:
-    """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer);
-    ``calibration`` (``{"rows", "cols"}``) only for a calibrated base."""
+def specs(bits: int, codebook: str, calibration: dict | None = None, expert_bias: bool = False) -> list[dict]:
+    """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer), in the
+    order they are derived; ``calibration`` (``{"rows", "cols"}``) only for a calibrated base; ``expert_bias``: the
+    skeleton keeps fused expert biases (``expert_bias.safetensors``, derived before quantization_config.json)."""
     params = rule_params(bits, codebook, calibration)
-    return [{"name": CONFIG, "rule": RULE_CONFIG, "params": dict(params)},
+    bias = [{"name": EXPERT_BIAS, "rule": RULE_EXPERT_BIAS, "params": dict(params)}] if expert_bias else []
+    return [{"name": CONFIG, "rule": RULE_CONFIG, "params": dict(params)}, *bias,
             {"name": QUANTIZATION_CONFIG, "rule": RULE_QUANTIZATION_CONFIG, "params": dict(params)}]
 
 
@@ -263,13 +356,15 @@ def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, cali
         raise FqError(f"{base_dir}/{SOURCE_CONFIG}: missing; a published base keeps its source's config.json "
                       "under that name and derives config.json from it")
     listed = sorted(p.name for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
-    out = specs(bits, codebook, calibration)
+    bias_inputs = RULES[RULE_EXPERT_BIAS].inputs(listed)
+    out = specs(bits, codebook, calibration, expert_bias=bool(fused_expert_biases(base_dir, bias_inputs)))
     for spec in out:
         rule = RULES[spec["rule"]]
         data = rule.derive(base_dir, rule.inputs(listed), spec["params"])
         path = base_dir / spec["name"]
         if path.is_symlink() or not path.is_file() or path.read_bytes() != data:
             atomic.write_bytes(path, data)
+        listed = sorted(set(listed) | {spec["name"]})  # a later rule may derive from this one's output
     return out
 
 
@@ -329,13 +424,16 @@ def check_derived(base_dir: str | os.PathLike, entry: dict, where: str) -> tuple
         return f"{where}: cannot be derived by rule {entry['rule']}: {e}", "", -1
     with open_regular(base_dir, name, where) as fh:
         size = os.fstat(fh.fileno()).st_size
-        if size > MAX_DERIVED_BYTES:  # before reading it (a planted sparse file)
+        if size > rule.max_bytes:  # before reading it (a planted sparse file)
             return (f"{where}: {size} bytes, not the {len(want)} bytes rule {entry['rule']} derives (refused before "
                     "reading it)"), "", size
-        data = fh.read(MAX_DERIVED_BYTES + 1)
+        data = fh.read(rule.max_bytes + 1)
     digest = canonical.sha256_hex(data)
     if data == want:
         return None, digest, len(data)
+    if not rule.json:
+        return (f"{where}: not the bytes rule {entry['rule']} derives from the base's shards ({len(data)} bytes, the "
+                f"rule's output is {len(want)}; a derived file must be its rule's output byte for byte)"), digest, size
     try:
         got = canonical.loads(data, where)
     except FqError as e:

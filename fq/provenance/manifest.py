@@ -36,7 +36,8 @@ from fq.provenance.attest.campaign import require_same
 from fq.provenance.attest.fragment import verify_shard
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.attest.statement import MANIFEST, parse_statement, statement
-from fq.provenance.exl3config import CONFIG, QUANTIZATION_CONFIG, RULES, check_derived, rule_inputs
+from fq.provenance.exl3config import (CONFIG, EXPERT_BIAS, QUANTIZATION_CONFIG, RULE_EXPERT_BIAS, RULES, check_derived,
+                                      fused_expert_biases, rule_inputs)
 from fq.provenance.fragments import attestation_name
 
 MANIFEST_NAME = "fq-manifest.intoto.jsonl"
@@ -155,9 +156,9 @@ def _check_declared(derived: list[dict], files: dict, where: str) -> tuple:
     quantization_config rule checks against the tensors), and ``from`` exactly the rule's inputs among the
     listed files with their listed digests."""
     outputs = sorted(d["name"] for d in derived)
-    if outputs != sorted(DERIVED_FILES):
-        raise FqError(f"{where}: declares derived files {outputs}; a base declares {sorted(DERIVED_FILES)} (each "
-                      "recomputed by every consumer)")
+    if outputs not in (sorted(DERIVED_FILES), sorted(DERIVED_FILES + (EXPERT_BIAS,))):
+        raise FqError(f"{where}: declares derived files {outputs}; a base declares {sorted(DERIVED_FILES)} and, "
+                      f"when its skeleton keeps fused expert biases, {EXPERT_BIAS} (each recomputed by every consumer)")
     if len({canonical_dumps(d["params"]) for d in derived}) != 1:
         raise FqError(f"{where}: derived files declare different params "
                       f"({'; '.join(d['name'] + ': ' + canonical_dumps(d['params']).decode() for d in derived)})")
@@ -210,25 +211,33 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
                 got, got_size = att.info.sha256, att.info.size
             else:
                 got, got_size = _hash(base_dir, name, size)
-        except FqError as e:  # verify_shard names files relative to base_dir: name them in full here
-            problems.append(f"{base_dir}/{e}" if str(e).startswith(name) else str(e))
+        except FqError as e:
+            problems.append(str(e))
             bad.add(name)
             continue
         if (got, got_size) != (digest, size):
             problems.append(f"{base_dir}/{name}: sha256/size differ from {MANIFEST_NAME}")
             bad.add(name)
-    for name, d in sorted(derived.items()):
+    for name, d in sorted(derived.items()):  # config, expert_bias, quantization_config: inputs before outputs
         if name in bad or any(f["name"] in bad for f in d["from"]):
+            bad.add(name)
             continue  # its own problem, or an input's, is already reported
         try:
             problem, got, got_size = check_derived(base_dir, d, f"{base_dir}/{name}")
         except FqError as e:
-            problems.append(str(e))
-            continue
+            problem = str(e)
         if problem is None and (got, got_size) != manifest.files[name]:
             problem = f"{base_dir}/{name}: sha256/size differ from {MANIFEST_NAME} (which lists another output of rule {d['rule']})"
         if problem:
             problems.append(problem)
+            bad.add(name)
+    if EXPERT_BIAS not in derived and not bad:
+        # a skeleton with fused expert biases and no per-expert file: exllamav3 would run the experts without biases
+        shards_in = RULES[RULE_EXPERT_BIAS].inputs(sorted(manifest.files))
+        if fused_expert_biases(base_dir, shards_in):
+            problems.append(f"{base_dir}/{MANIFEST_NAME}: the skeleton keeps fused expert biases but the manifest "
+                            f"declares no {EXPERT_BIAS} (rule {RULE_EXPERT_BIAS}); an EXL3 runtime would load the "
+                            "experts without their biases")
     return problems, shards
 
 

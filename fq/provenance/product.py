@@ -116,7 +116,8 @@ def open_product(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, 
     stmt = None
     if publication == BESIDE:
         if os.path.lexists(root / PUBLICATION_NAME):
-            stmt = read_publication(root, public_key, plan.predicate["campaign"])
+            # read on its own terms: a plan of another campaign is the plan's problem, not the genuine statement's
+            stmt = read_publication(root, public_key)
             if state is not None:
                 state.check_publication(stmt)
     elif isinstance(publication, Statement):

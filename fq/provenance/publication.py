@@ -27,6 +27,7 @@ one it lists (``fq.provenance.product.open_product``).
     write_publication(root, subjects, predicate, key) -> (path, sha256)
     read_publication(root, public_key, campaign=None) -> Statement
     Statement.require_plan(plan); plan_problems(statement, plans); file_problems(statement, present, digests, ...)
+    replaced_bases(statement, root, present, digests, nodes, users) -> (lines, dirs)   # one line per swapped base
     fq.provenance.summary.summary_view(predicate) -> dict    # the campaign_summary.json the statement implies
 """
 from __future__ import annotations
@@ -71,8 +72,14 @@ class Statement:
         return self.predicate["campaign"]["signer"]
 
     def require_plan(self, plan: Plan) -> None:
-        """The plan a consumer opened must be the one this statement lists for its product."""
+        """The plan a consumer opened must be the one this statement lists for its product (and of its campaign:
+        a plan of another campaign is named as such, not the statement)."""
         product = plan.predicate["product"]
+        foreign = other_campaign(plan.predicate["campaign"], self.predicate["campaign"])
+        if foreign:
+            raise FqError(f"{plan.path}: a plan of another publication: its campaign identity differs in "
+                          f"{foreign} from that of {self.path} (version {self.version}); not a plan this publication "
+                          "lists")
         entry = self.predicate["products"].get(product)
         if entry is None:
             raise FqError(f"{plan.path}: product {product!r} is not in the publication {self.path} (version "
@@ -89,6 +96,14 @@ class Statement:
         problems = entry_problems(self, entry, plan, entry["file"])
         if problems:
             raise FqError(problems[0])
+
+
+def other_campaign(ident: dict, expected: dict) -> str | None:
+    """None when the identities are one campaign's; else the first field that differs, in words."""
+    for k in sorted(set(ident) | set(expected)):
+        if ident.get(k) != expected.get(k):
+            return f"{k!r} ({ident.get(k)!r}, the publication's {expected.get(k)!r})"
+    return None
 
 
 def product_entry(plan: Plan, file: str) -> dict:
@@ -273,16 +288,25 @@ def _groups(names: set[str], other: set[str]) -> dict[str, list[str]]:
 
 
 def file_problems(stmt: Statement, root: Path, present: set[str], digests: dict[str, str],
-                  already_missing: set[str] = frozenset()) -> list[str]:
+                  already_missing: set[str] = frozenset(), *, reported: set[str] = frozenset(),
+                  reencoded: set[str] = frozenset()) -> list[str]:
     """The tree against the statement, both ways: a listed file missing (a whole product or directory
     withheld is one line), a present file unlisted, a digest that is not the listed one. ``present``: the
     tree's files (relative to ``root``, without the statement and the summary); ``digests``: what the
     signed documents covering each file state (files whose own verification failed are absent);
-    ``already_missing``: files already reported missing (fragments a plan needs)."""
+    ``already_missing``: files already reported missing (fragments a plan needs); ``reported``: names, and
+    directories (ending in "/"), whose problems are already reported (a missing or symlinked directory, a
+    replaced base, a stale fragment): nothing under them is reported again; ``reencoded``: plans whose envelope
+    line is not fq's canonical encoding (a re-encoded copy of a signed line, called that)."""
+    dirs = tuple(d for d in reported if d.endswith("/"))
+
+    def done(n: str) -> bool:
+        return n in reported or n in already_missing or n.startswith(dirs)
+
     out = []
     listed = stmt.files
     products = {e["file"]: p for p, e in stmt.predicate["products"].items()}
-    missing = set(listed) - present - set(already_missing)
+    missing = {n for n in set(listed) - present if not done(n)}
     for file in sorted(missing & set(products)):
         p = products[file]
         out.append(f"{root}/{file}: product {p!r} is listed in {NAME} (version {stmt.version}) but its plan is "
@@ -292,15 +316,57 @@ def file_problems(stmt: Statement, root: Path, present: set[str], digests: dict[
             out.append(f"{root}/{key}: missing, with the {len(names)} file(s) {NAME} lists under it")
         else:
             out.append(f"{root}/{key}: listed in {NAME} but missing")
-    for key, names in sorted(_groups(present - set(listed), set(listed)).items()):
+    unlisted = {n for n in present - set(listed) if not done(n)}
+    for key, names in sorted(_groups(unlisted, set(listed)).items()):
         if key.endswith("/"):
             out.append(f"{root}/{key}: {len(names)} file(s) not listed in {NAME} (not part of this publication)")
         else:
             out.append(f"{root}/{key}: not listed in {NAME} (not part of this publication)")
     for name in sorted(present & set(listed)):
         got = digests.get(name)
-        if got is not None and got != listed[name]:
-            what = f" (the plan of product {products[name]!r}, version " \
-                   f"{stmt.predicate['products'][products[name]]['version']} listed)" if name in products else ""
-            out.append(f"{root}/{name}: sha256 {got[:16]}… is not the {listed[name][:16]}… {NAME} lists{what}")
+        if got is None or got == listed[name] or done(name):
+            continue
+        if name in reencoded and name in products:
+            out.append(f"{root}/{name}: its envelope line is not fq's canonical encoding (sha256 {got[:16]}…): a "
+                       f"re-encoded copy of a signed plan, not the line {NAME} lists for product {products[name]!r} "
+                       f"({listed[name][:16]}…); fetch the published line")
+            continue
+        what = f" (the plan of product {products[name]!r}, version " \
+               f"{stmt.predicate['products'][products[name]]['version']} listed)" if name in products else ""
+        out.append(f"{root}/{name}: sha256 {got[:16]}… is not the {listed[name][:16]}… {NAME} lists{what}")
     return out
+
+
+def replaced_bases(stmt: Statement, root: Path, present: set[str], digests: dict[str, str], nodes: dict[str, str],
+                   users: dict[str, list[str]]) -> tuple[list[str], set[str]]:
+    """Base directories that hold another base than the one the statement lists there (two base directories
+    swapped, one copied over another, an older base put back): its verified manifest (``digests``; ``nodes``:
+    manifest name -> the node it is the base of) is not the listed one. One line per directory, naming what it
+    holds and how many of its files differ from the listing, instead of one per file (``users``: manifest name ->
+    products of the plans pinning it). Returns (lines, the directories: nothing under them is reported again)."""
+    lines, dirs = [], set()
+    for node, b in sorted(stmt.predicate["bases"].items()):
+        m = b["manifest"]
+        got = digests.get(m)
+        if got is None or got == b["manifest_sha256"] or m not in nodes:
+            continue
+        d = m.rsplit("/", 1)[0]
+        here = {n for n in present if n.startswith(d + "/")}
+        listed = {n for n in stmt.files if n.startswith(d + "/")}
+        different = sorted(n for n in here & listed if digests.get(n) not in (None, stmt.files[n]))
+        groups = ((different, "different"), (sorted(listed - here), "missing"), (sorted(here - listed), "not listed"))
+        names = [n for group, _ in groups for n in group]
+        counts = ", ".join(f"{len(group)} {what}" for group, what in groups if group)
+        if len(names) <= 3:  # a few: name them (relative to the directory)
+            counts += ": " + ", ".join(n[len(d) + 1:] for n in names)
+        products = sorted(users.get(m, []))
+        needed = f" (needed by plan{'s' if len(products) > 1 else ''} {', '.join(products)})" if products else ""
+        if nodes[m] != node:
+            holds, cause = f"the base of node {nodes[m]}", "; a swapped or copied base directory"
+        else:
+            holds, cause = f"another base manifest of node {node}", ""
+        lines.append(f"{root}/{d}/: holds {holds}, not the base {NAME} lists there (its {MANIFEST_NAME} sha256 "
+                     f"{got[:16]}…, listed: node {node}'s {b['manifest_sha256'][:16]}…): {len(names)} of its files "
+                     f"differ from the listing ({counts}){cause}{needed}")
+        dirs.add(d)
+    return lines, dirs

@@ -22,9 +22,20 @@ Every file in a verified tree must be accounted for:
   one node one node_digest (a fragment left over from an older definition of its node is stale).
 
 Problems are collected, one line each, each problem once; nothing raises past ``verify_path`` except usage
-errors. When no signed document verifies under the pinned key and some refuse it, that is one line (a wrong
-``--key``), not one per document. A directory given as a symlink (a promoted ``published`` link) is verified
+errors. A problem is reported where it arises, and what follows from it is not reported again: a base manifest
+missing or refused is one line (not one per plan pinning it, nor "not covered" for the files it would list); a
+symlinked or missing directory is one line (nothing under it is reported missing or refused again); a fragment
+encoded for a stale definition of its node is named once, by its node's line (which names the digest the plans'
+chains name as current), not again by each plan or the publication statement; a base directory holding another
+base than the one the statement lists (swapped, or copied over) is one line naming the directory and how many of
+its files differ. When no signed document verifies under the pinned key and some refuse it, that is one line (a
+wrong ``--key``), not one per document. A directory given as a symlink (a promoted ``published`` link) is verified
 where it points; symlinks inside the tree stay problems.
+
+Paths: a line about a file starts with that file's path, PATH (as given) joined with the file's name in the
+tree (``PATH/stages/r1/r1-layer001-block000.safetensors: ...``), whichever check found it; files a line refers
+to inside it are named as the tree and its signed documents name them (relative to the tree root). Lines about a
+node or a layer start with ``node N:`` / ``layer L:``.
 
     verify_path(path, public_key, now=None, state=None, summary=None) -> Report
 """
@@ -44,11 +55,12 @@ from fq.provenance.assembly import SUFFIX, PlanState, check_geometry
 from fq.provenance.attest.campaign import campaign_digest
 from fq.provenance.attest.fragment import Attested, verify_shard
 from fq.provenance.attest.keys import fingerprint
+from fq.provenance.exl3config import EXPERT_BIAS
 from fq.provenance.fragments import attestation_name
-from fq.provenance.manifest import MANIFEST_NAME, check_base_files, read_base_manifest
-from fq.provenance.product import BESIDE, objective, open_product
-from fq.provenance.publication import (NAME as PUBLICATION_NAME, Statement, file_problems, plan_problems,
-                                       read_publication)
+from fq.provenance.manifest import MANIFEST_NAME, Manifest, check_base_files, read_base_manifest
+from fq.provenance.product import Product, objective, open_product
+from fq.provenance.publication import (NAME as PUBLICATION_NAME, Statement, file_problems, other_campaign,
+                                       plan_problems, read_publication, replaced_bases)
 from fq.provenance.summary import SUMMARY_NAME, check_summary, check_summary_publication
 
 ATT_SUFFIX = ".safetensors.intoto.jsonl"
@@ -66,6 +78,7 @@ class Report:
     digests: dict = field(default_factory=dict)  # tree mode: name -> sha256 a verified signed document states for it
     campaigns: dict = field(default_factory=dict)  # campaign digest -> (first document naming it, identity)
     wrong_key: list = field(default_factory=list)  # SignatureErrors: documents with no signature by the pinned key
+    about: dict = field(default_factory=dict, repr=False)  # tree mode: problem index -> tree-relative file it is about
 
     @property
     def ok(self) -> bool:
@@ -85,18 +98,34 @@ class Report:
         for pub in self.publications:
             state.record_publication(pub)
 
-    def fail(self, e: FqError) -> None:
-        self.problems.append(str(e))
+    def add(self, problem: str, about: str | None = None) -> None:
+        """One problem line; ``about``: the tree-relative file it is about (dropped with its directory when that
+        directory is reported whole, ``drop_under``)."""
+        if about is not None:
+            self.about[len(self.problems)] = about
+        self.problems.append(problem)
+
+    def fail(self, e: FqError, about: str | None = None) -> None:
+        self.add(str(e), about)
         if isinstance(e, SignatureError):
             self.wrong_key.append(e)
 
-    def campaign(self, ident: dict, where: str) -> None:
+    def drop_under(self, dirs: set[str]) -> None:
+        """Drop the lines about files under ``dirs`` (tree-relative directories reported whole, one line each)."""
+        if not dirs:
+            return
+        kept = [(p, self.about.get(i)) for i, p in enumerate(self.problems)
+                if self.about.get(i) is None or not _under(self.about[i], dirs)]
+        self.problems = [p for p, _ in kept]
+        self.about = {i: a for i, (_, a) in enumerate(kept) if a is not None}
+
+    def campaign(self, ident: dict, where: str, about: str | None = None) -> None:
         d = campaign_digest(ident)
         if self.campaigns and d not in self.campaigns:
             first_where, first = next(iter(self.campaigns.values()))
             field = next(k for k in sorted(set(ident) | set(first)) if ident.get(k) != first.get(k))
-            self.problems.append(f"{where}: campaign identity differs in {field!r} from {first_where}'s "
-                                 "(two campaigns in one tree)")
+            self.add(f"{where}: campaign identity differs in {field!r} from {first_where}'s "
+                     "(two campaigns in one tree)", about)
         self.campaigns.setdefault(d, (where, ident))
 
     def collapse_wrong_key(self, path: Path, public_key) -> None:
@@ -108,28 +137,47 @@ class Report:
                              f"{', '.join(ids) or 'none'}); is --key this campaign's signer?"]
 
 
+class _Located(FqError):
+    """A plan's problem that is about another file (``about``, relative to the plan's root): the base manifest it
+    pins, say; dropped with that file's directory when the directory is reported whole."""
+
+    def __init__(self, message: str, about: str):
+        super().__init__(message)
+        self.about = about
+
+
+def _under(name: str, dirs) -> bool:
+    """Whether ``name`` lies under one of ``dirs`` (tree-relative directories)."""
+    return any(name.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
 def _kind(path: Path) -> str:
     mode = os.lstat(path).st_mode
     return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else describe_mode(mode)
 
 
-def _check_plan(report: Report, path: Path, root: Path, public_key, now, state, verified: dict[str, Attested],
-                failed: frozenset[str] = frozenset(), missing: dict[str, list[str]] | None = None,
-                publication: str | None = BESIDE):
-    """A plan as every consumer opens it, then each fragment it names. ``verified``/``failed``: fragments
-    already checked (or refused) on their own; ``missing`` (tree mode): fragment name -> products needing it,
-    filled here and reported once by the caller; without it a missing fragment is this plan's problem.
-    ``publication``: None in tree mode, where the tree's statement is checked against every plan at once."""
-    product = open_product(path, public_key, root=root, now=now, state=state, publication=publication)
+def _check_plan(report: Report, product: Product, path: Path, root: Path, public_key, verified: dict[str, Attested],
+                skip=lambda name: False, missing: dict[str, list[str]] | None = None,
+                manifests: dict[str, Manifest | None] | None = None):
+    """Each fragment an opened plan names, and the base manifest it pins. ``verified``: fragments already checked
+    on their own; ``skip(name)``: names whose problem is already reported (a refused fragment, a stale one, one
+    under a symlinked directory); ``missing`` (tree mode): file name -> products needing it, filled here (fragments
+    and base manifests) and reported once by the caller; without it a missing fragment is this plan's problem.
+    ``manifests`` (tree mode): the base manifests the tree holds, already read (None: refused, its own problem)."""
     plan = product.predicate
-    report.campaign(plan["campaign"], str(path))
     manifest_name = plan["base"]["manifest"]["name"]
-    manifest = read_base_manifest(root / plan["base"]["dir"], public_key, plan["campaign"])
-    if manifest.sha256 != plan["base"]["manifest"]["sha256"]:
-        raise FqError(f"{path}: {manifest_name} is not the base manifest the plan pins")
+    file = f"{plan['base']['dir']}/{MANIFEST_NAME}"
+    if manifests is None:
+        manifest = read_base_manifest(root / plan["base"]["dir"], public_key, plan["campaign"])
+    else:
+        manifest = manifests.get(file)
+        if file not in manifests and not skip(file):
+            missing.setdefault(file, []).append(plan["product"])
+    if manifest is not None and manifest.sha256 != plan["base"]["manifest"]["sha256"]:
+        raise _Located(f"{path}: {manifest_name} is not the base manifest the plan pins", file)
     atts, absent = [], []
     for f in plan["fragments"]:
-        if f["name"] in failed:
+        if skip(f["name"]):
             continue  # already reported as its own problem
         att = verified.get(f["name"])
         if att is None and not os.path.lexists(root / f["name"]):
@@ -171,7 +219,7 @@ def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: d
         if name.endswith(".safetensors") or name.endswith(ATT_SUFFIX):
             shard = name[: -len(".intoto.jsonl")] if name.endswith(ATT_SUFFIX) else name
             att = verify_shard(path.parent, shard, public_key)
-            report.campaign(att.predicate["campaign"], shard)
+            report.campaign(att.predicate["campaign"], str(path))
             report.shards += 1
         elif name == MANIFEST_NAME:
             manifest = read_base_manifest(path.parent, public_key)
@@ -180,7 +228,9 @@ def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: d
         elif name.endswith(SUFFIX):
             if path.parent.name != "assemblies":
                 raise FqError(f"{path}: a plan is verified from ROOT/assemblies/, where its fragment names resolve")
-            _check_plan(report, path, path.parent.parent, public_key, now, state, {})
+            product = open_product(path, public_key, root=path.parent.parent, now=now, state=state)
+            report.campaign(product.predicate["campaign"], str(path))
+            _check_plan(report, product, path, path.parent.parent, public_key, {})
             report.assemblies += 1
         elif name == PUBLICATION_NAME:
             stmt = read_publication(path.parent, public_key)
@@ -205,21 +255,24 @@ def _scoped(names, prefix: str) -> dict[str, str]:
 def _verify_tree(report: Report, root: Path, public_key, now, state, summary=None) -> None:
     files: list[str] = []
     unusable: set[str] = set()  # symlinks and special files: reported once, not again as missing
+    unusable_dirs: set[str] = set()  # symlinked directories: nothing under them is reported again
     for dirpath, dirnames, filenames in os.walk(root):
         for d in list(dirnames):
             if os.path.islink(os.path.join(dirpath, d)):
-                report.problems.append(f"{Path(dirpath, d)}: is a symlink; a published tree holds only real files")
-                unusable.add(Path(dirpath, d).relative_to(root).as_posix())
+                rel = Path(dirpath, d).relative_to(root).as_posix()
+                report.add(f"{Path(dirpath, d)}: is a symlink; a published tree holds only real files", rel)
+                unusable.add(rel)
+                unusable_dirs.add(rel)
                 dirnames.remove(d)
         dirnames.sort()
         for f in sorted(filenames):
             rel = Path(dirpath, f).relative_to(root).as_posix()
             kind = _kind(root / rel)
             if kind != "file":
-                report.problems.append(f"{root / rel}: is {kind}, expected a regular file")
+                report.add(f"{root / rel}: is {kind}, expected a regular file", rel)
                 unusable.add(rel)
             elif f.startswith(".tmp-"):
-                report.problems.append(f"{root / rel}: leftover temporary file of an interrupted write")
+                report.add(f"{root / rel}: leftover temporary file of an interrupted write", rel)
                 unusable.add(rel)
             else:
                 files.append(rel)
@@ -228,19 +281,24 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
     verified: dict[str, Attested] = {}
     failed: set[str] = set(unusable)
     digests: dict[str, str] = {}  # tree-relative name -> sha256 the signed document covering it states
+    manifests: dict[str, Manifest | None] = {}  # tree-relative base manifest -> what it verified as (None: refused)
     orphans: list[str] = []  # attestations without their shard
-    for rel in files:
+    derived: set[str] = set()  # tree-relative names a verified base manifest declares derived (recomputed, unattested)
+    postponed = [rel for rel in files if Path(rel).name == EXPERT_BIAS]  # a shard unless its manifest derives it
+    for rel in [r for r in files if r not in postponed] + postponed:
         p = root / rel
+        if rel in derived:
+            continue  # listed by its manifest and recomputed by check_base_files
         if rel.endswith(".safetensors"):
             covered.add(rel)
             try:
                 att = verify_shard(root, rel, public_key)
-                report.campaign(att.predicate["campaign"], rel)
+                report.campaign(att.predicate["campaign"], str(p), rel)
                 verified[rel] = att
                 digests[rel], digests[attestation_name(rel)] = att.sha256, att.attestation_sha256
                 report.shards += 1
             except FqError as e:
-                report.fail(e)
+                report.fail(e, rel)
                 failed.add(rel)
         elif rel.endswith(ATT_SUFFIX):
             covered.add(rel)
@@ -251,19 +309,22 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
             base = p.parent
             try:
                 manifest = read_base_manifest(base, public_key)
-                report.campaign(manifest.campaign, rel)
-                report.problems += check_base_files(base, manifest)
+                report.campaign(manifest.campaign, str(p), rel)
+                for line in check_base_files(base, manifest):
+                    report.add(line, rel)
                 prefix = base.relative_to(root).as_posix()
                 listed = [n if prefix == "." else f"{prefix}/{n}" for n in manifest.files]
                 covered.update(listed)
+                derived.update(d["name"] if prefix == "." else f"{prefix}/{d['name']}" for d in manifest.derived)
                 digests[rel] = manifest.sha256
                 for n, full in zip(manifest.files, listed):
                     digests.setdefault(full, manifest.files[n][0])
+                manifests[rel] = manifest
                 report.manifests += 1
             except FqError as e:
-                report.fail(e)
-    _check_edges(report, verified)
-    _check_node_digests(report, verified)
+                report.fail(e, rel)
+                manifests[rel] = None
+    _check_edges(report, root, verified)
     _check_hessians(report, verified)
 
     # publication statements: at the root of a published tree, and beside every assemblies/ directory
@@ -277,58 +338,122 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
         rel = PUBLICATION_NAME if scope == "." else f"{scope}/{PUBLICATION_NAME}"
         where = root / rel
         if rel not in present:
-            if rel not in unusable:
-                report.problems.append(f"{where}: missing; a published tree carries the signed publication statement "
-                                       "finalize writes (what it contains, with its version)")
+            if rel not in unusable and not _under(rel, unusable_dirs):
+                report.add(f"{where}: missing; a published tree carries the signed publication statement "
+                           "finalize writes (what it contains, with its version)", rel)
             publications[scope] = False
             continue
         covered.add(rel)
         try:
             stmt = read_publication(where.parent, public_key)
-            report.campaign(stmt.predicate["campaign"], rel)
+            report.campaign(stmt.predicate["campaign"], str(where), rel)
             if state is not None:
                 state.check_publication(stmt)
             publications[scope] = stmt
             report.publications.append(stmt)
         except FqError as e:
-            report.fail(e)
+            report.fail(e, rel)
             publications[scope] = False
 
-    plans = {}
-    missing: dict[str, list[str]] = {}  # fragment (tree-relative) -> products whose plans need it
+    # plans: opened first (signature, chain, expiry, state), so that the node digests their chains name are known
+    # before any fragment is checked against them
+    opened: dict[str, tuple[Product, str]] = {}  # plan file -> (product, its root relative to the tree's)
+    chains: dict[str, dict[str, list[str]]] = {}  # node -> node_digest the plans' chains name -> their products
     for rel in plan_files:
         covered.add(rel)
         plan_root = (root / rel).parent.parent
         prefix = plan_root.relative_to(root).as_posix()
         try:
+            product = open_product(root / rel, public_key, root=plan_root, now=now, state=state, publication=None)
+            stmt = publications.get(prefix)
+            foreign = other_campaign(product.predicate["campaign"], stmt.predicate["campaign"]) if stmt else None
+            if foreign:
+                raise FqError(f"{root / rel}: a plan of another publication: its campaign identity differs in "
+                              f"{foreign} from that of {stmt.path} (version {stmt.version})")
+            report.campaign(product.predicate["campaign"], str(root / rel), rel)
+            for n in product.predicate["chain"]:
+                chains.setdefault(n["node"], {}).setdefault(n["digest"], []).append(product.predicate["product"])
+            opened[rel] = (product, prefix)
+        except FqError as e:
+            report.fail(e, rel)
+    stale = _check_node_digests(report, verified, chains)
+    failed |= stale
+
+    def skipper(prefix: str):
+        def skip(name: str) -> bool:
+            full = name if prefix == "." else f"{prefix}/{name}"
+            return full in failed or _under(full, unusable_dirs)
+        return skip
+
+    plans = {}
+    missing: dict[str, list[str]] = {}  # file (tree-relative) -> products whose plans need it
+    for rel, (product, prefix) in opened.items():
+        plan_root = (root / rel).parent.parent
+        try:
             scoped_verified = {k: verified[full] for full, k in _scoped(verified, prefix).items()}
+            scoped_manifests = {k: manifests[full] for full, k in _scoped(manifests, prefix).items()}
             need: dict[str, list[str]] = {}
-            plans[rel] = _check_plan(report, root / rel, plan_root, public_key, now, state, scoped_verified,
-                                     frozenset(_scoped(failed, prefix).values()), need, None)
+            plans[rel] = _check_plan(report, product, root / rel, plan_root, public_key, scoped_verified,
+                                     skipper(prefix), need, scoped_manifests)
             for name, products in need.items():
                 missing.setdefault(name if prefix == "." else f"{prefix}/{name}", []).extend(products)
             digests[rel] = plans[rel].sha256
             report.assemblies += 1
+        except _Located as e:
+            report.fail(e, e.about if prefix == "." else f"{prefix}/{e.about}")
         except FqError as e:
-            report.fail(e)
+            report.fail(e, rel)
+
+    listed_all = {n if scope == "." else f"{scope}/{n}" for scope, stmt in publications.items() if stmt
+                  for n in stmt.files}  # tree-relative names the verified statements list
+    reported: set[str] = set(unusable) | {d + "/" for d in unusable_dirs} | stale | \
+        {attestation_name(n) for n in stale}  # tree-relative names (directories end in "/") reported already
     for key, names in sorted(_missing_groups(missing, present).items()):
         products = sorted({p for n in names for p in missing[n]})
-        what = f"{root / key}: missing" if len(names) == 1 else \
-            f"{root / key}: missing, with the {len(names)} fragments in it"
-        report.problems.append(f"{what} (needed by plan{'s' if len(products) > 1 else ''} {', '.join(products)})")
-    reported_missing = set(missing) | {attestation_name(n) for n in missing}
+        needed = f"(needed by plan{'s' if len(products) > 1 else ''} {', '.join(products)})"
+        reported.update(names)
+        reported.update(attestation_name(n) for n in names if n.endswith(".safetensors"))
+        if key in names:
+            report.add(f"{root / key}: missing {needed}", key)
+            continue
+        reported.add(key + "/")
+        frags = [n for n in names if n.endswith(".safetensors")]
+        inside = set(frags) | {attestation_name(n) for n in frags}
+        extra = {n for n in listed_all if n.startswith(key + "/")} - inside
+        what = [f"the {len(frags)} fragment{'s' if len(frags) > 1 else ''} in it"] if frags else []
+        if extra:
+            what.append(f"{len(extra)} more file(s) {PUBLICATION_NAME} lists there" if frags else
+                        f"the {len(extra)} file(s) {PUBLICATION_NAME} lists there")
+        if len(names) == 1 and not extra:
+            report.add(f"{root / key}: missing {needed}", key)
+        else:
+            report.add(f"{root / key}: missing, with {' and '.join(what) or f'the {len(names)} files in it'} "
+                       f"{needed}", key)
     for rel in orphans:
         if rel[: -len(".intoto.jsonl")] not in missing:
-            report.problems.append(f"{root / rel}: attestation without its shard {rel[: -len('.intoto.jsonl')]}")
+            report.add(f"{root / rel}: attestation without its shard {rel[: -len('.intoto.jsonl')]}", rel)
 
+    replaced: set[str] = set()  # base directories holding another base than the listed one: one line each
     for scope, stmt in sorted(publications.items()):
         if not stmt:
             continue
         scoped = _scoped(present, scope)
         inside = set(scoped.values()) - {PUBLICATION_NAME, SUMMARY_NAME}
-        report.problems += file_problems(stmt, root if scope == "." else root / scope, inside,
-                                         {k: digests[full] for full, k in scoped.items() if full in digests},
-                                         set(_scoped(reported_missing | unusable, scope).values()))
+        scoped_digests = {k: digests[full] for full, k in scoped.items() if full in digests}
+        users: dict[str, list[str]] = {}  # base manifest (scope-relative) -> products of the plans pinning it
+        for rel, (product, prefix) in opened.items():
+            if prefix == scope:
+                users.setdefault(product.predicate["base"]["manifest"]["name"], []).append(product.predicate["product"])
+        lines, dirs = replaced_bases(stmt, root if scope == "." else root / scope, inside, scoped_digests,
+                                     {k: m.node for full, k in _scoped(manifests, scope).items()
+                                      if (m := manifests[full]) is not None}, users)
+        for line in lines:
+            report.add(line)
+        replaced.update(d if scope == "." else f"{scope}/{d}" for d in dirs)
+        scoped_reported = {k for k in _scoped(reported, scope).values() if k} | {d + "/" for d in dirs}
+        reencoded = {k for full, k in _scoped(plans, scope).items() if not plans[full].canonical}
+        report.problems += file_problems(stmt, root if scope == "." else root / scope, inside, scoped_digests,
+                                         reported=scoped_reported, reencoded=reencoded)
         report.problems += plan_problems(stmt, {k: plans[full] for full, k in _scoped(plans, scope).items()})
 
     if SUMMARY_NAME in present or summary is not None:
@@ -348,9 +473,14 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
                                                  unverified)
         except FqError as e:
             report.fail(e)
+    # a base directory whose manifest is missing or refused (one line, above): its files are not "not covered" too
+    unmanifested = {Path(m).parent.as_posix() for m, v in manifests.items() if v is None} | \
+        {Path(m).parent.as_posix() for m in set(missing) | set(listed_all)
+         if Path(m).name == MANIFEST_NAME and m not in present}
     for rel in files:
-        if rel not in covered:
-            report.problems.append(f"{root / rel}: not covered by any attestation or base manifest")
+        if rel not in covered and not _under(rel, unmanifested):
+            report.add(f"{root / rel}: not covered by any attestation or base manifest", rel)
+    report.drop_under(replaced)
     report.digests = digests
     if not files and not report.problems:
         report.problems.append(f"{root}: no files to verify")
@@ -368,20 +498,45 @@ def _missing_groups(missing: dict[str, list[str]], present: set[str]) -> dict[st
     return groups
 
 
-def _check_node_digests(report: Report, verified: dict[str, Attested]) -> None:
-    """One node, one definition: every fragment of a node in a tree must attest the same node_digest."""
+def _check_node_digests(report: Report, verified: dict[str, Attested], chains: dict[str, dict[str, list[str]]]
+                        ) -> set[str]:
+    """One node, one definition: every fragment of a node in a tree must attest the node_digest the plans' chains
+    name for it (``chains``: node -> digest -> products). When they name one, a fragment attesting another is stale:
+    named here once (returned, so that no plan and no publication line reports it again). Without a plan naming
+    the node, or with plans naming several digests, a node whose fragments attest several is one line too."""
     by_node: dict[str, dict[str, list[str]]] = {}
     for rel, att in sorted(verified.items()):
         p = att.predicate
         if p["kind"] == "expert":
             by_node.setdefault(p["node"], {}).setdefault(p["node_digest"], []).append(rel)
+    stale: set[str] = set()
     for node, digests in sorted(by_node.items()):
-        if len(digests) > 1:
+        named = chains.get(node, {})
+        if len(named) == 1:
+            (current, products), = named.items()
+            old = sorted(((d, rels) for d, rels in digests.items() if d != current),
+                         key=lambda kv: (-len(kv[1]), kv[1][0]))
+            if not old:
+                continue
+            n = sum(len(rels) for _, rels in old)
+            total = sum(len(rels) for rels in digests.values())
+            listed = "; ".join(f"{d[:16]}…: {len(rels)} ({rels[0]}{', …' if len(rels) > 1 else ''})"
+                               for d, rels in old)
+            products = sorted(set(products))
+            report.add(f"node {node}: {n} of its {total} fragments {'was' if n == 1 else 'were'} encoded for a stale "
+                       f"definition (node_digest {listed}); the current definition is {current[:16]}…, the digest "
+                       f"the chain of plan{'s' if len(products) > 1 else ''} {', '.join(products)} names; re-encode "
+                       f"the stale {'one' if n == 1 else 'ones'}")
+            stale.update(r for _, rels in old for r in rels)
+        elif len(digests) > 1:
             groups = sorted(digests.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
             listed = "; ".join(f"{d[:16]}…: {len(rels)} ({rels[0]}{', …' if len(rels) > 1 else ''})"
                                for d, rels in groups)
-            report.problems.append(f"node {node}: its fragments were encoded for {len(digests)} different "
-                                   f"definitions (node_digest {listed}); re-encode the stale ones")
+            which = (f"no plan in the tree names node {node}, so which is current is not known" if not named else
+                     f"the plans' chains name {len(named)} different digests for it")
+            report.add(f"node {node}: its fragments were encoded for {len(digests)} different definitions "
+                       f"(node_digest {listed}); {which}; re-encode the stale ones")
+    return stale
 
 
 def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
@@ -402,7 +557,7 @@ def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
                                    f"objectives ({listed}); a campaign binds one Hessian per layer")
 
 
-def _check_edges(report: Report, verified: dict[str, Attested]) -> None:
+def _check_edges(report: Report, root: Path, verified: dict[str, Attested]) -> None:
     """A stage's recorded parent digest must be the parent fragment's, wherever that is in the tree."""
     by_base = {}
     for rel, att in verified.items():
@@ -413,8 +568,8 @@ def _check_edges(report: Report, verified: dict[str, Attested]) -> None:
             continue
         for cand in by_base.get(parent["name"], []):
             if cand.sha256 != parent["sha256"]:
-                report.problems.append(f"{rel}: records parent {parent['name']} sha256 {parent['sha256'][:16]}…, "
-                                       f"but {cand.name} is {cand.sha256[:16]}… (chain edge broken)")
+                report.add(f"{root / rel}: records parent {parent['name']} sha256 {parent['sha256'][:16]}…, "
+                           f"but {cand.name} is {cand.sha256[:16]}… (chain edge broken)", rel)
 
 
 def publication_versions(report) -> str:

@@ -100,8 +100,12 @@ def read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[He
 
 
 def check_tensor_file(base_dir: Path, name: str, base: VerifiedBase, plan: dict) -> str:
-    """The kind ("skeleton" or "expert") of one tensor file of a verified base, which a runtime may load only if it
-    is an attested shard and, for expert fragments, one of the plan's base fragments with the plan's digest."""
+    """The kind ("skeleton", "expert" or "derived") of one tensor file of a verified base, which a runtime may load
+    only if it is an attested shard and, for expert fragments, one of the plan's base fragments with the plan's
+    digest, or a file the manifest declares derived (recomputed by ``verify_base``: gpt-oss's per-expert biases,
+    which exllamav3 reads and fq's own runtime, holding the fused ones, does not)."""
+    if any(d["name"] == name for d in base.manifest.derived):
+        return "derived"
     att = base.shards.get(name)
     if att is None:
         raise FqError(f"{base_dir}/{name}: a tensor file without an attestation; a runtime loads attested shards only")
@@ -137,6 +141,8 @@ def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: Expert
     sets: dict = {}
     for name in sorted(n for n in files if n.endswith(".safetensors")):
         kind = check_tensor_file(base_dir, name, base, plan)
+        if kind == "derived":
+            continue  # the skeleton's fused biases are what this runtime (transformers' module) reads
         header, data = read_verified(base_dir, name, *files[name])
         if kind == "skeleton":
             for e in header.entries:

@@ -203,8 +203,9 @@ class ProductSource:
             raise FqError(f"{base_dir}: base manifest sha256 {manifest.sha256[:16]}… is not the one the plan pins")
         fragments = {f["name"][len(base_rel) + 1:] for f in pred["fragments"] if f["name"].startswith(base_rel + "/")}
         index = {}
+        derived = {d["name"] for d in manifest.derived}  # gpt-oss's per-expert biases: the skeleton's fused ones serve
         for name, (digest, _) in sorted(manifest.files.items()):
-            if not name.endswith(".safetensors") or name in fragments:
+            if not name.endswith(".safetensors") or name in fragments or name in derived:
                 continue
             where = f"{base_dir}/{name}"
             att = read_attestation(base_dir, name, self.key, pred["campaign"])

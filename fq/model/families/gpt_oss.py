@@ -21,10 +21,10 @@ GPT_OSS = Family(
     moe_rule=AllLayers(), router="mlp.router", exl3="GptOssForCausalLM",
     on_disk="`model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}[_bias]` (E first; MXFP4: `*_blocks`, `*_scales`)",
     fused_experts=("gate_up_proj", "down_proj"),
-    # exllamav3's gpt-oss class reads an EXL3 expert's bias as mlp.experts.{E}.{gate,up,down}_proj.bias (the fused
-    # biases split per expert): fq's bases keep the fused bias tensors as published, so exllamav3 would run without
-    exl3_needs=Exl3Needs(always="exllamav3 1.6.5 reads an EXL3 expert's bias as mlp.experts.{E}.{gate,up,down}_proj.bias;"
-                                " fq's bases keep gpt-oss's fused gate_up_proj_bias / down_proj_bias as published"),
+    # exllamav3's gpt-oss class reads an EXL3 expert's bias as mlp.experts.{E}.{gate,up,down}_proj.bias: a base
+    # derives those from the skeleton's fused biases (expert_bias.safetensors, fq.provenance.exl3config). The real
+    # checkpoints' hidden 2880 is not a multiple of 128 and is refused when the source is read (no padded encodes yet)
+    exl3_needs=Exl3Needs(),
     calibration=Calibration("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssDecoderLayer",
                             "GptOssRotaryEmbedding", fused_experts=True, act_inputs=_act_inputs,
                             intermediate=_intermediate, router="router", mask_type=per_layer_types,

@@ -14,6 +14,8 @@ Consumer side::
 
     read_attestation(root, name, public_key) -> Attested   # signature first, then parse; no payload read
     verify_shard(root, name, public_key, campaign=None) -> Attested   # plus one pass over the shard
+
+Their errors name the files as ``root/name`` (``label``): the same path whichever consumer reads them.
 """
 from __future__ import annotations
 
@@ -186,13 +188,19 @@ def check_location(name: str, pred: dict, att: str) -> None:
         raise FqError(f"{att}: a {pred['role']} fragment lies under {parts[-3]}/; {pred['role']}s live under {area}/")
 
 
+def label(root: str | os.PathLike, name: str) -> str:
+    """How messages name ``root/name``: the root as the caller gave it joined with the name (one path, the same in
+    every consumer's messages: ``fq verify``'s lines, ``fq combine``'s, the runtime's)."""
+    return str(Path(root, name))
+
+
 def read_attestation(root: str | os.PathLike, name: str, public_key: Ed25519PublicKey,
                      campaign: dict | None = None, sha256: str | None = None) -> Attested:
     """Verify the attestation of shard ``root/name`` without touching the shard. ``sha256``: the
     attestation digest a plan pins, compared first: a line that is not the pinned one is refused whatever
     else it holds (its own problems, found with bounded work, only word the refusal)."""
-    att = attestation_name(name)
-    data = read_regular(root, att, att)
+    att = label(root, attestation_name(name))
+    data = read_regular(root, attestation_name(name), att)
     if sha256 is not None and sha256_hex(data) != sha256:
         # refused: not the line the plan pins. Its own problem, if it has one, says more than "another digest";
         # finding it is bounded work (capped signatures, size and depth limits)
@@ -292,8 +300,9 @@ def verify_shard(root: str | os.PathLike, name: str, public_key: Ed25519PublicKe
                  campaign: dict | None = None) -> Attested:
     """Attestation first (signature, then parse), then one read of the shard checked against it."""
     att = read_attestation(root, name, public_key, campaign)
-    with open_regular(root, name, name, size=att.predicate["shard"]["size"], listed_by="its attestation") as fh:
-        check_header(att, read_header(fh, name), name)  # a header altered after signing, named as such
-        info = describe(fh, name)
-    compare(att, info, name)
+    where = label(root, name)
+    with open_regular(root, name, where, size=att.predicate["shard"]["size"], listed_by="its attestation") as fh:
+        check_header(att, read_header(fh, where), where)  # a header altered after signing, named as such
+        info = describe(fh, name, where)
+    compare(att, info, where)
     return Attested(att.name, att.sha256, att.attestation_sha256, att.predicate, info)
