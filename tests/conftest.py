@@ -57,6 +57,14 @@ def glm5():
 
 
 
+def pytest_configure(config):
+    """pytest-xdist (3.x) hands out --dist loadfile's modules by their number of tests, most first, unless told
+    otherwise (--no-loadscope-reorder): that put the campaign modules, which have few tests and most of the
+    suite's time, last. The schedule is the order below instead."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """Modules with the most slow tests first (order kept otherwise): under `make test`'s xdist (--dist loadfile)
     a long module that started last would run alone on one core at the end."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fq.core import canonical
-from test_workflow import RECIPE, campaign, smk, write_config
+from test_workflow import REPO, RECIPE, campaign, smk, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,9 @@ CALIBRATION = {"text": None, "sha256": None, "rows": 4, "columns": 64, "capture"
                "compare_weight_only": True}
 EVAL = {"text": None, "tokens": 512, "seq_len": 128}  # 4 windows: small, the twins are measured beside each product
 RECIPE2 = dict(RECIPE, nodes=RECIPE["nodes"][:2], products=RECIPE["products"][:2])  # base + one stage: fewer jobs
+# No hot stage here, so nothing selects experts from the usage statistics: the campaign plans from the usage
+# recorded with the demo model (config usage:) instead of measuring it again (the usage job: test_workflow.py)
+USAGE = str(REPO / "fq" / "data" / "demo" / "usage.json")
 
 
 def sha256(p: Path) -> str:
@@ -38,7 +41,7 @@ def statement(p: Path) -> dict:
 @pytest.fixture(scope="module")
 def cal(tmp_path_factory):
     d = tmp_path_factory.mktemp("cal")
-    write_config(d, RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2")  # one window: fewer jobs
+    write_config(d, RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)  # one window: fewer jobs
     smk(d)
     return d
 

@@ -1,13 +1,14 @@
 """The Snakemake campaign workflow, run for real (Snakemake as a subprocess) on the embedded demo model.
 
 One campaign is built once per module (K3 nodes: on the CPU the cheapest Viterbi per tile, about 25% under K1) and then poked: a second run,
-a deleted fragment, a recipe change, finalize twice, a stray shard, fq combine, the staging log.
+a deleted fragment, a recipe change (on a copy of the campaign), finalize twice, a stray shard, fq combine, the staging log.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -69,6 +70,13 @@ def campaign(d: Path):
         return c
     finally:
         os.chdir(cwd)
+
+
+def copy_campaign(d: Path, to: Path) -> Path:
+    """A finished campaign's working directory copied whole (config, recipe, Snakemake's records, every file's
+    mtime), for a test that changes it and runs Snakemake again instead of changing the module's campaign back."""
+    shutil.copytree(d, to, symlinks=True)
+    return to
 
 
 def fragment_mtimes(d: Path) -> dict[str, int]:
@@ -239,7 +247,7 @@ def test_deleted_fragment_reruns_only_itself_and_its_descendants(run):
 
 
 def test_changing_a_stage_K_reruns_only_that_node_and_descendants(run, tmp_path):
-    d, _ = run
+    d = copy_campaign(run[0], tmp_path / "wf")  # a copy: the module's campaign keeps its recipe for the tests after
     recipe = json.loads(json.dumps(RECIPE))
     recipe["nodes"][2]["K"] = 2  # a.r1.h2: K3 -> K2
     write_config(d, recipe, eval=EVAL)
@@ -249,15 +257,14 @@ def test_changing_a_stage_K_reruns_only_that_node_and_descendants(run, tmp_path)
     changed = {k.split("/")[2] for k in after if after[k] != before.get(k)}
     assert changed == {"a.r1.h2"}
     assert (d / "campaign" / "published.verified").read_text().startswith("ok: ")
-    write_config(d, RECIPE, eval=EVAL)
-    smk(d)  # back to the module's recipe for the tests that follow
 
 
 def test_finalize_twice_same_bytes_and_stray_refused(run):
     d, _ = run
     root = d / "campaign" / "published"
     first = tree_digest(root)
-    smk(d, "--forcerun", "finalize")
+    # up to the published tree: eval and the report, downstream of it, run again once, after the stray run below
+    smk(d, "campaign/published.verified", "--forcerun", "finalize")  # the target first: --forcerun takes a list
     assert tree_digest(root) == first
     stray = d / "campaign" / "fragments" / "a" / "a-layer009-block000.safetensors"
     stray.write_bytes(b"not ours")
@@ -346,14 +353,17 @@ LAYER_MODE = {"device": "cpu", "devices": [], "threads": 1, "seed": 0, "per_job"
 
 @pytest.fixture(scope="module")
 def layer_run(run, tmp_path_factory):
-    """The module's campaign again with one encode job per (node, layer), signed with the block-mode run's key.
-    Its first run is SIGKILLed (the whole process group, as a preemption would) once the first layer job has
-    committed its first block and is encoding the second; the second run resumes it."""
+    """The module's campaign again with one encode job per (node, layer), signed with the block-mode run's key and
+    planned from the expert usage the block-mode run measured (config usage:, so no usage job: the block-mode run
+    tests that one, and plan.json records the file's digest only). Its first run is SIGKILLed (the whole process
+    group, as a preemption would) once the first layer job has committed its first block and is encoding the
+    second; the second run resumes it."""
     import crashkit as k
 
     d0, _ = run
     d = tmp_path_factory.mktemp("wf-layer")
-    write_config(d, RECIPE, encode=LAYER_MODE, signer_key=str(d0 / "campaign" / "keys" / "signer.key"))
+    write_config(d, RECIPE, encode=LAYER_MODE, signer_key=str(d0 / "campaign" / "keys" / "signer.key"),
+                 usage=str(d0 / "campaign" / "usage" / "expert_usage.json"))
     dry = smk(d, "-n")
     camp = d / "campaign"
     first, second = (camp / "metrics" / "a" / f"a-layer001-block00{b}.json" for b in (0, 1))
