@@ -55,7 +55,6 @@ from fq.provenance.assembly import SUFFIX, PlanState, check_geometry
 from fq.provenance.attest.campaign import campaign_digest
 from fq.provenance.attest.fragment import Attested, verify_shard
 from fq.provenance.attest.keys import fingerprint
-from fq.provenance.exl3config import EXPERT_BIAS
 from fq.provenance.fragments import attestation_name
 from fq.provenance.manifest import MANIFEST_NAME, Manifest, check_base_files, read_base_manifest
 from fq.provenance.product import Product, objective, open_product
@@ -284,8 +283,8 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
     manifests: dict[str, Manifest | None] = {}  # tree-relative base manifest -> what it verified as (None: refused)
     orphans: list[str] = []  # attestations without their shard
     derived: set[str] = set()  # tree-relative names a verified base manifest declares derived (recomputed, unattested)
-    postponed = [rel for rel in files if Path(rel).name == EXPERT_BIAS]  # a shard unless its manifest derives it
-    for rel in [r for r in files if r not in postponed] + postponed:
+    # manifests first, so that a file one declares derived is known as such before it would be taken for a shard
+    for rel in sorted(files, key=lambda r: Path(r).name != MANIFEST_NAME):
         p = root / rel
         if rel in derived:
             continue  # listed by its manifest and recomputed by check_base_files
