@@ -325,8 +325,14 @@ def test_capture_layer_refusals(demo, cal, tmp_path):
     with pytest.raises(FqError, match="architecture 'LlamaForCausalLM' is not a model family fq reads; supported: "
                                       ".*Glm4MoeForCausalLM"):
         layer_mod.architecture(dict(ckpt.config, architectures=["LlamaForCausalLM"], model_type="llama"))
-    with pytest.raises(FqError, match=r"calibration: MiniMaxForCausalLM \(MiniMax-Text-01\) has no calibration chain"):
-        layer_mod.architecture(dict(ckpt.config, architectures=["MiniMaxForCausalLM"], model_type="minimax"))
+    # every registered family has a chain; one without (a family registered later) is refused by name
+    import dataclasses
+
+    from fq.model import families
+    bare = dataclasses.replace(families.by_name("minimax"), calibration=None)
+    with pytest.raises(FqError, match=r"x/config.json: calibration: MiniMaxForCausalLM \(MiniMax-Text-01\) has no "
+                                      r"calibration chain .*calibrated families: .*MiniMaxForCausalLM"):
+        families.check_calibration(bare, "x/config.json")
 
 
 def test_calibration_tokens(demo, cal, tmp_path):

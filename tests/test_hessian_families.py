@@ -73,7 +73,41 @@ FAMILIES = {
     "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
         intermediate_size=512, moe_intermediate_size=INTER, first_k_dense_replace=1, n_routed_experts=N_EXPERTS,
         n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=2, **MLA), [1, 2]),
+    # MLA with a DSA indexer whose top-8 of 32 columns makes the attention sparse; group-limited sigmoid routing
+    "deepseek_v32": ("DeepseekV32ForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, first_k_dense_replace=1, n_routed_experts=N_EXPERTS,
+        n_shared_experts=1, n_group=4, topk_group=2, index_topk=8, index_head_dim=32, index_n_heads=2, **MLA),
+        [1, 2]),
+    # gated-delta-net (layers 0, 2) and gated full attention (layer 1), every layer MoE with a gated shared expert
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", dict(
+        moe_intermediate_size=INTER, num_experts=N_EXPERTS, shared_expert_intermediate_size=INTER, head_dim=64,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention"]), [0, 1, 2]),
+    # lightning attention (layers 0, 2: blocks of 16, so that 32 columns carry state across blocks) and sliding
+    # softmax attention (layer 1), residual scales that act; layer 0's decay buffers are left out of the checkpoint
+    # (DERIVED_LEFT_OUT), layer 2's kept
+    "minimax": ("MiniMaxForCausalLM", dict(
+        intermediate_size=INTER, num_local_experts=N_EXPERTS, head_dim=64, block_size=16, sliding_window=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_attn_alpha_factor=1.5,
+        linear_attn_beta_factor=0.75, full_attn_alpha_factor=1.25, mlp_alpha_factor=0.5, mlp_beta_factor=2.0),
+        [0, 1, 2]),
+    # Phi-3.5-MoE's long-context rotary, config.json as Phi-3.5-MoE publishes it (rope_scaling, type longrope):
+    # 32 columns are past original_max_position_embeddings (16), the long regime (test_phimoe_longrope_short_rows:
+    # the short one)
+    "phimoe-longrope": ("PhimoeForCausalLM", dict(
+        intermediate_size=INTER, num_local_experts=N_EXPERTS, sliding_window=16, attention_bias=True,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                             short_factor=[1.0 + 0.05 * i for i in range(32)],
+                             long_factor=[2.0 + 0.25 * i for i in range(32)], short_mscale=1.1, long_mscale=1.3)),
+        [0, 1, 2]),
 }
+# layer -> the derived buffers (Calibration.derived_buffers) removed from the saved checkpoint
+DERIVED_LEFT_OUT = {"minimax": {0: ("self_attn.slope_rate", "self_attn.query_decay", "self_attn.key_decay",
+                                    "self_attn.diagonal_decay")}}
+
+
+def _model_type(case: str) -> str:
+    return case.split("-")[0]
 
 
 def _close(a, b, rtol=1e-5):
@@ -81,14 +115,16 @@ def _close(a, b, rtol=1e-5):
     return float((a - b).abs().max()) <= rtol * float(b.abs().max())
 
 
-def _save_tiny(model_type: str, d: Path) -> Path:
-    """A tiny random checkpoint of ``model_type``, saved by transformers in several shards; every bias (the routers'
-    e_score_correction_bias, gpt-oss's router, expert and attention biases) and gpt-oss's attention sinks made
-    non-zero, so that they act."""
+def _save_tiny(case: str, d: Path) -> Path:
+    """A tiny random checkpoint of ``case``'s model type, saved by transformers in several shards; every bias (the
+    routers' e_score_correction_bias, gpt-oss's router, expert and attention biases) and gpt-oss's attention sinks
+    made non-zero, so that they act. A longrope config.json is rewritten as published (rope_scaling, rope_theta);
+    the DERIVED_LEFT_OUT buffers are removed from the shards and the index."""
+    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _, args, _ = FAMILIES[model_type]
-    cfg = AutoConfig.for_model(model_type, **{**COMMON, **args})
+    _, args, _ = FAMILIES[case]
+    cfg = AutoConfig.for_model(_model_type(case), **{**COMMON, **args})
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(1)
@@ -97,7 +133,21 @@ def _save_tiny(model_type: str, d: Path) -> Path:
             if name.endswith(("bias", "sinks")):
                 t.add_(0.05 * torch.randn(t.shape, generator=g))
     m.save_pretrained(d, max_shard_size="1MB")
-    assert len(set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 3
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+    gone = [f"model.layers.{L}.{n}" for L, names in DERIVED_LEFT_OUT.get(case, {}).items() for n in names]
+    for shard in sorted({index["weight_map"].pop(n) for n in gone}):
+        t = load_file(str(d / shard))
+        save_file({k: v for k, v in t.items() if k not in gone}, str(d / shard), metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    rope = args.get("rope_parameters", {})
+    if rope.get("rope_type") == "longrope":
+        c = json.loads((d / "config.json").read_text())
+        r = dict(c.pop("rope_parameters"))
+        c["rope_theta"] = r.pop("rope_theta")
+        r["type"] = r.pop("rope_type")
+        c["rope_scaling"] = r
+        (d / "config.json").write_text(json.dumps(c))
     return d
 
 
@@ -105,25 +155,27 @@ def _save_tiny(model_type: str, d: Path) -> Path:
 def checkpoints(tmp_path_factory):
     made: dict = {}
 
-    def get(model_type: str) -> Path:
-        if model_type not in made:
-            made[model_type] = _save_tiny(model_type, tmp_path_factory.mktemp(model_type) / "model")
-        return made[model_type]
+    def get(case: str) -> Path:
+        if case not in made:
+            made[case] = _save_tiny(case, tmp_path_factory.mktemp(case) / "model")
+        return made[case]
     return get
 
 
-def _tokens():
-    return torch.randint(0, VOCAB, (ROWS, COLS), generator=torch.Generator().manual_seed(2))
+def _tokens(cols: int = COLS):
+    return torch.randint(0, VOCAB, (ROWS, cols), generator=torch.Generator().manual_seed(2))
 
 
-def _reference(d: Path, arch):
-    """The full transformers model (from_pretrained) on the tokens, with hooks: each layer's output, each MoE block's
-    input, its router's top-k and its experts module's inputs and output."""
+def _reference(d: Path, arch, tokens=None):
+    """The full transformers model (from_pretrained) on the tokens, with hooks: the position embeddings its layers
+    get, each layer's output, each MoE block's input, its router's top-k and its experts module's inputs and
+    output."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
-    handles = []
+    handles = [m.model.layers[0].register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(
+        "pos_emb", kw["position_embeddings"]), with_kwargs=True)]
     for L, lay in enumerate(m.model.layers):
         handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
             L, (out[0] if isinstance(out, tuple) else out).detach())))
@@ -136,10 +188,21 @@ def _reference(d: Path, arch):
             handles.append(block.experts.register_forward_hook(lambda _m, args, out, L=L: seen["experts"].__setitem__(
                 L, ([a.detach() for a in args], out.detach()))))
     with torch.no_grad():
-        m(input_ids=_tokens())
+        m(input_ids=_tokens() if tokens is None else tokens)
     for h in handles:
         h.remove()
     return m, seen
+
+
+def _same_position_embeddings(hfc, arch, hidden, seen) -> bool:
+    """The chain's rotary call (a fresh rotary module, positions 0..cols-1 of one row, as ``capture.advance``
+    makes it) gives the position embeddings the full model's layers got (broadcast over its rows)."""
+    pos = torch.arange(hidden.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        mine = layer_mod.rotary(hfc, arch)(hidden[:1], pos)
+    theirs = seen["pos_emb"]
+    pairs = zip(mine, theirs) if isinstance(theirs, tuple) else [(mine, theirs)]
+    return all(torch.equal(a.expand_as(b), b) for a, b in pairs)
 
 
 def _expert_act(experts, x, e):
@@ -158,10 +221,11 @@ def _expert_down(experts, a, e):
     return y + experts.down_proj_bias[e] if experts.has_bias else y
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_family_chain_reproduces_the_full_model(checkpoints, model_type):
-    name, _, moe_layers = FAMILIES[model_type]
-    d = checkpoints(model_type)
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_family_chain_reproduces_the_full_model(checkpoints, case):
+    name, _, moe_layers = FAMILIES[case]
+    d = checkpoints(case)
+    model_type = _model_type(case)
     ckpt = layer_mod.read_checkpoint(d)
     arch = layer_mod.architecture(ckpt.config)
     assert arch.name == name == ckpt.config["architectures"][0]
@@ -171,13 +235,15 @@ def test_family_chain_reproduces_the_full_model(checkpoints, model_type):
     # the chain's attention and experts implementations are what from_pretrained picked on the CPU
     assert (hfc._attn_implementation, hfc._experts_implementation) == \
         (m.config._attn_implementation, m.config._experts_implementation)
-    assert torch.equal(layer_mod.rotary(hfc, arch).inv_freq, m.model.rotary_emb.inv_freq)
+    assert torch.equal(layer_mod.rotary(hfc, arch).inv_freq, m.model.rotary_emb.original_inv_freq)
 
     hidden = capture.embed(ckpt, _tokens())
     assert torch.equal(hidden, m.model.embed_tokens(_tokens()).detach())
+    assert _same_position_embeddings(hfc, arch, hidden, seen)
     for L in range(3):
         tensors, shards = layer_mod.layer_tensors(ckpt, L)
         assert set(shards) == {ckpt.weight_map[n] for n in tensors}
+        assert not {f"model.layers.{L}.{n}" for n in DERIVED_LEFT_OUT.get(case, {}).get(L, ())} & set(tensors)
         # the layer module holds exactly the full model's layer (transformers' own checkpoint conversion)
         mine = layer_mod.build_layer(hfc, arch, L, tensors).state_dict()
         theirs = m.model.layers[L].state_dict()
@@ -194,6 +260,29 @@ def test_family_chain_reproduces_the_full_model(checkpoints, model_type):
         hidden = out
 
 
+def test_phimoe_longrope_both_regimes(checkpoints):
+    """Phi-3.5-MoE's longrope: a row of at most original_max_position_embeddings (16) columns takes the short regime
+    (short_mscale), a longer one the long regime (long_mscale), as the full model decides from the positions it
+    gets; the chain's rotary call, positions 0..cols-1 per row, gives what the full model's layers get at 16 and 17
+    columns, and the chain reproduces every layer's output in both (32 columns, with the Hessians:
+    test_family_chain_reproduces_the_full_model[phimoe-longrope])."""
+    d = checkpoints("phimoe-longrope")
+    ckpt = layer_mod.read_checkpoint(d)
+    arch = layer_mod.architecture(ckpt.config)
+    hfc = layer_mod.hf_config(ckpt.config)
+    assert "rope_scaling" in ckpt.config and hfc.rope_parameters["rope_type"] == "longrope"
+    for cols, mscale in ((16, 1.1), (17, 1.3)):
+        m, seen = _reference(d, arch, _tokens(cols))
+        assert m.config.rope_parameters == hfc.rope_parameters
+        cos = seen["pos_emb"][0]
+        assert torch.allclose(cos[..., 0, :], torch.full_like(cos[..., 0, :], mscale)), cols  # cos(0) · mscale
+        hidden = capture.embed(ckpt, _tokens(cols))
+        assert _same_position_embeddings(hfc, arch, hidden, seen), cols
+        for L in range(3):
+            hidden, _ = capture.advance(L, hidden, layer_mod.layer_tensors(ckpt, L)[0], ckpt.config, capture=False)
+            assert _close(hidden, seen["layer"][L], 1e-5), (cols, L)
+
+
 def _check_hessians(m, arch, seen, L, s, r, model_type):
     block = getattr(m.model.layers[L], arch.moe_block)
     experts = block.experts
@@ -203,7 +292,8 @@ def _check_hessians(m, arch, seen, L, s, r, model_type):
     assert torch.equal(ex_in, x) and torch.equal(ex_idx, seen["topk"][L].reshape(x.shape[0], -1))
     topk = ex_idx
     assert topk.shape == (ROWS * COLS, TOP_K)
-    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open"):  # group-limited: every token's experts within topk_group of the n_group groups
+    # group-limited: every token's experts within topk_group of the n_group groups
+    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open", "deepseek_v32"):
         groups = topk // (N_EXPERTS // 4)
         assert all(len(set(g.tolist())) <= 2 for g in groups)
 
@@ -294,6 +384,10 @@ RULE_CASES = [
     ("solar_open", "SolarOpenForCausalLM", {"n_routed_experts": 4}, [{}]),
     ("deepseek_v2", "DeepseekV2ForCausalLM", {"n_routed_experts": 4},
      [{}, {"first_k_dense_replace": 1}, {"first_k_dense_replace": 3}]),
+    ("deepseek_v32", "DeepseekV32ForCausalLM", {"n_routed_experts": 4},
+     [{}, {"first_k_dense_replace": 1}, {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
+    ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", {"num_experts": 4}, [{}]),
+    ("minimax", "MiniMaxForCausalLM", {"num_local_experts": 4}, [{}]),
 ]
 
 
@@ -318,6 +412,14 @@ def test_moe_layer_rule_matches_transformers(model_type, name, base, variants):
         assert [arch.is_moe(raw, L) for L in range(4)] == built, (model_type, over)
         written = {**hfc.to_dict(), "architectures": [name]}
         assert [arch.is_moe(written, L) for L in range(4)] == built, (model_type, over, "written")
+
+
+def test_every_chain_is_checked_against_the_full_model():
+    """Each family that declares a calibration chain has a case here, or in tests/test_hessian.py (GLM-4.x, GLM-5)."""
+    from fq.model import families
+
+    declared = {f.architectures[0] for f in families.REGISTRY.values() if f.calibration is not None}
+    assert declared == {name for name, _, _ in FAMILIES.values()} | {"Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM"}
 
 
 def test_model_type_must_be_the_architectures():

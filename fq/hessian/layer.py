@@ -14,10 +14,13 @@
   ``fq init`` recorded) a shard whose digest differs is refused. Returns float32 tensors (bf16/fp16 upcast,
   exact) and the digest of every shard read.
 - ``build_layer``: the layer module built on the meta device and filled with exactly the layer's tensors
-  (``load_state_dict(strict=True, assign=True)``: no random init, no copy). transformers 5.x keeps routed experts
+  (``load_state_dict(strict=True, assign=True)``: no random init, no copy); the buffers a family declares derived
+  (``Calibration.derived_buffers``: MiniMax's lightning-attention decay factors) are the checkpoint's, or where it
+  lacks them what transformers' own module computes from the config, as ``from_pretrained`` fills missing keys.
+  transformers 5.x keeps routed experts
   as fused 3-D parameters where most checkpoints have one matrix per expert; the fusion is transformers' own
   conversion (``conversion_mapping``: "qwen2_moe", which glm4_moe, deepseek_v3, qwen3_moe, ... use:
-  ``gate_up_proj[e] = cat(gate_e, up_e)``, ``down_proj[e] = down_e``; "mixtral", which minimax_m2 uses too:
+  ``gate_up_proj[e] = cat(gate_e, up_e)``, ``down_proj[e] = down_e``; "mixtral", which minimax_m2 and minimax use too:
   ``block_sparse_moe.`` renamed ``mlp.``, then the same fusion of ``w1`` (gate), ``w3`` (up), ``w2`` (down)), done
   here for one layer; gpt-oss checkpoints already hold the module's fused tensors. The tests check the result equals
   the full model's layer, tensor for tensor.
@@ -100,6 +103,7 @@ class Arch:
     materialized_mask = property(lambda self: self.cal.materialized_mask)
     shared_indexer = property(lambda self: self.cal.shared_indexer)
     renames = property(lambda self: self.cal.renames)
+    derived_buffers = property(lambda self: self.cal.derived_buffers)
     moe_block = property(lambda self: self.cal.moe_block)
     router = property(lambda self: self.cal.router)
     mask_type = property(lambda self: self.cal.mask_type)
@@ -308,6 +312,23 @@ def _module_state(module, arch: Arch, layer: int, tensors: Mapping[str, "object"
     return state
 
 
+def _derived_buffers(hf_cfg, module, layer: int, names: list[str]) -> dict:
+    """Buffers the layer computes from its config (``Arch.derived_buffers``) that the checkpoint does not hold, as
+    transformers' own module computes them: its owning submodule's class built on the CPU from (config, layer), with
+    the global RNG left as it was (its parameters' random init is discarded)."""
+    import torch
+
+    out, owners = {}, {}
+    for name in names:
+        path, _, buf = name.rpartition(".")
+        if path not in owners:
+            cls = type(module.get_submodule(path))
+            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+                owners[path] = cls(hf_cfg, layer)
+        out[name] = owners[path].get_buffer(buf).detach()
+    return out
+
+
 def build_layer(hf_cfg, arch: Arch, layer: int, tensors: Mapping[str, "object"]):
     """transformers' decoder layer ``layer`` holding exactly ``tensors`` (float32, eval mode, on the CPU)."""
     import torch
@@ -317,6 +338,8 @@ def build_layer(hf_cfg, arch: Arch, layer: int, tensors: Mapping[str, "object"])
         module = layer_cls(hf_cfg, layer)
     state = _module_state(module, arch, layer, tensors)
     want = module.state_dict()
+    state.update(_derived_buffers(hf_cfg, module, layer, [k for k in arch.derived_buffers
+                                                          if k in want and k not in state]))
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
     mismatched = sorted(k for k in set(want) & set(state) if tuple(want[k].shape) != tuple(state[k].shape))

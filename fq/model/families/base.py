@@ -167,6 +167,14 @@ def per_layer_types(hf_cfg, layer: int) -> str:
     return hf_cfg.layer_types[layer]
 
 
+def linear_or_sliding_if_window(hf_cfg, layer: int) -> str:
+    # MiniMaxModel: a lightning-attention layer (config.layer_types) gets no mask, every softmax-attention layer the
+    # one mask of the model, sliding when the config has a window
+    if hf_cfg.layer_types[layer] == "linear_attention":
+        return "linear_attention"
+    return sliding_if_window(hf_cfg, layer)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """How the calibration chain (``fq.hessian``) runs one of the family's decoder layers with transformers' own
@@ -182,6 +190,10 @@ class Calibration:
     shared_indexer: Callable[[object, int], bool] | None = None
     # (checkpoint name prefix, module name prefix), relative to the layer prefix; the first that matches applies
     renames: tuple[tuple[str, str], ...] = ()
+    # persistent buffers (layer-relative module names) the layer computes from its config and layer index, as
+    # MiniMax's lightning attention does its decay factors: taken from the checkpoint where it holds them, else
+    # computed by the owning module's class, (config, layer) -> module, as from_pretrained initializes missing keys
+    derived_buffers: tuple[str, ...] = ()
     # the checkpoint holds the module's own fused experts (gpt-oss) instead of one matrix per expert
     fused_experts: bool = False
     # (experts module, x [tokens, hidden] float32, e) -> a [tokens, intermediate], what expert e's forward feeds its

@@ -27,7 +27,11 @@ DEEPSEEK_V32 = Family(
     name="deepseek_v32", title="DeepSeek-V3.2", architectures=("DeepseekV32ForCausalLM",),
     model_types=("deepseek_v32",),
     layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
-    moe_rule=LayerTypes(default_dense=3), mtp_key="num_nextn_predict_layers")
+    moe_rule=LayerTypes(default_dense=3), mtp_key="num_nextn_predict_layers",
+    # MLA with a DSA indexer on every layer (no shared indexer), as GLM-5: the indexer reads the causal mask,
+    # which the model always materializes; group-limited sigmoid routing, a shared expert (not captured)
+    calibration=Calibration("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32DecoderLayer",
+                            "DeepseekV32RotaryEmbedding", materialized_mask=True))
 
 DEEPSEEK_V2 = Family(
     name="deepseek_v2", title="DeepSeek-V2 / V2.5", architectures=("DeepseekV2ForCausalLM",),

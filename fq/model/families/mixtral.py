@@ -1,6 +1,7 @@
 """Mixtral, MiniMax-M2, MiniMax-Text-01 and Phi-3.5-MoE: ``block_sparse_moe.experts.{E}.w1/w3/w2`` (gate/up/down)."""
 from fq.model.experts import MIXTRAL as LAYOUT
-from fq.model.families.base import AllLayers, Calibration, Exl3Needs, Family, sliding_if_window
+from fq.model.families.base import (AllLayers, Calibration, Exl3Needs, Family, linear_or_sliding_if_window,
+                                     sliding_if_window)
 
 _EXPERTS = ("num_local_experts", "num_experts")
 _RENAMES = (("block_sparse_moe.", "mlp."),)
@@ -30,7 +31,13 @@ MINIMAX_M2 = Family(
 MINIMAX = Family(
     name="minimax", title="MiniMax-Text-01", architectures=("MiniMaxForCausalLM",), model_types=("minimax",),
     layout=LAYOUT, experts_keys=_EXPERTS, inter_keys=("intermediate_size",), moe_rule=AllLayers(),
-    router="block_sparse_moe.gate")
+    router="block_sparse_moe.gate",
+    # lightning (linear) attention and softmax attention layers (layer_types), experts as Mixtral's; the lightning
+    # layers' decay buffers are the checkpoint's where it has them, else computed as from_pretrained does
+    calibration=Calibration("transformers.models.minimax.modeling_minimax", "MiniMaxDecoderLayer",
+                            "MiniMaxRotaryEmbedding", renames=_RENAMES, mask_type=linear_or_sliding_if_window,
+                            derived_buffers=tuple(f"self_attn.{b}" for b in ("slope_rate", "query_decay", "key_decay",
+                                                                             "diagonal_decay"))))
 
 PHIMOE = Family(
     name="phimoe", title="Phi-3.5-MoE", architectures=("PhimoeForCausalLM",), model_types=("phimoe",),

@@ -45,6 +45,10 @@ QWEN3_5_MOE = Family(
     name="qwen3_5_moe", title="Qwen3.5-MoE (text)", architectures=("Qwen3_5MoeForCausalLM",),
     model_types=("qwen3_5_moe_text",), layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
     moe_rule=AllLayers(), exl3="Qwen3_5MoeForCausalLM",
+    # as Qwen3-Next: gated-delta-net and full-attention layers (layer_types), a gated shared expert (not captured);
+    # its text rotary (interleaved multimodal sections) gets the text positions on all three axes, as the model's
+    calibration=Calibration("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeDecoderLayer",
+                            "Qwen3_5MoeTextRotaryEmbedding", mask_type=per_layer_types),
     exl3_needs=Exl3Needs(always="exllamav3 1.6.5's Qwen3_5MoeForCausalLM reads model.language_model.layers.*; the text "
                                 "model as transformers saves it names its layers model.layers.*"))
 
