@@ -235,13 +235,13 @@ def test_fq_eval_measures_every_product_and_native_point_deterministically(kit, 
         out, tsv = tmp_path / f"{run}.json", tmp_path / f"{run}.tsv"
         p = subprocess.run([sys.executable, "-m", "fq", "eval", str(kit.root), "--key", str(kit.pub_path),
                             "--source", str(kit.source), "--text", str(kit.heldout), "--native", str(kit.native),
-                            "--tokens", "1024", "--seq-len", "128", "--out", str(out), "--tsv", str(tsv)],
+                            "--tokens", "512", "--seq-len", "128", "--out", str(out), "--tsv", str(tsv)],
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         outs.append((out.read_bytes(), tsv.read_bytes()))
     assert outs[0] == outs[1]
     doc = canonical.loads(outs[0][0])
-    assert doc["format"] == "fq-eval/1" and doc["text"]["positions"] == 8 * 127
+    assert doc["format"] == "fq-eval/1" and doc["text"]["positions"] == 4 * 127
     prods = doc["products"]
     assert sorted(prods) == sorted(rk.PRODUCTS)
     assert prods["k2.r1.h2"]["kl"] == 0.0 and prods["k2.r1.h2"]["top1"] == 1.0

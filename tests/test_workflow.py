@@ -34,6 +34,7 @@ RECIPE = {
     "products": [{"name": "a", "chain": ["a"]}, {"name": "a.r1", "chain": ["a", "a.r1"]},
                  {"name": "a.r1.h2", "chain": ["a", "a.r1", "a.r1.h2"]}],
 }
+BASE_ONLY = dict(RECIPE, nodes=RECIPE["nodes"][:1], products=RECIPE["products"][:1])
 
 
 def write_config(d: Path, recipe: dict, **over) -> Path:
@@ -236,7 +237,9 @@ def test_deleted_fragment_reruns_only_itself_and_its_descendants(run):
     before_bytes = victim.read_bytes()
     before = fragment_mtimes(d)
     victim.unlink()
-    smk(d)
+    # up to the published tree (the repair marker, a target, still asks for the missing fragment); eval and the
+    # report follow once, in the finalize-twice test's last run
+    smk(d, "--until", "verify_published")
     after = fragment_mtimes(d)
     changed = {k for k in after if after[k] != before.get(k)}
     assert changed == {"campaign/fragments/a/a-layer001-block000.safetensors",
@@ -252,7 +255,7 @@ def test_changing_a_stage_K_reruns_only_that_node_and_descendants(run, tmp_path)
     recipe["nodes"][2]["K"] = 2  # a.r1.h2: K3 -> K2
     write_config(d, recipe, eval=EVAL)
     before = fragment_mtimes(d)
-    smk(d)
+    smk(d, "--until", "verify_published")  # eval, downstream, is the module campaign's to test
     after = fragment_mtimes(d)
     changed = {k.split("/")[2] for k in after if after[k] != before.get(k)}
     assert changed == {"a.r1.h2"}
@@ -353,18 +356,22 @@ LAYER_MODE = {"device": "cpu", "devices": [], "threads": 1, "seed": 0, "per_job"
 
 @pytest.fixture(scope="module")
 def layer_run(run, tmp_path_factory):
-    """The module's campaign again with one encode job per (node, layer), signed with the block-mode run's key and
-    planned from the expert usage the block-mode run measured (config usage:, so no usage job: the block-mode run
-    tests that one, and plan.json records the file's digest only). Its first run is SIGKILLed (the whole process
-    group, as a preemption would) once the first layer job has committed its first block and is encoding the
-    second; the second run resumes it."""
+    """Layer mode, two ways. The module's recipe planned in layer mode (``snakemake -n``: which jobs and rules).
+    And the base node alone run in layer mode, signed with the block-mode run's key and planned from the expert
+    usage the block-mode run measured (config usage:, so no usage job: the block-mode run tests that one): its
+    first run is SIGKILLed (the whole process group, as a preemption would) once the first layer job has committed
+    its first block and is encoding the second; the second run resumes it. The base alone keeps the encodes few (a
+    node's fragments do not depend on the nodes beside it, so they must be the block-mode run's bytes)."""
     import crashkit as k
 
     d0, _ = run
+    over = dict(encode=LAYER_MODE, signer_key=str(d0 / "campaign" / "keys" / "signer.key"),
+                usage=str(d0 / "campaign" / "usage" / "expert_usage.json"))
+    planned = tmp_path_factory.mktemp("wf-layer-plan")
+    write_config(planned, RECIPE, **over)
+    dry = smk(planned, "-n")
     d = tmp_path_factory.mktemp("wf-layer")
-    write_config(d, RECIPE, encode=LAYER_MODE, signer_key=str(d0 / "campaign" / "keys" / "signer.key"),
-                 usage=str(d0 / "campaign" / "usage" / "expert_usage.json"))
-    dry = smk(d, "-n")
+    write_config(d, BASE_ONLY, **over)
     camp = d / "campaign"
     first, second = (camp / "metrics" / "a" / f"a-layer001-block00{b}.json" for b in (0, 1))
     p = k.start(d)
@@ -387,7 +394,7 @@ def test_layer_mode_runs_one_job_per_node_and_layer(layer_run):
     assert sorted(n for n in counts if n.startswith("encode_layer_")) == ["encode_layer_2", "encode_layer_3"]
     assert sum(n for r, n in counts.items() if r.startswith("encode_layer")) == 6
     logs = sorted(p.name for p in (d / "campaign" / "logs" / "encode").iterdir())
-    assert logs == sorted(f"{n}-layer00{l}.log" for n in ("a", "a.r1", "a.r1.h2") for l in (1, 2))
+    assert logs == [f"a-layer00{l}.log" for l in (1, 2)]
 
 
 def test_layer_mode_killed_mid_layer_resumes_to_the_block_mode_bytes(run, layer_run):
@@ -395,11 +402,9 @@ def test_layer_mode_killed_mid_layer_resumes_to_the_block_mode_bytes(run, layer_
     d, _, mid_layer, killed = layer_run
     assert mid_layer, "the first run was not killed between the first layer job's two blocks"
     a, b = d0 / "campaign", d / "campaign"
-    assert tree_digest(b / "published") == tree_digest(a / "published")
-    assert (b / "campaign_summary.json").read_bytes() == (a / "campaign_summary.json").read_bytes()
-    assert (b / "published.verified").read_text() == (a / "published.verified").read_text()
-    assert tree_digest(b / "fragments") == tree_digest(a / "fragments")
-    assert tree_digest(b / "metrics") == tree_digest(a / "metrics")
+    assert (b / "published.verified").read_text().startswith("ok: ")
+    for kind in ("fragments", "metrics"):
+        assert tree_digest(b / kind / "a") == tree_digest(a / kind / "a")
     # the killed job's committed block was redone with the rest of its layer (Snakemake reruns an incomplete job
     # whole): the documented price of a crash in layer mode
     after = fragment_mtimes(d)
