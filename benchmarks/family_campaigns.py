@@ -2,8 +2,12 @@
 
 For each family of the registry whose tiny checkpoint (tests/familykit.py: built and saved by transformers) a base of
 exllamav3 would load, one Snakemake campaign on the CPU (``familykit.campaign_config``: one K3 mul1 base, one
-window), weight-only; plus the published FP8 layouts
-(Kimi-K2: DeepSeek-V3's architecture in FP8 with 128x128 block scales, calibrated; Qwen3-MoE and GLM-4.5 in FP8).
+window), weight-only; plus the published layouts
+(Kimi-K2: DeepSeek-V3's architecture in FP8 with 128x128 block scales, calibrated; Qwen3-MoE, GLM-4.5 and MiniMax-M2
+in FP8; Qwen3.5-MoE's vision-language checkpoint with its experts fused per layer, as Qwen publishes it); and gpt-oss
+at dims that are not multiples of 128 (``familykit.PADDED_KEYS``: hidden 160, intermediate 96, the real models' 2880 in
+miniature), whose experts EXL3 stores zero-padded to 256 and 128 (fq.codec.shape), bf16 weight-only
+(``gpt_oss-padded``) and in its published MXFP4 layout, calibrated (``gpt_oss-padded-mxfp4``: LDLQ, H zero-padded).
 Each lands in OUT/NAME/ as what a consumer downloads: published/, signer.pub, and family.json (architecture, source
 format, calibrated). Sources, staging and fragments are left out (the folder travels to the GPU box).
 
@@ -38,14 +42,24 @@ def sources() -> dict[str, tuple[str, str, bool]]:
         out[family.name] = (arch, "bf16", False)
     out.update({"kimi_k2-fp8": ("DeepseekV3ForCausalLM", "kimi-fp8", True),
                 "qwen3_moe-fp8": ("Qwen3MoeForCausalLM", "fp8", False),
-                "glm4_moe-fp8": ("Glm4MoeForCausalLM", "fp8", False)})
+                "glm4_moe-fp8": ("Glm4MoeForCausalLM", "fp8", False),
+                "minimax_m2-fp8": ("MiniMaxM2ForCausalLM", "fp8", False),
+                "qwen3_5_moe_vl-fused": ("Qwen3_5MoeForConditionalGeneration", "fused", False),
+                "gpt_oss-padded": ("GptOssForCausalLM", "bf16-padded", False),
+                "gpt_oss-padded-mxfp4": ("GptOssForCausalLM", "mxfp4-padded", True)})
     return out
 
 
 def checkpoint(arch: str, fmt: str, work: Path) -> Path:
-    src = fk.build(arch, work / "bf16", extra_config=fk.PUBLISHED_KEYS.get(arch))
+    keys = fk.PADDED_KEYS[arch] if fmt.endswith("-padded") else None  # dims not multiples of 128 (gpt-oss's 2880)
+    src = fk.build(arch, work / "bf16", extra_config=fk.PUBLISHED_KEYS.get(arch), keys=keys)
+    fmt = fmt.removesuffix("-padded")
     if fmt == "bf16":
         return src
+    if fmt == "mxfp4":
+        return fk.to_mxfp4_gptoss(src, work / "mxfp4")
+    if fmt == "fused":
+        return fk.to_fused_qwen3_5(src, work / "fused")
     fp8 = fk.to_fp8(src, work / "fp8")
     return fk.as_kimi_k2(fp8, work / "kimi") if fmt == "kimi-fp8" else fp8
 
@@ -73,6 +87,10 @@ def run(name: str, arch: str, fmt: str, calibrated: bool, out: Path, keep: bool)
     shutil.copytree(d / "campaign" / "published", dest / "published")
     shutil.copyfile(d / "campaign" / "signer.pub", dest / "signer.pub")
     meta = {"architecture": arch, "source": fmt, "calibrated": calibrated, "campaign_s": round(wall, 1)}
+    s = load_source(src)
+    if s.padded:  # what exllamav3 reads: each routed expert's EXL3 tensors at its stored (zero-padded) (out, in)
+        meta["expert_shapes"] = {p: list(s.expert_shape(p)) for p in ("gate", "up", "down")}
+        meta["stored_shapes"] = {p: list(s.stored_shape(p)) for p in ("gate", "up", "down")}
     (dest / "family.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     if not keep:
         shutil.rmtree(work)

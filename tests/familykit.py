@@ -3,17 +3,22 @@
 Every family is transformers' own config class and modeling code (transformers 5.24), at one tiny size: vocab 512,
 hidden 256, 3 decoder layers (layer 0 dense where the family has dense layers), 8 routed experts of intermediate size
 128, top-2, 4 attention heads / 4 KV heads of 64 (MLA families: small LoRA ranks and head dims), n_group = topk_group
-= 1, no next-token-prediction layers, untied embeddings. Nothing is downloaded.
+= 1, no next-token-prediction layers, untied embeddings. Nothing is downloaded. Qwen3.5-MoE is also built as Qwen
+publishes it, the vision-language ``Qwen3_5MoeForConditionalGeneration`` (the language model's config nested under
+``text_config``, its layers under ``model.language_model.layers.*``, a one-block vision tower under ``model.visual.*``,
+and the ``preprocessor_config.json`` the release ships).
 
     ARCHS: architecture -> Recipe(model_type, keys, expert_count_key, expert_inter_key, dense_layers, ...)
     hf_config(arch, **keys) -> transformers config      # keys: what the config class is given (recipe, then **keys)
     config_of(arch, **keys) -> dict                     # config.json as transformers 5.24 writes it
     model_of(arch, seed=0, **keys) -> model             # seeded random init, bfloat16, eval
+    model_class(arch) -> the transformers class it runs as;  text_of(arch, cfg) -> its language model's config keys
     build(arch, out_dir, *, seed=0, max_shard_size=None, legacy_keys=False, extra_config=None, keys=None) -> Path
     legacy_config(arch, cfg) -> dict                    # config.json in the pre-5.0 key style (torch_dtype, rope_theta)
     to_fp8(src_dir, out_dir, *, block=(128, 128)) -> Path   # DeepSeek-V3 / Kimi-K2 / MiniMax-M2 / Qwen3-FP8 layout
     to_mxfp4_gptoss(src_dir, out_dir) -> Path               # openai/gpt-oss-20b/120b layout
     as_kimi_k2(src_dir, out_dir) -> Path                    # a DeepseekV3 checkpoint relabelled as Kimi-K2
+    to_fused_qwen3_5(src_dir, out_dir) -> Path              # Qwen3.5-MoE's published fused experts (E, 2I, hidden)
     fp8_target(name, tensor) -> bool                        # what the published FP8 layout stores in fp8
     fp8_quantize(w, block=(128, 128)) -> (q float8_e4m3fn, weight_scale_inv float32 (ceil(out/b0), ceil(in/b1)))
     fp8_dequantize(q, scale_inv, block=(128, 128)) -> float32
@@ -21,7 +26,9 @@ hidden 256, 3 decoder layers (layer 0 dense where the family has dense layers), 
     weight_map(dir) -> {tensor: shard};  load_tensors(dir) -> {tensor: tensor}
 
 ``build`` is seeded (``torch.manual_seed``, then transformers' own ``_init_weights`` run directly in bfloat16:
-normal(0, 0.02) linears and embeddings, ones for norms, zeros for biases), so two builds are byte-identical and a
+normal(0, 0.02) linears and embeddings, ones for norms, zeros for biases; expert biases, and the buffers a recipe
+names (MiniMax-M2's router score bias), get seeded noise N(0, 0.05) instead of zeros, so a runtime that skips them is
+caught), so two builds are byte-identical and a
 ``from_pretrained`` of the result gives exactly ``model_of``'s logits. It saves with ``save_pretrained(max_shard_size=
 ...)``, a size that gives 11-16 shards, in the checkpoint's original (published) tensor names: transformers reverts
 its fused-expert conversion on save (gpt-oss is natively fused). Every tensor is bfloat16 except the routers
@@ -33,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +82,9 @@ class Recipe:
     # legacy_keys=True: config.json keys transformers 5 writes under another name than the published config
     renames: dict = field(default_factory=dict)
     rotary_dim: bool = False  # legacy_keys=True: partial RoPE as ``rotary_dim`` (MiniMax-M2), not partial_rotary_factor
+    text_config: str | None = None  # a vision-language wrapper: the key its config nests the language model's under
+    # buffers (name suffixes) that start at zero and get seeded noise, so a runtime that skips them is caught
+    noisy_buffers: tuple[str, ...] = ()
 
 
 ARCHS: dict[str, Recipe] = {
@@ -116,7 +127,9 @@ ARCHS: dict[str, Recipe] = {
     "MiniMaxM2ForCausalLM": Recipe("minimax_m2", dict(
         _COMMON, head_dim=HEAD_DIM, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
         num_experts_per_tok=TOP_K, rotary_dim=HEAD_DIM // 2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
-        "num_local_experts", "intermediate_size", rotary_dim=True),
+        "num_local_experts", "intermediate_size", rotary_dim=True,
+        # the router's score bias (exllamav3 reads it under another name: a base derives it there)
+        noisy_buffers=("e_score_correction_bias",)),
     "GptOssForCausalLM": Recipe("gpt_oss", dict(
         _COMMON, head_dim=HEAD_DIM, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
         num_experts_per_tok=TOP_K, rms_norm_eps=1e-5), "num_local_experts", "intermediate_size"),
@@ -131,6 +144,15 @@ ARCHS: dict[str, Recipe] = {
         _COMMON, head_dim=HEAD_DIM, moe_intermediate_size=EXPERT_INTER, n_routed_experts=EXPERTS, n_shared_experts=1,
         num_experts_per_tok=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
         rms_norm_eps=1e-5), "n_routed_experts"),
+    # as Qwen publishes Qwen3.5-MoE: the vision-language wrapper (the language model's layers under
+    # model.language_model.layers.*, a one-block vision tower under model.visual.*), the text config nested
+    "Qwen3_5MoeForConditionalGeneration": Recipe("qwen3_5_moe", dict(
+        text_config=dict(_COMMON, **_LINEAR_ATTN, head_dim=HEAD_DIM, moe_intermediate_size=EXPERT_INTER,
+                         shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                         rms_norm_eps=1e-6),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64),
+        tie_word_embeddings=False), "num_experts", text_config="text_config"),
     "Qwen2MoeForCausalLM": Recipe("qwen2_moe", dict(
         _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
         shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
@@ -146,6 +168,9 @@ def hf_config(arch: str, **keys):
     cfg = transformers.AutoConfig.for_model(r.model_type, **{**r.keys, **keys})
     cfg.architectures = [arch]
     cfg.dtype = torch.bfloat16
+    for key in getattr(cfg, "sub_configs", {}):  # a vision-language wrapper's text and vision configs, as saved
+        if getattr(cfg, key, None) is not None:
+            getattr(cfg, key).dtype = torch.bfloat16
     return cfg
 
 
@@ -154,17 +179,34 @@ def config_of(arch: str, **keys) -> dict:
     return json.loads(hf_config(arch, **keys).to_json_string())
 
 
-def model_of(arch: str, seed: int = 0, **keys):
-    """The tiny model, seeded random init, bfloat16, eval mode."""
+def model_class(arch: str):
+    """The transformers class a checkpoint of ``arch`` is run with (the auto class transformers would pick: a causal
+    LM, or a vision-language wrapper's own class, which runs text-only input_ids too)."""
     import transformers
 
+    return getattr(transformers, arch) if ARCHS[arch].text_config else transformers.AutoModelForCausalLM
+
+
+def text_of(arch: str, cfg: dict) -> dict:
+    """The language model's part of config.json ``cfg`` (a vision-language wrapper nests it)."""
+    key = ARCHS[arch].text_config
+    return cfg[key] if key else cfg
+
+
+def model_of(arch: str, seed: int = 0, **keys):
+    """The tiny model, seeded random init, bfloat16, eval mode."""
     cfg = hf_config(arch, **keys)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    cls = model_class(arch)
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    model = make(cfg, dtype=torch.bfloat16).eval()
     with torch.no_grad():  # expert biases start at zero: seeded noise, so a runtime that skips them is caught
         for name, param in model.named_parameters():
             if ".experts." in name and name.endswith("bias") and not param.any():
                 param.normal_(0.0, 0.05)
+        for name, buf in model.named_buffers():
+            if name.endswith(ARCHS[arch].noisy_buffers) and not buf.any():
+                buf.normal_(0.0, 0.05)
     return model
 
 
@@ -215,9 +257,28 @@ def build(arch: str, out_dir, *, seed: int = 0, max_shard_size: int | str | None
     if legacy_keys:
         cfg = legacy_config(arch, cfg)
     if extra_config:
-        cfg.update(extra_config)
+        cfg = _merged(cfg, extra_config)
     _write_json(out / CONFIG, cfg)
+    if ARCHS[arch].text_config:  # a vision-language checkpoint ships its image processor's config
+        _write_json(out / PREPROCESSOR, QWEN3_VL_PREPROCESSOR)
     return out
+
+
+def _merged(cfg: dict, extra: dict) -> dict:
+    """``extra`` over ``cfg``; an object in both is merged key by key (a nested text_config / vision_config)."""
+    out = dict(cfg)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+PREPROCESSOR = "preprocessor_config.json"
+# what Qwen3.5's releases ship (Qwen2VLImageProcessorFast, as exllamav3's Qwen3.5 VL class requires), written as
+# JSON: transformers' fast image processors need torchvision, which the kit does not
+QWEN3_VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+                         "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
+                         "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                         "image_std": [0.5, 0.5, 0.5]}
 
 
 # --- checkpoint reading / writing ---------------------------------------------------------------------------------
@@ -418,10 +479,63 @@ def as_kimi_k2(src_dir, out_dir) -> Path:
     return out
 
 
+# --- Qwen3.5-MoE as published (fused experts) ------------------------------------------------------------------
+
+_PER_EXPERT = re.compile(r"^(?P<pre>.+\.mlp\.experts\.)(?P<e>[0-9]+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def to_fused_qwen3_5(src_dir, out_dir) -> Path:
+    """A Qwen3.5-MoE checkpoint as transformers 5.24 saves it (one matrix per expert) in the layout Qwen publishes:
+    per layer ``{prefix}.mlp.experts.gate_up_proj`` (E, 2I, hidden), each expert's gate rows then its up rows, and
+    ``{prefix}.mlp.experts.down_proj`` (E, hidden, I): the parameters of transformers' own ``Qwen3_5MoeExperts``. Each
+    layer's fused pair goes to the shard that held its expert 0's gate; index and config rewritten, other files
+    copied."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wmap = weight_map(src)
+    per: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    home: dict[str, str] = {}
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for shard in sorted(set(wmap.values())):
+        for name, t in load_file(src / shard).items():
+            m = _PER_EXPERT.match(name)
+            if m is None:
+                shards.setdefault(shard, {})[name] = t
+                continue
+            per.setdefault(m["pre"], {}).setdefault(int(m["e"]), {})[m["proj"]] = t
+            if m["e"] == "0" and m["proj"] == "gate_proj":
+                home[m["pre"]] = shard
+    for pre, experts in per.items():
+        n = len(experts)
+        shards.setdefault(home[pre], {})[pre + "gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in range(n)]).contiguous()
+        shards[home[pre]][pre + "down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(n)]).contiguous()
+    new_map, total = {}, 0
+    for shard, tensors in sorted(shards.items()):
+        save_file(tensors, out / shard, metadata={"format": "pt"})
+        for k, v in tensors.items():
+            new_map[k] = shard
+            total += v.numel() * v.element_size()
+    _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(new_map.items()))})
+    for p in sorted(src.iterdir()):
+        if p.is_file() and p.name != INDEX and not p.name.endswith(".safetensors"):
+            shutil.copyfile(p, out / p.name)
+    return out
+
+
+# dims that are multiples of 16 (MXFP4: of 32) but not of 128, as gpt-oss-20b/120b's 2880: build(arch, d,
+# keys=PADDED_KEYS[arch]) gives a checkpoint whose routed experts EXL3 stores zero-padded (fq.codec.shape: hidden 160
+# at 256, intermediate 96 at 128)
+PADDED_KEYS = {"GptOssForCausalLM": {"hidden_size": 160, "intermediate_size": 96}}
+
 # keys the published configs carry that transformers' classes do not write, and exllamav3 reads: build(arch, d,
 # extra_config=PUBLISHED_KEYS.get(arch)) gives a checkpoint whose base exllamav3 1.6.5 loads
 PUBLISHED_KEYS = {"SolarOpenForCausalLM": {"intermediate_size": DENSE_INTER},
-                  "Qwen3NextForCausalLM": {"full_attention_interval": 3}}  # transformers derives layer_types from it
+                  "Qwen3NextForCausalLM": {"full_attention_interval": 3},  # transformers derives layer_types from it
+                  # Qwen3.5's vision_config states it (no deepstack); exllamav3 reads it without a default
+                  "Qwen3_5MoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": []}}}
 
 
 # --- one-node campaigns of a kit checkpoint (tests/test_family_campaigns.py, benchmarks/family_campaigns.py) -----

@@ -11,7 +11,8 @@
 - Opt-in (``FQ_ALL_FAMILIES=1``, about 14 minutes on two cores): every registered family of the kit, bf16 (and FP8
   for the four families published in FP8), through the same one-node campaign (calibrated where the family has a
   calibration chain, ``allow_unloadable`` where exllamav3 would not load its base), ``fq verify`` and the runtime.
-  gpt-oss runs in bf16 and in its published MXFP4 layout (its bases derive the per-expert biases exllamav3 reads). A family
+  gpt-oss runs in bf16 and in its published MXFP4 layout (its bases derive the per-expert biases exllamav3 reads), and
+  both again at dims that are not multiples of 128 (``familykit.PADDED_KEYS``: experts stored zero-padded). A family
   the registry marks ``unread`` would be a strict xfail: it turns into a failure the day it passes.
 """
 from __future__ import annotations
@@ -248,7 +249,7 @@ def test_finalize_twice_publishes_identical_bytes(kimi):
 
 # -- opt-in: every family -----------------------------------------------------------------------------------------
 CASES = [(a, "bf16") for a in REGISTERED] + [(a, "fp8") for a in FP8_ARCHS if a in REGISTERED] + \
-    [("GptOssForCausalLM", "mxfp4")]
+    [("GptOssForCausalLM", "mxfp4")] + [(a, v) for a in fk.PADDED_KEYS for v in ("bf16-padded", "mxfp4-padded")]
 
 
 UNREAD = {a for f in families.REGISTRY.values() if f.unread for a in f.architectures}  # refused by name for now
@@ -263,12 +264,15 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
     from fq.model.source import load_source
 
     t0 = time.monotonic()
-    src = fk.build(arch, tmp_path / "bf16", extra_config=fk.PUBLISHED_KEYS.get(arch))
+    keys = fk.PADDED_KEYS[arch] if variant.endswith("-padded") else None  # dims not multiples of 128, stored padded
+    src = fk.build(arch, tmp_path / "bf16", extra_config=fk.PUBLISHED_KEYS.get(arch), keys=keys)
+    variant = variant.removesuffix("-padded")
     if variant == "fp8":
         src = fk.to_fp8(src, tmp_path / "fp8")
     elif variant == "mxfp4":
         src = fk.to_mxfp4_gptoss(src, tmp_path / "mxfp4")
     s = load_source(src)
+    assert s.padded == (keys is not None)
     calibrated = families.by_name(s.family).calibration is not None
     d = tmp_path / "run"
     write_config(d, src, calibrated=calibrated, allow_unloadable=bool(s.exl3_problems))

@@ -1,4 +1,4 @@
-"""familykit: tiny random MoE checkpoints of 15 families, and their published FP8 / MXFP4 / Kimi-K2 layouts.
+"""familykit: tiny random MoE checkpoints of 16 families, and their published FP8 / MXFP4 / Kimi-K2 layouts.
 
 The references are transformers' own: its config classes and models (reload + logits), its fine-grained FP8
 dequantization (``Fp8Dequantize._dequantize_one``) and its gpt-oss MXFP4 unpacking (``convert_moe_packed_tensors``).
@@ -21,7 +21,8 @@ ARCHS = sorted(fk.ARCHS)
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
 E2M1_MAX_STEP = 1.0  # widest half-gap of e2m1 (between 4 and 6), in units of the group scale
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)"
+                     r"\.weight$")
 _BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
 _FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -82,13 +83,14 @@ def test_recipe_sets_only_keys_the_class_knows(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_build_is_tiny_moe_in_several_bf16_shards(arch, built):
     r, d = fk.ARCHS[arch], built[arch]
-    cfg = json.loads((d / fk.CONFIG).read_text())
-    assert cfg["architectures"] == [arch] and cfg["model_type"] == r.model_type and cfg["dtype"] == "bfloat16"
+    full = json.loads((d / fk.CONFIG).read_text())
+    assert full["architectures"] == [arch] and full["model_type"] == r.model_type and full["dtype"] == "bfloat16"
+    cfg = fk.text_of(arch, full)  # a vision-language wrapper nests its language model's config
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (512, 256, 3)
-    assert cfg[r.expert_count_key] == 8 and cfg[r.expert_inter_key] == 128 and cfg["tie_word_embeddings"] is False
+    assert cfg[r.expert_count_key] == 8 and cfg[r.expert_inter_key] == 128 and full["tie_word_embeddings"] is False
     assert cfg.get("num_experts_per_tok", cfg.get("moe_k")) == 2
     assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 4
-    assert cfg == fk.config_of(arch)
+    assert full == fk.config_of(arch)
     index = json.loads((d / fk.INDEX).read_text())
     head = _header(d)
     assert 8 <= len(set(index["weight_map"].values())) <= 20
@@ -124,7 +126,7 @@ def test_transformers_reloads_build_with_identical_logits(arch, built):
 
     with torch.no_grad():
         ref = fk.model_of(arch)(IDS).logits
-        got = transformers.AutoModelForCausalLM.from_pretrained(built[arch])(IDS).logits
+        got = fk.model_class(arch).from_pretrained(built[arch])(IDS).logits
     assert torch.isfinite(ref).all() and ref.float().std() > 0.05
     assert torch.equal(ref, got)
 

@@ -79,15 +79,32 @@ def test_deepseek_first_dense_layers():
         parse_source(c, i, s, origin="d")
 
 
-@pytest.mark.parametrize("field,value", [("moe_intermediate_size", 200), ("hidden_size", 320)])
-def test_dims_not_multiple_of_128_refused_naming_tensor(field, value):
+@pytest.mark.parametrize("field,value", [("moe_intermediate_size", 200), ("hidden_size", 330)])
+def test_dims_not_multiple_of_16_refused_naming_field_and_tensor(field, value):
     c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)
     c[field] = value
     s = {k: v * 4 for k, v in s.items()}  # sizes must not be what fails
     with pytest.raises(FqError) as e:
         parse_source(c, i, s, origin="d")
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in str(e.value)
-    assert f"{field}={value}" in str(e.value) and "128" in str(e.value)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("d/config.json: ")
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in msg
+    assert f"{field}={value}: {value} is not a multiple of 16" in msg and "128" in msg
+
+
+def test_dims_multiple_of_16_not_128_are_stored_zero_padded():
+    """gpt-oss's 2880 (here 2880 and 320): accepted; the experts are stored at their dims padded to 128, as exllamav3
+    pads them, and priced there; a 128-aligned source is its own stored shape."""
+    c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)
+    c["hidden_size"], c["moe_intermediate_size"] = 2880, 320
+    s = {k: v * 400 for k, v in s.items()}
+    m = parse_source(c, i, s, origin="d")
+    assert m.expert_shape("gate") == (320, 2880) and m.stored_shape("gate") == (384, 2944)
+    assert m.expert_shape("down") == (2880, 320) and m.stored_shape("down") == (2944, 384) and m.padded
+    from fq.planning.plan import encoded_expert_bytes
+    assert encoded_expert_bytes(m, 2) == 3 * (384 * 2944 * 2 // 8 + 2 * (384 + 2944) + 4)
+    aligned = parse_source(*synthetic_checkpoint("deepseek", n_layers=2, **SMALL), origin="a")
+    assert not aligned.padded and aligned.stored_shape("down") == aligned.expert_shape("down") == (256, 128)
 
 
 def test_missing_expert_tensor_refused():

@@ -12,8 +12,12 @@ Public API (kept stable for the rest of fq):
     encode_ldlq_batch([W, ...], H, K, codebook, seeds, device, *, parents=None, names=None) -> [Encoded, ...]
     proxy_error(W, W_hat, H) -> float
     validate_tensors(tensors, name, K=None, codebook=None) -> Geometry
+    padded(n), padded_shape(shape) (fq.codec.shape) -> the stored dims of a matrix: multiples of 128, as exllamav3
+        pads them; encode* take W (out, in) with dims multiples of 16 and store it zero-padded there;
+        reconstruct(tensors, shape=(out, in)) / reconstruct_chain(chain, shape=...) trim back to W's shape
 """
 from fq.codec.codebook import CODEBOOKS, MARKERS, marker_value
+from fq.codec.shape import padded, padded_shape
 
 # The torch-backed parts load on first use (PEP 562): tensor names, markers and header checks need only the
 # codebook constants, and importing torch is most of the start-up time of `fq verify` or a Snakemake job.
@@ -42,6 +46,8 @@ __all__ = [
     "encode_ldlq_batch",
     "encode_residual",
     "marker_value",
+    "padded",
+    "padded_shape",
     "proxy_error",
     "quantize",
     "quantize_residual",

@@ -5,6 +5,10 @@ both: only elementwise float operations, integer operations and gathers, sums th
 fq.codec.exact.tree_sum (never torch.sum/mean/cumsum or a matmul, whose order depends on the backend),
 and a Viterbi whose CPU and CUDA kernels return the same states. So a CPU and a CUDA encode of the same
 input are byte-identical, down to the reported sums.
+
+A W whose dims are multiples of 16 but not of 128 is coded zero-padded to multiples of 128, as exllamav3 stores it
+(``fq.codec.shape``; ``target``): the tensors are the padded matrix's, the padded channels reconstruct to exactly zero
+(zero scales), and W_hat and the error sums are W's own entries. A 128-aligned W is coded as it always was.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from fq.codec.exact import div, tree_sum
 from fq.codec.hadamard import HAD
 from fq.codec.packing import TILE_LEN, matrix_to_tiles, pack, tiles_to_matrix
 from fq.codec.regularize import CODEBOOK_SCALE, regularize
-from fq.codec.tensors import reconstruct_chain, unrotate
+from fq.codec.shape import TILE, dims_problem, padded_shape
+from fq.codec.tensors import reconstruct_chain, trim, unrotate
 from fq.codec.viterbi import viterbi, viterbi_gpu
 from fq.errors import FqError
 
@@ -43,17 +48,19 @@ GROUP_TILES = 1 << 14
 class Encoded:
     """One encoded linear: the EXL3 tensors (on the CPU) plus what the encoder measured."""
 
-    tensors: dict
-    W_hat: torch.Tensor  # (out, in) float32 on the encoding device: decode of these tensors, from the encoder's own states
-    rel_mse: float  # sum((W_hat - W)^2) / sum(W^2); 0 for an all-zero W
+    tensors: dict  # at the padded shape (fq.codec.shape.padded_shape of W's): what exllamav3 reads
+    # (out, in) float32 on the encoding device, W's own shape: decode of these tensors from the encoder's own states,
+    # trimmed to W's shape (a padded matrix's added rows and columns decode to exactly zero: zero channel scales)
+    W_hat: torch.Tensor
+    rel_mse: float  # sum((W_hat - W)^2) / sum(W^2) over W's own (unpadded) entries; 0 for an all-zero W
     g_scale: float
-    # the two float64 sums behind rel_mse (fq.codec.exact.tree_sum over W's elements in row-major order), so
-    # callers that report them need not recompute them: sum(W^2) and sum((W_hat - W)^2), W the encoded
+    # the two float64 sums behind rel_mse (fq.codec.exact.tree_sum over W's elements in row-major order, W's own
+    # shape), so callers that report them need not recompute them: sum(W^2) and sum((W_hat - W)^2), W the encoded
     # target (the residual for a stage)
     sum_sq_w: float = 0.0
     sum_sq_err: float = 0.0
     # calibrated encodes (fq.codec.ldlq) only: tr(E H E^T) / tr(W H W^T) of the stored tensors, E = W_hat - W,
-    # H the Hessian as given (undamped); None for a weight-only encode
+    # H the Hessian as given (undamped, W's own width); None for a weight-only encode
     proxy_err: float | None = None
 
 
@@ -69,14 +76,16 @@ def pipeline_device(device) -> torch.device:
 
 
 def check_args(W, K, codebook, seed, name: str = "W", device=None) -> torch.Tensor:
-    """Validated W as float64 on ``device`` (default the CPU)."""
+    """Validated W as float64 on ``device`` (default the CPU), its own shape (not padded)."""
     if not isinstance(W, torch.Tensor):
         raise FqError(f"{name}: expected a torch.Tensor, got {type(W).__name__}")
     if W.dim() != 2 or not W.is_floating_point():
         raise FqError(f"{name}: expected a 2-D floating-point (out, in) weight, got {str(W.dtype).removeprefix('torch.')} {tuple(W.shape)}")
     out_f, in_f = W.shape
-    if out_f == 0 or in_f == 0 or out_f % HAD or in_f % HAD:
-        raise FqError(f"{name}: shape (out={out_f}, in={in_f}); both dims must be positive multiples of {HAD}")
+    if dims_problem(out_f) or dims_problem(in_f):
+        raise FqError(f"{name}: shape (out={out_f}, in={in_f}); both dims must be positive multiples of {TILE} (EXL3 "
+                      f"codes 16x16 tiles, and a matrix is stored zero-padded to multiples of {HAD}, as exllamav3 "
+                      "pads it)")
     if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= 8:
         raise FqError(f"K: expected an integer in 1..8, got {K!r}")
     if codebook not in CODEBOOKS:
@@ -191,8 +200,28 @@ def check_scales(W64: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, g: float
                           "rescale the weight (or its residual) before encoding")
 
 
-def _finish(W64, su, sv, g: float, states, K: int, codebook: str, clock) -> Encoded:
-    """Pack one matrix's states, reconstruct from them and measure the error, all on the states' device."""
+def pad_to(W: torch.Tensor, shape) -> torch.Tensor:
+    """W (out, in) zero-extended to ``shape`` (its padded shape); W itself when it already is that shape."""
+    if tuple(W.shape) == tuple(shape):
+        return W
+    out = torch.zeros(tuple(shape), dtype=W.dtype, device=W.device)
+    out[: W.shape[0], : W.shape[1]] = W
+    return out
+
+
+def target(W, K, codebook, seed, name: str, device, parents=None) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(the float64 matrix the trellis codes, at W's padded shape; W's own (out, in)): W zero-padded, or for a stage
+    (``parents``: its parent chain) the padded W minus the chain's reconstruction, on the padded shape."""
+    if parents is not None:
+        R = residual_target(W, parents, device, name)
+        return check_args(R, K, codebook, seed, name, device), tuple(W.shape)
+    W64 = check_args(W, K, codebook, seed, name, device)
+    return pad_to(W64, padded_shape(W64.shape)), tuple(W64.shape)
+
+
+def _finish(W64, su, sv, g: float, states, K: int, codebook: str, clock, shape) -> Encoded:
+    """Pack one matrix's states, reconstruct from them and measure the error over W's own ``shape`` (the padded
+    rows and columns are left out of the sums and trimmed off W_hat), all on the states' device."""
     dev = states.device
     packed = {"trellis": pack(states, K), "suh": _fp16(div(su, g)), "svh": _fp16(sv)}
     tensors = {k: v.cpu() for k, v in packed.items()}  # the product is host bytes
@@ -201,7 +230,8 @@ def _finish(W64, su, sv, g: float, states, K: int, codebook: str, clock) -> Enco
         tensors[codebook] = torch.tensor(marker, dtype=torch.int32)
     clock("pack")
     inner = tiles_to_matrix(values_torch(codebook, dev)[states.long()])
-    W_hat = unrotate(inner, packed["suh"], packed["svh"])
+    W_hat = trim(unrotate(inner, packed["suh"], packed["svh"]), shape)
+    W64 = trim(W64, shape)
     d = W_hat.double() - W64
     denom = float(tree_sum((W64 * W64).flatten()))
     err = float(tree_sum((d * d).flatten()))
@@ -225,11 +255,11 @@ def _groups(sizes: list[int], limit: int):
 def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> list[Encoded]:
     device = pipeline_device(device)
     clock = _Clock(timings, device)
-    W64s = []
+    W64s, shapes = [], []
     for i, W in enumerate(Ws):  # every argument is checked before any work
-        if parents is not None and parents[i] is not None:
-            W = residual_target(W, parents[i], device, names[i])
-        W64s.append(check_args(W, K, codebook, seeds[i], names[i], device))
+        W64, shape = target(W, K, codebook, seeds[i], names[i], device, None if parents is None else parents[i])
+        W64s.append(W64)
+        shapes.append(shape)
     clock("check")
     regs = []  # (x, su, sv) per matrix, until its main Viterbi
     for W64, seed in zip(W64s, seeds):
@@ -249,7 +279,8 @@ def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> lis
         for i, t in zip(group, tiles):
             n = t.shape[0] * t.shape[1]
             _, su, sv = regs[i]
-            out.append(_finish(W64s[i], su, sv, gs[i], states[at : at + n].reshape(t.shape), K, codebook, clock))
+            out.append(_finish(W64s[i], su, sv, gs[i], states[at : at + n].reshape(t.shape), K, codebook, clock,
+                               shapes[i]))
             regs[i] = W64s[i] = None  # this matrix's float64 copies are no longer needed
             at += n
     return out
@@ -257,10 +288,12 @@ def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> lis
 
 def encode(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
            timings: dict | None = None) -> Encoded:
-    """Encode a torch Linear weight W (out, in). ``device``: None/"cpu" (C Viterbi kernel) or a CUDA device;
-    every stage runs there and both give the same bytes, W_hat, sums and g_scale. ``tensors`` are returned
-    on the CPU, ``W_hat`` on ``device``. ``timings``: if a dict, the wall seconds of each stage are added to
-    it (check, regularize, search, viterbi, pack, reconstruct; CUDA is synchronized at each stage boundary)."""
+    """Encode a torch Linear weight W (out, in), dims multiples of 16; the tensors are those of W zero-padded to
+    ``fq.codec.shape.padded_shape`` (multiples of 128), W_hat and the error are W's own shape. ``device``:
+    None/"cpu" (C Viterbi kernel) or a CUDA device; every stage runs there and both give the same bytes, W_hat, sums
+    and g_scale. ``tensors`` are returned on the CPU, ``W_hat`` on ``device``. ``timings``: if a dict, the wall
+    seconds of each stage are added to it (check, regularize, search, viterbi, pack, reconstruct; CUDA is
+    synchronized at each stage boundary)."""
     return _encode_many([W], K, codebook, [seed], device, ["W"], None, timings)[0]
 
 
@@ -312,20 +345,25 @@ def quantize(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, dev
 
 
 def residual_target(W: torch.Tensor, parents: list[dict], device=None, name: str = "W") -> torch.Tensor:
-    """W - reconstruct_chain(parents), float64 on ``device`` (the parents are reconstructed there)."""
+    """W zero-padded to its padded shape, minus reconstruct_chain(parents) (which is that shape: the stored tensors'),
+    float64 on ``device`` (the parents are reconstructed there). The padded rows and columns of a stage's target are
+    minus the parents' there (zero for fq's parents, whose padded channels have zero scales)."""
     if not isinstance(parents, (list, tuple)) or not parents:
         raise FqError("parents: expected a non-empty list of EXL3 tensor sets (the parent chain)")
     W = check_args(W, 1, "mul1", 0, name, device)
     chain = [{k: v.to(W.device) if isinstance(v, torch.Tensor) else v for k, v in t.items()} if isinstance(t, dict)
              else t for t in parents]
     parent = reconstruct_chain(chain, "parents").to(torch.float64)
-    if parent.shape != W.shape:
-        raise FqError(f"parents: chain reconstructs to {tuple(parent.shape)}, W is {tuple(W.shape)}")
-    return W - parent
+    stored = padded_shape(W.shape)
+    if tuple(parent.shape) != stored:
+        shown = f"{tuple(W.shape)}" + (f" (stored at {stored})" if stored != tuple(W.shape) else "")
+        raise FqError(f"parents: chain reconstructs to {tuple(parent.shape)}, W is {shown}")
+    return pad_to(W, stored) - parent
 
 
 def encode_residual(W, parents, K, codebook="mul1", seed=0, device=None, *, timings: dict | None = None) -> Encoded:
-    """Encode R = W - reconstruct_chain(parents). An all-zero R (or zero channel) reconstructs to exactly 0."""
+    """Encode R = W - reconstruct_chain(parents), on the padded shape (``residual_target``); W_hat and the error are
+    R's over W's own shape. An all-zero R (or zero channel) reconstructs to exactly 0."""
     return _encode_many([W], K, codebook, [seed], device, ["W"], [parents], timings)[0]
 
 

@@ -22,6 +22,12 @@ What it does (the reference converter's algorithm, ``quantize_exl3``/``ldlq``/``
 6. ``proxy_err`` = tr(E H E^T) / tr(W H W^T), E = W_hat - W, H as given (undamped), of the stored tensors.
    A residual stage (``parents``) encodes W - reconstruct_chain(parents) in the same metric.
 
+A W whose dims are not multiples of 128 is coded zero-padded, as exllamav3 stores it (``fq.codec.shape``); H is given
+at W's own width (calibration captures it there) and zero-padded, which is the Hessian exllamav3 captures at the padded
+width (it zero-extends the input), so step 1's mean is over the padded diagonal, as exllamav3's is; the added
+channels get zero scales (step 1 of the weight-only encoder) and reconstruct to exactly zero. The errors, the refit's
+acceptance and ``proxy_err`` are over W's own entries.
+
 Determinism (the hard requirement): given (W, H, K, codebook, seed) the bytes are the same on any CPU (AVX2 or
 AVX-512 BLAS, any thread count) and on CUDA. No BLAS, cuBLAS, cuSOLVER or LAPACK result decides a bit:
 
@@ -46,15 +52,16 @@ import numpy as np
 import torch
 
 from fq.codec.codebook import marker_value, values_torch
-from fq.codec.encoder import (Encoded, _Clock, _fp16, _viterbi, check_args, check_scales, pipeline_device,
-                              residual_target, search_scales)
+from fq.codec.encoder import (Encoded, _Clock, _fp16, _viterbi, check_scales, pad_to, pipeline_device,
+                              search_scales, target)
 from fq.codec.exact import div, tree_sum
 from fq.codec.gridmm import budget, grid_mm, pow2, split
 from fq.codec.hadamard import had_cols, had_rows
 from fq.codec.ldl import BLOCK, PANEL, block_ldl
 from fq.codec.packing import pack, tensor_core_perm, tensor_core_perm_inverse, tiles_to_matrix
 from fq.codec.regularize import regularize
-from fq.codec.tensors import unrotate
+from fq.codec.shape import padded
+from fq.codec.tensors import trim, unrotate
 from fq.errors import FqError
 
 SIGMA_REG = 0.025  # damping: this share of H's mean diagonal is added to its diagonal
@@ -409,12 +416,14 @@ def refit_scales(Wt: torch.Tensor, inner: torch.Tensor, suh: torch.Tensor, svh: 
 # ---------------------------------------------------------------------------------------------- encoder
 
 
-def _coded(W64, su, sv, g, states, K, codebook, metric) -> dict:
-    """A matrix as the LDLQ walk left it: packed trellis, decoded inner matrix, its fp16 scales and proxy error."""
+def _coded(W64, su, sv, g, states, K, codebook, metric, shape) -> dict:
+    """A matrix as the LDLQ walk left it: packed trellis, decoded inner matrix, its fp16 scales and proxy error
+    (``metric``: H at W's own width; the sums over W's own ``shape``, W_hat trimmed to it)."""
     dev = states.device
     inner = tiles_to_matrix(values_torch(codebook, dev)[states.long()])
     suh, svh = _fp16(div(su, g)), _fp16(sv)
-    W_hat = unrotate(inner, suh, svh)
+    W_hat = trim(unrotate(inner, suh, svh), shape)
+    W64 = trim(W64, shape)
     return dict(trellis=pack(states, K), inner=inner, suh=suh, svh=svh, W_hat=W_hat, den=metric.quad(W64),
                 num=metric.quad(W_hat.double() - W64), g=float(g))
 
@@ -439,12 +448,13 @@ def _refit_all(W64s: list, coded: list, Hds: list, damping: list, device: torch.
     return out
 
 
-def _finish(W64, c: dict, a: torch.Tensor, b: torch.Tensor, codebook: str, metric) -> Encoded:
-    """Keep the refit scales if the stored (fp16) tensors' proxy error drops; measure."""
+def _finish(W64, c: dict, a: torch.Tensor, b: torch.Tensor, codebook: str, metric, shape) -> Encoded:
+    """Keep the refit scales if the stored (fp16) tensors' proxy error drops; measure (over W's own ``shape``)."""
     suh, svh, W_hat, num, den = c["suh"], c["svh"], c["W_hat"], c["num"], c["den"]
     suh2, svh2 = _fp16(a), _fp16(b)
+    W64 = trim(W64, shape)
     if bool(torch.isfinite(suh2).all()) and bool(torch.isfinite(svh2).all()):
-        W_hat2 = unrotate(c["inner"], suh2, svh2)
+        W_hat2 = trim(unrotate(c["inner"], suh2, svh2), shape)
         num2 = metric.quad(W_hat2.double() - W64)
         if num2 < num:
             suh, svh, W_hat, num = suh2, svh2, W_hat2, num2
@@ -467,22 +477,26 @@ def _groups(n: int, k: int, device: torch.device):
 def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> list[Encoded]:
     device = pipeline_device(device)
     clock = _Clock(timings, device)
-    W64s = []
+    W64s, shapes = [], []  # the padded targets (fq.codec.encoder.target), and each W's own (out, in)
     for i, W in enumerate(Ws):
-        if parents is not None and parents[i] is not None:
-            W = residual_target(W, parents[i], device, names[i])
-        W64s.append(check_args(W, K, codebook, seeds[i], names[i], device))
-    in_f = W64s[0].shape[1]
-    for W64, name in zip(W64s, names):
-        if W64.shape[1] != in_f:
-            raise FqError(f"{name}: in_features {W64.shape[1]}; the matrices of one batch share H, so all need "
+        W64, shape = target(W, K, codebook, seeds[i], names[i], device, None if parents is None else parents[i])
+        W64s.append(W64)
+        shapes.append(shape)
+    in_f = shapes[0][1]
+    for shape, name in zip(shapes, names):
+        if shape[1] != in_f:
+            raise FqError(f"{name}: in_features {shape[1]}; the matrices of one batch share H, so all need "
                           f"in = {in_f}")
     hname = names[0] if len(names) == 1 else f"{names[0]} (and the batch sharing its H)"
-    Hc = check_hessian(H, in_f, hname, device)
-    metric = _Metric(Hc)
+    H_own = check_hessian(H, in_f, hname, device)  # H at W's own width, as calibration captures it
+    metric = _Metric(H_own)  # proxy errors over W's own entries
+    # A padded W's added input channels see zero activations (exllamav3 zero-extends the input, so a Hessian it
+    # captures at the padded width has zero rows and columns there): H is zero-padded, then damped over the padded
+    # diagonal (_damped), as exllamav3 damps the Hessian it captured. The same matrix when in is 128-aligned.
+    Hc = pad_to(H_own, (padded(in_f), padded(in_f)))
     clock("check")
     out = []
-    for group in _groups(len(W64s), in_f, device):
+    for group in _groups(len(W64s), padded(in_f), device):
         regs = [regularize(W64s[i].t(), seeds[i]) for i in group]
         clock("regularize")
         # the factorization first: a Hessian that cannot be used fails before any trellis search
@@ -498,14 +512,14 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> 
         states = ldlq(targets, L, F, K, codebook, device)
         del L, targets
         clock("ldlq")
-        coded = [_coded(W64s[i], su, sv, gs[j], states[j], K, codebook, metric)
+        coded = [_coded(W64s[i], su, sv, gs[j], states[j], K, codebook, metric, shapes[i])
                  for j, (i, (_, su, sv)) in enumerate(zip(group, regs))]
         del states, regs
         clock("finish")
         scales = _refit_all([W64s[i] for i in group], coded, Hds, damping, device)
         clock("refit")
         for j, i in enumerate(group):
-            out.append(_finish(W64s[i], coded[j], *scales[j], codebook, metric))
+            out.append(_finish(W64s[i], coded[j], *scales[j], codebook, metric, shapes[i]))
             W64s[i] = coded[j] = None
         clock("finish")
     return out
@@ -513,8 +527,8 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> 
 
 def encode_ldlq(W: torch.Tensor, H: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
                 parents: list | None = None, name: str = "W", timings: dict | None = None) -> Encoded:
-    """Encode a torch Linear weight W (out, in) with its input Hessian H (in, in) (LDLQ, see the module
-    docstring). ``parents``: a parent chain makes this a residual stage (W - reconstruct_chain(parents), in
+    """Encode a torch Linear weight W (out, in) with its input Hessian H (in, in), W's own width (LDLQ, see the module
+    docstring; a W that is not 128-aligned is coded zero-padded). ``parents``: a parent chain makes this a residual stage (W - reconstruct_chain(parents), in
     the same H metric). ``device``: None/"cpu" or a CUDA device; both give the same bytes, W_hat and sums.
     ``timings``: if a dict, wall seconds per stage are added to it."""
     return _encode_many([W], H, K, codebook, [seed], device, [name], None if parents is None else [parents],

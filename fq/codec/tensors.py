@@ -4,6 +4,10 @@ A torch Linear weight W is (out, in). EXL3 stores ``trellis`` int16 (in/16, out/
 (in,), ``svh`` fp16 (out,) and a scalar int32 marker ``mcg`` or ``mul1`` (none for 3INST).
 W^T = had_rows(had_cols(decode(trellis)) * suh) * svh, in float32 with fp32 butterflies (fq.codec.hadamard),
 so the reconstruction is the same bits on every device.
+
+A matrix whose dims are not multiples of 128 is stored zero-padded to them (``fq.codec.shape``): the tensors give the
+padded reconstruction, and ``reconstruct(..., shape=(out, in))`` checks that the stored dims are ``shape``'s padded
+dims and trims the reconstruction to ``shape``, as exllamav3 zero-extends the input and trims the output.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from fq.codec.codebook import MARKERS, marker_value, values_torch
 from fq.codec.hadamard import HAD, had_cols, had_rows
 from fq.codec.packing import tiles_to_matrix, unpack
+from fq.codec.shape import padded_shape
 from fq.errors import FqError
 
 TENSOR_KEYS = ("trellis", "suh", "svh")
@@ -94,23 +99,49 @@ def unrotate(inner: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch
     return (had_rows(x) * svh.float()[None, :]).t().contiguous()
 
 
-def reconstruct(tensors: dict, name: str = "") -> torch.Tensor:
-    """The dense (out, in) float32 weight of one EXL3 linear."""
+def trim(W: torch.Tensor, shape) -> torch.Tensor:
+    """W's leading ``shape`` block (a padded matrix's real rows and columns), contiguous; W itself when it is that
+    shape."""
+    if shape is None or tuple(W.shape) == tuple(shape):
+        return W
+    return W[: shape[0], : shape[1]].contiguous()
+
+
+def check_stored(stored, shape, name: str = "") -> None:
+    """A linear's stored (out, in) must be the padded dims of its matrix's (out, in) ``shape``."""
+    out_f, in_f = shape
+    want = padded_shape((out_f, in_f))
+    if tuple(stored) != want:
+        how = f", stored zero-padded to (out, in) = {want}" if want != (out_f, in_f) else ""
+        raise FqError(f"{name or 'tensors'}: stored (out, in) = {tuple(stored)}; its matrix is (out, in) = "
+                      f"({out_f}, {in_f}){how}")
+
+
+def reconstruct(tensors: dict, name: str = "", shape=None) -> torch.Tensor:
+    """The dense (out, in) float32 weight of one EXL3 linear: the stored (padded) shape, or with ``shape`` (its
+    matrix's own (out, in)) the stored dims checked to be ``shape``'s padded dims and the reconstruction trimmed
+    to ``shape``."""
     g = validate_tensors(tensors, name)
+    if shape is not None:
+        check_stored((g.out_features, g.in_features), shape, name)
     inner = decode_inner(tensors["trellis"], g.K, g.codebook)
-    return unrotate(inner, tensors["suh"].to(inner.device), tensors["svh"].to(inner.device))
+    return trim(unrotate(inner, tensors["suh"].to(inner.device), tensors["svh"].to(inner.device)), shape)
 
 
-def reconstruct_chain(chain: list[dict], name: str = "") -> torch.Tensor:
-    """Sum of the reconstructions of a base and its stages, added in chain order."""
+def reconstruct_chain(chain: list[dict], name: str = "", shape=None) -> torch.Tensor:
+    """Sum of the reconstructions of a base and its stages, added in chain order (at the stored shape; trimmed to
+    ``shape`` as ``reconstruct`` trims, the sum taken on the stored shape first)."""
     if not chain:
         raise FqError(f"{name or 'chain'}: empty chain; expected a base and zero or more stages")
     total = None
-    shape = None
+    stored = None
     for i, tensors in enumerate(chain):
-        w = reconstruct(tensors, f"{name}[{i}]" if name else f"chain[{i}]")
-        if shape is not None and w.shape != shape:
-            raise FqError(f"{name or 'chain'}[{i}]: shape {tuple(w.shape)} differs from the base's {tuple(shape)}")
-        shape = w.shape
+        where = f"{name}[{i}]" if name else f"chain[{i}]"
+        w = reconstruct(tensors, where)
+        if shape is not None:
+            check_stored(w.shape, shape, where)
+        if stored is not None and w.shape != stored:
+            raise FqError(f"{name or 'chain'}[{i}]: shape {tuple(w.shape)} differs from the base's {tuple(stored)}")
+        stored = w.shape
         total = w if total is None else total + w
-    return total
+    return trim(total, shape)

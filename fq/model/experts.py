@@ -7,8 +7,11 @@ A checkpoint names its routed experts with its own prefix; fq keeps that prefix 
     model.layers.12.mlp.experts.37.down_proj.trellis|suh|svh|mul1   (fq fragment)
 
 ``ExpertLayout`` carries the prefix template and the projection names (gate, up, down order):
-``STANDARD`` (Qwen/DeepSeek/GLM style) and ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``); each family of
-``fq.model.families`` names its layout.
+``STANDARD`` (Qwen/DeepSeek/GLM style), ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``) and
+``LANGUAGE_MODEL`` (a vision-language checkpoint's language model: ``model.language_model.layers.{L}.mlp.experts.{E}``,
+Qwen3.5-MoE as published); each family of ``fq.model.families`` names its layout. Everything that names expert or
+layer tensors asks the layout (``layers``, ``layer_prefix``, ``experts_prefix``, ``experts_pattern``, ``key``,
+``parse``), never a literal ``model.layers.``.
 
 ``derive_linear`` re-derives K, codebook and geometry from the tensors themselves (dtype, shape,
 marker value) so that a consumer never copies a runtime constant from metadata.
@@ -49,6 +52,27 @@ class ExpertLayout:
         proj = "|".join(re.escape(x) for x in projs)
         object.__setattr__(self, "_re", re.compile(rf"{pattern}\.(?P<proj>{proj})\.(?P<suffix>[A-Za-z0-9_]+)"))
 
+    @property
+    def layers(self) -> str:
+        """What every decoder layer's tensor names start with, before the layer number: ``model.layers.``, or a
+        vision-language checkpoint's ``model.language_model.layers.``."""
+        return self.prefix.split("{layer}")[0]
+
+    def layer_prefix(self, layer: int) -> str:
+        """``model.layers.12``: the layer's tensors are named ``{layer_prefix}.{module}...``."""
+        return f"{self.layers}{layer}"
+
+    def experts_prefix(self, layer: int) -> str:
+        """``model.layers.12.mlp.experts.``: every tensor name that starts with this belongs to the layer's routed
+        experts (one matrix per expert, or a family's fused tensors)."""
+        return self.prefix.split("{expert}")[0].format(layer=layer)
+
+    def experts_pattern(self) -> "re.Pattern":
+        """Matches a name under any layer's routed experts: group ``layer``, and ``rest`` (what follows the experts
+        prefix: ``37.down_proj.weight``, or a fused tensor's ``gate_up_proj``)."""
+        head, tail = self.prefix.split("{expert}")[0].split("{layer}")
+        return re.compile(re.escape(head) + r"(?P<layer>[0-9]+)" + re.escape(tail) + r"(?P<rest>.+)")
+
     def expert_prefix(self, layer: int, expert: int) -> str:
         return self.prefix.format(layer=layer, expert=expert)
 
@@ -78,6 +102,7 @@ class ExpertLayout:
 
 STANDARD = ExpertLayout()
 MIXTRAL = ExpertLayout("model.layers.{layer}.block_sparse_moe.experts.{expert}", ("w1", "w3", "w2"))
+LANGUAGE_MODEL = ExpertLayout("model.language_model.layers.{layer}.mlp.experts.{expert}")
 
 
 def suffixes(codebook: str) -> tuple[str, ...]:

@@ -98,9 +98,12 @@ class ExpertSource:
     scale_shard: str | None = None
     scale: str | None = None
     block: tuple[int, int] | None = None
-    # a fused 3-D tensor with the expert first (gpt-oss): the expert's index, and which matrix of it
+    # a fused 3-D tensor with the expert first (gpt-oss, Qwen3.5 as published): the expert's index, which matrix
+    # of it, and how the family lays it out (fq.model.families.base.FusedExperts)
     index: int | None = None
-    part: str | None = None  # "gate" / "up" (interleaved along the output) or "down"
+    part: str | None = None  # "gate" / "up" (along gate_up's output) or "down"
+    order: str = "in_out"  # a dense tensor's dims after the expert's: (in, out) as gpt-oss, or (out, in)
+    split: str = "interleaved"  # gate and up along the output: even / odd rows, or the two halves
 
     def to_json(self) -> dict:
         d = {"shard": self.shard, "tensor": self.tensor}
@@ -112,6 +115,8 @@ class ExpertSource:
                 d["block"] = list(self.block)
         if self.index is not None:
             d.update(index=self.index, part=self.part)
+            if (self.order, self.split) != ("in_out", "interleaved"):  # gpt-oss's jobs read as they always did
+                d.update(order=self.order, split=self.split)
         return d
 
     @classmethod
@@ -119,15 +124,18 @@ class ExpertSource:
         if isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, str) for x in obj):
             return cls(obj[0], obj[1])  # [shard, tensor]: a dense matrix
         keys = {"shard", "tensor"}
-        optional = {"shape", "block", "scale_shard", "scale", "index", "part"}
+        optional = {"shape", "block", "scale_shard", "scale", "index", "part", "order", "split"}
         names = set(obj) if isinstance(obj, dict) else set()
         if (not isinstance(obj, dict) or not keys <= names <= keys | optional
                 or ("scale" in names) != ("scale_shard" in names) or ("index" in names) != ("part" in names)
+                or ("order" in names) != ("split" in names) or ("order" in names and "index" not in names)
                 or not all(isinstance(obj[k], str) for k in names & {"shard", "tensor", "scale_shard", "scale"})
                 or obj.get("part", "gate") not in ("gate", "up", "down")
+                or obj.get("order", "in_out") not in ("in_out", "out_in")
+                or obj.get("split", "interleaved") not in ("interleaved", "halves")
                 or not isinstance(obj.get("index", 0), int) or isinstance(obj.get("index"), bool)):
-            raise FqError(f"{where}: expected {{shard, tensor[, shape][, scale_shard, scale[, block]][, index, part]}}, "
-                          f"got {obj!r}")
+            raise FqError(f"{where}: expected {{shard, tensor[, shape][, scale_shard, scale[, block]][, index, part"
+                          f"[, order, split]]}}, got {obj!r}")
         pairs = {}
         for k in ("shape", "block"):
             v = obj.get(k)
@@ -136,7 +144,8 @@ class ExpertSource:
                 raise FqError(f"{where}: {k}: expected two positive integers, got {v!r}")
             pairs[k] = tuple(v) if v is not None else None
         return cls(obj["shard"], obj["tensor"], pairs["shape"], obj.get("scale_shard"), obj.get("scale"),
-                   pairs["block"], obj.get("index"), obj.get("part"))
+                   pairs["block"], obj.get("index"), obj.get("part"), obj.get("order", "in_out"),
+                   obj.get("split", "interleaved"))
 
     @property
     def shards(self) -> tuple[str, ...]:
@@ -188,11 +197,15 @@ def dequantize_mxfp4(blocks, scales, where: str = "mxfp4"):
     return w.reshape(*blocks.shape[:-2], blocks.shape[-2] * MX_GROUP)
 
 
-def _fused_part(w, part: str):
+def _fused_part(w, part: str, split: str = "interleaved"):
     """One expert's matrix, torch (out, in), from its slice of a fused tensor in (out, in) order: gate and up are the
-    even and odd rows of gate_up (gpt-oss interleaves them), down is the whole slice."""
+    even and odd rows of gate_up (``interleaved``: gpt-oss) or its first and second half (``halves``: Qwen3.5,
+    transformers' ``chunk(2)``), down is the whole slice."""
     if part == "down":
         return w
+    if split == "halves":
+        half = w.shape[0] // 2
+        return w[:half] if part == "gate" else w[half:]
     return w[0::2] if part == "gate" else w[1::2]
 
 
@@ -250,12 +263,14 @@ def _read_fused(handle, src: ExpertSource):
     t = expert_slice(src.shard, src.tensor)
     if src.scale is not None:  # MXFP4: (out, in/32, 16) blocks beside (out, in/32) scales, (out, in) once unpacked
         w = dequantize_mxfp4(t, expert_slice(src.scale_shard, src.scale), f"{src.shard}: {src.tensor}")
-    else:  # bf16: the expert's (in, out) slice of transformers' (E, in, out)
-        if not t.is_floating_point() or t.dim() != 2:
+    else:  # dense: the expert's (in, out) slice of transformers' (E, in, out) (gpt-oss), or its (out, in) slice
+        dims = "(in, out)" if src.order == "in_out" else "(out, in)"
+        if not t.is_floating_point() or t.dim() != 2 or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise FqError(f"{src.shard}: tensor {src.tensor!r}: expert {src.index} is {t.dtype} {list(t.shape)}, "
-                          f"expected a 2-D float (in, out) slice")
-        w = t.to(torch.float32).T
-    w = _fused_part(w, src.part).contiguous()
+                          f"expected a 2-D bf16/fp16/fp32 {dims} slice")
+        w = t.to(torch.float32)
+        w = w.T if src.order == "in_out" else w
+    w = _fused_part(w, src.part, src.split).contiguous()
     if src.shape is not None and tuple(w.shape) != tuple(src.shape):
         raise FqError(f"{src.shard}: tensor {src.tensor!r}: expert {src.index}'s {src.part} is {list(w.shape)}, the "
                       f"config makes it {list(src.shape)} (out, in)")
@@ -294,13 +309,17 @@ def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) 
     return out
 
 
-def fuse_experts(tensors: dict, layout, fused: tuple[str, str], where: str) -> dict:
+def fuse_experts(tensors: dict, layout, fused, where: str) -> dict:
     """``tensors`` with every expert's ``layout`` matrices (torch (out, in), float32) put back into the fused tensors
     a family's checkpoint has (gpt-oss: ``{prefix}gate_up_proj`` (E, in, 2·I) with gate and up interleaved along
-    the output, ``{prefix}down_proj`` (E, I, hidden)): what transformers loads such a checkpoint from."""
+    the output, ``{prefix}down_proj`` (E, I, hidden)): what transformers loads such a checkpoint from. ``fused``:
+    the family's ``FusedExperts`` (gpt-oss's layout; or its two tensor names)."""
     import torch
 
-    gate_up, down = fused
+    gate_up, down = (fused.gate_up, fused.down) if hasattr(fused, "gate_up") else fused
+    if hasattr(fused, "order") and (fused.order, fused.split) != ("in_out", "interleaved"):
+        raise FqError(f"{where}: fq's runtime fuses experts as gpt-oss lays them out (in_out, interleaved), not "
+                      f"{fused.order}, {fused.split}")
     per: dict[int, dict[int, dict[str, object]]] = {}
     out = {}
     for name, t in tensors.items():
@@ -315,7 +334,7 @@ def fuse_experts(tensors: dict, layout, fused: tuple[str, str], where: str) -> d
         n = len(experts)
         if sorted(experts) != list(range(n)) or any(set(m) != {g, u, d} for m in experts.values()):
             raise FqError(f"{where}: layer {layer}: every expert 0..{n - 1} needs its {g}, {u} and {d} to be fused")
-        prefix = layout.prefix.split("{expert}")[0].format(layer=layer)
+        prefix = layout.experts_prefix(layer)
         first = experts[0]
         gu = torch.empty(n, first[g].shape[1], 2 * first[g].shape[0], dtype=first[g].dtype)
         for e, m in experts.items():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from fq.codec.shape import dims_problem, padded_shape
 from fq.core import canonical
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
@@ -27,8 +28,22 @@ from fq.model.families import Family
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 PROJECTIONS = ("gate", "up", "down")
-TILE_ALIGN = 128  # EXL3: both dims of an encoded matrix are multiples of the 128-wide Hadamard block
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def projection_shape(hidden: int, inter: int, proj: str) -> tuple[int, int]:
+    """Torch Linear shape (out, in) of one routed-expert projection, from the hidden and intermediate sizes."""
+    return {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}[proj]
+
+
+def config_expert_shapes(config: dict, where: str) -> dict[str, tuple[int, int]]:
+    """{gate, up, down: (out, in)} of a routed expert as ``config`` (a source's config.json; ``where`` names it)
+    makes it, the matrix's own shape (stored zero-padded: ``fq.codec.shape.padded_shape``)."""
+    family = families.for_config(config, where)
+    config = family.text_view(config, where)  # a vision-language wrapper: its language model's config
+    hidden = families.base.read_int(config, ("hidden_size",), where, family.title)
+    inter, _ = family.intermediate(config, where)
+    return {p: projection_shape(hidden, inter, p) for p in PROJECTIONS}
 
 
 
@@ -65,8 +80,17 @@ class SourceModel:
     # -- shapes and bytes ----------------------------------------------------------------------
     def expert_shape(self, proj: str) -> tuple[int, int]:
         """Torch Linear shape (out, in) of one projection of one expert."""
-        h, i = self.hidden_size, self.moe_intermediate_size
-        return {"gate": (i, h), "up": (i, h), "down": (h, i)}[proj]
+        return projection_shape(self.hidden_size, self.moe_intermediate_size, proj)
+
+    def stored_shape(self, proj: str) -> tuple[int, int]:
+        """(out, in) of one projection as EXL3 stores it: ``expert_shape`` zero-padded to multiples of 128
+        (``fq.codec.shape``; the same shape when 128-aligned)."""
+        return padded_shape(self.expert_shape(proj))
+
+    @property
+    def padded(self) -> bool:
+        """Whether the experts are stored zero-padded (a dim not a multiple of 128)."""
+        return any(self.stored_shape(p) != self.expert_shape(p) for p in PROJECTIONS)
 
     @property
     def expert_params(self) -> int:
@@ -115,7 +139,9 @@ class SourceModel:
         tensor = self.expert_tensor(layer, expert, proj)
         scale = self.expert_scales.get((layer, expert, proj))
         shape = self.expert_shape(proj)
-        fused = (expert, proj) if self.family_entry.fused_experts else (None, None)
+        spec = self.family_entry.fused_experts
+        # a fused 3-D tensor (expert first): the expert's index, which matrix of it, and how the family lays it out
+        fused = (expert, proj, spec.order, spec.split) if spec and tensor.endswith(_fused_names(spec)) else ()
         if scale is None:
             return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, None, None, None, *fused)
         return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, staged(self.weight_map[scale]),
@@ -270,14 +296,15 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
         raise FqError(f"{cfg}: {family.architectures[0]} ({family.title}) checkpoints are not read yet: "
                       f"{family.unread}")
     fmt = formats.source_format(config, cfg)
+    top, config = config, family.text_view(config, cfg)  # a vision-language wrapper: its language model's config
     n_layers = families.base.read_int(config, ("num_hidden_layers",), cfg, family.title)
     hidden = families.base.read_int(config, ("hidden_size",), cfg, family.title)
     inter, inter_key = family.intermediate(config, cfg)
     n_experts = family.n_experts(config, cfg)
-    if fmt.kind == formats.MXFP4 and not family.fused_experts:
+    if fmt.kind == formats.MXFP4 and not (family.fused_experts and family.fused_experts.mxfp4):
         raise FqError(f"{cfg}: quantization_config.quant_method 'mxfp4': fq reads MXFP4 as gpt-oss publishes it (fused "
                       f"expert tensors), not for a {family.architectures[0]} checkpoint")
-    if family.fused_experts:
+    if family.fused_experts and _is_fused(weight_map, family):
         experts, scales, skeleton = _classify_fused(weight_map, family, fmt, n_experts, idx)
     else:
         experts, scales, skeleton = _classify(weight_map, family, fmt, idx)
@@ -294,10 +321,10 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     _check_complete(experts, moe_layers, n_experts, idx)
 
     for dim_key, dim in ((inter_key, inter), ("hidden_size", hidden)):
-        if dim % TILE_ALIGN:
-            raise FqError(f"{experts[(moe_layers[0], 0, 'gate')]}: shape ({inter}, {hidden}) (out, in) has a dim that is "
-                          f"not a multiple of {TILE_ALIGN} ({dim_key}={dim} in {cfg}); EXL3 encodes matrices whose in and "
-                          f"out are multiples of {TILE_ALIGN}")
+        problem = dims_problem(dim)
+        if problem:  # a dim that is a multiple of 16 but not of 128 is stored zero-padded (fq.codec.shape)
+            raise FqError(f"{cfg}: {dim_key}={dim}: {problem}; the routed expert matrices "
+                          f"({experts[(moe_layers[0], 0, 'gate')]} and the like) cannot be encoded")
     if fmt.block is not None:
         for proj in PROJECTIONS:
             o, i = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}[proj]
@@ -305,7 +332,7 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
 
     shard_sizes = _shard_sizes(weight_map, sizes, origin)
     if config_bytes is None:
-        config_bytes = canonical.dumps(config)
+        config_bytes = canonical.dumps(top)
     if index_bytes is None:
         index_bytes = canonical.dumps(index)
     config_sha, index_sha = canonical.sha256_hex(config_bytes), canonical.sha256_hex(index_bytes)
@@ -314,7 +341,7 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     elif not isinstance(revision, str) or not revision.strip() or any(c.isspace() for c in revision):
         raise FqError(f"revision: expected a non-empty commit or tag without whitespace, got {revision!r}")
     model = SourceModel(
-        origin=origin, revision=revision, family=family.name, model_type=str(config.get("model_type", "")),
+        origin=origin, revision=revision, family=family.name, model_type=str(top.get("model_type", "")),
         hidden_size=hidden, moe_intermediate_size=inter, n_experts=n_experts, dtype=dtype,
         num_hidden_layers=n_layers, moe_layers=tuple(moe_layers),
         dense_layers=tuple(l for l in range(n_layers) if l not in set(moe_layers)), mtp_layers=tuple(mtp_layers),
@@ -391,28 +418,46 @@ def _shard_sizes(weight_map: Mapping[str, str], sizes: Mapping[str, int], origin
     return out
 
 
+def _fused_names(spec) -> tuple[str, ...]:
+    """The names a family's fused expert tensors end with (``.gate_up_proj``, and MXFP4's ``_blocks``)."""
+    return tuple(f".{n}{s}" for n in (spec.gate_up, spec.down) for s in ("", "_blocks"))
+
+
+def _is_fused(weight_map: Mapping[str, str], family: Family) -> bool:
+    """Whether a checkpoint of a family that fuses its experts stores them fused: always for gpt-oss; Qwen3.5 is
+    published fused and saved by transformers one matrix per expert (``FusedExperts.per_expert_too``)."""
+    spec = family.fused_experts
+    if not spec.per_expert_too:
+        return True
+    pattern = family.layout.experts_pattern()
+    return any((m := pattern.fullmatch(n)) and m["rest"] in (spec.gate_up, spec.down) for n in weight_map)
+
+
 def _classify_fused(weight_map: Mapping[str, str], family: Family, fmt: formats.SourceFormat, n_experts: int,
                     idx: str):
-    """``_classify`` for a family whose checkpoint fuses each layer's experts into 3-D tensors (expert first):
-    ``{prefix}gate_up_proj`` and ``{prefix}down_proj`` (bf16, transformers' (E, in, out)) or their MXFP4
-    ``_blocks`` / ``_scales``; every expert's matrices point into them (``SourceModel.expert_source`` slices them);
-    their ``_bias`` tensors are skeleton."""
-    gate_up, down = family.fused_experts
-    head, tail = family.layout.prefix.split("{expert}")[0].split("{layer}")
-    pattern = re.compile(re.escape(head) + r"(0|[1-9][0-9]{0,8})" + re.escape(tail) + r"(.+)$")
+    """``_classify`` for a checkpoint that fuses each layer's experts into 3-D tensors (expert first, laid out as
+    the family's ``FusedExperts`` says): ``{prefix}gate_up_proj`` and ``{prefix}down_proj`` (dense) or, for
+    gpt-oss, their MXFP4 ``_blocks`` / ``_scales``; every expert's matrices point into them
+    (``SourceModel.expert_source`` slices them); gpt-oss's ``_bias`` tensors are skeleton."""
+    spec = family.fused_experts
+    gate_up, down = spec.gate_up, spec.down
+    pattern = family.layout.experts_pattern()
+    if fmt.kind == formats.FP8:
+        raise FqError(f"{idx}: a {family.architectures[0]} checkpoint whose routed experts are fused 3-D tensors in "
+                      f"FP8: fq reads fused experts dense{' or in MXFP4' if spec.mxfp4 else ''}, FP8 per expert")
     packed = fmt.kind == formats.MXFP4
     want = {f"{gate_up}_blocks", f"{gate_up}_scales", f"{down}_blocks", f"{down}_scales"} if packed else {gate_up, down}
-    kept = {f"{gate_up}_bias", f"{down}_bias"}
+    kept = {f"{gate_up}_bias", f"{down}_bias"} if spec.biases else set()
     layers: dict[int, set[str]] = {}
     skeleton: list[str] = []
     for name in sorted(weight_map):
-        m = pattern.match(name)
+        m = pattern.fullmatch(name)
         if m is None:
             skeleton.append(name)
-        elif m[2] in kept:
+        elif m["rest"] in kept:
             skeleton.append(name)
-        elif m[2] in want:
-            layers.setdefault(int(m[1]), set()).add(m[2])
+        elif m["rest"] in want:
+            layers.setdefault(int(m["layer"]), set()).add(m["rest"])
         else:
             raise FqError(f"{idx}: tensor {name!r} is under the routed experts but is not one of "
                           f"{', '.join(sorted(want | kept))} (a {family.architectures[0]} checkpoint"
@@ -422,7 +467,7 @@ def _classify_fused(weight_map: Mapping[str, str], family: Family, fmt: formats.
     for layer, have in sorted(layers.items()):
         if have != want:
             raise FqError(f"{idx}: layer {layer}'s routed experts lack {', '.join(sorted(want - have))}")
-        prefix = f"{head}{layer}{tail}"
+        prefix = family.layout.experts_prefix(layer)
         for e in range(n_experts):
             for proj, fused in (("gate", gate_up), ("up", gate_up), ("down", down)):
                 experts[(layer, e, proj)] = prefix + (f"{fused}_blocks" if packed else fused)
@@ -439,8 +484,7 @@ def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.Source
     scales: dict[tuple[int, int, str], str] = {}
     skeleton: list[str] = []
     prefix = layout.prefix.split("{expert}")[0]
-    head, tail = prefix.split("{layer}")
-    under_experts = re.compile(re.escape(head) + r"\d+" + re.escape(tail))
+    under_experts = layout.experts_pattern()
     for name in sorted(weight_map):
         parsed = layout.parse(name)
         if parsed is None:

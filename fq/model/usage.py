@@ -53,19 +53,26 @@ def load_usage(path: str | Path) -> ExpertUsage:
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _layer_of(module_name: str) -> int | None:
-    m = _LAYER.search(module_name)
+def _layer_of(module_name: str, layers: str | None = None) -> int | None:
+    """The decoder layer a module belongs to; ``layers``: the family layout's layers prefix (``model.layers.``, a
+    vision-language model's ``model.language_model.layers.``), which transformers' module names share with the
+    checkpoint's tensor names."""
+    m = re.match(re.escape(layers) + r"(\d+)\.", module_name) if layers else _LAYER.search(module_name)
     return int(m.group(1)) if m else None
 
 
-def routers(model) -> dict[int, object]:
+def routers(model, layers: str | None = None) -> dict[int, object]:
     """layer -> router module of a transformers 5.x MoE model: the ``*TopkRouter``/``*TopKRouter`` modules
-    (GLM-4-MoE, GLM-5, DeepSeek-V3, Qwen3-MoE, Mixtral), whose forward returns (logits, weights, indices)."""
+    (GLM-4-MoE, GLM-5, DeepSeek-V3, Qwen3-MoE, Mixtral), whose forward returns (logits, weights, indices).
+    ``layers``: the layers prefix of the family's layout (``fq.model.experts.ExpertLayout.layers``); a router
+    outside it (a head that is not one of the decoder's layers) is not counted."""
     out = {}
     for name, mod in model.named_modules():
         cls = type(mod).__name__
         if cls.endswith("TopkRouter") or cls.endswith("TopKRouter"):
-            layer = _layer_of(name)
+            if layers and not name.startswith(layers):
+                continue
+            layer = _layer_of(name, layers)
             if layer is None or layer in out:
                 raise FqError(f"router {name} ({cls}): cannot tell its layer, or a second router in that layer")
             out[layer] = mod
@@ -74,12 +81,13 @@ def routers(model) -> dict[int, object]:
     return out
 
 
-def count_selections(model, ids, *, seq_len: int = 256, batch: int = 8, progress: bool = False) -> dict[int, list[int]]:
+def count_selections(model, ids, *, seq_len: int = 256, batch: int = 8, progress: bool = False,
+                     layers: str | None = None) -> dict[int, list[int]]:
     """Route the token stream ``ids`` through ``model`` in windows of ``seq_len`` (every token once, each
     window its own context) and count, per MoE layer, how often each expert is among a token's top-k."""
     import torch
 
-    rs = routers(model)
+    rs = routers(model, layers)
     n_experts = {L: int(r.weight.shape[0]) for L, r in rs.items()}
     counts = {L: torch.zeros(n, dtype=torch.int64) for L, n in n_experts.items()}
     handles = []
@@ -144,7 +152,10 @@ def measure_usage(model_dir: str | Path, text: str, *, seq_len: int = 256, batch
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     if not ids:
         raise FqError("expert usage: the text is empty")
-    counts = count_selections(model, ids, seq_len=seq_len, batch=batch, progress=progress)
+    from fq.model import families
+
+    layout = families.for_config(canonical.load(model_dir / "config.json"), str(model_dir / "config.json")).layout
+    counts = count_selections(model, ids, seq_len=seq_len, batch=batch, progress=progress, layers=layout.layers)
     text_bytes = text.encode("utf-8")
     model_prov = {"config_sha256": sha256_file(model_dir / "config.json")}
     index = model_dir / "model.safetensors.index.json"

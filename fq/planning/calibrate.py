@@ -36,7 +36,8 @@ def measure(quantize: Callable, *, ks: Sequence[int], codebooks: Sequence[str], 
             raise FqError(f"calibrate: codebook {cb!r} is not one of {', '.join(CODEBOOKS)}")
     for out_f, in_f in shapes:
         if out_f % 128 or in_f % 128 or out_f <= 0 or in_f <= 0:
-            raise FqError(f"calibrate: shape {out_f}x{in_f} is not a multiple of 128 in both dims")
+            raise FqError(f"calibrate: shape {out_f}x{in_f} is not a multiple of 128 in both dims (a cost table is "
+                          "keyed by the stored shape: a matrix's dims zero-padded to multiples of 128)")
     sync = synchronize or (lambda: None)
     entries = []
     for out_f, in_f in shapes:

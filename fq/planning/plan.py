@@ -167,10 +167,10 @@ class Plan:
 
 def encoded_expert_bytes(source: SourceModel, K: int) -> int:
     """Bytes one node writes per expert: per projection the K-bit trellis (in*out*K/8), fp16 suh
-    and svh, and the int32 codebook marker."""
+    and svh, and the int32 codebook marker, at the stored (zero-padded) dims ``SourceModel.stored_shape``."""
     total = 0
     for proj in PROJECTIONS:
-        out_f, in_f = source.expert_shape(proj)
+        out_f, in_f = source.stored_shape(proj)
         total += out_f * in_f * K // 8 + 2 * (in_f + out_f) + 4
     return total
 

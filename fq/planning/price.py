@@ -182,7 +182,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     for node in recipe.nodes:
         secs, scaled = 0.0, False
         for proj in PROJECTIONS:
-            s, sc = table.seconds(node.codebook, node.K, source.expert_shape(proj))
+            s, sc = table.seconds(node.codebook, node.K, source.stored_shape(proj))  # the encoder codes the padded matrix
             secs, scaled = secs + s * ldlq, scaled or sc
         per_expert[node.name] = secs
         n_exp = sum(counts[node.name].values())
@@ -264,6 +264,9 @@ def _nonnegative(value, what: str):
 
 def source_line(source: SourceModel) -> str:
     shapes = ", ".join(f"{'x'.join(map(str, source.expert_shape(p)))} ({p})" for p in PROJECTIONS)
+    if source.padded:
+        shapes += " (stored zero-padded to " + ", ".join('x'.join(map(str, source.stored_shape(p)))
+                                                      for p in PROJECTIONS) + ")"
     return (f"source {source.model_type or source.family} ({source.family_entry.title}) @ {source.revision}\n"
             f"  {len(source.moe_layers)} MoE layers ({format_layers(source.moe_layers)}) x {source.n_experts} experts; "
             f"expert matrices (out x in) {shapes}; {source.dtype}; {len(source.shards)} shards, "

@@ -39,10 +39,29 @@ sha256), and every consumer of the manifest recomputes them (``check_derived``).
     ``{P}.experts.{e}.gate_proj.bias`` (the fused bias's even columns), ``.up_proj.bias`` (odd) and
     ``.down_proj.bias``, float16 (exllamav3's runtime dtype for biases: rounded as its own loader rounds the fused
     ones; a value beyond float16's range is refused), where exllamav3 1.6.5's gpt-oss class reads an EXL3 expert's
-    bias (``{key}.bias`` beside its trellis). Layers in order, experts in order, gate/up/down; metadata
+    bias (``{key}.bias`` beside its trellis), each zero-padded to its linear's stored output width
+    (``fq.codec.shape.padded``: gpt-oss's 2880 -> 2944; a 128-aligned width is unchanged, so are its bytes): exllamav3
+    loads an EXL3 linear's bias as stored (``Linear.load_exl3``; only its fp16 path pads a bias) and adds it to the
+    padded output, and its fused decode kernels read a padded width per expert. Layers in order, experts in order,
+    gate/up/down; metadata
     ``{"format": "fq-exl3-expert-bias/1"}``. The fused tensors stay in the skeleton as published (fq's runtime
     and transformers read those). It is listed among the files ``quantization_config.json`` is derived from, so
     it is derived first.
+``fq-exl3-tensor-aliases/1`` -> ``tensor_aliases.safetensors``, only in a base whose family's exllamav3 class reads a
+    tensor under another name than the family's checkpoints store it (``Exl3Needs.tensor_aliases``: MiniMax-M2's
+    router score bias, stored at ``{layer}.block_sparse_moe.e_score_correction_bias``, which exllamav3 1.6.5 looks
+    up only at ``{layer}.block_sparse_moe.gate.e_score_correction_bias``), from ``source_config.json`` (the family)
+    and every other top-level ``*.safetensors`` of the base and the same params: each such tensor of the shards,
+    its dtype, shape and bytes verbatim, under the name exllamav3 reads; layers in order, then the family's aliases
+    in order; metadata ``{"format": "fq-exl3-tensor-aliases/1"}``. A skeleton that already holds a target name
+    with the same bytes needs no copy of it; with other bytes it is refused (exllamav3 and transformers would read
+    different tensors). Derived after ``expert_bias.safetensors``, before ``quantization_config.json``.
+
+Both tensor files are one machinery (``TensorRule``): inputs are the shards no such rule derives, the output is
+refused when it would hold a name an input holds (exllamav3's loader globs ``*.safetensors`` in directory order and
+keeps, of a key in two files, the one it reads last: a derived file never shadows a tensor of the base) or when it
+derives nothing, and a base whose inputs need the file and whose manifest declares none is refused by every
+consumer (``needed``).
 
 The block (``quantization_block``), and why each value is fq's true one:
 
@@ -67,6 +86,8 @@ The block (``quantization_block``), and why each value is fq's true one:
     derive_config(source_bytes, bits, codebook, where, calibration=None) -> bytes
     derive_quantization_config(base_dir, shards, bits, codebook, calibration=None) -> bytes
     derive_expert_bias(base_dir, shards) -> bytes              # gpt-oss: per-expert biases for exllamav3
+    derive_tensor_aliases(base_dir, inputs) -> bytes           # MiniMax-M2: the router bias under exllamav3's name
+    needed_tensor_files(base_dir, listed) -> [name]            # the derived tensor files a base must declare
     write_derived(base_dir, *, bits, codebook, calibration=None) -> [spec]   # producer: writes them, returns the specs
     rule_inputs(rule, listed_names) -> [name]               # what a rule derives from, in order
     check_derived(base_dir, entry, where) -> problem | None  # consumer: recompute one declared file
@@ -95,6 +116,10 @@ RULE_QUANTIZATION_CONFIG = "fq-exl3-quantization-config/1"
 EXPERT_BIAS = "expert_bias.safetensors"
 RULE_EXPERT_BIAS = "fq-exl3-expert-bias/1"
 MAX_EXPERT_BIAS_BYTES = 1 << 30  # gpt-oss-120b's: 36 layers x 128 experts x 8640 float16 = 80 MB
+TENSOR_ALIASES = "tensor_aliases.safetensors"
+RULE_TENSOR_ALIASES = "fq-exl3-tensor-aliases/1"
+MAX_TENSOR_ALIASES_BYTES = 1 << 24  # MiniMax-M2's: 62 layers x 256 float32 router biases = 64 KB
+TENSOR_OUTPUTS = (EXPERT_BIAS, TENSOR_ALIASES)  # the derived safetensors files (TensorRule), never a rule's input
 EXLLAMAV3 = "1.6.5"
 VERSION = f"{EXLLAMAV3}+fq.exl3config.1"  # a label in every published config: it names the rule, not the module path
 HEAD_BITS = 16
@@ -149,7 +174,10 @@ def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_C
     source_format(cfg, where)
     # keys the family's exllamav3 class reads under another spelling than the source's (Qwen3-MoE saved by
     # transformers 5.x: num_local_experts, exllamav3 reads num_experts), stated from the source's own value
-    stated = families.for_config(cfg, where).exl3_needs.derived_keys(cfg)
+    family = families.for_config(cfg, where)
+    stated = family.exl3_needs.derived_keys(family.text_view(cfg, where))
+    if family.text_config is not None and stated:  # a vision-language wrapper: exllamav3 reads them in text_config
+        cfg, stated = {**cfg, family.text_config: {**cfg[family.text_config], **stated}}, {}
     block = quantization_block(bits, codebook, calibration)
     return canonical.pretty({**cfg, **stated, "quantization_config": block}).encode()
 
@@ -256,108 +284,262 @@ class _QuantizationConfigRule(Rule):
         return derive_quantization_config(base_dir, inputs, params["bits"], params["codebook"], params.get("calibration"))
 
 
-_FUSED_BIAS = re.compile(r"(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)_bias")
+# -- derived tensor files: tensors exllamav3 1.6.5 reads under another name (or form) than the skeleton's ---------
 
-
-def fused_expert_biases(base_dir: str | os.PathLike, shards: list[str]) -> dict:
-    """(experts prefix, "gate_up_proj" | "down_proj") -> (shard, header entry) of the fused expert biases the
-    base's shards hold (headers only)."""
-    base_dir = Path(base_dir)
+def _headers(base_dir: Path, shards: list[str]) -> dict:
+    """tensor name -> (shard, header entry) of the base's ``shards`` (headers only); a name in two shards is refused
+    (a loader would take one of the two)."""
     found: dict = {}
     for shard in shards:
         where = f"{base_dir}/{shard}"
         with open_regular(base_dir, shard, where) as fh:
             for e in read_header(fh, where).entries:
-                m = _FUSED_BIAS.fullmatch(e.name)
-                if m:
-                    found[(m["prefix"], m["proj"])] = (shard, e)
+                if e.name in found:
+                    raise FqError(f"{where}: tensor {e.name} is also stored in {found[e.name][0]}; a loader would take "
+                                  "one of the two")
+                found[e.name] = (shard, e)
     return found
 
 
-def derive_expert_bias(base_dir: str | os.PathLike, shards: list[str]) -> bytes:
-    """``expert_bias.safetensors`` (rule ``fq-exl3-expert-bias/1``, module docstring) from ``shards``."""
-    import torch
-
-    from fq.model.shards import RawTensor, encode_header
-    from fq.model.checkpoint_model import tensor_from
-
-    base_dir = Path(base_dir)
-    fused = fused_expert_biases(base_dir, shards)
-    prefixes = sorted({p for p, _ in fused}, key=lambda p: [int(t) if t.isdigit() else t for t in p.split(".")])
-    if not prefixes:
-        raise FqError(f"{base_dir}: no fused expert biases ({{P}}.experts.gate_up_proj_bias / down_proj_bias) in "
-                      f"{len(shards)} shards; rule {RULE_EXPERT_BIAS} derives nothing")
-    out: list[RawTensor] = []
-    for prefix in prefixes:
-        parts = {}
-        for proj in ("gate_up_proj", "down_proj"):
-            if (prefix, proj) not in fused:
-                raise FqError(f"{base_dir}: {prefix}.{proj}_bias missing; rule {RULE_EXPERT_BIAS} splits both fused "
-                              "expert biases of a layer")
-            shard, e = fused[(prefix, proj)]
-            where = f"{base_dir}/{shard}: {e.name}"
-            if len(e.shape) != 2 or e.dtype not in ("BF16", "F16", "F32"):
-                raise FqError(f"{where}: {e.dtype} {list(e.shape)}, expected a 2-D [experts, features] float tensor")
-            with open_regular(base_dir, shard, where) as fh:
-                fh.seek(e.start)
-                data = fh.read(e.length)
-            t = tensor_from(e.dtype, e.shape, data).to(torch.float32)
-            half = t.to(torch.float16)  # as exllamav3 rounds a bias it loads from the fused tensors
-            if not torch.isfinite(half).all():
-                raise FqError(f"{where}: values beyond float16's range (exllamav3 runs biases in float16)")
-            parts[proj] = half
-        gate_up, down = parts["gate_up_proj"], parts["down_proj"]
-        if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2:
-            raise FqError(f"{base_dir}: {prefix}: gate_up_proj_bias {list(gate_up.shape)} and down_proj_bias "
-                          f"{list(down.shape)} are not [E, 2I] and [E, H]")
-        for x in range(gate_up.shape[0]):
-            for proj, row in (("gate_proj", gate_up[x, 0::2]), ("up_proj", gate_up[x, 1::2]), ("down_proj", down[x])):
-                row = row.contiguous()
-                out.append(RawTensor(f"{prefix}.{x}.{proj}.bias", "F16", tuple(row.shape),
-                                     row.view(torch.uint8).numpy().tobytes()))
-    return encode_header(out, {"format": RULE_EXPERT_BIAS}) + b"".join(t.data for t in out)
+def _payload(base_dir: Path, shard: str, e, where: str) -> bytes:
+    with open_regular(base_dir, shard, where) as fh:
+        fh.seek(e.start)
+        data = fh.read(e.length)
+    if len(data) != e.length:
+        raise FqError(f"{where}: truncated ({len(data)} of {e.length} bytes)")
+    return data
 
 
-class _ExpertBiasRule(Rule):
+class TensorRule(Rule):
+    """A derived safetensors file of tensors exllamav3 1.6.5 reads under another name (or in another form) than the
+    base's skeleton stores them: the one machinery of ``expert_bias.safetensors`` and ``tensor_aliases.safetensors``.
+
+    Inputs: every top-level ``*.safetensors`` of the base that no such rule derives, sorted (and, for a rule that
+    reads the family, ``source_config.json`` first). Output: the tensors ``tensors`` gives, in its order, as one
+    safetensors file with metadata ``{"format": RULE}``; refused when it derives nothing (a base that needs no such
+    file declares none), and when a tensor it derives is also in an input (exllamav3's loader globs
+    ``*.safetensors`` in directory order and keeps, of a key in two files, the one it reads last: the derived file
+    must never hold a name the skeleton or a fragment has). ``needed``: whether a base of these inputs must declare
+    the file (a manifest that leaves it out is refused: an EXL3 runtime would misread the base)."""
+
+    rule = ""  # the rule's name
+    reads_config = False  # the family (source_config.json) says what is derived
+    nothing = missing = consequence = ""  # messages: derives nothing; needed and undeclared (what, and what follows)
+
     def inputs(self, listed):
-        return sorted(n for n in listed if n.endswith(".safetensors") and "/" not in n and n != EXPERT_BIAS)
+        shards = sorted(n for n in listed if n.endswith(".safetensors") and "/" not in n and n not in TENSOR_OUTPUTS)
+        return ([SOURCE_CONFIG] if self.reads_config else []) + shards
+
+    def tensors(self, base_dir: Path, config: dict | None, headers: dict) -> list:
+        """[RawTensor] this rule derives from the inputs' headers (name -> (shard, entry))."""
+        raise NotImplementedError
+
+    def applies(self, base_dir: Path, config: dict) -> bool:
+        """Whether the family (``reads_config``) can need this file at all (else no shard is opened)."""
+        return True
+
+    def _derive_tensors(self, base_dir: Path, inputs: list[str]) -> list:
+        config = None
+        if self.reads_config:
+            if not inputs or inputs[0] != SOURCE_CONFIG:
+                raise FqError(f"{base_dir}: rule {self.rule} derives from {SOURCE_CONFIG} and the shards")
+            where = f"{base_dir}/{SOURCE_CONFIG}"
+            with open_regular(base_dir, SOURCE_CONFIG, where) as fh:
+                config = canonical.loads(fh.read(MAX_DERIVED_BYTES + 1), where)
+            if not isinstance(config, dict):
+                raise FqError(f"{where}: expected a JSON object (a model config)")
+            if not self.applies(base_dir, config):
+                return []
+        headers = _headers(base_dir, [n for n in inputs if n != SOURCE_CONFIG])
+        out = self.tensors(base_dir, config, headers)
+        for t in out:
+            if t.name in headers:
+                raise FqError(f"{base_dir}/{headers[t.name][0]}: holds {t.name}, which rule {self.rule} derives: "
+                              f"exllamav3's loader would take one of the two ({self.output} must not shadow a tensor "
+                              "of the base)")
+        return out
+
+    def needed(self, base_dir: Path, inputs: list[str]) -> bool:
+        return bool(self._derive_tensors(base_dir, inputs))
 
     def derive(self, base_dir, inputs, params):
-        _check_params(params, f"{base_dir}/{EXPERT_BIAS}: rule {RULE_EXPERT_BIAS} params")
-        return derive_expert_bias(base_dir, inputs)
+        _check_params(params, f"{base_dir}/{self.output}: rule {self.rule} params")
+        return self.build(base_dir, inputs)
 
+    def build(self, base_dir: Path, inputs: list[str]) -> bytes:
+        """The file's bytes (the rule takes the params only to check them: the tensors are the inputs' own)."""
+        from fq.model.shards import encode_header
+
+        out = self._derive_tensors(base_dir, inputs)
+        if not out:
+            raise FqError(f"{base_dir}: {self.nothing}; rule {self.rule} derives nothing")
+        data = encode_header(out, {"format": self.rule}) + b"".join(t.data for t in out)
+        if len(data) > self.max_bytes:
+            raise FqError(f"{base_dir}/{self.output}: {len(data)} bytes, more than rule {self.rule} ever derives "
+                          f"({self.max_bytes})")
+        return data
+
+
+_FUSED_BIAS = re.compile(r"(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)_bias")
+
+
+def _fused_biases(headers: dict) -> dict:
+    """(experts prefix, "gate_up_proj" | "down_proj") -> (shard, header entry) of the fused expert biases among
+    ``headers`` (name -> (shard, entry))."""
+    found: dict = {}
+    for name, (shard, e) in headers.items():
+        m = _FUSED_BIAS.fullmatch(name)
+        if m:
+            found[(m["prefix"], m["proj"])] = (shard, e)
+    return found
+
+
+class _ExpertBiasRule(TensorRule):
+    """gpt-oss: the fused expert biases split per expert (module docstring)."""
+
+    rule = RULE_EXPERT_BIAS
+    nothing = "no fused expert biases ({P}.experts.gate_up_proj_bias / down_proj_bias) in the shards"
+    missing = "the skeleton keeps fused expert biases"
+    consequence = "an EXL3 runtime would load the experts without their biases"
+
+    def tensors(self, base_dir, config, headers):
+        import torch
+
+        from fq.codec.shape import padded
+        from fq.model.checkpoint_model import tensor_from
+        from fq.model.shards import RawTensor
+
+        fused = _fused_biases(headers)
+        prefixes = sorted({p for p, _ in fused}, key=lambda p: [int(t) if t.isdigit() else t for t in p.split(".")])
+        out: list[RawTensor] = []
+        for prefix in prefixes:
+            parts = {}
+            for proj in ("gate_up_proj", "down_proj"):
+                if (prefix, proj) not in fused:
+                    raise FqError(f"{base_dir}: {prefix}.{proj}_bias missing; rule {RULE_EXPERT_BIAS} splits both "
+                                  "fused expert biases of a layer")
+                shard, e = fused[(prefix, proj)]
+                where = f"{base_dir}/{shard}: {e.name}"
+                if len(e.shape) != 2 or e.dtype not in ("BF16", "F16", "F32"):
+                    raise FqError(f"{where}: {e.dtype} {list(e.shape)}, expected a 2-D [experts, features] float tensor")
+                t = tensor_from(e.dtype, e.shape, _payload(base_dir, shard, e, where)).to(torch.float32)
+                half = t.to(torch.float16)  # as exllamav3 rounds a bias it loads from the fused tensors
+                if not torch.isfinite(half).all():
+                    raise FqError(f"{where}: values beyond float16's range (exllamav3 runs biases in float16)")
+                parts[proj] = half
+            gate_up, down = parts["gate_up_proj"], parts["down_proj"]
+            if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2:
+                raise FqError(f"{base_dir}: {prefix}: gate_up_proj_bias {list(gate_up.shape)} and down_proj_bias "
+                              f"{list(down.shape)} are not [E, 2I] and [E, H]")
+            for x in range(gate_up.shape[0]):
+                for proj, row in (("gate_proj", gate_up[x, 0::2]), ("up_proj", gate_up[x, 1::2]),
+                                  ("down_proj", down[x])):
+                    # zero-padded to the linear's stored output width (fq.codec.shape; a no-op when 128-aligned)
+                    row = torch.nn.functional.pad(row, (0, padded(row.shape[0]) - row.shape[0])).contiguous()
+                    out.append(RawTensor(f"{prefix}.{x}.{proj}.bias", "F16", tuple(row.shape),
+                                         row.view(torch.uint8).numpy().tobytes()))
+        return out
+
+
+class _TensorAliasRule(TensorRule):
+    """Tensors exllamav3 reads under another name than the family's checkpoints store them (``Exl3Needs.
+    tensor_aliases``: MiniMax-M2's router score bias), copied verbatim (module docstring)."""
+
+    rule = RULE_TENSOR_ALIASES
+    reads_config = True
+    nothing = "no tensor the family's exllamav3 class reads under another name"
+    missing = "the skeleton keeps tensors its family's exllamav3 class reads under another name"
+    consequence = "exllamav3 would not find them (MiniMax-M2's router would run without its score bias)"
+
+    def applies(self, base_dir, config):
+        return bool(families.for_config(config, f"{base_dir}/{SOURCE_CONFIG}").exl3_needs.tensor_aliases)
+
+    def tensors(self, base_dir, config, headers):
+        from fq.model.shards import RawTensor
+
+        family = families.for_config(config, f"{base_dir}/{SOURCE_CONFIG}")
+        layers = family.layout.layers  # the layers' prefix: a vision-language model's model.language_model.layers.
+        aliases = family.exl3_needs.tensor_aliases
+        patterns = [(re.compile(re.escape(layers) + r"(?P<layer>0|[1-9][0-9]{0,8})\." + re.escape(src)), dst)
+                    for src, dst in aliases]
+        found = []  # (layer, alias index, source name, target name)
+        for name in headers:
+            for i, (pattern, dst) in enumerate(patterns):
+                m = pattern.fullmatch(name)
+                if m:
+                    layer = int(m["layer"])
+                    found.append((layer, i, name, f"{family.layout.layer_prefix(layer)}.{dst}"))
+        out: list[RawTensor] = []
+        for _, _, name, target in sorted(found):
+            shard, e = headers[name]
+            data = _payload(base_dir, shard, e, f"{base_dir}/{shard}: {name}")
+            if target in headers:  # the skeleton states it under exllamav3's name already: the same bytes, or refused
+                tshard, te = headers[target]
+                same = (te.dtype, tuple(te.shape)) == (e.dtype, tuple(e.shape)) and \
+                    _payload(base_dir, tshard, te, f"{base_dir}/{tshard}: {target}") == data
+                if not same:
+                    raise FqError(f"{base_dir}/{tshard}: {target} is not {name} ({base_dir}/{shard}): exllamav3 would "
+                                  f"read the first, transformers the second")
+                continue
+            out.append(RawTensor(target, e.dtype, tuple(e.shape), data))
+        return out
 
 
 RULES: dict[str, Rule] = {RULE_CONFIG: _ConfigRule(CONFIG),
                           RULE_QUANTIZATION_CONFIG: _QuantizationConfigRule(QUANTIZATION_CONFIG),
-                          RULE_EXPERT_BIAS: _ExpertBiasRule(EXPERT_BIAS, MAX_EXPERT_BIAS_BYTES, json=False)}
+                          RULE_EXPERT_BIAS: _ExpertBiasRule(EXPERT_BIAS, MAX_EXPERT_BIAS_BYTES, json=False),
+                          RULE_TENSOR_ALIASES: _TensorAliasRule(TENSOR_ALIASES, MAX_TENSOR_ALIASES_BYTES, json=False)}
+TENSOR_RULES = (RULE_EXPERT_BIAS, RULE_TENSOR_ALIASES)  # in the order they are derived (after config.json)
+# every file a base may declare derived, in the order they are derived (quantization_config.json lists the shards last)
+DERIVED_ORDER = (CONFIG, EXPERT_BIAS, TENSOR_ALIASES, QUANTIZATION_CONFIG)
+
+
+def derive_expert_bias(base_dir: str | os.PathLike, shards: list[str]) -> bytes:
+    """``expert_bias.safetensors`` (rule ``fq-exl3-expert-bias/1``, module docstring) from ``shards``."""
+    return RULES[RULE_EXPERT_BIAS].build(Path(base_dir), list(shards))
+
+
+def derive_tensor_aliases(base_dir: str | os.PathLike, inputs: list[str]) -> bytes:
+    """``tensor_aliases.safetensors`` (rule ``fq-exl3-tensor-aliases/1``) from ``source_config.json`` and shards."""
+    return RULES[RULE_TENSOR_ALIASES].build(Path(base_dir), list(inputs))
 
 
 def rule_inputs(rule: str, listed: list[str]) -> list[str]:
     return RULES[rule].inputs(sorted(listed))
 
 
-def specs(bits: int, codebook: str, calibration: dict | None = None, expert_bias: bool = False) -> list[dict]:
+def needed_tensor_files(base_dir: str | os.PathLike, listed: list[str]) -> list[str]:
+    """The derived tensor files (``expert_bias.safetensors``, ``tensor_aliases.safetensors``) a base of the files
+    ``listed`` must declare, in the order they are derived."""
+    base_dir = Path(base_dir)
+    return [RULES[r].output for r in TENSOR_RULES if RULES[r].needed(base_dir, rule_inputs(r, listed))]
+
+
+def specs(bits: int, codebook: str, calibration: dict | None = None, expert_bias: bool = False,
+          tensor_aliases: bool = False) -> list[dict]:
     """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer), in the
     order they are derived; ``calibration`` (``{"rows", "cols"}``) only for a calibrated base; ``expert_bias``: the
-    skeleton keeps fused expert biases (``expert_bias.safetensors``, derived before quantization_config.json)."""
+    skeleton keeps fused expert biases (``expert_bias.safetensors``), ``tensor_aliases``: tensors exllamav3 reads
+    under another name (``tensor_aliases.safetensors``), each derived before quantization_config.json."""
     params = rule_params(bits, codebook, calibration)
-    bias = [{"name": EXPERT_BIAS, "rule": RULE_EXPERT_BIAS, "params": dict(params)}] if expert_bias else []
-    return [{"name": CONFIG, "rule": RULE_CONFIG, "params": dict(params)}, *bias,
-            {"name": QUANTIZATION_CONFIG, "rule": RULE_QUANTIZATION_CONFIG, "params": dict(params)}]
+    want = {CONFIG, QUANTIZATION_CONFIG} | ({EXPERT_BIAS} if expert_bias else set()) | \
+        ({TENSOR_ALIASES} if tensor_aliases else set())
+    rule_of = {r.output: name for name, r in RULES.items()}
+    return [{"name": n, "rule": rule_of[n], "params": dict(params)} for n in DERIVED_ORDER if n in want]
 
 
 def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, calibration: dict | None = None) -> list[dict]:
-    """Producer: write ``config.json`` and ``quantization_config.json`` of ``base_dir`` (which holds
-    ``source_config.json`` and every shard) and return the specs its manifest declares. A file that already
-    holds the derived bytes is left alone (finalize is idempotent)."""
+    """Producer: write ``config.json``, the derived tensor files the base needs and ``quantization_config.json`` of
+    ``base_dir`` (which holds ``source_config.json`` and every shard) and return the specs its manifest declares. A
+    file that already holds the derived bytes is left alone (finalize is idempotent)."""
     base_dir = Path(base_dir)
     if not (base_dir / SOURCE_CONFIG).is_file():
         raise FqError(f"{base_dir}/{SOURCE_CONFIG}: missing; a published base keeps its source's config.json "
                       "under that name and derives config.json from it")
     listed = sorted(p.name for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
-    bias_inputs = RULES[RULE_EXPERT_BIAS].inputs(listed)
-    out = specs(bits, codebook, calibration, expert_bias=bool(fused_expert_biases(base_dir, bias_inputs)))
+    tensor_files = needed_tensor_files(base_dir, listed)
+    out = specs(bits, codebook, calibration, expert_bias=EXPERT_BIAS in tensor_files,
+                tensor_aliases=TENSOR_ALIASES in tensor_files)
     for spec in out:
         rule = RULES[spec["rule"]]
         data = rule.derive(base_dir, rule.inputs(listed), spec["params"])

@@ -36,9 +36,10 @@ from fq.provenance.attest.campaign import require_same
 from fq.provenance.attest.fragment import verify_shard
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.attest.statement import MANIFEST, parse_statement, statement
-from fq.provenance.exl3config import (CONFIG, EXPERT_BIAS, QUANTIZATION_CONFIG, RULE_EXPERT_BIAS, RULES, check_derived,
-                                      fused_expert_biases, rule_inputs)
+from fq.provenance.exl3config import (CONFIG, DERIVED_ORDER, QUANTIZATION_CONFIG, RULES, TENSOR_OUTPUTS, TENSOR_RULES,
+                                      check_derived, rule_inputs)
 from fq.provenance.fragments import attestation_name
+from fq.provenance.geometry import stored_shape_problems
 
 MANIFEST_NAME = "fq-manifest.intoto.jsonl"
 DERIVED_FILES = (CONFIG, QUANTIZATION_CONFIG)
@@ -156,9 +157,11 @@ def _check_declared(derived: list[dict], files: dict, where: str) -> tuple:
     quantization_config rule checks against the tensors), and ``from`` exactly the rule's inputs among the
     listed files with their listed digests."""
     outputs = sorted(d["name"] for d in derived)
-    if outputs not in (sorted(DERIVED_FILES), sorted(DERIVED_FILES + (EXPERT_BIAS,))):
+    if len(set(outputs)) != len(outputs) or not set(DERIVED_FILES) <= set(outputs) \
+            or not set(outputs) - set(DERIVED_FILES) <= set(TENSOR_OUTPUTS):
         raise FqError(f"{where}: declares derived files {outputs}; a base declares {sorted(DERIVED_FILES)} and, "
-                      f"when its skeleton keeps fused expert biases, {EXPERT_BIAS} (each recomputed by every consumer)")
+                      f"when its skeleton needs them, {' and '.join(TENSOR_OUTPUTS)} (each recomputed by every "
+                      "consumer)")
     if len({canonical_dumps(d["params"]) for d in derived}) != 1:
         raise FqError(f"{where}: derived files declare different params "
                       f"({'; '.join(d['name'] + ': ' + canonical_dumps(d['params']).decode() for d in derived)})")
@@ -218,7 +221,7 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
         if (got, got_size) != (digest, size):
             problems.append(f"{base_dir}/{name}: sha256/size differ from {MANIFEST_NAME}")
             bad.add(name)
-    for name, d in sorted(derived.items()):  # config, expert_bias, quantization_config: inputs before outputs
+    for name, d in sorted(derived.items(), key=lambda kv: DERIVED_ORDER.index(kv[0])):  # inputs before outputs
         if name in bad or any(f["name"] in bad for f in d["from"]):
             bad.add(name)
             continue  # its own problem, or an input's, is already reported
@@ -231,13 +234,23 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
         if problem:
             problems.append(problem)
             bad.add(name)
-    if EXPERT_BIAS not in derived and not bad:
-        # a skeleton with fused expert biases and no per-expert file: exllamav3 would run the experts without biases
-        shards_in = RULES[RULE_EXPERT_BIAS].inputs(sorted(manifest.files))
-        if fused_expert_biases(base_dir, shards_in):
-            problems.append(f"{base_dir}/{MANIFEST_NAME}: the skeleton keeps fused expert biases but the manifest "
-                            f"declares no {EXPERT_BIAS} (rule {RULE_EXPERT_BIAS}); an EXL3 runtime would load the "
-                            "experts without their biases")
+    # every base fragment's linears at the padded shape of the matrices the source config makes (fq.codec.shape)
+    problems += stored_shape_problems(base_dir, manifest.files, shards, bad)
+    for rule_name in TENSOR_RULES:
+        # a derived tensor file the base needs and its manifest does not declare: exllamav3 would misread the base
+        # (gpt-oss's experts without their biases, MiniMax-M2's router without its score bias)
+        rule = RULES[rule_name]
+        inputs = rule.inputs(sorted(manifest.files))
+        if rule.output in derived or bad:
+            continue
+        try:
+            needed = rule.needed(Path(base_dir), inputs)
+        except FqError as e:
+            problems.append(str(e))
+            continue
+        if needed:
+            problems.append(f"{base_dir}/{MANIFEST_NAME}: {rule.missing} but the manifest declares no {rule.output} "
+                            f"(rule {rule.rule}); {rule.consequence}")
     return problems, shards
 
 

@@ -134,7 +134,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
     from fq.provenance.publication import read_publication
     from fq.provenance.verify import verify_path
     from fq.runtime import quality
-    from fq.runtime.load import build_model, load_checkpoint, product_state
+    from fq.runtime.load import build_model, expert_shapes, load_checkpoint, product_state
 
     say = progress or (lambda msg: None)
     root = Path(published)
@@ -197,7 +197,8 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
                 if tset is None:
                     raise FqError(f"{native_dir}: K{bits}-{cb} has no one-pass encode of layer {layer} expert {expert} "
                                   f"{proj}, which {name}'s last node {last} covers")
-                tensors[loaded.expert_key(layer, expert, proj)] = reconstruct(tset, f"native K{bits} {cb} {proj}")
+                tensors[loaded.expert_key(layer, expert, proj)] = reconstruct(
+                    tset, f"native K{bits} {cb} {proj}", expert_shapes(loaded.config, loaded.layout, name)[proj])
         nq = quality.compare(build_model(loaded.config, tensors), ref)
         nname = f"native K{bits} {cb} for {name}"
         native_rows[nname] = _row(nq, product=name, K=bits, codebook=cb, experts=len(experts),
@@ -246,7 +247,9 @@ def _twin_tensors(state, plan: dict, twins: dict, where) -> dict:
     """The product's verified dense state with every routed expert replaced by the sum of its chain's twins (the
     chain's nodes that cover the expert, base first)."""
     from fq.codec import reconstruct_chain
+    from fq.runtime.load import expert_shapes
 
+    shapes = expert_shapes(state.config, state.layout, str(where))
     covers: dict = {}
     for f in plan["fragments"]:
         for e in f["experts"]:
@@ -262,7 +265,7 @@ def _twin_tensors(state, plan: dict, twins: dict, where) -> dict:
                     raise FqError(f"{where}: no weight-only twin of node {node} for layer {layer} expert {expert} {proj}")
                 sets.append(tset)
             tensors[state.expert_key(layer, expert, proj)] = reconstruct_chain(
-                sets, f"weight-only {' > '.join(chain)} layer {layer} expert {expert} {proj}")
+                sets, f"weight-only {' > '.join(chain)} layer {layer} expert {expert} {proj}", shapes[proj])
     return tensors
 
 

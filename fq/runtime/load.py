@@ -17,9 +17,13 @@ Two ways in, one set of checks (``fq combine``'s: ``fq.provenance.combine``, ``.
 Then, from the verified bytes only (each base file is read once into memory and its sha256 compared with the
 manifest's before it is parsed): the skeleton tensors verbatim (upcast to float32, exact), and per routed-expert
 linear the float32 sum of its chain's reconstructions (``reconstruct_chain``: base, then the stages in chain
-order). ``build_model`` hands that state to transformers (``from_pretrained(None, state_dict=...)``: its own weight
-conversion fuses per-expert linears into 3-D parameters where the architecture does), refuses missing, unexpected
-or mismatched keys, and reads the loaded model back through transformers' reverse conversion to check every
+order), trimmed to the matrix's own (out, in) from the model config (``fq.model.source.config_expert_shapes``): a
+matrix whose dims are not multiples of 128 is stored zero-padded (``fq.codec.shape``), its stored dims must be those
+padded dims (anything else is refused), and the padded rows and columns, which exllamav3 never lets reach the output
+(it zero-extends the input, trims the down projection's output, and a gate/up output column it keeps is zero: fq's
+encoder gives the padded channels zero scales), are dropped. ``build_model`` hands that state to transformers
+(``from_pretrained(None, state_dict=...)``: its own weight conversion fuses per-expert linears into 3-D parameters
+where the architecture does), refuses missing, unexpected or mismatched keys, and reads the loaded model back through transformers' reverse conversion to check every
 tensor equals the one handed over. The model config is the base's ``source_config.json`` (the source's, verbatim)
 when it has one, else its ``config.json``; a ``quantization_config`` is dropped either way: the weights are dense.
 
@@ -178,20 +182,31 @@ def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dic
     layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
     config, skeleton, base_sets = _base_tensors(base_dir, base, plan, layout)
     tensors = dense_state(skeleton, f"{base_dir}: skeleton")  # FP8 tensors a base keeps verbatim, dequantized
+    shapes = expert_shapes(config, layout, f"{base_dir}: the model config")
     stages: dict = {}
     for (layer, ex, proj), base_set in sorted(base_sets.items()):
         chain_sets = stage_sets.get((layer, ex, proj), [])
         name = layout.key(layer, ex, proj, "weight")
-        tensors[name] = reconstruct_chain([base_set] + [s for _, s in chain_sets], name)
+        tensors[name] = reconstruct_chain([base_set] + [s for _, s in chain_sets], name, shapes[proj])
         stages[(layer, ex)] = [0] + [i for i, _ in chain_sets]
     stray = sorted(set(stage_sets) - set(base_sets))
     if stray:
         raise FqError(f"stage tensors for linears the base does not have: {stray[:3]}")
     family = families.for_config(config, f"{base_dir}/config.json")
-    if family.fused_experts:  # the checkpoint's own fused tensors (gpt-oss), which transformers loads
+    if family.fused_experts and family.fused_experts.runtime_fused:
+        # the checkpoint's own fused tensors (gpt-oss), which transformers loads; Qwen3.5's per-expert names are
+        # fused by transformers' own conversion mapping on load
         tensors = fuse_experts(tensors, layout, family.fused_experts, str(base_dir))
     return ProductState(plan["product"], product.plan.sha256, plan, [n["node"] for n in plan["chain"]], config, tensors,
                         layout, stages)
+
+
+def expert_shapes(config: dict, layout: ExpertLayout, where: str) -> dict[str, tuple[int, int]]:
+    """{the layout's projection name: the matrix's own (out, in)} of a routed expert, from the model config."""
+    from fq.model.source import PROJECTIONS, config_expert_shapes
+
+    own = config_expert_shapes(config, where)
+    return {lp: own[p] for lp, p in zip(layout.projections, PROJECTIONS)}
 
 
 def _all(plan: dict) -> tuple[list, list]:

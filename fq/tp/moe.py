@@ -120,7 +120,9 @@ def moe_forward(x: torch.Tensor, router: torch.Tensor, experts: dict, top_k: int
     """Sum over the given experts of ``w * down(silu(gate x) * up x)`` for the tokens routed to them.
 
     ``experts[e] = (gate, up, down)`` dense float weights ``(out, in)``; slices (gate/up rows a:b, down
-    columns a:b) give this rank's partial sum. Router row ``e`` scores expert ``e``."""
+    columns a:b) give this rank's partial sum. Router row ``e`` scores expert ``e``. Weights stored zero-padded
+    (``fq.codec.shape``: a hidden size that is not a multiple of 128) are used as exllamav3 uses them: the input
+    zero-extended to gate/up's padded width, down's output trimmed to the router's (the model's) hidden size."""
     idx, w = route(x, router, top_k)
     y = torch.zeros(x.shape[0], router.shape[1], dtype=torch.float32, device=x.device)
     for e in sorted(experts):
@@ -130,6 +132,8 @@ def moe_forward(x: torch.Tensor, router: torch.Tensor, experts: dict, top_k: int
         if tokens.numel() == 0:
             continue
         xe = x[tokens].float()
+        if xe.shape[1] < gate.shape[1]:
+            xe = torch.nn.functional.pad(xe, (0, gate.shape[1] - xe.shape[1]))
         h = torch.nn.functional.silu(xe @ gate.t()) * (xe @ up.t())
-        y[tokens] += (w[tokens] * hit[tokens]).sum(dim=-1, keepdim=True) * (h @ down.t())
+        y[tokens] += (w[tokens] * hit[tokens]).sum(dim=-1, keepdim=True) * (h @ down.t())[:, : y.shape[1]]
     return y

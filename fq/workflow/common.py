@@ -21,9 +21,11 @@ from fq.errors import FqError
 SUMMARY = "campaign_summary.json"
 INDEX = "model.safetensors.index.json"
 # Non-weight files of a checkpoint that a loadable base carries verbatim (config.json as source_config.json:
-# the base's config.json is derived from it, fq.provenance.exl3config).
+# the base's config.json is derived from it, fq.provenance.exl3config); a vision-language checkpoint's processor
+# configs too (exllamav3's Qwen3.5-MoE VL class opens preprocessor_config.json even to run text).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+              "preprocessor_config.json", "video_preprocessor_config.json")
 
 CHUNK = 1 << 22
 

@@ -46,7 +46,7 @@ from fq.errors import FqError
 from fq.provenance.assembly import Plan, build_assembly, write_assembly
 from fq.provenance.attest import keys
 from fq.provenance.attest.fragment import check_node_digest, verify_shard
-from fq.provenance.exl3config import CONFIG, EXPERT_BIAS, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
+from fq.provenance.exl3config import CONFIG, DERIVED_ORDER, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
 from fq.provenance.fragments import attestation_name
 from fq.provenance.manifest import MANIFEST_NAME, write_base_manifest
 from fq.provenance.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
@@ -260,7 +260,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     root = c.out / "published"
     plan = _published_plan(c)
     ours = set(plan) | {f"base/{b.name}/{n}" for b in c.recipe.bases
-                        for n in (INDEX, MANIFEST_NAME, CONFIG, QUANTIZATION_CONFIG, EXPERT_BIAS)}
+                        for n in (INDEX, MANIFEST_NAME, *DERIVED_ORDER)}
     ours |= {f"assemblies/{p.name}.assembly.intoto.jsonl" for p in c.recipe.products} | {PUBLICATION_NAME}
     problems = Problems()
     if root.exists():
@@ -278,7 +278,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     manifests = {}
     for base in c.recipe.bases:
         d = root / "base" / base.name
-        with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # config.json (and expert_bias): derived, declared below
+        with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # config.json (and the tensor files): derived, declared below
             derived = write_derived(d, bits=base.K, codebook=base.codebook, calibration=_calibration_block(c))
         with disk_full_is_one_line(d / INDEX):  # after the derived shards, which it indexes too
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))

@@ -21,7 +21,7 @@ from fq.model.families.base import Calibration, Family
 REGISTRY: dict[str, Family] = {f.name: f for f in (
     glm.GLM4_MOE, glm.GLM4_MOE_LITE, glm.GLM_MOE_DSA,
     deepseek.DEEPSEEK_V3, deepseek.DEEPSEEK_V32, deepseek.DEEPSEEK_V2,
-    qwen.QWEN3_MOE, qwen.QWEN3_NEXT, qwen.QWEN3_5_MOE, qwen.QWEN2_MOE,
+    qwen.QWEN3_MOE, qwen.QWEN3_NEXT, qwen.QWEN3_5_MOE_VL, qwen.QWEN3_5_MOE, qwen.QWEN2_MOE,
     mixtral.MIXTRAL, mixtral.MINIMAX_M2, mixtral.MINIMAX, mixtral.PHIMOE,
     gpt_oss.GPT_OSS, dots.DOTS1, ernie.ERNIE4_5_MOE, solar.SOLAR_OPEN,
 )}

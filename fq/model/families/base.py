@@ -123,6 +123,11 @@ class Exl3Needs:
     aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (key exllamav3 reads, spellings fq derives it from)
     always: str | None = None  # a problem every checkpoint of the family has
     check: Callable[[dict, int], list[str]] | None = None  # the family's own (config, num_hidden_layers) -> problems
+    # (name the checkpoint stores, name exllamav3 reads), both relative to a decoder layer's prefix
+    # (``ExpertLayout.layer_prefix``): a base derives each such tensor under the name exllamav3 reads
+    # (tensor_aliases.safetensors, rule fq-exl3-tensor-aliases/1 of fq.provenance.exl3config), the skeleton keeps it
+    # as published (transformers and fq's runtime read that one)
+    tensor_aliases: tuple[tuple[str, str], ...] = ()
 
     def derived_keys(self, config: dict) -> dict:
         """The keys the base's config.json states for exllamav3 (read from the source's own spellings)."""
@@ -208,6 +213,34 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """A checkpoint that stores each layer's routed experts as two 3-D tensors under the experts prefix, the expert
+    first: ``gate_up`` (gate and up along the output) and ``down``. Each expert's matrices are read from its slice
+    (``fq.model.formats``); the encoded experts are named by the family's ``layout``, as exllamav3 reads them."""
+
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    # a dense tensor's matrix dims after the expert's: "in_out" (gpt-oss: transformers' (E, in, out)) or "out_in"
+    # (Qwen3.5: (E, 2I, hidden) and (E, hidden, I), torch Linear order)
+    order: str = "in_out"
+    # gate and up along gate_up's output: "interleaved" (even and odd rows: gpt-oss) or "halves" (the first I rows
+    # gate, the last I up: Qwen3.5, transformers' chunk(2))
+    split: str = "interleaved"
+    biases: bool = False  # ``{name}_bias`` [E, out] beside each (gpt-oss), kept in the skeleton
+    mxfp4: bool = False  # published as MXFP4 ``{name}_blocks`` / ``{name}_scales`` (gpt-oss)
+    # the family's checkpoints may name every expert's matrices instead (``layout``), as transformers saves Qwen3.5
+    per_expert_too: bool = False
+    # fq's runtime hands transformers the fused tensors (gpt-oss, whose modeling reads only those); False: the
+    # per-expert names, which transformers' conversion mapping fuses on load (Qwen3.5)
+    runtime_fused: bool = True
+
+    def __post_init__(self):
+        if self.order not in ("in_out", "out_in") or self.split not in ("interleaved", "halves"):
+            raise FqError(f"fused experts: order {self.order!r} / split {self.split!r}: expected in_out or out_in, "
+                          "interleaved or halves")
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family, as fq reads, encodes, calibrates and publishes it."""
 
@@ -227,13 +260,28 @@ class Family:
     # why fq cannot read this family's checkpoints yet (None: it can); its other declarations still hold
     unread: str | None = None
     on_disk: str | None = None  # how the routed experts are stored, where ``layout`` (fq's per-expert names) is not it
-    # the fused 3-D tensors (gate_up, down) under the experts prefix that hold every expert of a layer (gpt-oss);
-    # None: one matrix per expert, named by ``layout``
-    fused_experts: tuple[str, str] | None = None
+    # the fused 3-D tensors under the experts prefix that hold every expert of a layer (gpt-oss, Qwen3.5 as
+    # published); None: one matrix per expert, named by ``layout``
+    fused_experts: FusedExperts | None = None
+    # the key of config.json that holds the language model's config (a vision-language wrapper's text_config);
+    # None: the top level. Every config value of the family is read from ``text_view``
+    text_config: str | None = None
 
     @property
     def transformers_model_type(self) -> str:
         return self.model_types[0]
+
+    def text_view(self, config: dict, where: str) -> dict:
+        """The config the family's language model reads: the top level, or a vision-language wrapper's
+        ``text_config`` over the top level (its own keys first, the wrapper's for the rest: a dtype only the top
+        level states). Every count, size and layer rule of the family is read from this."""
+        if self.text_config is None:
+            return config
+        nested = config.get(self.text_config)
+        if not isinstance(nested, dict):
+            raise FqError(f"{where}: field {self.text_config!r}: expected the language model's config (an object) in "
+                          f"a {self.architectures[0]} config, got {nested!r}")
+        return {**{k: v for k, v in config.items() if k != self.text_config}, **nested}
 
     def exl3_problems(self, config: dict, moe_layers, n_layers: int) -> list[str]:
         """Why exllamav3 1.6.5 would not load (or would misread) a base of this config; empty: it loads."""
@@ -256,8 +304,8 @@ class Family:
         return read_int(config, (self.mtp_key,), cfg, self.title, minimum=0, default=0) if self.mtp_key else 0
 
     def router_name(self, layer: int) -> str:
-        return f"{self.layout.prefix.split('{layer}')[0]}{layer}.{self.router}.weight"
+        return f"{self.layout.layer_prefix(layer)}.{self.router}.weight"
 
     def experts_prefix(self, layer: int) -> str:
         """Every tensor name that starts with this belongs to the layer's routed experts."""
-        return self.layout.prefix.split("{expert}")[0].format(layer=layer)
+        return self.layout.experts_prefix(layer)

@@ -2,7 +2,7 @@
 ``mlp.experts.down_proj``, both with biases; published as MXFP4 ``*_blocks`` / ``*_scales``), router ``mlp.router``
 with a bias, sliding and full attention layers with sinks."""
 from fq.model.experts import STANDARD
-from fq.model.families.base import AllLayers, Calibration, Exl3Needs, Family, per_layer_types
+from fq.model.families.base import AllLayers, Calibration, Exl3Needs, Family, FusedExperts, per_layer_types
 
 
 def _act_inputs(experts, x, e: int):
@@ -20,10 +20,11 @@ GPT_OSS = Family(
     layout=STANDARD, experts_keys=("num_local_experts", "num_experts"), inter_keys=("intermediate_size",),
     moe_rule=AllLayers(), router="mlp.router", exl3="GptOssForCausalLM",
     on_disk="`model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}[_bias]` (E first; MXFP4: `*_blocks`, `*_scales`)",
-    fused_experts=("gate_up_proj", "down_proj"),
+    # bf16: transformers' (E, in, out), gate and up interleaved along the output; MXFP4: (E, out, in/32, 16) blocks
+    fused_experts=FusedExperts(order="in_out", split="interleaved", biases=True, mxfp4=True),
     # exllamav3's gpt-oss class reads an EXL3 expert's bias as mlp.experts.{E}.{gate,up,down}_proj.bias: a base
     # derives those from the skeleton's fused biases (expert_bias.safetensors, fq.provenance.exl3config). The real
-    # checkpoints' hidden 2880 is not a multiple of 128 and is refused when the source is read (no padded encodes yet)
+    # checkpoints' hidden = intermediate = 2880 is stored zero-padded to 2944, as exllamav3 pads it (fq.codec.shape)
     exl3_needs=Exl3Needs(),
     calibration=Calibration("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssDecoderLayer",
                             "GptOssRotaryEmbedding", fused_experts=True, act_inputs=_act_inputs,

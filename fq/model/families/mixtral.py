@@ -19,11 +19,16 @@ MINIMAX_M2 = Family(
     name="minimax_m2", title="MiniMax-M2", architectures=("MiniMaxM2ForCausalLM",), model_types=("minimax_m2",),
     layout=LAYOUT, experts_keys=_EXPERTS, inter_keys=("intermediate_size",), moe_rule=AllLayers(),
     router="block_sparse_moe.gate", exl3="MiniMaxM2ForCausalLM",
+    # exllamav3 1.6.5 looks up the router's score bias only at block_sparse_moe.gate.e_score_correction_bias (its
+    # BlockSparseMLP, key_e_score_bias); MiniMax-M2 stores it at block_sparse_moe.e_score_correction_bias: the base
+    # derives it under exllamav3's name (tensor_aliases.safetensors), the skeleton keeps the published one
+    # (its class also asserts silu, a normalized top-k and per-layer q/k norms, each when stated)
     exl3_needs=Exl3Needs(
         stated=("num_local_experts", "intermediate_size"),
-        always="exllamav3 1.6.5 looks up the router's score bias only at "
-               "block_sparse_moe.gate.e_score_correction_bias; "
-               "MiniMax-M2 stores it at block_sparse_moe.e_score_correction_bias, so exllamav3 would route without it"),
+        values=(("hidden_act", ("silu",), "silu"), ("norm_topk_prob", (True, None), None),
+                ("qk_norm_type", ("per_layer", None), None)),
+        tensor_aliases=(("block_sparse_moe.e_score_correction_bias",
+                         "block_sparse_moe.gate.e_score_correction_bias"),)),
     # as Mixtral, plus block_sparse_moe.e_score_correction_bias (the block's buffer, passed to its sigmoid router)
     calibration=Calibration("transformers.models.minimax_m2.modeling_minimax_m2", "MiniMaxM2DecoderLayer",
                             "MiniMaxM2RotaryEmbedding", renames=_RENAMES))

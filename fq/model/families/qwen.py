@@ -1,11 +1,18 @@
-"""Qwen3-MoE (30B / 235B / 480B), Qwen3-Next, Qwen3.5-MoE (text), Qwen2-MoE.
+"""Qwen3-MoE (30B / 235B / 480B), Qwen3-Next, Qwen3.5-MoE (the vision-language checkpoints as published, and the
+text model), Qwen2-MoE.
 
 transformers 5.x saves Qwen3-MoE's expert count as ``num_local_experts``; the authors' configs say ``num_experts``.
 Qwen3-Next's next-token-prediction head (``mtp.*``) has experts of its own that no EXL3 runtime runs: outside the
-``model.layers.*`` experts prefix, they are skeleton, kept verbatim."""
-from fq.model.experts import STANDARD
-from fq.model.families.base import (AllLayers, Calibration, Exl3Needs, Family, SparseStep, per_layer_types,
-                                     sliding_if_window)
+``model.layers.*`` experts prefix, they are skeleton, kept verbatim.
+
+Qwen3.5-MoE is published as a vision-language checkpoint, ``Qwen3_5MoeForConditionalGeneration``: the language model's
+layers under ``model.language_model.layers.*`` (its routed experts fused per layer, ``mlp.experts.gate_up_proj``
+(E, 2I, hidden) with gate then up, and ``mlp.experts.down_proj`` (E, hidden, I); transformers 5.24 saves them one
+matrix per expert), the vision tower under ``model.visual.*`` and the MTP head under ``mtp.*``, both skeleton; its
+config nests the language model's under ``text_config``."""
+from fq.model.experts import LANGUAGE_MODEL, STANDARD
+from fq.model.families.base import (AllLayers, Calibration, Exl3Needs, Family, FusedExperts, SparseStep,
+                                     per_layer_types, sliding_if_window)
 
 _EXPERTS = ("num_experts", "num_local_experts")
 
@@ -51,6 +58,34 @@ QWEN3_5_MOE = Family(
                             "Qwen3_5MoeTextRotaryEmbedding", mask_type=per_layer_types),
     exl3_needs=Exl3Needs(always="exllamav3 1.6.5's Qwen3_5MoeForCausalLM reads model.language_model.layers.*; the text "
                                 "model as transformers saves it names its layers model.layers.*"))
+
+# exllamav3 1.6.5's Qwen3_5MoeForConditionalGeneration builds the vision tower's config even to run text: these
+# vision_config keys have no default there (and it opens preprocessor_config.json, a side file the base carries)
+_VISION_KEYS = ("deepstack_visual_indexes", "depth", "hidden_act", "hidden_size", "intermediate_size", "num_heads",
+                "num_position_embeddings", "out_hidden_size", "patch_size", "spatial_merge_size",
+                "temporal_patch_size", "model_type")
+
+
+def _vision_config(config: dict, n_layers: int) -> list[str]:
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return ["vision_config is not stated (exllamav3 1.6.5 reads the vision tower's config)"]
+    missing = [k for k in _VISION_KEYS if vision.get(k) is None]
+    return [f"vision_config lacks {', '.join(missing)} (exllamav3 1.6.5 reads them without a default)"] if missing else []
+
+
+QWEN3_5_MOE_VL = Family(
+    name="qwen3_5_moe_vl", title="Qwen3.5-MoE (vision-language, as published)",
+    architectures=("Qwen3_5MoeForConditionalGeneration",), model_types=("qwen3_5_moe",), layout=LANGUAGE_MODEL,
+    experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",), moe_rule=AllLayers(), text_config="text_config",
+    on_disk="`model.language_model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}` (E first, (out, in), gate then "
+            "up; as transformers saves it: `...experts.{E}.{gate_proj,up_proj,down_proj}.weight`)",
+    fused_experts=FusedExperts(order="out_in", split="halves", per_expert_too=True, runtime_fused=False),
+    # exllamav3's VL class reads model.language_model.layers.* and the language model's keys from text_config (and
+    # asserts silu and a normalized top-k, each when stated)
+    exl3="Qwen3_5MoeForConditionalGeneration",
+    exl3_needs=Exl3Needs(**_NEEDS, values=(("hidden_act", ("silu",), "silu"), ("norm_topk_prob", (True, None), None)),
+                         check=_vision_config))
 
 QWEN2_MOE = Family(
     name="qwen2_moe", title="Qwen1.5-MoE / Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",),

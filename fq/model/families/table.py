@@ -39,6 +39,9 @@ def _exl3(f: Family) -> str:
         notes.append("every layer MoE")
     if needs.aliases:
         notes.append("base states " + ", ".join(f"`{k}`" for k, _ in needs.aliases))
+    if needs.tensor_aliases:
+        notes.append("base derives " + ", ".join(f"`{dst}` from `{src}`" for src, dst in needs.tensor_aliases)
+                     + " (`tensor_aliases.safetensors`)")
     if needs.always:
         notes.append("**not loadable as published**: " + needs.always)
     return f"`{f.exl3}`" + (" (" + "; ".join(notes) + ")" if notes else "")
@@ -62,8 +65,12 @@ def support_table(measured: dict | None = None) -> str:
     measured = measured or {}
     rows = [HEADER, RULE]
     for f in families.REGISTRY.values():
+        fused = f.fused_experts
         formats = ("not read yet: " + f.unread if f.unread else
-                   "bf16 (fused), MXFP4" if f.fused_experts else "bf16 / fp16 / fp32, FP8 e4m3 + block scales")
+                   "bf16 (fused), MXFP4" if fused and fused.mxfp4 else
+                   "bf16 / fp16 / fp32 (fused or per expert), FP8 e4m3 + block scales (per expert)"
+                   if fused and fused.per_expert_too else
+                   "bf16 / fp16 / fp32 (fused)" if fused else "bf16 / fp16 / fp32, FP8 e4m3 + block scales")
         cal = f"`{f.calibration.layer_class}`" if f.calibration else "—"
         rows.append(f"| `{f.architectures[0]}` | {f.title} | {_experts(f)} | {formats} | {cal} | {_exl3(f)} | "
                     f"{_measured(f, measured)} |")
