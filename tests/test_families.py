@@ -15,6 +15,7 @@ from safetensors import safe_open
 import familykit as fk
 from fq.errors import FqError
 from fq.model import families, formats
+from fq.model.families.base import FusedExperts
 from fq.model.source import PROJECTIONS, load_source
 from fq.planning.plan import make_plan
 from fq.planning.recipe import parse_recipe
@@ -147,12 +148,12 @@ def test_fused_experts_round_trip():
         per[f"{pre}{e}.gate_proj.weight"] = gu[e][:, 0::2].T
         per[f"{pre}{e}.up_proj.weight"] = gu[e][:, 1::2].T
         per[f"{pre}{e}.down_proj.weight"] = dn[e].T
-    out = formats.fuse_experts({**per, "x": torch.ones(1)}, STANDARD, ("gate_up_proj", "down_proj"), "t")
+    out = formats.fuse_experts({**per, "x": torch.ones(1)}, STANDARD, FusedExperts(), "t")
     assert set(out) == {"x", pre + "gate_up_proj", pre + "down_proj"}
     assert torch.equal(out[pre + "gate_up_proj"], gu) and torch.equal(out[pre + "down_proj"], dn)
     del per[f"{pre}2.up_proj.weight"]
     with pytest.raises(FqError, match="layer 2: every expert 0..3 needs its gate_proj, up_proj and down_proj"):
-        formats.fuse_experts(per, STANDARD, ("gate_up_proj", "down_proj"), "t")
+        formats.fuse_experts(per, STANDARD, FusedExperts(), "t")
 
 
 @pytest.mark.parametrize("arch", FP8_ARCHS)

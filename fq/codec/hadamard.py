@@ -10,7 +10,9 @@ import math
 
 import torch
 
-HAD = 128
+from fq.codec.shape import PAD
+
+HAD = PAD  # the Hadamard block, which every stored EXL3 dim is padded to (fq.codec.shape)
 _INV_SQRT = 1.0 / math.sqrt(HAD)
 
 

@@ -313,11 +313,11 @@ def fuse_experts(tensors: dict, layout, fused, where: str) -> dict:
     """``tensors`` with every expert's ``layout`` matrices (torch (out, in), float32) put back into the fused tensors
     a family's checkpoint has (gpt-oss: ``{prefix}gate_up_proj`` (E, in, 2·I) with gate and up interleaved along
     the output, ``{prefix}down_proj`` (E, I, hidden)): what transformers loads such a checkpoint from. ``fused``:
-    the family's ``FusedExperts`` (gpt-oss's layout; or its two tensor names)."""
+    the family's ``FusedExperts`` (gpt-oss's layout)."""
     import torch
 
-    gate_up, down = (fused.gate_up, fused.down) if hasattr(fused, "gate_up") else fused
-    if hasattr(fused, "order") and (fused.order, fused.split) != ("in_out", "interleaved"):
+    gate_up, down = fused.gate_up, fused.down
+    if (fused.order, fused.split) != ("in_out", "interleaved"):
         raise FqError(f"{where}: fq's runtime fuses experts as gpt-oss lays them out (in_out, interleaved), not "
                       f"{fused.order}, {fused.split}")
     per: dict[int, dict[int, dict[str, object]]] = {}

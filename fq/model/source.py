@@ -327,8 +327,7 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
                           f"({experts[(moe_layers[0], 0, 'gate')]} and the like) cannot be encoded")
     if fmt.block is not None:
         for proj in PROJECTIONS:
-            o, i = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}[proj]
-            formats.scale_grid((o, i), fmt.block, experts[(moe_layers[0], 0, proj)], cfg)
+            formats.scale_grid(projection_shape(hidden, inter, proj), fmt.block, experts[(moe_layers[0], 0, proj)], cfg)
 
     shard_sizes = _shard_sizes(weight_map, sizes, origin)
     if config_bytes is None:

@@ -240,11 +240,10 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
         # a derived tensor file the base needs and its manifest does not declare: exllamav3 would misread the base
         # (gpt-oss's experts without their biases, MiniMax-M2's router without its score bias)
         rule = RULES[rule_name]
-        inputs = rule.inputs(sorted(manifest.files))
         if rule.output in derived or bad:
             continue
         try:
-            needed = rule.needed(Path(base_dir), inputs)
+            needed = rule.needed(Path(base_dir), rule.inputs(sorted(manifest.files)))
         except FqError as e:
             problems.append(str(e))
             continue

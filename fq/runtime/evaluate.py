@@ -191,6 +191,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
         experts = sorted((f["layer"], e["expert"]) for f in plan["fragments"] if f["node"] == last for e in f["experts"])
         sets = natives[(bits, cb)]
         tensors = dict(loaded.tensors)
+        shapes = expert_shapes(loaded.config, loaded.layout, name)
         for layer, expert in experts:
             for proj in loaded.layout.projections:
                 tset = sets.get((layer, expert, proj))
@@ -198,7 +199,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
                     raise FqError(f"{native_dir}: K{bits}-{cb} has no one-pass encode of layer {layer} expert {expert} "
                                   f"{proj}, which {name}'s last node {last} covers")
                 tensors[loaded.expert_key(layer, expert, proj)] = reconstruct(
-                    tset, f"native K{bits} {cb} {proj}", expert_shapes(loaded.config, loaded.layout, name)[proj])
+                    tset, f"native K{bits} {cb} {proj}", shapes[proj])
         nq = quality.compare(build_model(loaded.config, tensors), ref)
         nname = f"native K{bits} {cb} for {name}"
         native_rows[nname] = _row(nq, product=name, K=bits, codebook=cb, experts=len(experts),
