@@ -556,10 +556,12 @@ def token_file(path: Path) -> tuple[Path, str]:
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def campaign_config(d: Path, source: Path, *, calibrated: bool, allow_unloadable: bool = False) -> Path:
+def campaign_config(d: Path, source: Path, *, calibrated: bool, allow_unloadable: bool = False,
+                    weight_only_twins: bool = False) -> Path:
     """``d/config.yaml`` (and ``d/recipe.json``): a campaign of ``source`` with one K3 base, one block per layer, one
-    window, on the CPU; calibrated with ``token_file``'s tokens (the kit has no tokenizer); the signer key made at
-    init (``OUT/signer.pub``)."""
+    window, on the CPU; calibrated with ``token_file``'s tokens (the kit has no tokenizer), with each fragment's
+    weight-only twin where ``weight_only_twins`` (calibration.compare_weight_only); the signer key made at init
+    (``OUT/signer.pub``)."""
     d.mkdir(parents=True, exist_ok=True)
     (d / "recipe.json").write_text(json.dumps(CAMPAIGN_RECIPE))
     cfg = {"campaign": "famc", "out": "campaign", "source": {"kind": "local", "path": str(source), "revision": "kit-1"},
@@ -571,7 +573,7 @@ def campaign_config(d: Path, source: Path, *, calibrated: bool, allow_unloadable
     if calibrated:
         tokens, sha = token_file(d / "tokens.safetensors")
         cfg["calibration"] = {"text": None, "tokens": str(tokens), "sha256": sha, "rows": ROWS, "columns": COLUMNS,
-                              "capture": "all-experts", "compare_weight_only": False}
+                              "capture": "all-experts", "compare_weight_only": weight_only_twins}
     path = d / "config.yaml"
     path.write_text(json.dumps(cfg))  # YAML is a superset of JSON
     return path

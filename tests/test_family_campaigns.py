@@ -60,10 +60,12 @@ def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
-def compare_logits(out: Path, src: Path) -> dict:
+def compare_logits(out: Path, src: Path, weight_only: Path | None = None) -> dict:
     """fq's runtime on the published base (verified under the campaign key) against transformers' model on the
     dequantized source, and, as the yardstick a broken pipeline would reach, the source with its routed experts
-    zeroed. The skeleton's tensors must be the source's exactly."""
+    zeroed. The skeleton's tensors must be the source's exactly. With ``weight_only`` (a calibrated campaign's
+    twins: calibration.compare_weight_only), also the product with every routed expert its weight-only twin, as
+    fq eval builds it (``weight_only_kl``: what calibration is measured against)."""
     from fq.model.source import load_source
     from fq.provenance.attest import keys
     from fq.runtime import load as rt
@@ -82,7 +84,16 @@ def compare_logits(out: Path, src: Path) -> dict:
         want, got, zero = (m(input_ids=IDS).logits.float() for m in (ref, loaded.model, zeroed))
     assert torch.isfinite(got).all()
     top1 = want.argmax(-1)
-    return {"kl": _kl(want, got), "max_dlogit": float((got - want).abs().max()),
+    twin = {}
+    if weight_only is not None:
+        from fq.runtime.evaluate import _twin_tensors, weight_only_sets
+
+        st = loaded.state
+        model = rt.build_model(st.config, _twin_tensors(st, st.plan, weight_only_sets(weight_only), weight_only))
+        with torch.no_grad():
+            logits = model(input_ids=IDS).logits.float()
+        twin = {"weight_only_kl": _kl(want, logits), "weight_only_top1": float((logits.argmax(-1) == top1).float().mean())}
+    return {**twin, "kl": _kl(want, got), "max_dlogit": float((got - want).abs().max()),
             "top1": float((got.argmax(-1) == top1).float().mean()),
             "zeroed_kl": _kl(want, zero), "zeroed_max_dlogit": float((zero - want).abs().max()),
             "zeroed_top1": float((zero.argmax(-1) == top1).float().mean()), "experts": len(experts)}
@@ -249,7 +260,8 @@ def test_finalize_twice_publishes_identical_bytes(kimi):
 
 # -- opt-in: every family -----------------------------------------------------------------------------------------
 CASES = [(a, "bf16") for a in REGISTERED] + [(a, "fp8") for a in FP8_ARCHS if a in REGISTERED] + \
-    [("GptOssForCausalLM", "mxfp4")] + [(a, v) for a in fk.PADDED_KEYS for v in ("bf16-padded", "mxfp4-padded")]
+    [("GptOssForCausalLM", "mxfp4"), ("Qwen3_5MoeForConditionalGeneration", "fused")] + \
+    [(a, v) for a in fk.PADDED_KEYS for v in ("bf16-padded", "mxfp4-padded")]
 
 
 UNREAD = {a for f in families.REGISTRY.values() if f.unread for a in f.architectures}  # refused by name for now
@@ -271,20 +283,24 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
         src = fk.to_fp8(src, tmp_path / "fp8")
     elif variant == "mxfp4":
         src = fk.to_mxfp4_gptoss(src, tmp_path / "mxfp4")
+    elif variant == "fused":  # Qwen3.5-MoE's experts fused per layer, as Qwen publishes them
+        src = fk.to_fused_qwen3_5(src, tmp_path / "fused")
     s = load_source(src)
     assert s.padded == (keys is not None)
     calibrated = families.by_name(s.family).calibration is not None
     d = tmp_path / "run"
-    write_config(d, src, calibrated=calibrated, allow_unloadable=bool(s.exl3_problems))
-    smk(d, *TARGETS)
+    write_config(d, src, calibrated=calibrated, allow_unloadable=bool(s.exl3_problems), weight_only_twins=calibrated)
+    c = campaign(d)
+    twins = [str(Path(c.weight_only_tensors(f.node, f.block)).relative_to(d)) for f in c.weight_only_jobs]
+    assert bool(twins) == calibrated
+    smk(d, *TARGETS, *twins)
     out = d / "campaign"
     p = fq_verify(out)
     assert p.returncode == 0, p.stdout + p.stderr
-    c = campaign(d)
     for f in c.fragments:
         qa = statement(Path(c.fragment(f.node, f.block)))["predicate"]["quant_args"]
         assert qa["objective"].startswith("LDLQ") == calibrated, qa["objective"]
-    m = compare_logits(out, src)
+    m = compare_logits(out, src, out / "weight-only" if calibrated else None)
     print(f"\n{arch} {variant}: calibrated={calibrated} allow_unloadable={bool(s.exl3_problems)} "
           f"{time.monotonic() - t0:.1f} s {m}")
     assert m["kl"] < 0.5 * m["zeroed_kl"], m

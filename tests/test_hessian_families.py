@@ -415,11 +415,13 @@ def test_moe_layer_rule_matches_transformers(model_type, name, base, variants):
 
 
 def test_every_chain_is_checked_against_the_full_model():
-    """Each family that declares a calibration chain has a case here, or in tests/test_hessian.py (GLM-4.x, GLM-5)."""
+    """Each family that declares a calibration chain has a case here, in tests/test_hessian.py (GLM-4.x, GLM-5) or in
+    tests/test_qwen3_5_vl.py (Qwen3.5-MoE's vision-language checkpoint)."""
     from fq.model import families
 
     declared = {f.architectures[0] for f in families.REGISTRY.values() if f.calibration is not None}
-    assert declared == {name for name, _, _ in FAMILIES.values()} | {"Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM"}
+    assert declared == {name for name, _, _ in FAMILIES.values()} | {"Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM",
+                                                                   "Qwen3_5MoeForConditionalGeneration"}
 
 
 def test_model_type_must_be_the_architectures():

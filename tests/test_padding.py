@@ -315,3 +315,24 @@ def test_tp_export_cuts_whole_blocks_and_never_the_padded_hidden_dim(oss, tmp_pa
     stored = {e: tuple(reconstruct(sets[(e, p)]) for p in PROJECTIONS) for e in range(EXPERTS)}
     own = {e: tuple(reconstruct(sets[(e, p)], shape=s.expert_shape(p)) for p in PROJECTIONS) for e in range(EXPERTS)}
     torch.testing.assert_close(moe_forward(x, router, stored, 2), moe_forward(x, router, own, 2), rtol=0, atol=1e-6)
+
+
+def test_fq_evals_weight_only_twin_of_a_fused_expert_family_is_fused_as_transformers_loads_it(oss):
+    """fq eval's weight-only twin of a gpt-oss product (calibration.compare_weight_only): each routed expert the
+    twin's reconstruction, fused back into the fused tensors gpt-oss's model reads (one matrix per expert would be
+    keys transformers refuses). A twin made of the product's own fragment is the product exactly."""
+    from safetensors.torch import load_file
+
+    from fq.runtime import load as rt
+    from fq.runtime.evaluate import _twin_tensors
+
+    loaded = rt.load_product(oss["plan"], oss["pub"])
+    st = loaded.state
+    got = load_file(str(oss["fragment"]))
+    layout = st.layout
+    own = {(0, e, lp): {x: got[layout.key(0, e, lp, x)] for x in ("trellis", "suh", "svh", "mul1")}
+           for e in range(EXPERTS) for lp in layout.projections}
+    twin = _twin_tensors(st, st.plan, {"a": own}, "twins")
+    assert sorted(twin) == sorted(st.tensors) and all(torch.equal(twin[k], st.tensors[k]) for k in twin)
+    with torch.no_grad():
+        assert torch.equal(rt.build_model(st.config, twin)(input_ids=IDS).logits, loaded.model(input_ids=IDS).logits)

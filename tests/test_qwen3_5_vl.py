@@ -77,8 +77,8 @@ def test_the_config_is_read_from_text_config_and_the_base_loads_as_published(vl,
         {"name": "k3", "kind": "base", "K": 3, "codebook": "mul1"}], "products": [{"name": "k3", "chain": ["k3"]}]},
         "recipe")
     assert make_plan(recipe, src).source["exl3_architecture"] == ARCH  # no allow_unloadable
-    with pytest.raises(FqError, match=r"calibration: Qwen3_5MoeForConditionalGeneration .* has no calibration chain"):
-        families.check_calibration(src.family_entry, "config")
+    # its language model's decoder layers are Qwen3.5-MoE's: the text family's chain
+    assert families.check_calibration(src.family_entry, "config") is families.by_name("qwen3_5_moe").calibration
     # the base's config.json is the wrapper's, as exllamav3's Qwen3_5VLMoeConfig reads it (text_config->num_experts)
     cfg = json.loads((base.base_dir / "config.json").read_text())
     source = json.loads((vl["published"] / "config.json").read_text())
@@ -180,3 +180,58 @@ def test_bad_vision_language_checkpoints_are_refused_by_name(vl):
                                          if k != "deepstack_visual_indexes"})
     problems = parse_source(no_vision, index, sizes, origin="o").exl3_problems
     assert problems == ("vision_config lacks deepstack_visual_indexes (exllamav3 1.6.5 reads them without a default)",)
+
+
+@pytest.mark.parametrize("layout", ["saved", "published"])
+def test_the_calibration_chain_runs_the_language_models_layers(vl, layout):
+    """The chain on the VL checkpoint, fused as published or per expert as saved: it embeds with
+    ``model.language_model.embed_tokens``, reads its layer count and MoE rule from ``text_config``, builds each
+    ``Qwen3_5MoeDecoderLayer`` holding exactly the full model's language-model layer (the published fused experts
+    loaded as they are), reproduces each layer's output of transformers' VL model run on the tokens alone, and
+    captures the input and down-projection Hessians its experts module sees (tests/test_hessian_families.py's
+    checks)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from fq.hessian import capture, layer as layer_mod
+    from test_hessian_families import COLS, _check_hessians, _close, _tokens
+
+    ckpt = layer_mod.read_checkpoint(vl[layout])
+    arch = layer_mod.architecture(ckpt.config)
+    assert arch.embed == "model.language_model.embed_tokens.weight" and arch.n_layers(ckpt.config) == fk.LAYERS
+    assert "num_hidden_layers" not in ckpt.config and [L for L in range(fk.LAYERS) if arch.is_moe(ckpt.config, L)] \
+        == [0, 1, 2]
+    m = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(vl[layout], dtype=torch.float32).eval()
+    lm = m.model.language_model
+    seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
+    handles = []
+    for L, lay in enumerate(lm.layers):
+        handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
+            L, (out[0] if isinstance(out, tuple) else out).detach())))
+        handles.append(lay.mlp.register_forward_pre_hook(lambda _m, args, L=L: seen["x"].__setitem__(
+            L, args[0].detach())))
+        handles.append(lay.mlp.gate.register_forward_hook(lambda _m, _i, out, L=L: seen["topk"].__setitem__(
+            L, out[-1].detach())))
+        handles.append(lay.mlp.experts.register_forward_hook(lambda _m, args, out, L=L: seen["experts"].__setitem__(
+            L, ([a.detach() for a in args], out.detach()))))
+    tokens = _tokens(COLS)
+    with torch.no_grad():
+        m(input_ids=tokens)
+    for h in handles:
+        h.remove()
+    hfc = layer_mod.hf_config(ckpt.config)
+    assert type(hfc).__name__ == "Qwen3_5MoeTextConfig"
+    hidden = capture.embed(ckpt, tokens)
+    assert torch.equal(hidden, lm.embed_tokens(tokens).detach())
+    as_text_model = SimpleNamespace(model=SimpleNamespace(layers=lm.layers))  # what _check_hessians indexes
+    for L in range(fk.LAYERS):
+        tensors, _ = layer_mod.layer_tensors(ckpt, L)
+        mine = layer_mod.build_layer(hfc, arch, L, tensors).state_dict()
+        theirs = lm.layers[L].state_dict()
+        assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in theirs), L
+        out, s = capture.advance(L, hidden, tensors, ckpt.config)
+        assert _close(out, seen["layer"][L], 1e-5), L
+        _, r = capture.advance(L, hidden, tensors, ckpt.config, routed_only=True)
+        _check_hessians(as_text_model, arch, seen, L, s, r, "qwen3_5_moe")
+        hidden = out

@@ -192,7 +192,7 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
     if hidden.dim() != 3 or hidden.dtype != torch.float32:
         raise FqError(f"layer {layer}: hidden states must be float32 [rows, cols, hidden], got {hidden.dtype} "
                       f"{list(hidden.shape)}")
-    n_layers = int(config.get("num_hidden_layers", 0))
+    n_layers = arch.n_layers(config)
     if not 0 <= layer < n_layers:
         raise FqError(f"layer {layer}: the chain covers layers 0..{n_layers - 1} (num_hidden_layers); "
                       "next-token-prediction layers are not captured")
@@ -343,7 +343,7 @@ def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidd
     ``sha256``: shard -> digest the campaign recorded (shards that differ are refused)."""
     ckpt = _checkpoint(source_dir)
     arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
-    n_layers = int(ckpt.config.get("num_hidden_layers", 0))
+    n_layers = arch.n_layers(ckpt.config, f"{ckpt.dir}/config.json")
     if not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise FqError(f"{ckpt.dir}: layer {layer!r}: the calibration chain covers layers 0..{n_layers - 1}")
     moe = arch.is_moe(ckpt.config, layer)
@@ -386,7 +386,7 @@ def capture_all(source_dir, tokens, out_dir: str | os.PathLike, *, sha256: Mappi
     prev = out / EMBED_FILE
     digests = {EMBED_FILE: capture_embed(ckpt, tokens, prev, sha256=sha256)}
     hidden, hessians = [prev], {}
-    for L in range(int(ckpt.config["num_hidden_layers"])):
+    for L in range(arch.n_layers(ckpt.config, f"{ckpt.dir}/config.json")):
         nxt = out / hidden_file(L)
         hess = out / store.file_name(L) if arch.is_moe(ckpt.config, L) else None
         r = capture_layer(ckpt, L, prev, nxt, hess, sha256=sha256, routed_only=routed_only, row_batch=row_batch,

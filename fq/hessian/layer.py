@@ -93,7 +93,6 @@ class Arch:
 
     family: Family
     cal: Calibration
-    embed: str = "model.embed_tokens.weight"
     router_topk: Callable[[object], object] = _router_topk
 
     name = property(lambda self: self.family.architectures[0])
@@ -112,7 +111,22 @@ class Arch:
 
     @property
     def prefix(self) -> str:
-        return self.family.layout.prefix.split("{layer}")[0] + "{layer}."
+        return self.family.layout.layers + "{layer}."
+
+    @property
+    def embed(self) -> str:
+        return self.family.layout.embed
+
+    def text(self, config: dict, where: str = CONFIG) -> dict:
+        """The language model's config (a vision-language wrapper's ``text_config``): what the chain's layer counts,
+        MoE-layer rule and sizes are read from."""
+        return self.family.text_view(config, where)
+
+    def n_layers(self, config: dict, where: str = CONFIG) -> int:
+        n = self.text(config, where).get("num_hidden_layers")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise FqError(f"{where}: num_hidden_layers: expected a positive integer, got {n!r}")
+        return n
 
     @property
     def experts(self) -> ExpertLayout:
@@ -122,10 +136,7 @@ class Arch:
 
     def is_moe(self, config: dict, layer: int) -> bool:
         """Whether the family's decoder layer ``layer`` has routed experts (its config's own keys and defaults)."""
-        n = config.get("num_hidden_layers")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise FqError(f"{CONFIG}: num_hidden_layers: expected a positive integer, got {n!r}")
-        return layer in self.family.moe_layers(config, n, CONFIG)
+        return layer in self.family.moe_layers(self.text(config), self.n_layers(config), CONFIG)
 
     def classes(self):
         try:
@@ -174,10 +185,12 @@ def hf_config(config: dict, attn_implementation: str | None = None, experts_impl
     from fq.model import families
 
     model_type = families.transformers_model_type(config)  # Kimi-K2's kimi_k2 is deepseek_v3
+    family = families.for_config(config, CONFIG)
     if attn_implementation is None:
-        family = families.for_config(config, CONFIG)
         attn_implementation = family.calibration.attn_implementation if family.calibration else "sdpa"
     c = transformers.AutoConfig.for_model(model_type, **cfg)
+    if family.text_config is not None:  # a vision-language wrapper: its decoder layers take the language model's
+        c = c.get_text_config()
     c._attn_implementation = attn_implementation
     c._experts_implementation = experts_implementation
     return c
@@ -292,7 +305,9 @@ def _module_state(module, arch: Arch, layer: int, tensors: Mapping[str, "object"
     experts = getattr(getattr(module, arch.moe_block, None), "experts", None)
     base = f"{arch.moe_block}.experts."
     names = arch.experts.per_expert
-    if experts is not None and names is not None and f"{base}gate_up_proj" in want:
+    # a checkpoint that already holds the module's fused tensors (Qwen3.5 as published) is loaded as it is
+    if experts is not None and names is not None and f"{base}gate_up_proj" in want \
+            and f"{base}gate_up_proj" not in state:
         n_exp, two_i, hidden = want[f"{base}gate_up_proj"].shape
         per = {}
         for proj in names:

@@ -58,6 +58,12 @@ class ExpertLayout:
         vision-language checkpoint's ``model.language_model.layers.``."""
         return self.prefix.split("{layer}")[0]
 
+    @property
+    def embed(self) -> str:
+        """The token embedding beside the decoder layers: ``model.embed_tokens.weight``, or a vision-language
+        checkpoint's ``model.language_model.embed_tokens.weight``."""
+        return self.layers.removesuffix("layers.") + "embed_tokens.weight"
+
     def layer_prefix(self, layer: int) -> str:
         """``model.layers.12``: the layer's tensors are named ``{layer_prefix}.{module}...``."""
         return f"{self.layers}{layer}"

@@ -246,16 +246,16 @@ def table(doc: dict) -> list[dict]:
 
 def _twin_tensors(state, plan: dict, twins: dict, where) -> dict:
     """The product's verified dense state with every routed expert replaced by the sum of its chain's twins (the
-    chain's nodes that cover the expert, base first)."""
+    chain's nodes that cover the expert, base first), fused where the family's model loads fused experts."""
     from fq.codec import reconstruct_chain
-    from fq.runtime.load import expert_shapes
+    from fq.runtime.load import as_transformers_loads, expert_shapes
 
     shapes = expert_shapes(state.config, state.layout, str(where))
     covers: dict = {}
     for f in plan["fragments"]:
         for e in f["experts"]:
             covers.setdefault((f["layer"], e["expert"]), set()).add(f["node"])
-    tensors = dict(state.tensors)
+    tensors = dict(state.tensors)  # gpt-oss: its fused experts, each overwritten below with the twins
     for (layer, expert), nodes in sorted(covers.items()):
         chain = [n["node"] for n in plan["chain"] if n["node"] in nodes]
         for proj in state.layout.projections:
@@ -267,7 +267,7 @@ def _twin_tensors(state, plan: dict, twins: dict, where) -> dict:
                 sets.append(tset)
             tensors[state.expert_key(layer, expert, proj)] = reconstruct_chain(
                 sets, f"weight-only {' > '.join(chain)} layer {layer} expert {expert} {proj}", shapes[proj])
-    return tensors
+    return as_transformers_loads(tensors, state.config, state.layout, str(where))
 
 
 def write_tsv(doc: dict, path: str | os.PathLike) -> None:

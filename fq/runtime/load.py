@@ -192,13 +192,19 @@ def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dic
     stray = sorted(set(stage_sets) - set(base_sets))
     if stray:
         raise FqError(f"stage tensors for linears the base does not have: {stray[:3]}")
-    family = families.for_config(config, f"{base_dir}/config.json")
-    if family.fused_experts and family.fused_experts.runtime_fused:
-        # the checkpoint's own fused tensors (gpt-oss), which transformers loads; Qwen3.5's per-expert names are
-        # fused by transformers' own conversion mapping on load
-        tensors = fuse_experts(tensors, layout, family.fused_experts, str(base_dir))
+    tensors = as_transformers_loads(tensors, config, layout, str(base_dir))
     return ProductState(plan["product"], product.plan.sha256, plan, [n["node"] for n in plan["chain"]], config, tensors,
                         layout, stages)
+
+
+def as_transformers_loads(tensors: dict, config: dict, layout: ExpertLayout, where: str) -> dict:
+    """A dense state whose routed experts are one matrix per expert (``layout``), as the family's transformers model
+    loads it: the checkpoint's own fused tensors where its modeling reads only those (gpt-oss); else unchanged
+    (Qwen3.5's per-expert names are fused by transformers' own conversion mapping on load)."""
+    family = families.for_config(config, f"{where}/config.json")
+    if family.fused_experts and family.fused_experts.runtime_fused:
+        return fuse_experts(tensors, layout, family.fused_experts, where)
+    return tensors
 
 
 def expert_shapes(config: dict, layout: ExpertLayout, where: str) -> dict[str, tuple[int, int]]:

@@ -240,12 +240,15 @@ class Campaign:
     def _layer_tensor_shards(self) -> dict[int | None, tuple[str, ...]]:
         import re
 
+        layout = self.layout  # model.layers.*, or a vision-language checkpoint's model.language_model.layers.*
+        layer_re = re.compile(re.escape(layout.layers) + r"(\d+)\.")
+        embed = layout.embed.removesuffix("weight")
         out: dict = {}
         for name, shard in self.source.weight_map.items():
-            m = re.match(r"^model\.layers\.(\d+)\.", name)
+            m = layer_re.match(name)
             if m:
                 out.setdefault(int(m.group(1)), set()).add(shard)
-            elif name.startswith("model.embed_tokens."):
+            elif name.startswith(embed):
                 out.setdefault(None, set()).add(shard)
         return {k: tuple(sorted(v)) for k, v in out.items()}
 
@@ -253,8 +256,9 @@ class Campaign:
         """Source shards the chain's job for ``layer`` reads (None: the embedding job)."""
         shards = self._layer_tensor_shards.get(layer, ())
         if not shards:
+            embed = self.layout.embed.removesuffix(".weight")
             raise FqError(f"campaign {self.name}: the source has no tensors for "
-                          f"{'model.embed_tokens' if layer is None else f'layer {layer}'}")
+                          f"{embed if layer is None else f'layer {layer}'}")
         return shards
 
     def calib_record(self, layer: int | None) -> str:

@@ -48,14 +48,17 @@ QWEN3_NEXT = Family(
     calibration=Calibration("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextDecoderLayer",
                             "Qwen3NextRotaryEmbedding", mask_type=per_layer_types))
 
+# as Qwen3-Next: gated-delta-net and full-attention layers (layer_types), a gated shared expert (not captured); its
+# text rotary (interleaved multimodal sections) gets the text positions on all three axes, as the model's own for text.
+# The vision-language checkpoint's language model runs the same layers (its text_config; the vision tower is not
+# calibrated: fq encodes the routed experts only)
+_QWEN3_5_CHAIN = Calibration("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeDecoderLayer",
+                             "Qwen3_5MoeTextRotaryEmbedding", mask_type=per_layer_types)
+
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", title="Qwen3.5-MoE (text)", architectures=("Qwen3_5MoeForCausalLM",),
     model_types=("qwen3_5_moe_text",), layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
-    moe_rule=AllLayers(), exl3="Qwen3_5MoeForCausalLM",
-    # as Qwen3-Next: gated-delta-net and full-attention layers (layer_types), a gated shared expert (not captured);
-    # its text rotary (interleaved multimodal sections) gets the text positions on all three axes, as the model's
-    calibration=Calibration("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeDecoderLayer",
-                            "Qwen3_5MoeTextRotaryEmbedding", mask_type=per_layer_types),
+    moe_rule=AllLayers(), exl3="Qwen3_5MoeForCausalLM", calibration=_QWEN3_5_CHAIN,
     exl3_needs=Exl3Needs(always="exllamav3 1.6.5's Qwen3_5MoeForCausalLM reads model.language_model.layers.*; the text "
                                 "model as transformers saves it names its layers model.layers.*"))
 
@@ -83,7 +86,7 @@ QWEN3_5_MOE_VL = Family(
     fused_experts=FusedExperts(order="out_in", split="halves", per_expert_too=True, runtime_fused=False),
     # exllamav3's VL class reads model.language_model.layers.* and the language model's keys from text_config (and
     # asserts silu and a normalized top-k, each when stated)
-    exl3="Qwen3_5MoeForConditionalGeneration",
+    exl3="Qwen3_5MoeForConditionalGeneration", calibration=_QWEN3_5_CHAIN,
     exl3_needs=Exl3Needs(**_NEEDS, values=(("hidden_act", ("silu",), "silu"), ("norm_topk_prob", (True, None), None)),
                          check=_vision_config))
 
