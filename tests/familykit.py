@@ -406,6 +406,24 @@ def to_fp8(src_dir, out_dir, *, block=(128, 128)) -> Path:
     return _rewrite(src_dir, out_dir, convert, update)
 
 
+def with_outlier_channels(src_dir, out_dir, *, spread: float = 2.0, seed: int = 3) -> Path:
+    """``src_dir`` with every decoder layer's pre-MLP norm (``post_attention_layernorm``) scaling its channels by a
+    seeded log-uniform profile, exp(U(-spread, spread)): the routed experts' inputs then have the unequal channel
+    magnitudes of a trained model (a random model's are all alike, so an input Hessian is near a multiple of the
+    identity and LDLQ has nothing to weigh). A norm stored zero-centred (Qwen3-Next, Qwen3.5: it scales by 1 + w, and
+    the kit's are all zero) gets profile - 1."""
+    g = torch.Generator().manual_seed(seed)
+    profile = torch.exp((torch.rand(HIDDEN, generator=g) * 2 - 1) * spread)
+
+    def convert(name, t):
+        if not name.endswith("post_attention_layernorm.weight"):
+            return {name: t}
+        w = t.float()
+        return {name: ((profile - 1) if not w.any() else w * profile).to(t.dtype)}
+
+    return _rewrite(src_dir, out_dir, convert, lambda cfg: None)
+
+
 # --- MXFP4 (gpt-oss) ----------------------------------------------------------------------------------------------
 
 # e2m1 magnitudes of codes 0..7 (bit 3 is the sign), as transformers' FP4_VALUES
@@ -547,19 +565,19 @@ CAMPAIGN_RECIPE = {"format": "fq-cartridge/2", "name": "famc",
 ROWS, COLUMNS = 2, 32  # calibration tokens: the least that still gives every expert a full-rank-ish Hessian input
 
 
-def token_file(path: Path) -> tuple[Path, str]:
-    """ROWS x COLUMNS seeded ids below the kit's vocab, as fq.hessian.calibration.save_tokens writes them."""
+def token_file(path: Path, rows: int = ROWS, cols: int = COLUMNS) -> tuple[Path, str]:
+    """rows x cols seeded ids below the kit's vocab, as fq.hessian.calibration.save_tokens writes them."""
     from fq.hessian import calibration as hc
 
-    ids = torch.randint(0, VOCAB, (ROWS, COLUMNS), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (rows, cols), generator=torch.Generator().manual_seed(0))
     hc.save_tokens(path, hc.Calibration(ids, hc.token_digest(ids), {"kind": "test", "seed": 0}))
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def campaign_config(d: Path, source: Path, *, calibrated: bool, allow_unloadable: bool = False,
-                    weight_only_twins: bool = False) -> Path:
+                    weight_only_twins: bool = False, tokens: tuple[int, int] = (ROWS, COLUMNS)) -> Path:
     """``d/config.yaml`` (and ``d/recipe.json``): a campaign of ``source`` with one K3 base, one block per layer, one
-    window, on the CPU; calibrated with ``token_file``'s tokens (the kit has no tokenizer), with each fragment's
+    window, on the CPU; calibrated with ``token_file``'s ``tokens`` (rows, columns; the kit has no tokenizer), with each fragment's
     weight-only twin where ``weight_only_twins`` (calibration.compare_weight_only); the signer key made at init
     (``OUT/signer.pub``)."""
     d.mkdir(parents=True, exist_ok=True)
@@ -571,8 +589,8 @@ def campaign_config(d: Path, source: Path, *, calibrated: bool, allow_unloadable
     if allow_unloadable:
         cfg["allow_unloadable"] = True
     if calibrated:
-        tokens, sha = token_file(d / "tokens.safetensors")
-        cfg["calibration"] = {"text": None, "tokens": str(tokens), "sha256": sha, "rows": ROWS, "columns": COLUMNS,
+        path, sha = token_file(d / "tokens.safetensors", *tokens)
+        cfg["calibration"] = {"text": None, "tokens": str(path), "sha256": sha, "rows": tokens[0], "columns": tokens[1],
                               "capture": "all-experts", "compare_weight_only": weight_only_twins}
     path = d / "config.yaml"
     path.write_text(json.dumps(cfg))  # YAML is a superset of JSON

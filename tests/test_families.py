@@ -366,3 +366,75 @@ def test_the_calibration_chain_reads_fp8_sources_dequantized(built):
     out, sums = capture.advance(1, hidden, tensors, ckpt.config)
     assert torch.isfinite(out).all() and sums.input_count == 2 * 16
     assert torch.isfinite(sums.input).all() and torch.isfinite(sums.down).all()
+
+
+def _encode_one_expert(src_dir: Path, layer: int, work: Path):
+    """Expert 0 of ``layer`` encoded by the encode job (``encode_blocks``; K1 mul1, a block of one expert), its sources
+    the source reader's (FP8, MXFP4, fused slices): (the fragment's tensors, the job's metrics)."""
+    from safetensors.torch import load_file
+
+    from fq.core import canonical
+    from fq.provenance.attest import keys
+    from fq.provenance.attest.campaign import campaign_identity
+    from fq.provenance.fragments import fragment_filename
+    from fq.provenance.identity import encoder_identity
+    from fq.workflow.encode import BlockJob, encode_blocks
+
+    s = load_source(src_dir)
+    key_path, _, fp = keys.generate(work / "signer")
+    enc = encoder_identity("cpu")
+    ident = campaign_identity(name="fam", source_repo="kit", source_revision="0" * 40, block_size=1, signer=fp,
+                              encoder=enc["digest"])
+    doc = {"format": "fq-campaign/1", "identity": ident, "encoder": enc, "device": "cpu", "public_key": "signer.pub",
+           "source": {"kind": "local", "repo": "kit", "revision": "0" * 40,
+                      "shards": {sh: {"size": (src_dir / sh).stat().st_size, "sha256": "2" * 64} for sh in s.shards}}}
+    (work / "campaign.json").write_text(canonical.pretty(doc))
+    frag = work / fragment_filename("a", layer, 0)
+    sources = {0: {p: s.expert_source(layer, 0, p, lambda n: str(src_dir / n)).to_json() for p in PROJECTIONS}}
+    job = BlockJob(node="a", role="base", K=1, codebook="mul1", node_digest="3" * 64, layer=layer, block=0,
+                   experts=[0], sources=sources, ancestors=[], out_fragment=str(frag),
+                   out_metrics=str(work / "metrics.json"))
+    (summary,) = encode_blocks([job], campaign_json=str(work / "campaign.json"), key_path=str(key_path),
+                               device="cpu", devices_list=[], lock_dir=str(work / "locks"), seed=0,
+                               layout=s.family_entry.layout, threads=1)
+    return load_file(str(frag)), summary
+
+
+@pytest.mark.parametrize("arch", REGISTERED)
+def test_each_family_is_encoded_published_verified_and_run(built, arch, tmp_path):
+    """Per family, what a campaign does to it, without Snakemake: one block of its first MoE layer encoded by the
+    encode job (expert 0, its three matrices named by the family's layout, each reconstructing the matrix the source
+    reader gives); a base laid out as finalize publishes it (tests/basekit.py: the source's skeleton shards verbatim,
+    source_config.json and the side files, the derived files, manifest, plan, publication); ``fq verify``'s checks
+    accept it; and fq's CPU runtime builds the published product with the logits of transformers' own model on the
+    same weights (the source with every routed expert the base's reconstruction)."""
+    import basekit
+    import provkit
+    from fq.codec import reconstruct
+    from fq.provenance.verify import verify_path
+    from fq.runtime.load import as_transformers_loads, build_model, load_product
+    from fq.workflow.encode import read_source
+
+    d = built(arch)
+    src = load_source(d)
+    layout = src.family_entry.layout
+    layer = src.moe_layers[0]
+    tensors, summary = _encode_one_expert(d, layer, tmp_path / "encode")
+    want = read_source({"0": {p: src.expert_source(layer, 0, p, lambda s: str(d / s)).to_json() for p in PROJECTIONS}})
+    assert sorted(tensors) == sorted(layout.key(layer, 0, lp, x) for lp in layout.projections
+                                     for x in ("trellis", "suh", "svh", "mul1"))
+    for p, lp in zip(PROJECTIONS, layout.projections):
+        w = want[0][p]
+        w_hat = reconstruct({x: tensors[layout.key(layer, 0, lp, x)] for x in ("trellis", "suh", "svh", "mul1")},
+                            shape=src.expert_shape(p))
+        assert float(((w_hat - w) ** 2).sum() / (w ** 2).sum()) < 0.5, (p, summary)  # K1: about 0.25
+
+    base = basekit.publish(tmp_path / "tree", d)
+    report = verify_path(base.root, base.pub, now=provkit.NOW)
+    assert report.ok, report.problems
+    loaded = load_product(base.plan, base.pub, state=None, now=provkit.NOW)
+    config, ref_tensors = basekit.reference_tensors(base, d)
+    ref = build_model(config, as_transformers_loads(ref_tensors, config, layout, "reference"))
+    with torch.no_grad():
+        a, b = loaded.model(input_ids=IDS).logits, ref(input_ids=IDS).logits
+    assert torch.isfinite(a).all() and torch.equal(a, b)

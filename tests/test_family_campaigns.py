@@ -278,6 +278,9 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
     t0 = time.monotonic()
     keys = fk.PADDED_KEYS[arch] if variant.endswith("-padded") else None  # dims not multiples of 128, stored padded
     src = fk.build(arch, tmp_path / "bf16", extra_config=fk.PUBLISHED_KEYS.get(arch), keys=keys)
+    calibrated = families.for_config({"architectures": [arch]}, arch).calibration is not None
+    if calibrated:  # trained-model-like channel magnitudes, so that the calibration has something to weigh
+        src = fk.with_outlier_channels(src, tmp_path / "outliers")
     variant = variant.removesuffix("-padded")
     if variant == "fp8":
         src = fk.to_fp8(src, tmp_path / "fp8")
@@ -286,10 +289,12 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
     elif variant == "fused":  # Qwen3.5-MoE's experts fused per layer, as Qwen publishes them
         src = fk.to_fused_qwen3_5(src, tmp_path / "fused")
     s = load_source(src)
-    assert s.padded == (keys is not None)
-    calibrated = families.by_name(s.family).calibration is not None
+    assert s.padded == (keys is not None) and calibrated == (families.by_name(s.family).calibration is not None)
     d = tmp_path / "run"
-    write_config(d, src, calibrated=calibrated, allow_unloadable=bool(s.exl3_problems), weight_only_twins=calibrated)
+    # 8 x 128 calibration tokens: more than the hidden size (256), so that the input Hessians are full rank (CI's
+    # 2 x 32 leave LDLQ fitting 64 tokens, which need not carry to other ids)
+    write_config(d, src, calibrated=calibrated, allow_unloadable=bool(s.exl3_problems), weight_only_twins=calibrated,
+                 tokens=(8, 128))
     c = campaign(d)
     twins = [str(Path(c.weight_only_tensors(f.node, f.block)).relative_to(d)) for f in c.weight_only_jobs]
     assert bool(twins) == calibrated
@@ -304,3 +309,5 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
     print(f"\n{arch} {variant}: calibrated={calibrated} allow_unloadable={bool(s.exl3_problems)} "
           f"{time.monotonic() - t0:.1f} s {m}")
     assert m["kl"] < 0.5 * m["zeroed_kl"], m
+    if calibrated:  # LDLQ on the chain's Hessians: closer to the source at the output than the weight-only encode
+        assert m["kl"] < m["weight_only_kl"], m
