@@ -130,6 +130,16 @@ ARCHS: dict[str, Recipe] = {
         "num_local_experts", "intermediate_size", rotary_dim=True,
         # the router's score bias (exllamav3 reads it under another name: a base derives it there)
         noisy_buffers=("e_score_correction_bias",)),
+    # the sparsemixer router, LayerNorms and attention with biases (no exllamav3 class)
+    "PhimoeForCausalLM": Recipe("phimoe", dict(
+        _COMMON, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, attention_bias=True, rms_norm_eps=1e-5), "num_local_experts", "intermediate_size"),
+    # MiniMax-Text-01: lightning attention (layers 0, 2) and softmax attention (layer 1) (no exllamav3 class)
+    "MiniMaxForCausalLM": Recipe("minimax", dict(
+        _COMMON, head_dim=HEAD_DIM, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, block_size=16, rms_norm_eps=1e-5,
+        layer_types=["linear_attention", "full_attention", "linear_attention"]), "num_local_experts",
+        "intermediate_size"),
     "GptOssForCausalLM": Recipe("gpt_oss", dict(
         _COMMON, head_dim=HEAD_DIM, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS,
         num_experts_per_tok=TOP_K, rms_norm_eps=1e-5), "num_local_experts", "intermediate_size"),
@@ -412,13 +422,11 @@ def with_outlier_channels(src_dir, out_dir, *, spread: float = 2.0, seed: int = 
     magnitudes of a trained model (a random model's are all alike, so an input Hessian is near a multiple of the
     identity and LDLQ has nothing to weigh). A norm stored zero-centred (Qwen3-Next, Qwen3.5: it scales by 1 + w, and
     the kit's are all zero) gets profile - 1."""
-    g = torch.Generator().manual_seed(seed)
-    profile = torch.exp((torch.rand(HIDDEN, generator=g) * 2 - 1) * spread)
-
     def convert(name, t):
         if not name.endswith("post_attention_layernorm.weight"):
             return {name: t}
         w = t.float()
+        profile = torch.exp((torch.rand(w.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1) * spread)
         return {name: ((profile - 1) if not w.any() else w * profile).to(t.dtype)}
 
     return _rewrite(src_dir, out_dir, convert, lambda cfg: None)
