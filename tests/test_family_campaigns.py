@@ -76,11 +76,12 @@ def compare_logits(out: Path, src: Path, weight_only: Path | None = None) -> dic
     loaded = rt.load_product(out / "published" / "assemblies" / "a.assembly.intoto.jsonl",
                              keys.load_public(out / "signer.pub"))
     config, tensors = rt.checkpoint_state(src)
-    skeleton = set(load_source(src).skeleton_tensors)
-    # the routed experts: the source's own names (per expert, or Qwen3.5's fused tensors as published); the runtime
-    # names them as the family's model loads them
+    # the skeleton as dense tensors (an FP8 weight dequantized, its scales gone); the routed experts: the source's own
+    # names (per expert, or Qwen3.5's fused tensors as published), which the runtime names as the family's model
+    # loads them
+    skeleton = set(tensors) & set(load_source(src).skeleton_tensors)
     experts = set(tensors) - skeleton
-    assert skeleton <= set(loaded.state.tensors) and skeleton <= set(tensors)
+    assert skeleton <= set(loaded.state.tensors)
     assert len(set(loaded.state.tensors) - skeleton) >= len(experts)
     for n in skeleton:
         assert torch.equal(loaded.state.tensors[n], tensors[n]), f"skeleton tensor {n} differs from the source's"
