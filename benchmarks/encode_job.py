@@ -120,8 +120,8 @@ def make_source(work: Path, experts: int, scale: int = 1, seed: int = 0, shapes:
     return shard, names
 
 
-def make_campaign(work: Path, kind: str, experts: int, shard: Path) -> tuple[Path, Path]:
-    """A campaign.json binding a fresh signer and this encoder build, as init writes it."""
+def make_campaign(work: Path, kind: str, experts: int, *shards: Path) -> tuple[Path, Path]:
+    """A campaign.json binding a fresh signer and this encoder build, as init writes it, over the source ``shards``."""
     from fq.core import canonical
     from fq.provenance.attest import keys
     from fq.provenance.attest.campaign import campaign_identity
@@ -134,7 +134,7 @@ def make_campaign(work: Path, kind: str, experts: int, shard: Path) -> tuple[Pat
     doc = {"format": "fq-campaign/1", "identity": ident, "encoder": enc, "device": kind, "public_key": "signer.pub",
            "source": {"kind": "local", "repo": "bench/glm5-shaped", "revision": "0" * 40,
                       # the attestation names the shard's sha256; a placeholder (hashing GBs is not the job's work)
-                      "shards": {shard.name: {"size": shard.stat().st_size, "sha256": "2" * 64}}}}
+                      "shards": {shard.name: {"size": shard.stat().st_size, "sha256": "2" * 64} for shard in shards}}}
     path = work / "campaign.json"
     path.write_text(canonical.pretty(doc))
     return path, Path(key_path)

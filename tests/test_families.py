@@ -372,30 +372,25 @@ def test_the_calibration_chain_reads_fp8_sources_dequantized(built):
 def _encode_one_expert(src_dir: Path, layer: int, work: Path):
     """Expert 0 of ``layer`` encoded by the encode job (``encode_blocks``; K1 mul1, a block of one expert), its sources
     the source reader's (FP8, MXFP4, fused slices): (the fragment's tensors, the job's metrics)."""
+    import sys
+
     from safetensors.torch import load_file
 
-    from fq.core import canonical
-    from fq.provenance.attest import keys
-    from fq.provenance.attest.campaign import campaign_identity
     from fq.provenance.fragments import fragment_filename
-    from fq.provenance.identity import encoder_identity
     from fq.workflow.encode import BlockJob, encode_blocks
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import encode_job as bench  # its campaign.json, as init writes it
+
     s = load_source(src_dir)
-    key_path, _, fp = keys.generate(work / "signer")
-    enc = encoder_identity("cpu")
-    ident = campaign_identity(name="fam", source_repo="kit", source_revision="0" * 40, block_size=1, signer=fp,
-                              encoder=enc["digest"])
-    doc = {"format": "fq-campaign/1", "identity": ident, "encoder": enc, "device": "cpu", "public_key": "signer.pub",
-           "source": {"kind": "local", "repo": "kit", "revision": "0" * 40,
-                      "shards": {sh: {"size": (src_dir / sh).stat().st_size, "sha256": "2" * 64} for sh in s.shards}}}
-    (work / "campaign.json").write_text(canonical.pretty(doc))
+    work.mkdir(parents=True)
+    campaign_json, key_path = bench.make_campaign(work, "cpu", 1, *(src_dir / sh for sh in s.shards))
     frag = work / fragment_filename("a", layer, 0)
     sources = {0: {p: s.expert_source(layer, 0, p, lambda n: str(src_dir / n)).to_json() for p in PROJECTIONS}}
     job = BlockJob(node="a", role="base", K=1, codebook="mul1", node_digest="3" * 64, layer=layer, block=0,
                    experts=[0], sources=sources, ancestors=[], out_fragment=str(frag),
                    out_metrics=str(work / "metrics.json"))
-    (summary,) = encode_blocks([job], campaign_json=str(work / "campaign.json"), key_path=str(key_path),
+    (summary,) = encode_blocks([job], campaign_json=str(campaign_json), key_path=str(key_path),
                                device="cpu", devices_list=[], lock_dir=str(work / "locks"), seed=0,
                                layout=s.family_entry.layout, threads=1)
     return load_file(str(frag)), summary

@@ -173,10 +173,16 @@ def _reference(d: Path, arch, tokens=None):
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return m, hooked_forward(m, m.model.layers, arch, _tokens() if tokens is None else tokens)
+
+
+def hooked_forward(m, layers, arch, tokens) -> dict:
+    """``m`` run on ``tokens``, hooked on its decoder ``layers``: the position embeddings they get, each layer's
+    output, each MoE block's input, its router's top-k and its experts module's inputs and output."""
     seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
-    handles = [m.model.layers[0].register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(
+    handles = [layers[0].register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(
         "pos_emb", kw["position_embeddings"]), with_kwargs=True)]
-    for L, lay in enumerate(m.model.layers):
+    for L, lay in enumerate(layers):
         handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
             L, (out[0] if isinstance(out, tuple) else out).detach())))
         block = getattr(lay, arch.moe_block)
@@ -188,10 +194,10 @@ def _reference(d: Path, arch, tokens=None):
             handles.append(block.experts.register_forward_hook(lambda _m, args, out, L=L: seen["experts"].__setitem__(
                 L, ([a.detach() for a in args], out.detach()))))
     with torch.no_grad():
-        m(input_ids=_tokens() if tokens is None else tokens)
+        m(input_ids=tokens)
     for h in handles:
         h.remove()
-    return m, seen
+    return seen
 
 
 def _same_position_embeddings(hfc, arch, hidden, seen) -> bool:
@@ -256,7 +262,7 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
         assert (s is not None) == (L in moe_layers), L
         if s is not None:
             _, r = capture.advance(L, hidden, tensors, ckpt.config, routed_only=True)
-            _check_hessians(m, arch, seen, L, s, r, model_type)
+            _check_hessians(m.model.layers, arch, seen, L, s, r, model_type)
         hidden = out
 
 
@@ -283,8 +289,8 @@ def test_phimoe_longrope_both_regimes(checkpoints):
             assert _close(hidden, seen["layer"][L], 1e-5), (cols, L)
 
 
-def _check_hessians(m, arch, seen, L, s, r, model_type):
-    block = getattr(m.model.layers[L], arch.moe_block)
+def _check_hessians(layers, arch, seen, L, s, r, model_type):
+    block = getattr(layers[L], arch.moe_block)
     experts = block.experts
     x = seen["x"][L].reshape(-1, HIDDEN)
     (ex_in, ex_idx, ex_w), ex_out = seen["experts"][L]

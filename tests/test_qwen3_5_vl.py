@@ -190,12 +190,10 @@ def test_the_calibration_chain_runs_the_language_models_layers(vl, layout):
     loaded as they are), reproduces each layer's output of transformers' VL model run on the tokens alone, and
     captures the input and down-projection Hessians its experts module sees (tests/test_hessian_families.py's
     checks)."""
-    from types import SimpleNamespace
-
     import transformers
 
     from fq.hessian import capture, layer as layer_mod
-    from test_hessian_families import COLS, _check_hessians, _close, _tokens
+    from test_hessian_families import COLS, _check_hessians, _close, _same_position_embeddings, _tokens, hooked_forward
 
     ckpt = layer_mod.read_checkpoint(vl[layout])
     arch = layer_mod.architecture(ckpt.config)
@@ -204,27 +202,13 @@ def test_the_calibration_chain_runs_the_language_models_layers(vl, layout):
         == [0, 1, 2]
     m = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(vl[layout], dtype=torch.float32).eval()
     lm = m.model.language_model
-    seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
-    handles = []
-    for L, lay in enumerate(lm.layers):
-        handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
-            L, (out[0] if isinstance(out, tuple) else out).detach())))
-        handles.append(lay.mlp.register_forward_pre_hook(lambda _m, args, L=L: seen["x"].__setitem__(
-            L, args[0].detach())))
-        handles.append(lay.mlp.gate.register_forward_hook(lambda _m, _i, out, L=L: seen["topk"].__setitem__(
-            L, out[-1].detach())))
-        handles.append(lay.mlp.experts.register_forward_hook(lambda _m, args, out, L=L: seen["experts"].__setitem__(
-            L, ([a.detach() for a in args], out.detach()))))
     tokens = _tokens(COLS)
-    with torch.no_grad():
-        m(input_ids=tokens)
-    for h in handles:
-        h.remove()
+    seen = hooked_forward(m, lm.layers, arch, tokens)
     hfc = layer_mod.hf_config(ckpt.config)
     assert type(hfc).__name__ == "Qwen3_5MoeTextConfig"
     hidden = capture.embed(ckpt, tokens)
     assert torch.equal(hidden, lm.embed_tokens(tokens).detach())
-    as_text_model = SimpleNamespace(model=SimpleNamespace(layers=lm.layers))  # what _check_hessians indexes
+    assert _same_position_embeddings(hfc, arch, hidden, seen)  # the text positions on all three axes
     for L in range(fk.LAYERS):
         tensors, _ = layer_mod.layer_tensors(ckpt, L)
         mine = layer_mod.build_layer(hfc, arch, L, tensors).state_dict()
@@ -233,5 +217,5 @@ def test_the_calibration_chain_runs_the_language_models_layers(vl, layout):
         out, s = capture.advance(L, hidden, tensors, ckpt.config)
         assert _close(out, seen["layer"][L], 1e-5), L
         _, r = capture.advance(L, hidden, tensors, ckpt.config, routed_only=True)
-        _check_hessians(as_text_model, arch, seen, L, s, r, "qwen3_5_moe")
+        _check_hessians(lm.layers, arch, seen, L, s, r, "qwen3_5_moe")
         hidden = out
