@@ -2,7 +2,8 @@
 
 Every family is transformers' own config class and modeling code (transformers 5.24), at one tiny size: vocab 512,
 hidden 256, 3 decoder layers (layer 0 dense where the family has dense layers), 8 routed experts of intermediate size
-128, top-2, 4 attention heads / 4 KV heads of 64 (MLA families: small LoRA ranks and head dims), n_group = topk_group
+128, top-2, 4 attention heads / 4 KV heads of 64 (MLA families: small LoRA ranks and head dims; GLM-5 at its published
+latent and rope widths, 512 and 64), n_group = topk_group
 = 1, no next-token-prediction layers, untied embeddings. Nothing is downloaded. Qwen3.5-MoE is also built as Qwen
 publishes it, the vision-language ``Qwen3_5MoeForConditionalGeneration`` (the language model's config nested under
 ``text_config``, its layers under ``model.language_model.layers.*``, a one-block vision tower under ``model.visual.*``,
@@ -93,9 +94,11 @@ ARCHS: dict[str, Recipe] = {
         routed_scaling_factor=2.5, num_nextn_predict_layers=0, rms_norm_eps=1e-5, partial_rotary_factor=0.5,
         use_qk_norm=False), "n_routed_experts", dense_layers=(0,)),
     "GlmMoeDsaForCausalLM": Recipe("glm_moe_dsa", dict(
-        _COMMON, **_DEEPSEEK_MOE, **_MLA, intermediate_size=DENSE_INTER, first_k_dense_replace=1,
-        mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, rms_norm_eps=1e-5,
-        index_topk=8, index_head_dim=64, index_n_heads=4), "n_routed_experts", dense_layers=(0,)),
+        # GLM-5's published latent and rope widths (512, 64): exllamav3 1.6.5's GLM-5 path gives NaN at the other MLA
+        # families' small ones (64, 32) on the unquantized transformers checkpoint itself (docs/benchmarks.md)
+        _COMMON, **_DEEPSEEK_MOE, **dict(_MLA, kv_lora_rank=512, qk_rope_head_dim=64), intermediate_size=DENSE_INTER,
+        first_k_dense_replace=1, mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5,
+        rms_norm_eps=1e-5, index_topk=8, index_head_dim=64, index_n_heads=4), "n_routed_experts", dense_layers=(0,)),
     "Glm4MoeLiteForCausalLM": Recipe("glm4_moe_lite", dict(
         _COMMON, **_DEEPSEEK_MOE, **_MLA, intermediate_size=DENSE_INTER,
         mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=1.8, rms_norm_eps=1e-5),

@@ -57,7 +57,8 @@ def _measured(f: Family, measured: dict) -> str:
             if r["kl_ref_exl3"] is None:
                 cells.append(f"{what}: {r['note']}")
             else:
-                cells.append(f"{what}: {r['kl_ref_exl3']:.1e} (top-1 {100 * r['top1_agreement']:.1f}%)")
+                note = f"; {c['note']}" if c.get("note") else ""  # what the measured campaign was built with
+                cells.append(f"{what}: {r['kl_ref_exl3']:.1e} (top-1 {100 * r['top1_agreement']:.1f}%{note})")
     return "; ".join(cells) or "not measured"
 
 
