@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import exllamav3 as ex
     import familykit as fk
+    from exl3kit import logit_agreement
     from transformers import AutoModelForCausalLM
 
     src = fk.build(args.arch, args.work / args.name, keys=args.keys, extra_config=fk.PUBLISHED_KEYS.get(args.arch))
@@ -68,10 +69,7 @@ def main(argv=None) -> int:
     for n, t in ids.items():
         log.clear()
         got = model.forward(t.cuda(), {"attn_mode": "flash_attn_nc"}).float()[0]
-        lr, lg = torch.log_softmax(ref[n], -1), torch.log_softmax(got, -1)
-        out[f"T{n}"] = {"finite": bool(torch.isfinite(got).all()),
-                        "kl_ref_exl3": float((lr.exp() * (lr - lg)).sum(-1).mean()),
-                        "top1_agreement": float((ref[n].argmax(-1) == got.argmax(-1)).float().mean()),
+        out[f"T{n}"] = {"finite": bool(torch.isfinite(got).all()), **logit_agreement(ref[n], got),
                         "first_nonfinite": next((k for k, ok in log if not ok), None)}
     print("RESULT", json.dumps(out), flush=True)
     return 0

@@ -94,8 +94,8 @@ ARCHS: dict[str, Recipe] = {
         routed_scaling_factor=2.5, num_nextn_predict_layers=0, rms_norm_eps=1e-5, partial_rotary_factor=0.5,
         use_qk_norm=False), "n_routed_experts", dense_layers=(0,)),
     "GlmMoeDsaForCausalLM": Recipe("glm_moe_dsa", dict(
-        # GLM-5's published latent and rope widths (512, 64): exllamav3 1.6.5's GLM-5 path gives NaN at the other MLA
-        # families' small ones (64, 32) on the unquantized transformers checkpoint itself (docs/benchmarks.md)
+        # GLM-5's published latent and rope widths (512, 64): at the other MLA families' latent of 64, exllamav3 1.6.5
+        # gives NaN on the unquantized transformers checkpoint itself (docs/benchmarks.md)
         _COMMON, **_DEEPSEEK_MOE, **dict(_MLA, kv_lora_rank=512, qk_rope_head_dim=64), intermediate_size=DENSE_INTER,
         first_k_dense_replace=1, mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5,
         rms_norm_eps=1e-5, index_topk=8, index_head_dim=64, index_n_heads=4), "n_routed_experts", dense_layers=(0,)),
