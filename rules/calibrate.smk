@@ -47,49 +47,61 @@ if C.calibration:
         script:
             "../scripts/calib_embed.py"
 
-    # Two rules, one per output set: a dense layer advances the hidden states; a calibrated MoE layer also writes
-    # its Hessian. Same script, same params.
-    rule calib_dense:
-        input:
-            unpack(calib_layer_inputs),
-        output:
-            hidden=temp(f"{OUT}/calibration/hidden-layer{{layer}}.safetensors"),
-            record=f"{OUT}/calibration/layer{{layer}}.json",
-        wildcard_constraints:
-            layer=calib_layer_pattern(calibrated=False),
-        conda:
-            "../envs/fq.yaml"
-        log:
-            f"{OUT}/logs/calibration/layer{{layer}}.log",
-        benchmark:
-            f"{OUT}/benchmarks/calibration/layer{{layer}}.tsv"
-        params:
-            **CALIB_LAYER_PARAMS,
-        threads: 1
-        resources:
-            gpu=1 if config["encode"]["device"] == "cuda" else 0,
-        script:
-            "../scripts/calib_layer.py"
+    # One rule per output set (Snakemake output patterns are fixed per rule): a dense layer advances the hidden states;
+    # a calibrated MoE layer also writes its Hessian; a layer with quantized non-expert linears (whole-model bases)
+    # also writes their input Hessians. Same script, same params.
+    for R in calib_layer_rules():
 
-    rule calib_moe:
-        input:
-            unpack(calib_layer_inputs),
-        output:
-            hidden=temp(f"{OUT}/calibration/hidden-layer{{layer}}.safetensors"),
-            hessian=f"{OUT}/calibration/hessian-layer{{layer}}.safetensors",
-            record=f"{OUT}/calibration/layer{{layer}}.json",
-        wildcard_constraints:
-            layer=calib_layer_pattern(calibrated=True),
-        conda:
-            "../envs/fq.yaml"
-        log:
-            f"{OUT}/logs/calibration/layer{{layer}}.log",
-        benchmark:
-            f"{OUT}/benchmarks/calibration/layer{{layer}}.tsv"
-        params:
-            **CALIB_LAYER_PARAMS,
-        threads: 1
-        resources:
-            gpu=1 if config["encode"]["device"] == "cuda" else 0,
-        script:
-            "../scripts/calib_layer.py"
+        rule:
+            name:
+                R["name"]
+            input:
+                unpack(calib_layer_inputs),
+            output:
+                **R["outputs"],
+            wildcard_constraints:
+                layer=R["layers"],
+            conda:
+                "../envs/fq.yaml"
+            log:
+                f"{OUT}/logs/calibration/layer{{layer}}.log",
+            benchmark:
+                f"{OUT}/benchmarks/calibration/layer{{layer}}.tsv"
+            params:
+                **CALIB_LAYER_PARAMS,
+            threads: 1
+            resources:
+                gpu=1 if config["encode"]["device"] == "cuda" else 0,
+            script:
+                "../scripts/calib_layer.py"
+
+    if None in C.linear_capture:
+
+        # the head's input: the last decoder layer's output through the final norm (read from the skeleton)
+        rule calib_head:
+            input:
+                campaign=ancient(C.campaign_json),
+                key=ancient(KEY),
+                hidden=C.calib_hidden(C.source.num_hidden_layers - 1),
+                skeleton=lambda wc: C.head_norm_skeleton(),
+            output:
+                linears=C.linear_hessian(None),
+                record=C.calib_path("head.json"),
+            conda:
+                "../envs/fq.yaml"
+            log:
+                f"{OUT}/logs/calibration/head.log",
+            benchmark:
+                f"{OUT}/benchmarks/calibration/head.tsv"
+            params:
+                source_dir=str(C.source_dir),
+                binding=C.linear_hessian_binding(None),
+                capture=C.calibration["capture"],
+                device=config["encode"]["device"],
+                devices=config["encode"].get("devices", []),
+                locks=f"{OUT}/locks",
+            threads: 1
+            resources:
+                gpu=1 if config["encode"]["device"] == "cuda" else 0,
+            script:
+                "../scripts/calib_head.py"

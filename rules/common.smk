@@ -89,9 +89,25 @@ def calib_layer_inputs(wc):
             "shards": calib_staged(layer)}
 
 
-def calib_layer_pattern(calibrated):
-    layers = [l for l in C.calibration_layers if (l in C.calibrated_layers) == calibrated]
-    return "|".join(f"{l:03d}" for l in layers) if layers else "(?!)"
+def calib_layer_rules():
+    """The chain's layer rules, one per output set: (MoE Hessian or not) x (linear Hessians or not), each with the
+    layers it serves. Names: calib_dense, calib_moe, calib_dense_linears, calib_moe_linears."""
+    out = []
+    for moe in (False, True):
+        for lin in (False, True):
+            layers = [l for l in C.calibration_layers
+                      if (l in C.calibrated_layers) == moe and (l in C.linear_capture) == lin]
+            if not layers:
+                continue
+            outputs = {"hidden": temp(f"{OUT}/calibration/hidden-layer{{layer}}.safetensors")}
+            if moe:
+                outputs["hessian"] = f"{OUT}/calibration/hessian-layer{{layer}}.safetensors"
+            if lin:
+                outputs["linears"] = f"{OUT}/calibration/linears-layer{{layer}}.safetensors"
+            outputs["record"] = f"{OUT}/calibration/layer{{layer}}.json"
+            name = "calib_" + ("moe" if moe else "dense") + ("_linears" if lin else "")
+            out.append({"name": name, "outputs": outputs, "layers": "|".join(f"{l:03d}" for l in layers)})
+    return out
 
 
 CALIB_LAYER_PARAMS = {
@@ -100,6 +116,8 @@ CALIB_LAYER_PARAMS = {
     "layer": lambda wc: int(wc.layer),
     "binding": lambda wc: C.hessian_binding(int(wc.layer)) if int(wc.layer) in C.calibrated_layers else None,
     "capture": (C.calibration or {}).get("capture"),
+    "linears": lambda wc: list(C.linear_capture.get(int(wc.layer), ())),
+    "linear_binding": lambda wc: C.linear_hessian_binding(int(wc.layer)) if int(wc.layer) in C.linear_capture else None,
     "device": config["encode"]["device"],
     "devices": config["encode"].get("devices", []),
     "locks": f"{OUT}/locks",
@@ -153,6 +171,44 @@ def encode_spec(wc, output):
         "layout": C.layout.to_json(),
         "hessian": hessian_spec(int(wc.layer)),
     }
+
+
+def linear_job(wc):
+    """(linear node, layer) of a linear job's wildcards (layer None: the head)."""
+    return wc.lnode, None if wc.unit == "head" else int(wc.unit.removeprefix("layer"))
+
+
+def linear_inputs(wc):
+    """The committed skeleton shards it reads (with attestations), and its Hessian in a calibrated campaign."""
+    node, layer = linear_job(wc)
+    shards = C.linear_skeletons(node, layer)
+    inputs = {"campaign": ancient(C.campaign_json), "key": ancient(KEY), "skeleton": shards,
+              "attestations": [C.attestation(s) for s in shards]}
+    spec = linear_hessian_spec(layer)
+    if spec is not None:
+        inputs["hessian"] = ancient(spec["path"])
+    return inputs
+
+
+def linear_hessian_spec(layer):
+    """Where a linear job of ``layer`` (None: the head) finds its linear Hessians (None: weight-only)."""
+    if not C.calibration:
+        return None
+    return {"path": C.linear_hessian(layer), "binding": C.linear_hessian_binding(layer)}
+
+
+def linear_spec(wc):
+    node, layer = linear_job(wc)
+    ln = C.plan.linear(node)
+    return {"node": node, "class": ln["class"], "K": ln["K"], "codebook": ln["codebook"], "node_digest": ln["digest"],
+            "layer": layer, "sources": C.linear_sources(node, layer), "hessian": linear_hessian_spec(layer)}
+
+
+def linear_key(wc):
+    """The rerun key: the linear node's digest, its linears, and whether it is calibrated."""
+    node, layer = linear_job(wc)
+    return {"node_digest": C.plan.linear(node)["digest"], "linears": list(C.linear_names(node, layer)),
+            "calibrated": bool(C.calibration)}
 
 
 def encode_key(wc):
@@ -271,7 +327,11 @@ def skeleton_files():
     out = []
     for s in C.skeleton_shards:
         out += [C.skeleton(s), C.attestation(C.skeleton(s))]
-    return out
+    return out + C.variant_files()
+
+
+def linear_files():
+    return C.linear_files()
 
 
 def metrics_files():

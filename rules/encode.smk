@@ -157,3 +157,61 @@ if C.weight_only_jobs:
             gpu=1 if config["encode"]["device"] == "cuda" else 0,
         script:
             "../scripts/weight_only.py"
+
+
+# Whole-model bases: one job per (linear node, layer) encodes one class of non-expert linears (attention, shared,
+# dense) of one layer, or the head, reading the committed skeleton (fq.workflow.encode_linears); bases quantizing
+# that class at those bits share it. Each such base publishes a skeleton variant without those linears.
+if C.linear_jobs:
+
+    rule encode_linears:
+        input:
+            unpack(linear_inputs),
+        output:
+            fragment=f"{OUT}/linears/{{lnode}}/{{lnode}}-{{unit}}.safetensors",
+            attestation=f"{OUT}/linears/{{lnode}}/{{lnode}}-{{unit}}.safetensors.intoto.jsonl",
+            metrics=f"{OUT}/metrics/linears/{{lnode}}-{{unit}}.json",
+        wildcard_constraints:
+            lnode="|".join(re.escape(n["name"]) for n in C.plan.linears),
+            unit=r"layer\d{3}|head",
+        conda:
+            "../envs/fq.yaml"
+        log:
+            f"{OUT}/logs/encode/linears/{{lnode}}-{{unit}}.log",
+        benchmark:
+            f"{OUT}/benchmarks/encode/linears/{{lnode}}-{{unit}}.tsv"
+        params:
+            spec=linear_spec,
+            key=linear_key,
+            device=config["encode"]["device"],
+            devices=config["encode"].get("devices", []),
+            seed=config["encode"].get("seed", 0),
+            locks=f"{OUT}/locks",
+        threads: config["encode"].get("threads", 1) or workflow.cores
+        resources:
+            gpu=1 if config["encode"]["device"] == "cuda" else 0,
+        script:
+            "../scripts/encode_linears.py"
+
+    rule skeleton_variant:
+        input:
+            campaign=ancient(C.campaign_json),
+            key=ancient(KEY),
+            whole=f"{OUT}/skeleton/{{shard}}",
+            attestation=f"{OUT}/skeleton/{{shard}}.intoto.jsonl",
+        output:
+            shard=f"{OUT}/skeleton/{{variant}}/{{shard}}",
+            attestation=f"{OUT}/skeleton/{{variant}}/{{shard}}.intoto.jsonl",
+        wildcard_constraints:
+            variant=r"without-[a-z+]+",
+        conda:
+            "../envs/fq.yaml"
+        log:
+            f"{OUT}/logs/skeleton/{{variant}}/{{shard}}.log",
+        benchmark:
+            f"{OUT}/benchmarks/skeleton/{{variant}}/{{shard}}.tsv"
+        params:
+            tensors=lambda wc: list(C.skeleton_variants[wc.variant][wc.shard]),
+            locks=f"{OUT}/locks",
+        script:
+            "../scripts/skeleton_variant.py"

@@ -9,6 +9,7 @@ rule finalize:
         key=ancient(KEY),
         fragments=fragment_files(),
         skeletons=skeleton_files(),
+        linears=linear_files(),
         retired=[C.retired(w.index) for w in C.plan.windows],
         repair=repair_marker(),
     output:

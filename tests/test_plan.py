@@ -224,3 +224,48 @@ def test_fq_plan_cli(tmp_path, capsys):
                "--disk-budget", "lots"])
     assert rc == 2 and "--disk-budget: 'lots' is not a byte quantity" in capsys.readouterr().err
     assert json.loads(out.read_text())["format"] == "fq-plan/1"
+
+
+def test_whole_model_bases_plan_one_linear_job_per_class_and_layer(glm5):
+    """Two bases naming attention at K4 share one linear node; the plan lists what each job encodes (MLA's five
+    attention linears per layer, the shared expert of each MoE layer, the dense MLPs, lm_head), the MTP layer's
+    linears stay as published, and each base's entry names the nodes its directory takes."""
+    r = parse_recipe({"format": "fq-cartridge/2", "name": "wm", "nodes": [
+        {"name": "k2", "kind": "base", "K": 2, "codebook": "mul1",
+         "skeleton": {"attention": 4, "shared": 4, "dense": 4, "head": 6}},
+        {"name": "k3", "kind": "base", "K": 3, "codebook": "mul1", "skeleton": {"attention": 4}}],
+        "products": [{"name": "k2", "chain": ["k2"]}, {"name": "k3", "chain": ["k3"]}]}, "wm.json")
+    plan = make_plan(r, glm5)
+    nodes = {n["name"]: n for n in plan.linears}
+    assert sorted(nodes) == ["attention-K4-mul1", "dense-K4-mul1", "head-K6-mul1", "shared-K4-mul1"]
+    att = nodes["attention-K4-mul1"]["layers"]
+    assert sorted(att, key=int) == [str(L) for L in range(78)]
+    assert [n.rsplit(".", 1)[-1] for n in att["5"]] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj",
+                                                         "q_b_proj"]
+    assert sorted(nodes["dense-K4-mul1"]["layers"], key=int) == ["0", "1", "2"]
+    assert sorted(nodes["shared-K4-mul1"]["layers"], key=int) == [str(L) for L in range(3, 78)]
+    assert nodes["head-K6-mul1"]["layers"] == {"head": ["lm_head"]}
+    assert len(plan.linear_jobs()) == 78 + 3 + 75 + 1
+    bases = {n["name"]: n for n in plan.to_json()["nodes"]}
+    assert bases["k3"]["skeleton"] == {"attention": "attention-K4-mul1"}
+    assert bases["k2"]["skeleton"]["head"] == "head-K6-mul1"
+    assert load_plan_json(plan).linears == plan.linears
+
+
+def load_plan_json(plan):
+    from fq.planning.plan import Plan
+
+    return Plan.from_json(canonical.loads(canonical.dumps(plan.to_json())))
+
+
+def test_a_class_the_source_lacks_is_refused_by_name():
+    cfg, index, sizes = synthetic_checkpoint("deepseek", hidden=64, inter=32, n_experts=4, n_layers=2, first_dense=0,
+                                             vocab=128, dense_inter=64, shard_bytes=10**6, model_type="deepseek_v3",
+                                             extra_config={"architectures": ["DeepseekV3ForCausalLM"],
+                                                           "n_shared_experts": 1, "tie_word_embeddings": False})
+    source = parse_source(cfg, index, sizes, origin="synthetic")  # every layer MoE: no dense MLP
+    r = parse_recipe({"format": "fq-cartridge/2", "name": "wm", "nodes": [
+        {"name": "k2", "kind": "base", "K": 2, "codebook": "mul1", "skeleton": {"dense": 4}}],
+        "products": [{"name": "k2", "chain": ["k2"]}]}, "wm.json")
+    with pytest.raises(FqError, match="has no dense linears.*skeleton.dense to 16"):
+        make_plan(r, source)

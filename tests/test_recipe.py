@@ -76,7 +76,10 @@ def test_hot_and_demo_recipes():
     assert [(n.name, n.K, n.experts.to_json()) for n in hot.stages] == [("k2.r1", 1, "all"), ("k2.r1.h96", 2, {"hot": 96})]
     assert hot.uses_hot
     demo = load_recipe(RECIPES / "demo.json")
-    assert len(demo.bases) == 2 and {n.codebook for n in demo.nodes} == {"mul1"}
+    assert len(demo.bases) == 4 and {n.codebook for n in demo.nodes} == {"mul1"}
+    # the two whole-model bases share one encoding of each non-expert class
+    assert [n.name for n in demo.linear_nodes] == ["attention-K4-mul1", "shared-K4-mul1", "dense-K4-mul1",
+                                                   "head-K6-mul1"]
     assert any(n.experts.mode == "hot" and n.experts.hot <= 8 for n in demo.stages)
     assert any(n.experts.mode == "all" for n in demo.stages)
     # works with the demo model's 8 experts per layer (and any larger model)
@@ -235,3 +238,40 @@ def test_listed_experts_checked_against_model_and_hot_parent():
     bad = parse_usage(usage_doc([3, 4], 8, hot_first=[0, 6]))
     with pytest.raises(FqError, match="'h.l' selects layer 3 experts 5, which its parent 'h' does not encode"):
         resolve_selections(r2, [3, 4], 8, bad)
+
+
+# -- whole-model bases: skeleton bits --------------------------------------------------------
+
+
+def test_skeleton_bits_parse_and_16_is_as_published():
+    r = parse_recipe(doc([{**base("w"), "skeleton": {"attention": 4, "head": 6, "dense": 16}}, base("a")]), "r.json")
+    w, a = r.node("w"), r.node("a")
+    assert w.skeleton == (("attention", 4), ("head", 6))  # LINEAR_CLASSES order; 16 dropped
+    assert (w.skeleton_bits("attention"), w.skeleton_bits("dense"), w.skeleton_bits("shared")) == (4, 16, 16)
+    assert a.skeleton == () and r.base_linears("a") == {}
+    # the skeleton is not part of the experts' node: the same K and codebook encode the same expert fragments
+    plain = parse_recipe(doc([base("w"), base("a")]), "r.json")
+    assert r.node_digest("w") == plain.node_digest("w")
+
+
+def test_bases_with_the_same_skeleton_bits_share_one_linear_node():
+    r = parse_recipe(doc([{**base("k2", K=2), "skeleton": {"attention": 4, "shared": 4}},
+                          {**base("k3", K=3), "skeleton": {"attention": 4, "shared": 5}},
+                          {**base("k3b", K=3, cb="mcg"), "skeleton": {"attention": 4}}]), "r.json")
+    assert [n.name for n in r.linear_nodes] == ["attention-K4-mcg", "attention-K4-mul1", "shared-K4-mul1",
+                                                "shared-K5-mul1"]
+    assert r.base_linears("k2")["attention"] is not None
+    assert r.base_linears("k2")["attention"] == r.base_linears("k3")["attention"]
+    assert r.base_linears("k2")["shared"] != r.base_linears("k3")["shared"]
+    digests = {n.digest for n in r.linear_nodes}
+    assert len(digests) == 4  # K and codebook are in the definition
+    assert r.linear_node("attention-K4-mul1").K == 4
+    with pytest.raises(FqError, match="attention-K3-mul1"):
+        r.linear_node("attention-K3-mul1")
+
+
+def test_skeleton_refusals_name_the_field():
+    refuse(doc([{**base("w"), "skeleton": {"attention": 9}}]), "nodes[0].skeleton.attention", "9")
+    refuse(doc([{**base("w"), "skeleton": {"attention": 0}}]), "nodes[0].skeleton.attention")
+    refuse(doc([{**base("w"), "skeleton": {"embeddings": 4}}]), "nodes[0].skeleton", "embeddings")
+    refuse(doc([base("a"), {**stage("a.r1", "a"), "skeleton": {"attention": 4}}]), "nodes[1]", "skeleton")

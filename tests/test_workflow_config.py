@@ -24,7 +24,9 @@ def _cfg(**over):
 def test_demo_campaign_plan_and_native_jobs():
     c = load_campaign(_cfg())
     assert c.source.moe_layers == (1, 2) or list(c.source.moe_layers) == [1, 2]
-    assert len(c.fragments) == 4 + 4 + 4 + 2  # k2, k3, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts
+    # k2, k3, k2.w4, k3.w4, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts
+    assert len(c.fragments) == 5 * 4 + 2
+    assert len(c.linear_jobs) == 3 + 2 + 1 + 1  # attention, shared, dense, head: shared by k2.w4 and k3.w4
     # k2.r1 (3 bits) is compared with the k3 base; k2.r1.h2 (5 bits) needs a native K5 encode of its experts
     assert list(c.native_jobs) == [(5, "mul1")]
     assert c.skeleton_shards == ("model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
@@ -44,7 +46,7 @@ def test_layer_rules_cover_every_node_and_layer_once_with_its_blocks():
     c = load_campaign(_cfg())
     rules = c.layer_rules
     assert [r.name for r in rules] == ["encode_layer", "encode_layer_2", "encode_layer_3"]
-    assert rules[0].nodes == ("k2", "k3", "k2.r1") and rules[0].layers == (1, 2) and rules[0].blocks == (0, 1)
+    assert rules[0].nodes == ("k2", "k3", "k2.w4", "k3.w4", "k2.r1") and rules[0].layers == (1, 2) and rules[0].blocks == (0, 1)
     served = [(n, l, r.blocks) for r in rules for n in r.nodes for l in r.layers]
     want = {(n, l): tuple(c.block_index(f.block) for f in c.layer_fragments(n, l))
             for n, l in {(f.node, f.block.layer) for f in c.fragments}}

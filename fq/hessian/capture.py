@@ -184,6 +184,81 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
             capture: bool = True) -> tuple["torch.Tensor", LayerSums | None]:
     """Run ``hidden`` [rows, cols, hidden] through decoder layer ``layer`` (its checkpoint tensors, float32):
     (the layer's output, float32 on the CPU; the layer's Hessian sums for an MoE layer with ``capture``, else None)."""
+    out, sums, _ = advance_linears(layer, hidden, layer_tensors, config, routed_only=routed_only,
+                                   row_batch=row_batch, device=device, threads=threads, capture=capture)
+    return out, sums
+
+
+def _linear_hooks(module, arch: layer_mod.Arch, layer: int, names):
+    """Forward pre-hooks on the layer's linears ``names`` (checkpoint tensor prefixes) recording their inputs."""
+    prefix = arch.prefix.format(layer=layer)
+    seen: dict = {n: [] for n in names}
+    handles = []
+    for n in names:
+        if not n.startswith(prefix):
+            raise FqError(f"layer {layer}: linear {n} is not one of the layer's ({prefix}*)")
+        rel = arch.module_name(n[len(prefix):] + ".weight").removesuffix(".weight")
+        try:
+            sub = module.get_submodule(rel)
+        except AttributeError:
+            raise FqError(f"layer {layer}: transformers' {arch.layer_class} has no module {rel} (linear {n})") from None
+
+        def pre(_mod, args, n=n):
+            seen[n].append(args[0].detach())
+
+        handles.append(sub.register_forward_pre_hook(pre))
+    return seen, handles
+
+
+def _linear_inputs(seen: dict, b: int, cols: int, layer) -> dict:
+    """name -> its batch's input [b, cols, in] (tokens in row order), the hooks' records cleared."""
+    out = {}
+    for n, xs in seen.items():
+        if len(xs) != 1:
+            raise FqError(f"layer {layer}: linear {n} ran {len(xs)} times in one forward; its input Hessian expects "
+                          "one call per batch")
+        x = xs.pop()
+        if x.numel() != b * cols * x.shape[-1]:
+            raise FqError(f"layer {layer}: linear {n} saw input {list(x.shape)}, expected every one of the batch's "
+                          f"{b * cols} tokens")
+        out[n] = x.reshape(b, cols, x.shape[-1])
+    return out
+
+
+def _group(inputs: dict, groups: list | None, layer) -> list:
+    """Groups of linears reading one identical input: fixed from the first batch; later batches must agree."""
+    names = sorted(inputs)
+    if groups is None:
+        groups = []
+        for n in names:
+            for g in groups:
+                lead = inputs[g[0]]
+                if lead.shape == inputs[n].shape and torch_equal(lead, inputs[n]):
+                    g.append(n)
+                    break
+            else:
+                groups.append([n])
+        return groups
+    for g in groups:
+        for n in g[1:]:
+            if not torch_equal(inputs[g[0]], inputs[n]):
+                raise FqError(f"layer {layer}: linears {g[0]} and {n} read the same input in the first batch but not "
+                              "in a later one")
+    return groups
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "torch.Tensor"], config: dict, *,
+                    routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu",
+                    threads: int | None = 1, capture: bool = True, linears=()):
+    """``advance``, also summing the input Hessians of the layer's non-expert ``linears`` (checkpoint tensor
+    prefixes): (output, LayerSums | None, linear_store.LinearSums | None). Per row, in row order, per group (the
+    linears reading one identical input, sorted by name): H += xᵀx in float64."""
     import torch
 
     arch = layer_mod.architecture(config)
@@ -223,6 +298,11 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
         h_down = torch.zeros(n_exp, inter, inter, dtype=torch.float64, device=device)
         counts = [0] * n_exp
         seen, handles = _hooks(module, arch)
+    linears = tuple(sorted(set(linears)))
+    lin_seen, groups, lin_sums = None, None, None
+    if linears:
+        lin_seen, lin_handles = _linear_hooks(module, arch, layer, linears)
+        handles += lin_handles
     position_ids = torch.arange(cols, device=device).unsqueeze(0)
     out = torch.empty_like(hidden)
     try:
@@ -235,6 +315,17 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
                 y = module(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb)
                 y = y[0] if isinstance(y, tuple) else y
                 out[lo: lo + row_batch] = y.to("cpu", torch.float32)
+                if linears:
+                    inputs = _linear_inputs(lin_seen, h.shape[0], cols, layer)
+                    groups = _group(inputs, groups, layer)
+                    if lin_sums is None:
+                        lin_sums = [torch.zeros(inputs[g[0]].shape[-1], inputs[g[0]].shape[-1], dtype=torch.float64,
+                                                device=device) for g in groups]
+                    for r in range(h.shape[0]):
+                        for i, g in enumerate(groups):
+                            xd = inputs[g[0]][r].double()
+                            lin_sums[i] += xd.T @ xd
+                    del inputs
                 if not (moe and capture):
                     continue
                 x = seen.pop("x").reshape(h.shape[0], cols, width).float()
@@ -256,7 +347,13 @@ def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "tor
     if moe and capture:
         sums = LayerSums(layer, "routed-only" if routed_only else "all-experts", h_in.cpu(), rows * cols, h_down.cpu(),
                          counts, rows, cols)
-    return out, sums
+    lin = None
+    if linears:
+        from fq.hessian.linear_store import LinearSums
+
+        lin = LinearSums(layer, tuple(tuple(g) for g in groups), tuple(t.cpu() for t in lin_sums),
+                         tuple(rows * cols for _ in groups), rows, cols)
+    return out, sums, lin
 
 
 # -- hidden-state files ----------------------------------------------------------------------------------------------
@@ -316,6 +413,7 @@ class CaptureResult:
     hidden_sha256: str
     hessian_sha256: str | None = None
     source_shards: dict = field(default_factory=dict)
+    linears_sha256: str | None = None
 
 
 def _versions() -> dict:
@@ -337,9 +435,11 @@ def capture_embed(source_dir, calibration, out_hidden: str | os.PathLike, *,
 def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidden: str | os.PathLike,
                   out_hessian: str | os.PathLike | None = None, *, sha256: Mapping[str, str] | None = None,
                   routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu",
-                  threads: int | None = 1) -> CaptureResult:
+                  threads: int | None = 1, linears=(), out_linears: str | os.PathLike | None = None) -> CaptureResult:
     """One job: ``hidden_in`` (made for ``layer``, from this source's config) through ``layer``; writes
     ``out_hidden`` and, for an MoE layer, ``out_hessian`` (required there; refused for a dense layer).
+    ``linears`` (checkpoint tensor prefixes of the layer's non-expert linears a whole-model base quantizes): their
+    input Hessians go to ``out_linears`` (``fq.hessian.linear_store``; both or neither).
     ``sha256``: shard -> digest the campaign recorded (shards that differ are refused)."""
     ckpt = _checkpoint(source_dir)
     arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
@@ -351,12 +451,21 @@ def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidd
         raise FqError(f"layer {layer} is an MoE layer: capture_layer needs out_hessian")
     if not moe and out_hessian is not None:
         raise FqError(f"layer {layer} is dense: it has no routed experts and no Hessian file ({out_hessian})")
+    if bool(linears) != (out_linears is not None):
+        raise FqError(f"layer {layer}: capture_layer takes linears and out_linears together")
     hidden, meta = load_hidden(hidden_in, next_layer=layer, config_sha256=ckpt.config_sha256)
     tensors, shards = layer_mod.layer_tensors(ckpt, layer, sha256)
-    out, sums = advance(layer, hidden, tensors, ckpt.config, routed_only=routed_only, row_batch=row_batch,
-                        device=device, threads=threads)
+    out, sums, lin = advance_linears(layer, hidden, tensors, ckpt.config, routed_only=routed_only,
+                                     row_batch=row_batch, device=device, threads=threads, linears=linears)
     del tensors, hidden
     result = CaptureResult(layer, moe, "", None, shards)
+    if lin is not None:
+        from fq.hessian import linear_store
+
+        result.linears_sha256 = linear_store.write_linear_hessians(out_linears, lin, {
+            "architecture": arch.name, "calibration": meta["calibration"], "config_sha256": ckpt.config_sha256,
+            "source_shards": shards, "hidden_in": meta["sha256"], "row_batch": row_batch, "rows": lin.rows,
+            "cols": lin.cols, **_versions()})
     if sums is not None:
         from fq.hessian import store
 
@@ -367,6 +476,57 @@ def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidd
     result.hidden_sha256 = save_hidden(out_hidden, out, next_layer=layer + 1, calibration=meta["calibration"],
                                        config_sha256=ckpt.config_sha256)
     return result
+
+
+def final_norm(ckpt: layer_mod.Checkpoint, sha256: Mapping[str, str] | None = None):
+    """The model's final norm (``{layers prefix minus 'layers.'}norm.weight``) as transformers builds it: the class of
+    the decoder layer's ``input_layernorm`` (every registered family uses one norm class for both), float32."""
+    import torch
+
+    arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
+    hfc = layer_mod.hf_config(ckpt.config)
+    name = arch.family.layout.layers.removesuffix("layers.") + "norm.weight"
+    if name not in ckpt.weight_map:
+        raise FqError(f"{ckpt.dir}: no final norm {name} in the weight map; the head's Hessian needs it")
+    layer_cls, _ = arch.classes()
+    with torch.device("meta"):
+        norm_cls = type(layer_cls(hfc, 0).input_layernorm)
+    eps = getattr(hfc, "rms_norm_eps", None)
+    norm = norm_cls(hfc.hidden_size, eps=eps) if eps is not None else norm_cls(hfc.hidden_size)
+    tensors, shards = layer_mod.read_tensors(ckpt, [name], sha256)
+    norm.load_state_dict({"weight": tensors[name].float()}, strict=True)
+    return norm.eval(), shards
+
+
+def capture_head(source_dir, hidden_in: str | os.PathLike, out_linears: str | os.PathLike, *,
+                 sha256: Mapping[str, str] | None = None, row_batch: int = ROW_BATCH, device: str = "cpu",
+                 threads: int | None = 1) -> str:
+    """The head's input Hessian: the last decoder layer's output (``hidden_in``) through the final norm, Σ xᵀx per
+    row in row order (float64), written as ``linear_store`` file ``layer: head`` with one group ``[lm_head]``;
+    returns its sha256."""
+    import torch
+
+    from fq.hessian import linear_store
+
+    ckpt = _checkpoint(source_dir)
+    arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
+    n_layers = arch.n_layers(ckpt.config, f"{ckpt.dir}/config.json")
+    hidden, meta = load_hidden(hidden_in, next_layer=n_layers, config_sha256=ckpt.config_sha256)
+    norm, shards = final_norm(ckpt, sha256)
+    norm = norm.to(device)
+    rows, cols, width = hidden.shape
+    total = torch.zeros(width, width, dtype=torch.float64, device=device)
+    with torch.no_grad(), torch_threads(threads if str(device) == "cpu" else None):
+        for lo in range(0, rows, row_batch):
+            x = norm(hidden[lo: lo + row_batch].to(device)).float()
+            for r in range(x.shape[0]):
+                xd = x[r].double()
+                total += xd.T @ xd
+    sums = linear_store.LinearSums(None, (("lm_head",),), (total.cpu(),), (rows * cols,), rows, cols)
+    return linear_store.write_linear_hessians(out_linears, sums, {
+        "architecture": arch.name, "calibration": meta["calibration"], "config_sha256": ckpt.config_sha256,
+        "source_shards": shards, "hidden_in": meta["sha256"], "row_batch": row_batch, "rows": rows, "cols": cols,
+        **_versions()})
 
 
 def capture_all(source_dir, tokens, out_dir: str | os.PathLike, *, sha256: Mapping[str, str] | None = None,

@@ -72,6 +72,8 @@ class SourceModel:
     source_format: formats.SourceFormat = formats.SourceFormat(formats.DENSE)
     expert_scales: Mapping[tuple[int, int, str], str] = field(default_factory=dict, repr=False)  # FP8: -> scale tensor
     exl3_problems: tuple[str, ...] = ()  # why exllamav3 1.6.5 would not load (or would misread) a base; () = it loads
+    tied_embeddings: bool = False  # lm_head is the embedding matrix (config tie_word_embeddings)
+    config: Mapping = field(default_factory=dict, repr=False, compare=False)  # config.json as parsed
 
     @property
     def family_entry(self) -> Family:
@@ -347,6 +349,8 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
         weight_map=dict(weight_map), shard_sizes=shard_sizes, config_sha256=config_sha, index_sha256=index_sha,
         expert_names=experts, skeleton_tensors=tuple(skeleton), source_format=fmt, expert_scales=scales,
         exl3_problems=tuple(family.exl3_problems(config, [l for l in moe_layers if l < n_layers], n_layers)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
+        config=top,
     )
     for shard in model.shards:
         if model.shard_skeleton_bytes(shard) < 0:

@@ -91,6 +91,20 @@ class Plan:
     straddling: Mapping[str, tuple[int, int]]  # shard -> (first window, last window)
     skeleton_only_shards: tuple[str, ...]
     bytes: Mapping[str, int]  # source_total, skeleton, outputs_total, peak_source, peak_local
+    # whole-model bases: every linear node (one class at K bits, one codebook) with the layers it encodes and the
+    # linears of each ({"name", "class", "K", "codebook", "digest", "layers": {"L"|"head": [tensor prefix, ...]}});
+    # a base's node entry names the linear node of each class it quantizes ("skeleton": {class: linear node})
+    linears: tuple[Mapping, ...] = ()
+
+    def linear_jobs(self) -> tuple[tuple[str, int | None], ...]:
+        """(linear node, layer) of every linear fragment (layer None: the head), nodes in plan order."""
+        return tuple((n["name"], None if l == "head" else int(l)) for n in self.linears for l in n["layers"])
+
+    def linear(self, name: str) -> Mapping:
+        for n in self.linears:
+            if n["name"] == name:
+                return n
+        raise FqError(f"plan: no linear node {name!r} (linear nodes: {', '.join(n['name'] for n in self.linears) or 'none'})")
 
     def experts_of(self, node: str, layer: int) -> tuple[int, ...]:
         sel = self.selections[node]
@@ -137,6 +151,7 @@ class Plan:
             "straddling_shards": {s: list(fl) for s, fl in self.straddling.items()},
             "skeleton_only_shards": list(self.skeleton_only_shards),
             "bytes": dict(self.bytes),
+            "linears": [dict(n) for n in self.linears],
         }
 
     @classmethod
@@ -157,6 +172,7 @@ class Plan:
                                      w["source_bytes"], w["output_bytes"], w["local_bytes"]) for w in doc["windows"]),
                 straddling={s: tuple(fl) for s, fl in doc["straddling_shards"].items()},
                 skeleton_only_shards=tuple(doc["skeleton_only_shards"]), bytes=doc["bytes"],
+                linears=tuple(doc.get("linears", ())),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise FqError(f"{source}: not a complete {PLAN_FORMAT} document ({type(e).__name__}: {e})") from None
@@ -214,8 +230,10 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
         source=source_summary,
         block_size=block_size,
         windows_on_disk=windows_on_disk,
-        nodes=tuple({**n.to_json(), "parent": n.parent, "digest": recipe.node_digest(n.name)} for n in recipe.nodes),
-        products=tuple({"name": p.name, "chain": list(p.chain), "bpw": recipe.product_bpw(p)} for p in recipe.products),
+        nodes=tuple({**n.to_json(), "parent": n.parent, "digest": recipe.node_digest(n.name),
+                     **({"skeleton": {c: ln.name for c, ln in recipe.base_linears(n.name).items()}} if n.skeleton else {})}
+                    for n in recipe.nodes),
+        products=_products(recipe, source),
         selections={name: (None if all(e == everything for e in sel.values()) and len(sel) == len(source.moe_layers)
                            else {l: e for l, e in sel.items() if e}) for name, sel in selections.items()},
         blocks=blocks,
@@ -226,7 +244,47 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
                "outputs_total": sum(w.output_bytes for w in sched["windows"]),
                "peak_source": max(w.source_bytes for w in sched["windows"]),
                "peak_local": max(w.local_bytes for w in sched["windows"])},
+        linears=plan_linears(recipe, source),
     )
+
+
+def _products(recipe: Recipe, source: SourceModel) -> tuple[dict, ...]:
+    """Each product's chain and nominal bits over the experts; with whole-model bases in the recipe, also over the
+    whole model and the head (fq.planning.model_bits: the source's linear shapes from its config)."""
+    weights = None
+    if recipe.linear_nodes:
+        from fq.model.linears import linear_weights
+
+        weights = linear_weights(source)
+    out = []
+    for p in recipe.products:
+        entry = {"name": p.name, "chain": list(p.chain), "bpw": recipe.product_bpw(p)}
+        if weights is not None:
+            from fq.planning.model_bits import product_bits
+
+            bits = product_bits(recipe, p, weights)
+            entry.update(model_bpw=bits["model"], head_bits=bits["head"])
+        out.append(entry)
+    return tuple(out)
+
+
+def plan_linears(recipe: Recipe, source: SourceModel) -> tuple[dict, ...]:
+    """The recipe's linear nodes against the source's non-expert linears (fq.model.linears): what each encodes."""
+    from fq.model.linears import source_linears
+
+    found = source_linears(source)
+    out = []
+    for ln in recipe.linear_nodes:
+        layers = found.get(ln.cls, {})
+        if not layers:
+            users = [b.name for b in recipe.bases if b.skeleton_bits(ln.cls) == ln.K]
+            why = (" (tie_word_embeddings: the head is the embedding matrix, which stays as published)"
+                   if ln.cls == "head" and source.tied_embeddings else "")
+            raise FqError(f"recipe {recipe.source}: base(s) {', '.join(users)} quantize class {ln.cls!r} at K{ln.K}, "
+                          f"but the source {source.origin} has no {ln.cls} linears{why}; set skeleton.{ln.cls} to 16")
+        out.append({**ln.to_json(), "digest": ln.digest,
+                    "layers": {("head" if l is None else str(l)): [x.name for x in v] for l, v in layers.items()}})
+    return tuple(out)
 
 
 def choose_windows(source: SourceModel, layer_out: Mapping[int, int], *, windows=None, disk_budget=None,
@@ -360,4 +418,11 @@ def plan_table(plan: Plan) -> str:
     lines += ["", f"source {fmt_bytes(b['source_total'])} (skeleton {fmt_bytes(b['skeleton'])}); encoded outputs "
                   f"{fmt_bytes(b['outputs_total'])}; peak source on disk {fmt_bytes(b['peak_source'])}; "
                   f"peak local {fmt_bytes(b['peak_local'])}"]
+    if plan.linears:
+        lines += ["", f"{len(plan.linears)} linear node(s), {len(plan.linear_jobs())} linear jobs: "
+                      + ", ".join(f"{n['name']} ({len(n['layers'])})" for n in plan.linears),
+                  "", f"{'product':<16} {'bpw experts':>11} {'bpw model':>9} {'head':>4}  chain"]
+        for p in plan.products:
+            lines.append(f"{p['name']:<16} {p['bpw']:>11} {p.get('model_bpw', p['bpw']):>9} "
+                         f"{p.get('head_bits', 16):>4}  {' -> '.join(p['chain'])}")
     return "\n".join(lines)

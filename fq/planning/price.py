@@ -117,12 +117,28 @@ class NodePrice:
 
 
 @dataclass(frozen=True)
+class LinearPrice:
+    """A linear node of whole-model bases: one class of non-expert linears at K over every layer holding it."""
+    name: str
+    K: int
+    codebook: str
+    matrices: int
+    gpu_seconds: float
+    output_bytes: int
+    replaced_bytes: int  # the source bytes of those linears, which leave the skeleton of each base using the node
+    hessian_bytes: int  # their input Hessians (calibrated campaigns; packed fp32 triangles, one per input group)
+    scaled: bool
+
+
+@dataclass(frozen=True)
 class ProductPrice:
     name: str
     chain: tuple[str, ...]
     bpw: int
-    bytes: int  # what a consumer stores: skeleton + every node of the chain
+    bytes: int  # what a consumer stores: skeleton (less its quantized linears) + their nodes + every node of the chain
     increment_bytes: int  # the chain's last node alone (for a stage: the cartridge over its parent product)
+    model_bpw: float | None = None  # whole-model recipes: nominal bits over every linear but the head (model_bits)
+    head_bits: int = 16
 
 
 @dataclass(frozen=True)
@@ -149,6 +165,7 @@ class Price:
     options: tuple[GpuOption, ...]  # 1..gpus
     assumptions: Mapping
     calibration: "CalibrationPrice | None" = None  # calibrated: its chain's GPU time and disk are in the totals
+    linears: tuple[LinearPrice, ...] = ()  # whole-model bases: the non-expert encodes (in gpu_seconds and bytes)
 
     @property
     def gpu_hours(self) -> float:
@@ -190,10 +207,26 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
                                n_exp * encoded_expert_bytes(source, node.K), scaled))
     node_bytes = {n.name: n.output_bytes for n in nodes}
     skeleton = source.skeleton_bytes
-    products = tuple(ProductPrice(p.name, p.chain, recipe.product_bpw(p),
-                                  skeleton + sum(node_bytes[n] for n in p.chain), node_bytes[p.chain[-1]])
-                     for p in recipe.products)
-    published = len(recipe.bases) * skeleton + sum(node_bytes.values())
+    linears, weights = _price_linears(recipe, source, table, ldlq, calibration is not None)
+    lin = {ln.name: ln for ln in linears}
+
+    def base_bytes(base: str) -> int:
+        used = [lin[ln.name] for ln in recipe.base_linears(base).values()]
+        return skeleton - sum(u.replaced_bytes for u in used) + sum(u.output_bytes for u in used)
+
+    products = []
+    for p in recipe.products:
+        extra = {}
+        if weights is not None:
+            from fq.planning.model_bits import product_bits
+
+            bits = product_bits(recipe, p, weights)
+            extra = {"model_bpw": bits["model"], "head_bits": bits["head"]}
+        products.append(ProductPrice(p.name, p.chain, recipe.product_bpw(p),
+                                     base_bytes(p.chain[0]) + sum(node_bytes[n] for n in p.chain),
+                                     node_bytes[p.chain[-1]], **extra))
+    products = tuple(products)
+    published = sum(base_bytes(b.name) for b in recipe.bases) + sum(node_bytes.values())
 
     layer_out = layer_output_bytes(recipe, source, counts)
     budget = windows_budget(disk_budget, calibration)  # the Hessians and hidden states share the disk
@@ -208,6 +241,9 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
             chain[l] = calibration.seconds_per_layer
         calib_s = calibration.gpu_seconds
     per_window = [([layer_secs[l] for l in layers], [chain[l] for l in layers]) for layers in partition]
+    # linear jobs read the committed skeleton and (calibrated) Hessians the chain writes up to its last layer and
+    # the head: priced as running with the last window
+    per_window[-1][0].extend(ln.gpu_seconds for ln in linears)
     stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
     verify_s = published / verify_bytes_per_s
     options = []
@@ -217,14 +253,49 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         options.append(GpuOption(n, first, done, verify_s, done + verify_s, billed, billed * usd_per_gpu_hour))
     return Price(
         recipe=recipe.summary(), nodes=tuple(nodes), products=products,
-        gpu_seconds=sum(n.gpu_seconds for n in nodes) + calib_s, published_bytes=published, skeleton_bytes=skeleton,
+        gpu_seconds=sum(n.gpu_seconds for n in nodes) + calib_s + sum(ln.gpu_seconds for ln in linears),
+        published_bytes=published, skeleton_bytes=skeleton,
         windows=partition, peak_local_bytes=max(w.local_bytes for w in sched["windows"])
-        + (calibration.disk_bytes if calibration is not None else 0), options=tuple(options),
+        + (calibration.disk_bytes if calibration is not None else 0)
+        + sum(ln.hessian_bytes + ln.output_bytes for ln in linears), options=tuple(options),
         assumptions={"download_bytes_per_s": download_bytes_per_s, "verify_bytes_per_s": verify_bytes_per_s,
                      "usd_per_gpu_hour": usd_per_gpu_hour, "windows_on_disk": windows_on_disk,
                      "disk_budget": disk_budget, "windows": windows},
-        calibration=calibration,
+        calibration=calibration, linears=linears,
     )
+
+
+def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq: float, calibrated: bool):
+    """(LinearPrice per linear node, the source's weights per class) of a recipe's whole-model bases; ((), None)
+    without any. The linears' shapes come from the config (fq.model.linears.linear_shapes); each encodes at the cost
+    table's seconds for its padded shape; its Hessian is shared by the linears reading one input."""
+    if not recipe.linear_nodes:
+        return (), None
+    from fq.codec.shape import padded_shape
+    from fq.hessian.store import packed_len
+    from fq.model.linears import hessian_groups, linear_shapes, linear_weights
+
+    shapes = linear_shapes(source)
+    weights = linear_weights(source, shapes)
+    dtype_bytes = source.dtype_bytes
+    out = []
+    for ln in recipe.linear_nodes:
+        mine = {n: shape for n, (cls, shape) in shapes.items() if cls == ln.cls}
+        secs, scaled, out_b, hess_b = 0.0, False, 0, 0
+        for n, shape in mine.items():
+            s, sc = table.seconds(ln.codebook, ln.K, padded_shape(shape))
+            secs, scaled = secs + s * ldlq, scaled or sc
+            o, i = padded_shape(shape)
+            out_b += o * i * ln.K // 8 + 2 * (i + o) + 4
+        if calibrated:
+            by_layer: dict = {}
+            for n in mine:
+                by_layer.setdefault(n.rsplit(".", 2)[0] if n != "lm_head" else n, []).append(n)
+            for names in by_layer.values():
+                hess_b += sum(4 * packed_len(mine[g[0]][1]) for g in hessian_groups(names))
+        replaced = sum(int(o * i * dtype_bytes) for o, i in mine.values())
+        out.append(LinearPrice(ln.name, ln.K, ln.codebook, len(mine), secs, out_b, replaced, hess_b, scaled))
+    return tuple(out), weights
 
 
 def _timeline(stage_s: Sequence[float], windows: Sequence[tuple[Sequence[float], Sequence[float]]], gpus: int,
@@ -322,9 +393,22 @@ def price_table(price: Price) -> str:
         lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq calibrate --shape)")
     if price.calibration is not None:
         lines += calibration_lines(price.calibration)
-    lines += ["", f"{'product':<14} {'bpw':>3} {'stored (with skeleton)':>23} {'last node alone':>16}  chain"]
-    for p in price.products:
-        lines.append(f"{p.name:<14} {p.bpw:>3} {fmt_bytes(p.bytes):>23} {fmt_bytes(p.increment_bytes):>16}  {' -> '.join(p.chain)}")
+    if price.linears:
+        lines += ["", f"{'linear node':<20} {'matrices':>8} {'GPU-h':>8} {'output':>11} {'replaces':>11} {'Hessians':>11}"]
+        for ln in price.linears:
+            lines.append(f"{ln.name + ('*' if ln.scaled else ''):<20} {ln.matrices:>8} {ln.gpu_seconds / 3600:>8.2f} "
+                         f"{fmt_bytes(ln.output_bytes):>11} {fmt_bytes(ln.replaced_bytes):>11} "
+                         f"{fmt_bytes(ln.hessian_bytes):>11}")
+        lines += ["", f"{'product':<14} {'bpw experts':>11} {'bpw model':>9} {'head':>4} {'stored (with skeleton)':>23} "
+                      f"{'last node alone':>16}  chain"]
+        for p in price.products:
+            lines.append(f"{p.name:<14} {p.bpw:>11} {p.model_bpw:>9} {p.head_bits:>4} {fmt_bytes(p.bytes):>23} "
+                         f"{fmt_bytes(p.increment_bytes):>16}  {' -> '.join(p.chain)}")
+    else:
+        lines += ["", f"{'product':<14} {'bpw':>3} {'stored (with skeleton)':>23} {'last node alone':>16}  chain"]
+        for p in price.products:
+            lines.append(f"{p.name:<14} {p.bpw:>3} {fmt_bytes(p.bytes):>23} {fmt_bytes(p.increment_bytes):>16}  "
+                         f"{' -> '.join(p.chain)}")
     n_bases = sum(1 for n in price.nodes if n.name in {p.chain[0] for p in price.products})
     lines += [f"published in total: {fmt_bytes(price.published_bytes)} ({n_bases} base(s) carrying the "
               f"{fmt_bytes(price.skeleton_bytes)} skeleton + every fragment)",

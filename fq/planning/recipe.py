@@ -23,6 +23,9 @@ from fq.errors import FqError
 
 FORMAT = "fq-cartridge/2"
 CODEBOOKS = ("3inst", "mcg", "mul1")
+# Non-expert linear classes a base may quantize (``skeleton``: class -> bits; 16 = as published).
+LINEAR_CLASSES = ("attention", "shared", "dense", "head")
+UNQUANTIZED = 16
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,17 @@ class Node:
     parent: str | None  # None for a base
     experts: Selection  # ALL for a base
     description: str = ""
+    # a base's quantized non-expert classes, ((class, K), ...) in LINEAR_CLASSES order; classes at 16 bits omitted.
+    # Not part of to_json (so not of node_digest): the expert fragments do not depend on it; each (class, K,
+    # codebook) is its own linear node (Recipe.linear_nodes) with its own digest.
+    skeleton: tuple[tuple[str, int], ...] = ()
 
     @property
     def is_base(self) -> bool:
         return self.kind == "base"
+
+    def skeleton_bits(self, cls: str) -> int:
+        return dict(self.skeleton).get(cls, UNQUANTIZED)
 
     def to_json(self) -> dict:
         out = {"name": self.name, "kind": self.kind, "K": self.K, "codebook": self.codebook}
@@ -75,6 +85,28 @@ class Node:
             out["parent"] = self.parent
             out["experts"] = self.experts.to_json()
         return out
+
+
+@dataclass(frozen=True)
+class LinearNode:
+    """One encoding of a non-expert class (attention, shared, dense, head) at K bits with one codebook: shared by
+    every base of the recipe that names that class at those bits (one DAG node, one set of fragments)."""
+
+    cls: str
+    K: int
+    codebook: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.cls}-K{self.K}-{self.codebook}"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "class": self.cls, "K": self.K, "codebook": self.codebook}
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the definition: what the fragments attest and a plan names."""
+        return canonical.sha256_hex(canonical.dumps({"format": FORMAT, "linear": self.to_json()}))
 
 
 @dataclass(frozen=True)
@@ -129,6 +161,24 @@ class Recipe:
 
     def descendants(self, name: str) -> tuple[str, ...]:
         return tuple(n.name for n in self.nodes if n.name != name and name in self.chain(n.name))
+
+    @property
+    def linear_nodes(self) -> tuple[LinearNode, ...]:
+        """Every distinct (class, K, codebook) a base quantizes, in LINEAR_CLASSES order, then K, then codebook."""
+        found = {LinearNode(cls, K, b.codebook) for b in self.bases for cls, K in b.skeleton}
+        return tuple(sorted(found, key=lambda n: (LINEAR_CLASSES.index(n.cls), n.K, n.codebook)))
+
+    def base_linears(self, base: str) -> dict[str, LinearNode]:
+        """class -> the linear node a base's published directory takes that class from (quantized classes only)."""
+        b = self.node(base)
+        return {cls: LinearNode(cls, K, b.codebook) for cls, K in b.skeleton}
+
+    def linear_node(self, name: str) -> LinearNode:
+        for n in self.linear_nodes:
+            if n.name == name:
+                return n
+        raise FqError(f"recipe {self.source}: no base quantizes a non-expert class as {name!r} "
+                      f"(linear nodes: {', '.join(n.name for n in self.linear_nodes) or 'none'})")
 
     @property
     def uses_hot(self) -> bool:
@@ -191,7 +241,9 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
         if name in nodes:
             raise FqError(f"{err}: node name {name!r} is used twice (nodes[{file_index[name]}] and nodes[{i}])")
         if raw["kind"] == "base":
-            node = Node(name, "base", raw["K"], raw["codebook"], None, ALL, raw.get("description", ""))
+            skel = tuple((c, raw.get("skeleton", {})[c]) for c in LINEAR_CLASSES
+                         if raw.get("skeleton", {}).get(c, UNQUANTIZED) != UNQUANTIZED)
+            node = Node(name, "base", raw["K"], raw["codebook"], None, ALL, raw.get("description", ""), skel)
         else:
             node = Node(name, "stage", raw["K"], raw["codebook"], raw["parent"],
                         _selection(raw["experts"]), raw.get("description", ""))
@@ -407,7 +459,8 @@ def recipe_table(recipe: Recipe) -> str:
     lines = [f"recipe {recipe.name}  sha256 {recipe.sha256[:16]}", "",
              f"{'node':<16} {'kind':<6} {'parent':<14} {'K':>2} {'codebook':<8} experts"]
     for n in recipe.nodes:
-        lines.append(f"{n.name:<16} {n.kind:<6} {n.parent or '-':<14} {n.K:>2} {n.codebook:<8} {n.experts.describe()}")
+        skel = ("; " + ", ".join(f"{c} K{k}" for c, k in n.skeleton)) if n.skeleton else ""
+        lines.append(f"{n.name:<16} {n.kind:<6} {n.parent or '-':<14} {n.K:>2} {n.codebook:<8} {n.experts.describe()}{skel}")
     lines += ["", f"{'product':<16} {'bpw':>3}  chain"]
     for p in recipe.products:
         lines.append(f"{p.name:<16} {recipe.product_bpw(p):>3}  {' -> '.join(p.chain)}")

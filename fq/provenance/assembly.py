@@ -139,12 +139,31 @@ def check_geometry(predicates: list[dict], infos: list, where: str) -> None:
                               f"{first[2]} has {first[0]}x{first[1]}; a chain must keep the geometry")
 
 
+def _linear_entry(root, lin: dict, base_dir: str, manifest, public_key, campaign: dict, product: str) -> dict:
+    """One linear fragment of a whole-model base, verified, as the plan lists it."""
+    name = lin["name"]
+    att = verify_shard(root, name, public_key, campaign)
+    p = att.predicate
+    if p["kind"] != "linear":
+        raise FqError(f"{name}: a {p['kind']} shard is not a linear fragment")
+    if p["node_digest"] != lin["digest"]:
+        raise FqError(f"{name}: attests node_digest {p['node_digest'][:16]}…, the base's linear node {p['node']} is "
+                      f"{lin['digest'][:16]}…")
+    rel = name[len(base_dir) + 1:] if name.startswith(base_dir + "/") else None
+    if rel is None or (manifest.files.get(rel) or (None,))[0] != att.sha256:
+        raise FqError(f"plan {product}: linear fragment {name} is not in {base_dir} as its base manifest lists it")
+    return {"name": name, "sha256": att.sha256, "attestation_sha256": att.attestation_sha256, "node": p["node"],
+            "class": p["class"], "layer": p["layer"], "K": p["K"], "codebook": p["codebook"], "digest": p["node_digest"]}
+
+
 def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], fragments: list[str],
                    base_dir: str, campaign: dict, recipe_sha256: str, version: int, expires: dt.datetime | str,
-                   public_key: Ed25519PublicKey) -> dict:
+                   public_key: Ed25519PublicKey, linears: list[dict] | None = None) -> dict:
     """The plan of ``product``: verifies every named fragment (signature and bytes) and the base manifest
     under ``public_key``, requires each fragment's attested node_digest to be its chain entry's ``digest``
-    (``Recipe.node_digest``), re-derives K/codebook per node from the fragments, and checks the chain."""
+    (``Recipe.node_digest``), re-derives K/codebook per node from the fragments, and checks the chain.
+    ``linears``: a whole-model base's linear fragments, [{name, digest}] (``LinearNode.digest``), each verified
+    and required to be listed in the base manifest with its bytes."""
     check_name(base_dir, "base_dir")
     if not (isinstance(recipe_sha256, str) and SHA256_HEX.fullmatch(recipe_sha256)):
         raise FqError(f"plan {product}: recipe_sha256 {recipe_sha256!r} is not a sha256 hex digest")
@@ -190,6 +209,9 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
             "base": {"node": chain[0]["node"] if chain else "", "dir": base_dir,
                      "manifest": {"name": f"{base_dir}/{MANIFEST_NAME}", "sha256": manifest.sha256}},
             "chain": chain, "fragments": entries}
+    if linears:
+        plan["linears"] = [_linear_entry(root, lin, base_dir, manifest, public_key, campaign, product)
+                           for lin in sorted(linears, key=lambda x: x["name"])]
     validate_predicate(ASSEMBLY, plan, f"plan {product}")
     check_chain(chain, f"plan {product}")
     check_fragments(plan, f"plan {product}")

@@ -129,20 +129,68 @@ MAX_DERIVED_BYTES = canonical.MAX_JSON_BYTES  # a file fq would derive larger th
 WEIGHT_ONLY = {"rows": 0, "cols": 0}  # the calibration block of a base encoded without Hessians
 
 
-def rule_params(bits: int, codebook: str, calibration: dict | None = None, where: str = "derived files") -> dict:
+def rule_params(bits: int, codebook: str, calibration: dict | None = None, where: str = "derived files", *,
+                linears: dict | None = None, model_bits: float | None = None) -> dict:
     """The params both rules take, checked: ``calibration`` (``{"rows", "cols"}`` of a calibrated base's
-    Hessians) only for a calibrated base, None for a weight-only one."""
+    Hessians) only for a calibrated base, None for a weight-only one; ``linears`` ({class: K} of the non-expert
+    classes a whole-model base quantizes) and ``model_bits`` (its bits per weight over every linear but the head,
+    ``storage_bits``) only for a whole-model base."""
     params = {"bits": bits, "codebook": codebook, **({"calibration": dict(calibration)} if calibration is not None else {})}
+    if linears:
+        params.update(linears=dict(linears), model_bits=model_bits)
     _check_params(params, where)
     return params
 
 
-def quantization_block(bits: int, codebook: str, calibration: dict | None = None) -> dict:
+def quantization_block(bits: int, codebook: str, calibration: dict | None = None, *, linears: dict | None = None,
+                       model_bits: float | None = None) -> dict:
     """The ``quantization_config`` of a base whose routed experts are EXL3 at K=``bits`` (module docstring);
-    ``calibration``: ``{"rows", "cols"}`` of a calibrated base's Hessians, None for a weight-only one."""
-    rule_params(bits, codebook, calibration, "quantization_config")
-    return {"quant_method": "exl3", "version": VERSION, "bits": bits, "head_bits": HEAD_BITS,
-            "calibration": dict(calibration or WEIGHT_ONLY), "out_scales": "always", "codebook": codebook}
+    ``calibration``: ``{"rows", "cols"}`` of a calibrated base's Hessians, None for a weight-only one. A whole-model
+    base (``linears``) states ``bits`` over the whole model (``model_bits``), ``expert_bits`` K, ``head_bits`` and
+    ``linear_bits`` (its quantized classes)."""
+    rule_params(bits, codebook, calibration, "quantization_config", linears=linears, model_bits=model_bits)
+    block = {"quant_method": "exl3", "version": VERSION, "bits": bits, "head_bits": HEAD_BITS,
+             "calibration": dict(calibration or WEIGHT_ONLY), "out_scales": "always", "codebook": codebook}
+    if linears:
+        block.update(bits=model_bits, expert_bits=bits, head_bits=linears.get("head", HEAD_BITS),
+                     linear_bits=dict(linears))
+    return block
+
+
+def _class_of(module: str) -> str:
+    """The class of an EXL3 module of a base, from its name: routed expert, or a non-expert class
+    (fq.model.linears; the head is ``lm_head``)."""
+    if re.search(r"\.experts\.\d+\.", module + "."):
+        return "expert"
+    if module == "lm_head":
+        return "head"
+    if ".self_attn." in module:
+        return "attention"
+    if ".shared_expert" in module:
+        return "shared"
+    return "dense"
+
+
+def storage_bits(modules: dict) -> float:
+    """Bits per weight over every linear of a base but the embeddings and the head: 8 x the bytes of their stored
+    tensors (EXL3: trellis, scales and marker; 16-bit or FP8: weight and scales) over their weights, rounded to 4
+    decimals. Linears: EXL3 modules, and 2-D ``.weight`` tensors of modules other than the embeddings, the head and
+    the routers (``.gate``, ``.router``)."""
+    n_bytes = n_weights = 0
+    for key, entry in modules.items():
+        stored = entry["stored_tensors"]
+        if key == "lm_head" or key.endswith(("embed_tokens", ".gate", ".router")):
+            continue
+        if f"{key}.trellis" in stored:
+            rows, cols, _ = stored[f"{key}.trellis"]["shape"]
+            n_weights += rows * 16 * cols * 16
+        elif len(stored.get(f"{key}.weight", {}).get("shape", ())) == 2:
+            o, i = stored[f"{key}.weight"]["shape"]
+            n_weights += o * i
+        else:
+            continue
+        n_bytes += sum(t["n_bytes"] for name, t in stored.items() if not name.endswith(".bias"))
+    return round(8 * n_bytes / n_weights, 4) if n_weights else 0.0
 
 
 def _check_params(params: dict, where: str) -> None:
@@ -151,10 +199,21 @@ def _check_params(params: dict, where: str) -> None:
         raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8")
     if codebook not in CODEBOOKS:
         raise FqError(f"{where}: codebook {codebook!r}: expected one of {', '.join(CODEBOOKS)}")
-    extra = sorted(set(params) - {"bits", "codebook", "calibration"})
+    extra = sorted(set(params) - {"bits", "codebook", "calibration", "linears", "model_bits"})
     if extra:
         raise FqError(f"{where}: unknown param(s) {', '.join(extra)}; expected bits, codebook and, for a calibrated "
-                      "base, calibration")
+                      "base, calibration; for a whole-model base, linears and model_bits")
+    if ("linears" in params) != ("model_bits" in params):
+        raise FqError(f"{where}: linears and model_bits come together (a whole-model base) or not at all")
+    if "linears" in params:
+        lin, mb = params["linears"], params["model_bits"]
+        classes = ("attention", "shared", "dense", "head")
+        if not isinstance(lin, dict) or not lin or not set(lin) <= set(classes) or not all(
+                type(k) is int and 1 <= k <= 8 for k in lin.values()):
+            raise FqError(f"{where}: linears {lin!r}: expected {{class: K}}, classes among {', '.join(classes)}, "
+                          "K in 1..8")
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb <= 32:
+            raise FqError(f"{where}: model_bits {mb!r}: expected a positive number of bits per weight")
     if "calibration" in params:
         cal = params["calibration"]
         if not isinstance(cal, dict) or set(cal) != {"rows", "cols"} or not all(
@@ -164,7 +223,8 @@ def _check_params(params: dict, where: str) -> None:
 
 
 def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_CONFIG,
-                  calibration: dict | None = None) -> bytes:
+                  calibration: dict | None = None, *, linears: dict | None = None,
+                  model_bits: float | None = None) -> bytes:
     """``config.json`` of a base (rule ``fq-exl3-config/1``) from the source config's bytes."""
     cfg = canonical.loads(source, where)
     if not isinstance(cfg, dict):
@@ -178,7 +238,7 @@ def derive_config(source: bytes, bits: int, codebook: str, where: str = SOURCE_C
     stated = family.exl3_needs.derived_keys(family.text_view(cfg, where))
     if family.text_config is not None and stated:  # a vision-language wrapper: exllamav3 reads them in text_config
         cfg, stated = {**cfg, family.text_config: {**cfg[family.text_config], **stated}}, {}
-    block = quantization_block(bits, codebook, calibration)
+    block = quantization_block(bits, codebook, calibration, linears=linears, model_bits=model_bits)
     return canonical.pretty({**cfg, **stated, "quantization_config": block}).encode()
 
 
@@ -190,8 +250,10 @@ def _module(tensor: str) -> str:
     return tensor.rsplit(".", 1)[0] if "." in tensor else tensor
 
 
-def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, codebook: str) -> dict:
-    """module -> its entry, from the headers of ``shards`` (and the 4 bytes of each codebook marker)."""
+def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, codebook: str,
+                   linears: dict | None = None) -> dict:
+    """module -> its entry, from the headers of ``shards`` (and the 4 bytes of each codebook marker). Every EXL3
+    module is at K=``bits`` (a routed expert) or at its class's K in ``linears`` (a whole-model base)."""
     base_dir = Path(base_dir)
     modules: dict[str, dict] = {}
     owner: dict[str, str] = {}  # tensor -> shard holding it
@@ -224,8 +286,14 @@ def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, co
         if trellis["dtype"] != "torch.int16" or len(shape) != 3 or shape[-1] % 16:
             raise FqError(f"{where}.trellis: {trellis['dtype']} {shape}, an EXL3 trellis is int16 (in/16, out/16, 16*K)")
         K = shape[-1] // 16
-        if K != bits:
-            raise FqError(f"{where}: an EXL3 module at K={K}; this base's quantization_config says bits {bits}")
+        cls = _class_of(key)
+        want = bits if cls == "expert" else (linears or {}).get(cls)
+        if want is None:
+            raise FqError(f"{where}: an EXL3 {cls} module; this base's quantization_config quantizes routed experts "
+                          f"only{' and ' + ', '.join(linears) if linears else ''}")
+        if K != want:
+            what = "bits" if cls == "expert" else f"linear_bits.{cls}"
+            raise FqError(f"{where}: an EXL3 module at K={K}; this base's quantization_config says {what} {want}")
         entry["quant_format"] = "exl3"
         entry["bits_per_weight"] = K
         present = [cb for cb in MARKERS if f"{key}.{cb}" in stored]
@@ -243,10 +311,18 @@ def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, co
 
 
 def derive_quantization_config(base_dir: str | os.PathLike, shards: list[str], bits: int, codebook: str,
-                               calibration: dict | None = None) -> bytes:
-    """``quantization_config.json`` of a base (rule ``fq-exl3-quantization-config/1``)."""
-    doc = {**quantization_block(bits, codebook, calibration),
-           "tensor_storage": tensor_storage(base_dir, shards, bits, codebook)}
+                               calibration: dict | None = None, *, linears: dict | None = None,
+                               model_bits: float | None = None) -> bytes:
+    """``quantization_config.json`` of a base (rule ``fq-exl3-quantization-config/1``). A whole-model base's
+    ``model_bits`` must be what its shards hold (``storage_bits`` of the tensor storage)."""
+    storage = tensor_storage(base_dir, shards, bits, codebook, linears)
+    if linears:
+        got = storage_bits(storage)
+        if got != model_bits:
+            raise FqError(f"{base_dir}: the shards hold {got} bits per weight over the model's linears, the params "
+                          f"say model_bits {model_bits}")
+    doc = {**quantization_block(bits, codebook, calibration, linears=linears, model_bits=model_bits),
+           "tensor_storage": storage}
     return canonical.dumps(doc) + b"\n"
 
 
@@ -272,7 +348,8 @@ class _ConfigRule(Rule):
         with open_regular(base_dir, SOURCE_CONFIG, where) as fh:
             data = fh.read(MAX_DERIVED_BYTES + 1)
         _check_params(params, f"{where}: rule {RULE_CONFIG} params")
-        return derive_config(data, params["bits"], params["codebook"], where, params.get("calibration"))
+        return derive_config(data, params["bits"], params["codebook"], where, params.get("calibration"),
+                             linears=params.get("linears"), model_bits=params.get("model_bits"))
 
 
 class _QuantizationConfigRule(Rule):
@@ -281,7 +358,8 @@ class _QuantizationConfigRule(Rule):
 
     def derive(self, base_dir, inputs, params):
         _check_params(params, f"{base_dir}/{QUANTIZATION_CONFIG}: rule {RULE_QUANTIZATION_CONFIG} params")
-        return derive_quantization_config(base_dir, inputs, params["bits"], params["codebook"], params.get("calibration"))
+        return derive_quantization_config(base_dir, inputs, params["bits"], params["codebook"], params.get("calibration"),
+                                          linears=params.get("linears"), model_bits=params.get("model_bits"))
 
 
 # -- derived tensor files: tensors exllamav3 1.6.5 reads under another name (or form) than the skeleton's ---------
@@ -516,19 +594,20 @@ def needed_tensor_files(base_dir: str | os.PathLike, listed: list[str]) -> list[
 
 
 def specs(bits: int, codebook: str, calibration: dict | None = None, expert_bias: bool = False,
-          tensor_aliases: bool = False) -> list[dict]:
+          tensor_aliases: bool = False, *, linears: dict | None = None, model_bits: float | None = None) -> list[dict]:
     """What a base manifest declares for a base at K=``bits`` (the ``from`` lists are filled by its writer), in the
     order they are derived; ``calibration`` (``{"rows", "cols"}``) only for a calibrated base; ``expert_bias``: the
     skeleton keeps fused expert biases (``expert_bias.safetensors``), ``tensor_aliases``: tensors exllamav3 reads
     under another name (``tensor_aliases.safetensors``), each derived before quantization_config.json."""
-    params = rule_params(bits, codebook, calibration)
+    params = rule_params(bits, codebook, calibration, linears=linears, model_bits=model_bits)
     want = {CONFIG, QUANTIZATION_CONFIG} | ({EXPERT_BIAS} if expert_bias else set()) | \
         ({TENSOR_ALIASES} if tensor_aliases else set())
     rule_of = {r.output: name for name, r in RULES.items()}
     return [{"name": n, "rule": rule_of[n], "params": dict(params)} for n in DERIVED_ORDER if n in want]
 
 
-def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, calibration: dict | None = None) -> list[dict]:
+def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, calibration: dict | None = None,
+                  linears: dict | None = None) -> list[dict]:
     """Producer: write ``config.json``, the derived tensor files the base needs and ``quantization_config.json`` of
     ``base_dir`` (which holds ``source_config.json`` and every shard) and return the specs its manifest declares. A
     file that already holds the derived bytes is left alone (finalize is idempotent)."""
@@ -538,8 +617,12 @@ def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, cali
                       "under that name and derives config.json from it")
     listed = sorted(p.name for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
     tensor_files = needed_tensor_files(base_dir, listed)
+    mb = None
+    if linears:  # the bits the shards hold: what the quantization_config rule recomputes and checks
+        shards = [n for n in listed if n.endswith(".safetensors") and n not in TENSOR_OUTPUTS]
+        mb = storage_bits(tensor_storage(base_dir, shards, bits, codebook, linears))
     out = specs(bits, codebook, calibration, expert_bias=EXPERT_BIAS in tensor_files,
-                tensor_aliases=TENSOR_ALIASES in tensor_files)
+                tensor_aliases=TENSOR_ALIASES in tensor_files, linears=linears, model_bits=mb)
     for spec in out:
         rule = RULES[spec["rule"]]
         data = rule.derive(base_dir, rule.inputs(listed), spec["params"])

@@ -9,8 +9,14 @@ a stage holds only the experts its selection names within the block. Header meta
 Skeleton shard: the non-expert tensors of one source shard, byte-verbatim, sorted by name;
 metadata ``format=fq-fragment/1, kind=skeleton, source_shard``.
 
+Linear fragment (whole-model bases): one linear node's encoding of one class of non-expert linears of one layer
+(or of the head): per linear in name order, ``{name}.trellis, .suh, .svh[, .mul1|.mcg]`` under the checkpoint's own
+prefix (``model.layers.3.self_attn.q_proj``), each linear one contiguous range; metadata
+``format=fq-fragment/1, kind=linear, node, class, layer`` (decimal, or ``head``) ``, K, codebook``.
+
     write_fragment(path, layout=, node=, role=, layer=, block=, K=, codebook=, experts={E: {proj: {suffix: tensor}}})
     write_skeleton(path, tensors=[RawTensor|(name, tensor)], source_shard=)
+    write_linears(path, node=, cls=, layer=, K=, codebook=, linears={name: {suffix: tensor}})
     describe(fh, name) -> ShardInfo   # validated header + digests, one read of the file
     fragment_filename(node, layer, block) -> "NODE-layerLLL-blockBBB.safetensors"
 """
@@ -49,6 +55,16 @@ def fragment_filename(node: str, layer: int, block: int) -> str:
     """The one file name of a node's fragment for (layer, block); attestations sign this name."""
     check_node(node)
     return f"{node}-layer{layer:03d}-block{block:03d}.safetensors"
+
+
+def linear_filename(node: str, layer: int | None) -> str:
+    """The file name of a linear node's fragment of one layer (None: the head)."""
+    check_node(node)
+    return f"{node}-head.safetensors" if layer is None else f"{node}-layer{layer:03d}.safetensors"
+
+
+LINEAR_CLASSES = ("attention", "shared", "dense", "head")
+_LINEAR_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
 def attestation_name(shard_name: str) -> str:
@@ -90,7 +106,7 @@ class ShardInfo:
     meta: dict
     experts: tuple[ExpertRange, ...] = ()
     tensors: tuple[TensorRange, ...] = ()
-    linears: dict = field(default_factory=dict)  # (expert, proj) -> Linear, expert fragments only
+    linears: dict = field(default_factory=dict)  # (expert, proj) -> Linear (expert fragments); name -> Linear (linear)
 
 
 def _int(meta: Mapping[str, str], key: str, source: str) -> int:
@@ -112,8 +128,20 @@ def fragment_meta(header: Header) -> dict:
         if set(m) != {"format", "kind", "source_shard"}:
             raise FqError(f"{src}: skeleton metadata keys {sorted(m)}, expected format, kind, source_shard")
         return {"kind": kind, "source_shard": m["source_shard"]}
+    if kind == "linear":
+        want = {"format", "kind", "node", "class", "layer", "K", "codebook"}
+        if set(m) != want:
+            raise FqError(f"{src}: linear fragment metadata keys {sorted(m)}, expected {sorted(want)}")
+        if m["class"] not in LINEAR_CLASSES:
+            raise FqError(f"{src}: header metadata class {m['class']!r}, expected one of {', '.join(LINEAR_CLASSES)}")
+        layer = None if m["layer"] == "head" else _int(m, "layer", src)
+        if (layer is None) != (m["class"] == "head"):
+            raise FqError(f"{src}: header metadata layer {m['layer']!r} for class {m['class']!r} (the head's fragment "
+                          f"says layer 'head', every other class a decoder layer)")
+        return {"kind": kind, "node": check_node(m["node"], f"{src}: node"), "class": m["class"], "layer": layer,
+                "K": _int(m, "K", src), "codebook": m["codebook"]}
     if kind != "expert":
-        raise FqError(f"{src}: header metadata kind is {kind!r}, expected 'expert' or 'skeleton'")
+        raise FqError(f"{src}: header metadata kind is {kind!r}, expected 'expert', 'linear' or 'skeleton'")
     want = {"format", "kind", "node", "role", "layer", "block", "K", "codebook", "layout"}
     if set(m) != want:
         raise FqError(f"{src}: fragment metadata keys {sorted(m)}, expected {sorted(want)}")
@@ -165,6 +193,35 @@ def expert_structure(header: Header, meta: dict) -> tuple[list[int], dict]:
     return order, linears
 
 
+def linear_structure(header: Header, meta: dict) -> tuple[list[str], dict]:
+    """Linear names in file order and their constants; enforces fq's exact layout (each linear contiguous,
+    names sorted, suffixes in codec order, K and codebook those of the header)."""
+    src = header.source
+    specs: dict[str, dict[str, tuple]] = {}
+    for e in header.entries:
+        name, _, suffix = e.name.rpartition(".")
+        if not name or not _LINEAR_NAME.fullmatch(name):
+            raise FqError(f"{src}: tensor {e.name!r} is not an EXL3 tensor NAME.SUFFIX of a linear")
+        specs.setdefault(name, {})[suffix] = (e.dtype, e.shape)
+    if not specs:
+        raise FqError(f"{src}: linear fragment holds no linears")
+    linears = {}
+    for name, sp in specs.items():
+        lin = derive_linear(sp, f"{src}: {name}")
+        if (lin.K, lin.codebook) != (meta["K"], meta["codebook"]):
+            raise FqError(f"{src}: {name}: tensors imply K={lin.K} codebook={lin.codebook}, header metadata says "
+                          f"K={meta['K']} codebook={meta['codebook']}")
+        linears[name] = lin
+    order = sorted(specs)
+    want = [f"{n}.{s}" for n in order for s in suffixes(meta["codebook"])]
+    got = [e.name for e in header.entries]
+    if got != want:
+        i = next(i for i in range(max(len(got), len(want))) if i >= len(got) or i >= len(want) or got[i] != want[i])
+        raise FqError(f"{src}: tensor #{i} in file order is {got[i] if i < len(got) else None!r}, fq's layout puts "
+                      f"{want[i] if i < len(want) else None!r} there (names unsorted or a linear not contiguous)")
+    return order, linears
+
+
 def _scale_taps(header: Header, layout: ExpertLayout) -> list:
     """Stream taps that refuse a NaN/Inf in any suh/svh (fq.provenance.scales) during describe's one pass."""
     def tap(e):
@@ -185,6 +242,14 @@ def describe(fh: BinaryIO, name: str, source: str | None = None) -> ShardInfo:
         whole, size, digests = sha256_stream(fh, spans, _scale_taps(header, layout))
         experts = tuple(ExpertRange(ex, off, n, d) for ex, (off, n), d in zip(order, spans, digests))
         return ShardInfo(name, whole, size, header, "expert", meta, experts=experts, linears=linears)
+    if meta["kind"] == "linear":
+        order, linears = linear_structure(header, meta)
+        spans = [header.span([f"{n}.{s}" for s in suffixes(meta["codebook"])], n) for n in order]
+        taps = [(e.start, e.length, (lambda e: lambda at, piece: check_scale(piece, f"{src}: tensor {e.name!r}", at))(e))
+                for e in header.entries if e.name.rpartition(".")[2] in SCALE_SUFFIXES]
+        whole, size, digests = sha256_stream(fh, spans, taps)
+        tensors = tuple(TensorRange(n, off, ln, d) for n, (off, ln), d in zip(order, spans, digests))
+        return ShardInfo(name, whole, size, header, "linear", meta, tensors=tensors, linears=linears)
     spans = [(e.start, e.length) for e in header.entries]
     whole, size, digests = sha256_stream(fh, spans)
     tensors = tuple(TensorRange(e.name, e.start, e.length, d) for e, d in zip(header.entries, digests))
@@ -231,6 +296,37 @@ def write_fragment(path: str | os.PathLike, *, layout: ExpertLayout, node: str, 
             raws.extend(rs[s] for s in suffixes(codebook))
     meta = {"format": FORMAT, "kind": "expert", "node": node, "role": role, "layer": str(layer), "block": str(block),
             "K": str(K), "codebook": codebook, "layout": json.dumps(layout.to_json(), separators=(",", ":"))}
+    write_shard(path, raws, meta)
+    return _describe_path(path)
+
+
+def write_linears(path: str | os.PathLike, *, node: str, cls: str, layer: int | None, K: int, codebook: str,
+                  linears: Mapping[str, Mapping[str, "torch.Tensor"]]) -> ShardInfo:
+    """Write one linear node's fragment of one layer (None: the head), atomically; returns its digests.
+    ``linears[name]`` is the codec's tensor set of the linear whose weight is ``{name}.weight`` in the source."""
+    check_node(node)
+    if cls not in LINEAR_CLASSES:
+        raise FqError(f"linear fragment {node}: class {cls!r}, expected one of {', '.join(LINEAR_CLASSES)}")
+    if (layer is None) != (cls == "head") or (layer is not None and (type(layer) is not int or layer < 0)):
+        raise FqError(f"linear fragment {node}: layer {layer!r} for class {cls!r} (None for the head only)")
+    if not linears:
+        raise FqError(f"linear fragment {node} layer {layer}: no linears to write")
+    raws: list[RawTensor] = []
+    for name in sorted(linears):
+        if not _LINEAR_NAME.fullmatch(name):
+            raise FqError(f"linear fragment {node}: linear name {name!r} is not a dotted tensor prefix")
+        where = f"linear fragment {node} {name}"
+        rs = {s: _as_raw(f"{name}.{s}", t) for s, t in linears[name].items()}
+        marker = rs.get(codebook)
+        value = int.from_bytes(marker.data, "little", signed=True) if marker and len(marker.data) == 4 else None
+        lin = derive_linear({s: (r.dtype, r.shape) for s, r in rs.items()}, where, value)
+        if (lin.K, lin.codebook) != (K, codebook):
+            raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, fragment declares K={K} {codebook}")
+        for s in SCALE_SUFFIXES:
+            check_scale(rs[s].data, f"{where} {s}")
+        raws.extend(rs[s] for s in suffixes(codebook))
+    meta = {"format": FORMAT, "kind": "linear", "node": node, "class": cls,
+            "layer": "head" if layer is None else str(layer), "K": str(K), "codebook": codebook}
     write_shard(path, raws, meta)
     return _describe_path(path)
 

@@ -83,6 +83,20 @@ class Product:
             raise FqError(f"{where}: encoded against {got}, but {first[1]} of the same layer {p['layer']} against "
                           f"{first[0]}; a campaign binds one Hessian per layer")
 
+    def check_linear(self, att: Attested, f: dict, where: str) -> None:
+        """A whole-model base's linear fragment (verified attestation) against its plan entry ``f``: the same
+        attestation and bytes, kind, linear node digest, class, layer, K and codebook."""
+        p = att.predicate
+        if att.attestation_sha256 != f["attestation_sha256"] or att.sha256 != f["sha256"]:
+            raise FqError(f"{where}: attestation or bytes are not the ones the plan names (sha256 "
+                          f"{att.sha256[:16]}…, the plan names {f['sha256'][:16]}…)")
+        if p["kind"] != "linear":
+            raise FqError(f"{where}: a {p['kind']} shard, the plan names a linear fragment")
+        for k, pk in (("node", "node"), ("class", "class"), ("layer", "layer"), ("K", "K"), ("codebook", "codebook"),
+                      ("digest", "node_digest")):
+            if p[pk] != f[k]:
+                raise FqError(f"{where}: attestation and plan disagree on {k} ({p[pk]!r} attested, {f[k]!r} in the plan)")
+
     def check_header(self, att: Attested, header, f: dict, where: str) -> None:
         """The shard's safetensors header as read: the attested one, and the size the plan names."""
         check_header(att, header, where)

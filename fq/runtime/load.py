@@ -116,6 +116,11 @@ def check_tensor_file(base_dir: Path, name: str, base: VerifiedBase, plan: dict)
     if att.info.kind == "skeleton":
         return "skeleton"
     base_rel = plan["base"]["dir"] + "/"
+    if att.info.kind == "linear":
+        linears = {f["name"][len(base_rel):]: f["sha256"] for f in plan.get("linears", ())}
+        if linears.get(name) != base.manifest.files[name][0]:
+            raise FqError(f"{base_dir}/{name}: a linear fragment the plan does not name for its base")
+        return "linear"
     want = {f["name"][len(base_rel):]: f["sha256"] for f in plan["fragments"] if f["node"] == plan["base"]["node"]}
     if want.get(name) != base.manifest.files[name][0]:
         raise FqError(f"{base_dir}/{name}: an expert fragment the plan does not name as a base fragment")
@@ -125,14 +130,16 @@ def check_tensor_file(base_dir: Path, name: str, base: VerifiedBase, plan: dict)
 def check_base_fragments(base_dir: Path, base: VerifiedBase, plan: dict) -> None:
     base_rel = plan["base"]["dir"] + "/"
     want = {f["name"][len(base_rel):] for f in plan["fragments"] if f["node"] == plan["base"]["node"]}
+    want |= {f["name"][len(base_rel):] for f in plan.get("linears", ())}
     missing = sorted(want - set(base.manifest.files))
     if missing:
         raise FqError(f"{base_dir}: base fragments {missing} of the plan are not in the base")
 
 
-def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: ExpertLayout) -> tuple[dict, dict, dict]:
-    """(config, skeleton tensors by name, base tensor sets by (layer, expert, proj)) of a verified base. Every
-    tensor file of the base must be an attested shard; its expert fragments must be the plan's base fragments."""
+def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: ExpertLayout) -> tuple[dict, dict, dict, dict]:
+    """(config, skeleton tensors by name, base tensor sets by (layer, expert, proj), linear tensor sets by name ->
+    (set, attested (out, in))) of a verified base. Every tensor file of the base must be an attested shard; its
+    expert fragments must be the plan's base fragments, its linear fragments (a whole-model base) the plan's."""
     files = base.manifest.files
     name = SOURCE_CONFIG if SOURCE_CONFIG in files else CONFIG  # the source's own, verbatim, when the base keeps it
     if name not in files:
@@ -143,11 +150,25 @@ def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: Expert
         raise FqError(f"{base_dir}/{name}: not a JSON object")
     skeleton: dict = {}
     sets: dict = {}
+    linears: dict = {}
     for name in sorted(n for n in files if n.endswith(".safetensors")):
         kind = check_tensor_file(base_dir, name, base, plan)
         if kind == "derived":
             continue  # the skeleton's fused biases are what this runtime (transformers' module) reads
         header, data = read_verified(base_dir, name, *files[name])
+        if kind == "linear":  # each linear's own (out, in): the shape its attestation names for the source weight
+            shapes = {t["tensor"]: tuple(t["shape"]) for t in base.shards[name].predicate["source"].get("tensors", ())}
+            mine = set()
+            for e in header.entries:
+                lin, _, suffix = e.name.rpartition(".")
+                if lin not in mine and f"{lin}.weight" in linears:
+                    raise FqError(f"{base_dir}/{name}: linear {lin!r} is also in another shard of the base")
+                mine.add(lin)
+                if f"{lin}.weight" not in shapes:
+                    raise FqError(f"{base_dir}/{name}: its attestation names no source weight {lin}.weight")
+                entry = linears.setdefault(f"{lin}.weight", ({}, shapes[f"{lin}.weight"]))
+                entry[0][suffix] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
+            continue
         if kind == "skeleton":
             for e in header.entries:
                 if e.name in skeleton:
@@ -160,7 +181,10 @@ def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: Expert
             layer, expert, proj, suffix = layout.parse(e.name)
             sets.setdefault((layer, expert, proj), {})[suffix] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
     check_base_fragments(base_dir, base, plan)
-    return config, skeleton, sets
+    both = sorted(set(skeleton) & set(linears))
+    if both:
+        raise FqError(f"{base_dir}: {both[0]} is both a skeleton tensor and an EXL3 linear of the base")
+    return config, skeleton, sets, linears
 
 
 def stage_sets(v: Verified, chain: list[dict]) -> dict:
@@ -180,8 +204,10 @@ def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dic
 
     plan = product.predicate
     layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
-    config, skeleton, base_sets = _base_tensors(base_dir, base, plan, layout)
+    config, skeleton, base_sets, linears = _base_tensors(base_dir, base, plan, layout)
     tensors = dense_state(skeleton, f"{base_dir}: skeleton")  # FP8 tensors a base keeps verbatim, dequantized
+    for name, (tset, shape) in sorted(linears.items()):  # a whole-model base's quantized non-expert linears
+        tensors[name] = reconstruct_chain([tset], name, shape)
     shapes = expert_shapes(config, layout, f"{base_dir}: the model config")
     stages: dict = {}
     for (layer, ex, proj), base_set in sorted(base_sets.items()):

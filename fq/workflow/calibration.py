@@ -78,40 +78,98 @@ def read_binding(path: str | os.PathLike) -> dict | None:
     return doc
 
 
+def _bind(tmp: str, out: str, binding: str, sha256: str, what: str, fields: dict) -> None:
+    """Move a captured file from ``tmp`` to ``out`` if it is the bound one (or the first: then bind it)."""
+    bound = read_binding(binding)
+    if bound is not None and bound["sha256"] != sha256:
+        raise FqError(f"{out}: this capture gave sha256 {sha256}, but the campaign bound {what} to {bound['sha256']} "
+                      f"({binding}) and may have encoded fragments against it; to re-calibrate, delete its "
+                      f"fragments and {binding}")
+    os.replace(tmp, out)
+    atomic.fsync_dir(Path(out).parent)
+    if bound is None:
+        atomic.write_text(binding, canonical.pretty({"format": BINDING_FORMAT, "file": Path(out).name,
+                                                     "sha256": sha256, **fields}))
+
+
+def _capture_name(out: str | None) -> str | None:
+    return None if out is None else str(Path(out).with_name(f".capture-{Path(out).name}"))
+
+
 def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, hidden_in: str, out_hidden: str,
               out_record: str, out_hessian: str | None, binding: str | None, capture_mode: str, device: str,
-              devices_list: list[int], lock_dir: str, threads: int = 1) -> dict:
-    """One decoder layer of the chain; a calibrated MoE layer's Hessian goes to a temporary name first, and replaces
-    ``out_hessian`` only when it is the bound one (or the first)."""
+              devices_list: list[int], lock_dir: str, threads: int = 1, linears=(), out_linears: str | None = None,
+              linear_binding: str | None = None) -> dict:
+    """One decoder layer of the chain; a calibrated MoE layer's Hessian (and, for a whole-model base, the layer's
+    linear Hessians: ``linears``) go to a temporary name first, and replace their outputs only when they are the
+    bound ones (or the first)."""
     from fq.hessian import capture
 
     t0 = time.perf_counter()
     dev = devices.claim(device, devices_list, lock_dir) if device != "cpu" else "cpu"
-    tmp = None if out_hessian is None else str(Path(out_hessian).with_name(f".capture-{Path(out_hessian).name}"))
+    tmp, tmp_lin = _capture_name(out_hessian), _capture_name(out_linears)
     try:
         result = capture.capture_layer(_checkpoint(source_dir, staging), layer, hidden_in, out_hidden, tmp,
                                        sha256=recorded_shards(campaign_json),
-                                       routed_only=capture_mode == "routed-only", device=dev, threads=threads)
+                                       routed_only=capture_mode == "routed-only", device=dev, threads=threads,
+                                       linears=tuple(linears), out_linears=tmp_lin)
         record = {"step": "layer", "layer": layer, "hidden_sha256": result.hidden_sha256,
                   "hessian_sha256": result.hessian_sha256 or None, "source_shards": result.source_shards}
         if out_hessian is not None:
-            bound = read_binding(binding)
-            if bound is not None and bound["sha256"] != result.hessian_sha256:
-                raise FqError(f"{out_hessian}: this capture gave sha256 {result.hessian_sha256}, but the campaign bound "
-                              f"layer {layer}'s Hessian to {bound['sha256']} ({binding}) and may have encoded "
-                              f"fragments against it; to re-calibrate this layer, delete its fragments and {binding}")
-            os.replace(tmp, out_hessian)
-            atomic.fsync_dir(Path(out_hessian).parent)
-            tmp = None
-            if bound is None:
-                from fq.hessian import store
+            from fq.hessian import store
 
-                h = store.read_hessians(out_hessian, expect_sha256=result.hessian_sha256)
-                atomic.write_text(binding, canonical.pretty({
-                    "format": BINDING_FORMAT, "layer": layer, "file": Path(out_hessian).name,
-                    "sha256": result.hessian_sha256, "calibration": h.meta.get("calibration"),
-                    "capture": capture_mode}))
+            h = store.read_hessians(tmp, expect_sha256=result.hessian_sha256)
+            _bind(tmp, out_hessian, binding, result.hessian_sha256, f"layer {layer}'s Hessian",
+                  {"layer": layer, "calibration": h.meta.get("calibration"), "capture": capture_mode})
+            tmp = None
+        if out_linears is not None:
+            record["linears_sha256"] = result.linears_sha256
+            _bind(tmp_lin, out_linears, linear_binding, result.linears_sha256, f"layer {layer}'s linear Hessians",
+                  {"layer": layer, "calibration": _calibration_digest(hidden_in), "capture": capture_mode})
+            tmp_lin = None
         record["seconds"] = round(time.perf_counter() - t0, 3)
+        atomic.write_text(out_record, canonical.pretty(record))
+        return record
+    finally:
+        for t in (tmp, tmp_lin):
+            if t is not None and Path(t).exists():
+                os.unlink(t)
+
+
+def _calibration_digest(hidden: str) -> str:
+    """The token digest a hidden-state file was made from (its metadata)."""
+    from fq.model.shards import read_header
+
+    with open(hidden, "rb") as fh:
+        return read_header(fh, hidden).metadata["calibration"]
+
+
+def head_job(*, campaign_json: str, key_path: str, source_dir: str, skeleton: list[str], hidden_in: str,
+             out_linears: str, out_record: str, binding: str, capture_mode: str, device: str, devices_list: list[int],
+             lock_dir: str, threads: int = 1) -> dict:
+    """The head's input Hessian: the last decoder layer's output through the final norm (``capture.capture_head``).
+    The norm is read from the committed skeleton (``skeleton``: its shards, each verified under the campaign key
+    first): the source shard holding it may have retired with its window long before the chain ends."""
+    from fq.hessian import capture
+    from fq.provenance.attest import keys
+    from fq.provenance.attest.fragment import verify_shard
+
+    t0 = time.perf_counter()
+    doc = canonical.load(campaign_json)
+    pub = keys.load_private(key_path).public_key()
+    dirs = {str(Path(s).parent) for s in skeleton}
+    if len(dirs) != 1:
+        raise FqError(f"head calibration: skeleton shards {skeleton} are not in one directory")
+    for s in skeleton:
+        verify_shard(Path(s).parent, Path(s).name, pub, campaign=doc["identity"])
+    dev = devices.claim(device, devices_list, lock_dir) if device != "cpu" else "cpu"
+    tmp = _capture_name(out_linears)
+    try:
+        sha = capture.capture_head(_checkpoint(source_dir, dirs.pop()), hidden_in, tmp, device=dev, threads=threads)
+        _bind(tmp, out_linears, binding, sha, "the head's Hessian",
+              {"layer": None, "calibration": _calibration_digest(hidden_in), "capture": capture_mode})
+        tmp = None
+        record = {"step": "head", "linears_sha256": sha, "seconds": round(time.perf_counter() - t0, 3)}
         atomic.write_text(out_record, canonical.pretty(record))
         return record
     finally:
@@ -130,6 +188,17 @@ def bound_hessians(path: str, binding: str, layer: int):
     if h.layer != layer:
         raise FqError(f"{path}: a Hessian of layer {h.layer}, expected layer {layer}")
     return h, bound
+
+
+def bound_linear_hessians(path: str, binding: str, layer: int | None):
+    """A layer's (None: the head's) linear Hessians, read only if the file's sha256 is the bound one (linear jobs)."""
+    from fq.hessian import linear_store
+
+    bound = read_binding(binding)
+    what = "the head" if layer is None else f"layer {layer}"
+    if bound is None:
+        raise FqError(f"{binding}: {what} has no bound linear Hessians (its calibration job has not run)")
+    return linear_store.read_linear_hessians(path, expect_sha256=bound["sha256"]), bound
 
 
 def quant_hessian(bound: dict) -> dict:

@@ -21,7 +21,7 @@ from fq.model.source import PROJECTIONS, SourceModel, load_source, parse_source
 from fq.model.usage import ExpertUsage, load_usage, parse_usage
 from fq.planning.plan import Block, Fragment, Plan, make_plan
 from fq.planning.recipe import Recipe, load_recipe
-from fq.provenance.fragments import attestation_name, fragment_filename
+from fq.provenance.fragments import attestation_name, fragment_filename, linear_filename
 
 SOURCE_KINDS = ("demo", "local", "hub")
 CALIB_ROWS, CALIB_COLUMNS = 250, 2048  # calibration tokens per campaign by default (as exllamav3's converter)
@@ -216,8 +216,14 @@ class Campaign:
 
     @property
     def calibration_layers(self) -> tuple[int, ...]:
-        """Every decoder layer the chain runs: 0 .. the last calibrated layer."""
-        return tuple(range(max(self.calibrated_layers) + 1)) if self.calibrated_layers else ()
+        """Every decoder layer the chain runs: 0 .. the last calibrated layer (every decoder layer when the head's
+        Hessian is captured: it reads the last layer's output)."""
+        if not self.calibrated_layers:
+            return ()
+        if None in self.linear_capture:
+            return tuple(range(self.source.num_hidden_layers))
+        last = max([*self.calibrated_layers, *(l for l in self.linear_capture if l is not None)])
+        return tuple(range(last + 1))
 
     def calib_path(self, name: str) -> str:
         return self.p("calibration", name)
@@ -235,6 +241,33 @@ class Campaign:
 
     def hessian_binding(self, layer: int) -> str:
         return self.calib_path(f"hessian-layer{layer:03d}.bound.json")
+
+    def linear_hessian(self, layer: int | None) -> str:
+        """The input Hessians of a layer's (None: the head's) quantized non-expert linears (fq.hessian.linear_store)."""
+        from fq.hessian.linear_store import linear_file_name
+
+        return self.calib_path(linear_file_name(layer))
+
+    def linear_hessian_binding(self, layer: int | None) -> str:
+        return self.calib_path(Path(Path(self.linear_hessian(layer)).name).stem + ".bound.json")
+
+    def head_norm_skeleton(self) -> list[str]:
+        """The committed skeleton shard holding the final norm (what the head's calibration job reads)."""
+        norm = self.layout.layers.removesuffix("layers.") + "norm.weight"
+        if norm not in self.source.weight_map:
+            raise FqError(f"campaign {self.name}: the source has no final norm {norm}; the head's Hessian needs it")
+        return [self.skeleton(self.source.weight_map[norm])]
+
+    @cached_property
+    def linear_capture(self) -> dict[int | None, tuple[str, ...]]:
+        """layer (None: the head) -> the quantized linears whose input Hessians its calibration job captures
+        (calibrated campaigns with whole-model bases; every class any base quantizes)."""
+        if not self.calibration:
+            return {}
+        out: dict = {}
+        for node, layer in self.linear_jobs:
+            out.setdefault(layer, set()).update(self.linear_names(node, layer))
+        return {l: tuple(sorted(v)) for l, v in out.items()}
 
     @cached_property
     def _layer_tensor_shards(self) -> dict[int | None, tuple[str, ...]]:
@@ -266,8 +299,11 @@ class Campaign:
         return self.calib_path("embed.json" if layer is None else f"layer{layer:03d}.json")
 
     def calib_outputs(self, layer: int | None) -> list[str]:
-        """hidden (temp: the next job's input), the Hessian file (calibrated MoE layers), the record."""
+        """hidden (temp: the next job's input), the Hessian file (calibrated MoE layers), the linear Hessians (layers
+        with quantized non-expert linears), the record."""
         hessian = [self.hessian(layer)] if layer is not None and layer in self.calibrated_layers else []
+        if layer is not None and layer in self.linear_capture:
+            hessian.append(self.linear_hessian(layer))
         return [self.calib_hidden(layer)] + hessian + [self.calib_record(layer)]
 
     def _retiring_window(self, shard: str) -> int:
@@ -407,6 +443,100 @@ class Campaign:
         """Source shards that hold at least one non-expert tensor."""
         return tuple(self.skeleton_tensors)
 
+    # -- whole-model bases: linear nodes and skeleton variants ---------------------------------------------------
+    @property
+    def linear_jobs(self) -> tuple[tuple[str, int | None], ...]:
+        """(linear node, layer) of every linear fragment (None: the head): one job each."""
+        return self.plan.linear_jobs()
+
+    def linear_fragment(self, node: str, layer: int | None) -> str:
+        return self.p("linears", node, linear_filename(node, layer))
+
+    def linear_metrics(self, node: str, layer: int | None) -> str:
+        return self.p("metrics", "linears", Path(linear_filename(node, layer)).stem + ".json")
+
+    def linear_names(self, node: str, layer: int | None) -> tuple[str, ...]:
+        """The linears (tensor prefixes) of one linear job."""
+        return tuple(self.plan.linear(node)["layers"]["head" if layer is None else str(layer)])
+
+    def linear_sources(self, node: str, layer: int | None) -> dict:
+        """{linear: fq.model.formats.ExpertSource as JSON} read from the committed skeleton shards (verbatim copies of
+        the source, attested): a linear job needs no staged shard, so it never holds a window open."""
+        from fq.model.formats import SCALE_SUFFIX, ExpertSource
+
+        out = {}
+        for name in self.linear_names(node, layer):
+            weight, scale = f"{name}.weight", f"{name}.{SCALE_SUFFIX}"
+            shard = self.skeleton(self.source.weight_map[weight])
+            if scale in self.source.weight_map:
+                src = ExpertSource(shard, weight, None, self.skeleton(self.source.weight_map[scale]), scale,
+                                   self.source.source_format.block)
+            else:
+                src = ExpertSource(shard, weight)
+            out[name] = src.to_json()
+        return out
+
+    def linear_skeletons(self, node: str, layer: int | None) -> list[str]:
+        """The committed skeleton shards a linear job reads."""
+        return sorted({ref["shard"] for ref in self.linear_sources(node, layer).values()}
+                      | {ref["scale_shard"] for ref in self.linear_sources(node, layer).values() if "scale_shard" in ref})
+
+    def linear_files(self) -> list[str]:
+        """Every linear fragment with its attestation and metrics."""
+        out = []
+        for node, layer in self.linear_jobs:
+            p = self.linear_fragment(node, layer)
+            out += [p, self.attestation(p), self.linear_metrics(node, layer)]
+        return out
+
+    @staticmethod
+    def variant_name(classes) -> str:
+        """The skeleton variant of a base quantizing ``classes``: ``without-attention+head``."""
+        return "without-" + "+".join(classes)
+
+    def base_variant(self, base: str) -> str | None:
+        """The skeleton variant a base publishes (None: the whole skeleton, as copied)."""
+        node = self.recipe.node(base)
+        return self.variant_name([c for c, _ in node.skeleton]) if node.skeleton else None
+
+    @cached_property
+    def skeleton_variants(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        """variant -> {source shard: the skeleton tensors it keeps} (shards left with nothing are omitted): the
+        skeleton without the tensors a whole-model base replaces by its linear fragments."""
+        from fq.model.linears import removed_tensors
+
+        out = {}
+        for base in self.recipe.bases:
+            v = self.base_variant(base.name)
+            if v is None or v in out:
+                continue
+            gone, have = set(), set(self.source.skeleton_tensors)
+            for ln in self.recipe.base_linears(base.name).values():
+                for names in self.plan.linear(ln.name)["layers"].values():
+                    for name in names:
+                        gone.update(removed_tensors(name, have))
+            out[v] = {s: kept for s, ts in self.skeleton_tensors.items() if (kept := tuple(t for t in ts if t not in gone))}
+        return out
+
+    def variant_skeleton(self, variant: str, shard: str) -> str:
+        return self.p("skeleton", variant, shard)
+
+    def base_skeletons(self, base: str) -> list[str]:
+        """The committed skeleton shards a base publishes: the whole skeleton, or its variant's."""
+        v = self.base_variant(base)
+        if v is None:
+            return [self.skeleton(s) for s in self.skeleton_shards]
+        return [self.variant_skeleton(v, s) for s in self.skeleton_variants[v]]
+
+    def base_linear_fragments(self, base: str) -> list[str]:
+        """The linear fragments a whole-model base publishes (none for an experts-only base)."""
+        return [self.linear_fragment(ln.name, layer) for ln in self.recipe.base_linears(base).values()
+                for n, layer in self.linear_jobs if n == ln.name]
+
+    def variant_files(self) -> list[str]:
+        return [p for v, shards in self.skeleton_variants.items() for s in shards
+                for p in (self.variant_skeleton(v, s), self.attestation(self.variant_skeleton(v, s)))]
+
     def expert_sources(self, layer: int, experts) -> dict:
         """{expert: {proj: fq.model.formats.ExpertSource as JSON}} (staged paths) for the encode job's params."""
         return {str(e): {p: self.source.expert_source(layer, e, p, self.staged).to_json() for p in PROJECTIONS}
@@ -473,7 +603,7 @@ class Campaign:
             out += [p, self.attestation(p), self.metrics(f.node, f.block)]
         for s in self.skeleton_shards:
             out += [self.skeleton(s), self.attestation(self.skeleton(s))]
-        return out
+        return out + self.linear_files() + self.variant_files()
 
     def missing_committed(self) -> list[str]:
         """Planned outputs that are absent although the campaign was finalized: deleted by hand, or lost.

@@ -71,9 +71,13 @@ def _expected_committed(c: Campaign) -> dict[str, dict[str, str]]:
         p = Path(c.fragment(f.node, f.block))
         exp.setdefault(str(p.parent), {})[p.name] = "fragment"
         exp[str(p.parent)][attestation_name(p.name)] = "attestation"
-    for s in c.skeleton_shards:
-        p = Path(c.skeleton(s))
+    for s in [c.skeleton(s) for s in c.skeleton_shards] + c.variant_files()[::2]:
+        p = Path(s)
         exp.setdefault(str(p.parent), {})[p.name] = "skeleton"
+        exp[str(p.parent)][attestation_name(p.name)] = "attestation"
+    for node, layer in c.linear_jobs:
+        p = Path(c.linear_fragment(node, layer))
+        exp.setdefault(str(p.parent), {})[p.name] = "linear"
         exp[str(p.parent)][attestation_name(p.name)] = "attestation"
     return exp
 
@@ -81,7 +85,7 @@ def _expected_committed(c: Campaign) -> dict[str, dict[str, str]]:
 def check_strays(c: Campaign) -> Problems:
     problems = Problems()
     exp = _expected_committed(c)
-    for top in (c.out / "fragments", c.out / "skeleton"):
+    for top in (c.out / "fragments", c.out / "skeleton", c.out / "linears"):
         if not top.exists():
             continue
         for dirpath, dirnames, filenames in os.walk(top):
@@ -110,7 +114,7 @@ def remove_interrupted_writes(c: Campaign) -> list[Path]:
     """``.tmp-*`` leftovers under fragments/, skeleton/, published/ and the summary's directory. Only with
     workers.lock held exclusively: then no writer is alive, and these are dead halves of killed writes."""
     removed = []
-    for top in (c.out / "fragments", c.out / "skeleton", c.out / "published"):
+    for top in (c.out / "fragments", c.out / "skeleton", c.out / "linears", c.out / "published"):
         if top.is_dir():
             for dirpath, dirnames, filenames in os.walk(top):
                 for name in sorted(filenames + dirnames):
@@ -180,14 +184,43 @@ def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
         if parent is not None and (want["name"], want["sha256"]) != (parent.name, parent.sha256):
             problems.append(f"{c.fragment(f.node, f.block)}: encoded against parent {want['name']} sha256 "
                             f"{want['sha256'][:16]}…, the committed parent is {parent.sha256[:16]}…; re-encode it")
-    for s in c.skeleton_shards:
-        p = Path(c.skeleton(s))
+    for s in [c.skeleton(s) for s in c.skeleton_shards] + c.variant_files()[::2]:
+        p = Path(s)
         try:
-            done[("skeleton", s)] = verify_shard(p.parent, p.name, pub, campaign=ident)
+            done[("skeleton", str(p))] = verify_shard(p.parent, p.name, pub, campaign=ident)
+        except FqError as e:
+            problems.append(str(e))
+    for node, layer in c.linear_jobs:
+        p = Path(c.linear_fragment(node, layer))
+        try:
+            att = verify_shard(p.parent, p.name, pub, campaign=ident)
+            want = c.plan.linear(node)["digest"]
+            if att.predicate["kind"] != "linear" or att.predicate["node_digest"] != want:
+                raise FqError(f"finalize {p}: attests {att.predicate['kind']} node_digest "
+                              f"{str(att.predicate['node_digest'])[:16]}…, linear node {node} is {want[:16]}…; re-encode it")
+            check_linear_objective(c, att, layer, f"finalize {p}")
+            done[("linear", node, layer)] = att
         except FqError as e:
             problems.append(str(e))
     problems.raise_if_any(f"finalize {c.out}")
     return done
+
+
+def check_linear_objective(c: Campaign, att, layer: int | None, where: str) -> None:
+    """A linear fragment of a calibrated campaign attests its layer's bound linear Hessians; otherwise weight-only."""
+    qa = att.predicate.get("quant_args") or {}
+    if not c.calibration:
+        if qa.get("objective") != OBJECTIVE_WEIGHT or "hessian" in qa:
+            raise FqError(f"{where}: attests objective {qa.get('objective')!r}; this campaign encodes weight-only")
+        return
+    binding = c.linear_hessian_binding(layer)
+    bound = read_binding(binding)
+    if bound is None:
+        raise FqError(f"{where}: has no bound linear Hessians ({binding} missing); run its calibration job")
+    if qa.get("hessian") != quant_hessian(bound):
+        got = (qa.get("hessian") or {}).get("sha256") if isinstance(qa.get("hessian"), dict) else None
+        raise FqError(f"{where}: encoded against linear Hessians {got or 'none'}, the campaign bound {bound['sha256']} "
+                      f"({binding}); re-encode it")
 
 
 def _publish(src: Path, dst: Path) -> None:
@@ -211,8 +244,8 @@ def _published_plan(c: Campaign) -> dict[str, Path]:
         out[f"{rel_dir}/{p.name}"] = p
         out[f"{rel_dir}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
     for base in c.recipe.bases:
-        for s in c.skeleton_shards:
-            p = Path(c.skeleton(s))
+        for s in c.base_skeletons(base.name) + c.base_linear_fragments(base.name):
+            p = Path(s)
             out[f"base/{base.name}/{p.name}"] = p
             out[f"base/{base.name}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
         for side in SIDE_FILES:
@@ -254,7 +287,8 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     pub = priv.public_key()
     check_signer(doc, pub, key_path)
     check_strays(c).raise_if_any(f"finalize {c.out}")
-    _log(f"verifying {len(c.fragments)} fragments and {len(c.skeleton_shards)} skeleton shards")
+    _log(f"verifying {len(c.fragments)} fragments, {len(c.linear_jobs)} linear fragments and "
+         f"{len(c.skeleton_shards)} skeleton shards (+ {len(c.variant_files()) // 2} in variants)")
     verify_committed(c, pub, ident)
 
     root = c.out / "published"
@@ -279,7 +313,8 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     for base in c.recipe.bases:
         d = root / "base" / base.name
         with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # config.json (and the tensor files): derived, declared below
-            derived = write_derived(d, bits=base.K, codebook=base.codebook, calibration=_calibration_block(c))
+            derived = write_derived(d, bits=base.K, codebook=base.codebook, calibration=_calibration_block(c),
+                                    linears=dict(base.skeleton) or None)
         with disk_full_is_one_line(d / INDEX):  # after the derived shards, which it indexes too
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
         with disk_full_is_one_line(d / MANIFEST_NAME):
@@ -294,9 +329,12 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
                           "codebook": node.codebook, "parent": node.parent, "digest": c.recipe.node_digest(n)})
             rel_dir = f"base/{n}" if node.is_base else f"stages/{n}"
             names += [f"{rel_dir}/{Path(c.fragment(f.node, f.block)).name}" for f in c.fragments if f.node == n]
-        plan_doc = build_assembly(root, product=prod.name, chain=chain, fragments=names, base_dir=f"base/{prod.chain[0]}",
+        base = prod.chain[0]
+        linears = [{"name": f"base/{base}/{Path(p).name}", "digest": c.plan.linear(Path(p).parent.name)["digest"]}
+                   for p in c.base_linear_fragments(base)]
+        plan_doc = build_assembly(root, product=prod.name, chain=chain, fragments=names, base_dir=f"base/{base}",
                                   campaign=ident, recipe_sha256=c.recipe.sha256, version=version, expires=expires,
-                                  public_key=pub)
+                                  public_key=pub, linears=linears)
         with disk_full_is_one_line(root / "assemblies" / f"{prod.name}.assembly.intoto.jsonl"):
             path = write_assembly(root, plan_doc, priv)
         plans.append(Plan(str(path), sha256_file(path), plan_doc))

@@ -1,4 +1,5 @@
-"""Skeleton: the non-expert tensors of one source shard, copied byte-verbatim and attested per tensor.
+"""Skeleton: the non-expert tensors of one source shard, copied byte-verbatim and attested per tensor; and its
+variants: a whole-model base publishes the skeleton without the linears it quantizes (``derive_variant``).
 
 A skeleton job is a campaign writer like an encode job: it holds ``workers.lock`` shared and the claim
 ``skeleton-SHARD`` for its lifetime, and signs only with the campaign's bound key."""
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from fq.core import canonical
+from fq.errors import FqError
 from fq.model.shards import RawTensor, read_header, read_range
 from fq.provenance.attest import keys
 from fq.provenance.attest.fragment import attest_skeleton
@@ -45,3 +47,40 @@ def extract_skeleton(campaign_json: str, key_path: str, staged: str, tensors: li
     write_skeleton(out, tensors=raws, source_shard=shard)
     attest_skeleton(out, key=priv, campaign=doc["identity"],
                     source=source_statement(doc, [shard]), encoder=doc["encoder"])
+
+
+def derive_variant(campaign_json: str, key_path: str, whole: str, tensors: list[str], out: str,
+                   lock_dir: str | None = None) -> None:
+    """The skeleton shard ``whole`` (committed, verified here under the campaign key) without the tensors a
+    whole-model base replaces: ``tensors`` kept, byte-verbatim, attested per tensor like the whole shard."""
+    from fq.provenance.attest.fragment import verify_shard
+    from fq.provenance.fragments import attestation_name
+    from fq.workflow import locks
+    from fq.workflow.common import check_signer
+
+    name = Path(out).name
+    if lock_dir is not None:
+        locks.hold_worker(lock_dir, f"skeleton-{Path(out).parent.name}-{name}", f"skeleton variant {out}")
+        for p in locks.remove_dead_temps(Path(out).parent, [name, attestation_name(name)]):
+            print(f"removed {p}: leftover of an interrupted write of this skeleton", file=sys.stderr)
+    doc = canonical.load(campaign_json)
+    priv = keys.load_private(key_path)
+    check_signer(doc, priv.public_key(), key_path)
+    w = Path(whole)
+    att = verify_shard(w.parent, w.name, priv.public_key(), campaign=doc["identity"])
+    shard = att.predicate["source_shard"]
+    with open(whole, "rb") as fh:
+        header = read_header(fh, whole)
+        if header.sha256 != att.info.header.sha256:
+            raise FqError(f"{whole}: changed while it was read")
+        digests = {t.name: t.sha256 for t in att.info.tensors}
+        raws = []
+        for t in tensors:
+            e = header.entry(t)
+            data = read_range(fh, e.start, e.length, whole)
+            if canonical.sha256_hex(data) != digests.get(t):
+                raise FqError(f"{whole}: tensor {t!r} is not the attested one (changed while it was read?)")
+            raws.append(RawTensor(t, e.dtype, tuple(e.shape), data))
+    write_skeleton(out, tensors=raws, source_shard=shard)
+    attest_skeleton(out, key=priv, campaign=doc["identity"], source=source_statement(doc, [shard]),
+                    encoder=doc["encoder"])

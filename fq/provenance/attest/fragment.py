@@ -2,12 +2,13 @@
 
 The line is a DSSE envelope (Ed25519) around an in-toto Statement whose one subject is the shard's
 file name and sha256, predicateType ``https://fq.dev/attestation/v1``, predicate per profile:
-``expert`` (per expert: offset, length, sha256 of its contiguous byte range) or ``skeleton`` (per
-tensor). The attestation digest named by plans is the sha256 of the line's bytes.
+``expert`` (per expert: offset, length, sha256 of its contiguous byte range), ``linear`` (a whole-model base's
+non-expert linears of one class and layer: per linear its range) or ``skeleton`` (per tensor). The attestation digest named by plans is the sha256 of the line's bytes.
 
 Producer side (reads the committed file back, never trusts the caller's digests)::
 
     attest_fragment(path, key=, campaign=, source=, encoder=, quant_args=, node_digest=, parent=None) -> Attested
+    attest_linears(path, key=, campaign=, source=, encoder=, quant_args=, node_digest=) -> Attested
     attest_skeleton(path, key=, campaign=, source=, encoder=) -> Attested
 
 Consumer side::
@@ -36,7 +37,7 @@ from fq.provenance.attest import dsse
 from fq.provenance.attest.campaign import require_same
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.attest.statement import FRAGMENT, parse_statement, statement
-from fq.provenance.fragments import ShardInfo, attestation_name, describe, fragment_filename
+from fq.provenance.fragments import ShardInfo, attestation_name, describe, fragment_filename, linear_filename
 from fq.provenance.identity import check_identity, determinism_scope
 
 FORMAT = "fq-attestation/1"
@@ -108,9 +109,10 @@ def check_quant_args(pred: dict, where: str) -> None:
             and SHA256_HEX.fullmatch(h["sha256"])):
         raise FqError(f"{where}: quant_args hessian must be {{{', '.join(sorted(HESSIAN_FIELDS))}}} with a sha256 "
                       f"hex digest")
-    if h["file"] != store.file_name(pred["layer"]):
+    want = store.file_name(pred["layer"]) if pred["kind"] == "expert" else _linear_hessian_file(pred["layer"])
+    if h["file"] != want:
         raise FqError(f"{where}: a fragment of layer {pred['layer']} names Hessian file {h['file']!r}, not its "
-                      f"layer's {store.file_name(pred['layer'])!r} (bound to another layer's Hessian)")
+                      f"layer's {want!r} (bound to another layer's Hessian)")
     if h["capture"] not in store.MODES:
         raise FqError(f"{where}: quant_args hessian capture {h['capture']!r} is not one of {', '.join(store.MODES)}")
 
@@ -152,6 +154,40 @@ def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
     return _sign_and_write(p, info, predicate, key)
 
 
+def _linear_hessian_file(layer: int | None) -> str:
+    from fq.hessian.linear_store import linear_file_name
+
+    return linear_file_name(layer)
+
+
+def attest_linears(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict, encoder: dict,
+                   quant_args: dict, node_digest: str, determinism: dict | None = None,
+                   info: ShardInfo | None = None) -> Attested:
+    """Sign a linear fragment (a linear node's encoding of one class of one layer, or of the head); ``node_digest``:
+    ``LinearNode.digest``, which a base's plan names for that class."""
+    if info is None:
+        p, info = _describe(path)
+    else:
+        p = Path(path)
+        if info.name != p.name:
+            raise FqError(f"{p}: the digests given are those of {info.name}")
+    if not (isinstance(node_digest, str) and SHA256_HEX.fullmatch(node_digest)):
+        raise FqError(f"{p}: node_digest {node_digest!r} is not a sha256 hex digest (LinearNode.digest)")
+    if info.kind != "linear":
+        raise FqError(f"{p}: is a {info.kind} shard; use attest_{'skeleton' if info.kind == 'skeleton' else 'fragment'}")
+    m = info.meta
+    if p.name != linear_filename(m["node"], m["layer"]):
+        raise FqError(f"{p}: a linear fragment of {m['node']} layer {m['layer']} must be named "
+                      f"{linear_filename(m['node'], m['layer'])}")
+    predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
+    predicate.update({"kind": "linear", "node": m["node"], "node_digest": node_digest, "role": "base",
+                      "class": m["class"], "layer": m["layer"], "block": None, "K": m["K"], "codebook": m["codebook"],
+                      "layout": None, "quant_args": quant_args, "parent": None,
+                      "linears": [t.to_json() for t in info.tensors]})
+    check_quant_args(predicate, str(p))
+    return _sign_and_write(p, info, predicate, key)
+
+
 def attest_skeleton(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
                     encoder: dict, determinism: dict | None = None) -> Attested:
     """Sign a skeleton shard: per-tensor sha256; its source shard must be among ``source['shards']``."""
@@ -175,6 +211,13 @@ def check_location(name: str, pred: dict, att: str) -> None:
     copied into another node's directory is refused. (A skeleton names no node; its subject binds its name.)"""
     parts = name.split("/")
     base = parts[-1]
+    if pred["kind"] == "linear":
+        if base != linear_filename(pred["node"], pred["layer"]):
+            raise FqError(f"{att}: attests linear node {pred['node']} layer {pred['layer']}, which is not file {base!r}")
+        if len(parts) >= 2 and parts[-2] not in (pred["node"],) and parts[-3:-2] != ["base"]:
+            raise FqError(f"{att}: a linear fragment of node {pred['node']} lies in directory "
+                          f"{'/'.join(parts[:-1])}/; it belongs in its node's directory or a base's")
+        return
     if pred["kind"] != "expert":
         return
     if base != fragment_filename(pred["node"], pred["layer"], pred["block"]):
@@ -220,7 +263,7 @@ def _check_line(data: bytes, att: str, name: str, public_key: Ed25519PublicKey, 
     if subj_name != base:
         raise FqError(f"{att}: attests {subj_name!r}, not {base!r} (attestation replayed from another shard?)")
     check_location(name, pred, att)
-    if pred["kind"] == "expert":
+    if pred["kind"] in ("expert", "linear"):
         check_quant_args(pred, att)
     if pred["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{att}: campaign identity names signer {pred['campaign']['signer'][:16]}…, "
@@ -283,6 +326,17 @@ def compare(att: Attested, info: ShardInfo, source: str) -> None:
                               f"[{a['offset']}, +{a['length']})")
             if e.sha256 != a["sha256"]:
                 raise range_mismatch(att, ex, e.sha256, source)
+    elif info.kind == "linear":
+        m = info.meta
+        for f in ("node", "class", "layer", "K", "codebook"):
+            if m[f] != pred[f]:
+                raise FqError(f"{source}: header says {f}={m[f]!r}, attestation says {pred[f]!r}")
+        if [t.to_json() for t in info.tensors] != pred["linears"]:
+            names = [t.name for t in info.tensors]
+            if names != [t["name"] for t in pred["linears"]]:
+                raise FqError(f"{source}: holds linears {names}, attested {[t['name'] for t in pred['linears']]}")
+            bad = next(t.name for t, a in zip(info.tensors, pred["linears"]) if t.to_json() != a)
+            raise FqError(f"{source}: linear {bad!r} differs from its attested range or sha256 (payload altered)")
     else:
         if info.meta["source_shard"] != pred["source_shard"]:
             raise FqError(f"{source}: skeleton of {info.meta['source_shard']!r}, attested {pred['source_shard']!r}")

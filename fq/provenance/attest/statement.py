@@ -21,7 +21,7 @@ from fq.core.safepath import check_name
 from fq.errors import FqError
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-FRAGMENT = "https://fq.dev/attestation/v1"  # fq-attestation/1, profiles "expert" and "skeleton"
+FRAGMENT = "https://fq.dev/attestation/v1"  # fq-attestation/1, profiles "expert", "linear" and "skeleton"
 ASSEMBLY = "https://fq.dev/assembly/v1"
 MANIFEST = "https://fq.dev/base-manifest/v1"
 ADAPTER = "https://fq.dev/adapter/v1"
@@ -30,6 +30,7 @@ PUBLICATION = "https://fq.dev/publication/v1"
 SCHEMAS = {
     (FRAGMENT, "expert"): "fq-attestation-expert.schema.json",
     (FRAGMENT, "skeleton"): "fq-attestation-skeleton.schema.json",
+    (FRAGMENT, "linear"): "fq-attestation-linear.schema.json",
     (ASSEMBLY, None): "fq-assembly.schema.json",
     (MANIFEST, None): "fq-base-manifest.schema.json",
     (ADAPTER, None): "fq-adapter.schema.json",

@@ -1,0 +1,150 @@
+"""The non-expert linears of a source checkpoint, by class: what a whole-model base may quantize.
+
+Classes (``fq.planning.recipe.LINEAR_CLASSES``), named from the checkpoint's tensor names as exllamav3's
+architectures load them as linears (``modules/linear.py``: EXL3 storage when ``trellis``/``suh``/``svh`` exist,
+else the 16-bit ``.weight``):
+
+- ``attention``: a decoder layer's ``self_attn.{q,k,v,o}_proj``, or MLA's ``q_a_proj``, ``q_b_proj``,
+  ``kv_a_proj_with_mqa``, ``kv_b_proj`` and ``o_proj``. A DSA indexer's linears, linear-attention projections and
+  any other attention tensor stay as published.
+- ``shared``: an MoE layer's shared expert(s), ``mlp.shared_expert(s).{gate,up,down}_proj``.
+- ``dense``: a dense layer's MLP, ``mlp.{gate,up,down}_proj``.
+- ``head``: ``lm_head`` (not when the embeddings are tied: the head is then the embedding matrix, which stays).
+
+Next-token-prediction layers (past ``num_hidden_layers``) keep every tensor as published. A linear's companions --
+its FP8 block scales (``weight_scale_inv``, ``weight_scale``) -- leave the skeleton with it; a ``.bias`` stays.
+
+    Linear(name, cls, layer)            name: the tensor prefix (``model.layers.3.self_attn.q_proj``)
+    source_linears(source) -> {cls: {layer: (Linear, ...)}}     layer None: the head
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fq.model.formats import SCALE_SUFFIX
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+HEAD = "lm_head"
+# what a quantized linear takes out of the skeleton besides its weight (FP8 block scales)
+COMPANIONS = ("weight", SCALE_SUFFIX, "weight_scale")
+
+
+@dataclass(frozen=True, order=True)
+class Linear:
+    name: str  # tensor prefix: ``{name}.weight`` in the source, ``{name}.trellis`` ... in a base
+    cls: str
+    layer: int | None  # None: the head
+
+    @property
+    def weight(self) -> str:
+        return f"{self.name}.weight"
+
+
+def classify(name: str, layers_prefix: str, moe_layers, n_layers: int) -> Linear | None:
+    """The Linear a ``.weight`` tensor name is, or None (not a quantizable non-expert linear)."""
+    if name == f"{HEAD}.weight":
+        return Linear(HEAD, "head", None)
+    m = re.fullmatch(re.escape(layers_prefix) + r"(\d+)\.(.+)\.weight", name)
+    if not m:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= n_layers:  # next-token-prediction layers stay as published
+        return None
+    prefix = name[: -len(".weight")]
+    parts = rest.split(".")
+    if len(parts) == 2 and parts[0] == "self_attn" and parts[1] in ATTENTION:
+        return Linear(prefix, "attention", layer)
+    if len(parts) == 3 and parts[0] == "mlp" and parts[1] in ("shared_expert", "shared_experts") and parts[2] in MLP:
+        return Linear(prefix, "shared", layer) if layer in moe_layers else None
+    if len(parts) == 2 and parts[0] == "mlp" and parts[1] in MLP and layer not in moe_layers:
+        return Linear(prefix, "dense", layer)
+    return None
+
+
+def source_linears(source) -> dict[str, dict[int | None, tuple[Linear, ...]]]:
+    """{class: {layer: linears sorted by name}} of a SourceModel's non-expert linears (head: layer None)."""
+    tied = source.tied_embeddings
+    layers_prefix = source.family_entry.layout.layers
+    out: dict[str, dict] = {}
+    for t in source.skeleton_tensors:
+        lin = classify(t, layers_prefix, set(source.moe_layers), source.num_hidden_layers)
+        if lin is None or (lin.cls == "head" and tied):
+            continue
+        out.setdefault(lin.cls, {}).setdefault(lin.layer, []).append(lin)
+    return {c: {l: tuple(sorted(v)) for l, v in sorted(d.items(), key=lambda kv: -1 if kv[0] is None else kv[0])}
+            for c, d in out.items()}
+
+
+def removed_tensors(name: str, skeleton_tensors: set[str]) -> tuple[str, ...]:
+    """The skeleton tensors the quantized linear ``name`` (a tensor prefix) replaces: its weight and block scales."""
+    return tuple(t for t in (f"{name}.{s}" for s in COMPANIONS) if t in skeleton_tensors)
+
+
+ROUTER_SUFFIXES = (".gate.weight", ".router.weight")
+
+
+def linear_shapes(source) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Every 2-D linear weight but the routed experts, embeddings and routers: tensor prefix -> (class, (out, in)),
+    class one of LINEAR_CLASSES or ``other`` (a DSA indexer, linear-attention projections, ...: stored as
+    published). Shapes come from transformers' own decoder layer built from the config on the meta device (no
+    weights read), so a hub source is counted from its config.json alone. Next-token-prediction layers are not
+    listed (exllamav3 does not load them)."""
+    import torch
+
+    from fq.hessian import layer as layer_mod
+
+    config = dict(source.config)
+    where = f"{source.origin}/config.json"
+    arch = layer_mod.architecture(config, where)
+    hfc = layer_mod.hf_config(config)
+    layer_cls, _ = arch.classes()
+    by_name = {lin.name: lin.cls for d in source_linears(source).values() for v in d.values() for lin in v}
+    out: dict = {}
+    built: dict = {}
+    for layer in range(arch.n_layers(config, where)):
+        # layers alike in what shapes them (MoE or dense, per-layer attention and indexer types) are built once
+        key = (arch.is_moe(config, layer),) + tuple(
+            getattr(hfc, k)[layer] if isinstance(getattr(hfc, k, None), (list, tuple)) else None
+            for k in ("layer_types", "indexer_types"))
+        if key not in built:
+            with torch.device("meta"):
+                built[key] = {k: tuple(v.shape) for k, v in layer_cls(hfc, layer).state_dict().items()}
+        prefix = arch.prefix.format(layer=layer)
+        for rel, shape in built[key].items():
+            name = prefix + arch.checkpoint_name(rel)
+            if len(shape) != 2 or ".experts." in name or not name.endswith(".weight") \
+                    or name.endswith(ROUTER_SUFFIXES):
+                continue
+            prefix_name = name[: -len(".weight")]
+            out[prefix_name] = (by_name.get(prefix_name, "other"), (int(shape[0]), int(shape[1])))
+    if not source.tied_embeddings:
+        out[HEAD] = ("head", (int(hfc.vocab_size), int(hfc.hidden_size)))
+    return out
+
+
+def linear_weights(source, shapes: dict | None = None) -> dict[str, int]:
+    """Weights per class as exllamav3 counts bits: ``experts`` (routed, every MoE layer including next-token-
+    prediction ones), each class of LINEAR_CLASSES, and ``other`` (``linear_shapes``)."""
+    out = {"experts": len(source.moe_layers) * source.n_experts * 3 * source.hidden_size
+           * source.moe_intermediate_size, "attention": 0, "shared": 0, "dense": 0, "head": 0, "other": 0}
+    for cls, (o, i) in (linear_shapes(source) if shapes is None else shapes).values():
+        out[cls] += o * i
+    return out
+
+
+# linears that read one input share its Hessian (fq.hessian.capture groups them by the tensors they see)
+POST_NORM = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa")
+
+
+def hessian_groups(names) -> list[tuple[str, ...]]:
+    """The input groups of one layer's linears of one class (tensor prefixes), as the capture finds them in the
+    registered families: the post-norm readers of attention together, gate and up together, every other alone."""
+    groups: dict = {}
+    for n in sorted(names):
+        parent, _, leaf = n.rpartition(".")
+        key = (parent.rpartition(".")[0] + ".attn-in") if leaf in POST_NORM else \
+            (parent + ".mlp-in") if leaf in ("gate_proj", "up_proj") else n
+        groups.setdefault(key, []).append(n)
+    return [tuple(v) for v in groups.values()]
