@@ -5,7 +5,7 @@
 
 One job of each kind, as ``fq.workflow.encode_linears`` runs it (one matrix after another, LDLQ against the input
 Hessian of the matrix's group): an MoE layer's MLA attention (q_a, kv_a, q_b, kv_b, o_proj), its shared expert
-(gate, up, down), a dense layer's MLP, and lm_head. Shapes are GLM-5's, from ``fq.model.linears.linear_shapes`` of
+(gate, up, down), a dense layer's MLP, and lm_head. Shapes are GLM-5's, from ``fq.planning.model_bits.linear_shapes`` of
 the GLM-5-shaped synthetic index (transformers' own GlmMoeDsa layer on the meta device); weights and Hessians are
 benchmarks/ldlq_quality.py's synthetic ones (heavy-tailed weights, a low-rank-plus-outliers input). Per job: wall
 seconds (after one warm-up matrix), seconds per matrix, peak GPU memory (torch.cuda.max_memory_allocated), and the
@@ -28,7 +28,7 @@ for p in (ROOT, ROOT / "benchmarks"):
 import torch  # noqa: E402
 
 from fq.codec.ldlq import encode_ldlq  # noqa: E402
-from fq.model.linears import hessian_groups, linear_shapes  # noqa: E402
+from fq.planning.model_bits import hessian_groups, linear_shapes  # noqa: E402
 from fq.model.source import parse_source  # noqa: E402
 from fq.model.source_synth import glm5_like  # noqa: E402
 from ldlq_quality import hessian, sync, weight  # noqa: E402

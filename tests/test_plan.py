@@ -250,6 +250,14 @@ def test_whole_model_bases_plan_one_linear_job_per_class_and_layer(glm5):
     assert bases["k3"]["skeleton"] == {"attention": "attention-K4-mul1"}
     assert bases["k2"]["skeleton"]["head"] == "head-K6-mul1"
     assert load_plan_json(plan).linears == plan.linears
+    # bits over the experts and over the whole model, side by side
+    from fq.planning.plan import plan_table
+
+    by = {p["name"]: p for p in plan.products}
+    assert by["k2"]["bpw"] == 2 and 2 < by["k2"]["model_bpw"] < 2.1 and by["k2"]["head_bits"] == 6
+    assert by["k3"]["bpw"] == 3 and by["k3"]["model_bpw"] > 3 and by["k3"]["head_bits"] == 16
+    text = plan_table(plan)
+    assert "bpw experts" in text and "bpw model" in text and "attention-K4-mul1 (78)" in text
 
 
 def load_plan_json(plan):

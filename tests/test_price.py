@@ -292,3 +292,35 @@ def test_a_campaign_disk_budget_reserves_calibration_disk_before_choosing_window
     assert campaign_plan(dict(cfg, calibration=None), recipe, source).windows == plain.windows
     with pytest.raises(FqError, match="config disk_budget: .*calibration alone needs"):
         campaign_plan(dict(cfg, disk_budget=100 * 10**9, calibration={"rows": 250}), recipe, source)
+
+
+def test_whole_model_bases_are_priced_with_their_linears(glm5, table):
+    """A K2 base with attention, shared and dense at K4 and the head at K6, beside an experts-only K2 base, on
+    GLM-5's shapes (transformers' own GlmMoeDsa layer on the meta device): bits over the model and over the experts
+    side by side, the linear encodes in the GPU-hours, the skeleton bytes they replace out of the stored size."""
+    from fq.planning.model_bits import linear_weights
+    from fq.planning.price import price_table
+    from fq.planning.recipe import parse_recipe
+
+    skel = {"attention": 4, "shared": 4, "dense": 4, "head": 6}
+    r = parse_recipe({"format": "fq-cartridge/2", "name": "glm5-whole", "nodes": [
+        {"name": "k2", "kind": "base", "K": 2, "codebook": "mcg"},
+        {"name": "w2", "kind": "base", "K": 2, "codebook": "mcg", "skeleton": skel}],
+        "products": [{"name": "k2", "chain": ["k2"]}, {"name": "w2", "chain": ["w2"]}]}, "r.json")
+    w = linear_weights(glm5)
+    # MLA per layer: q_a 2048x6144, q_b 16384x2048, kv_a 576x6144, kv_b 28672x512, o 6144x16384
+    assert w["attention"] == 78 * (2048 * 6144 + 16384 * 2048 + 576 * 6144 + 28672 * 512 + 6144 * 16384)
+    assert w["shared"] == 75 * 3 * 2048 * 6144 and w["dense"] == 3 * 3 * 12288 * 6144
+    assert w["head"] == 154880 * 6144 and w["experts"] == 75 * 256 * 3 * 2048 * 6144
+    p = price_recipe(r, glm5, table)
+    k2, w2 = p.products
+    lin = {ln.name: ln for ln in p.linears}
+    assert sorted(lin) == ["attention-K4-mcg", "dense-K4-mcg", "head-K6-mcg", "shared-K4-mcg"]
+    assert lin["attention-K4-mcg"].matrices == 78 * 5 and lin["head-K6-mcg"].matrices == 1
+    assert lin["attention-K4-mcg"].replaced_bytes == 2 * w["attention"]
+    assert w2.bytes == k2.bytes - sum(ln.replaced_bytes for ln in p.linears) + sum(ln.output_bytes for ln in p.linears)
+    assert (k2.model_bpw, k2.head_bits, w2.head_bits) == (pytest.approx(2.3229, abs=1e-4), 16, 6)
+    assert 2 < w2.model_bpw < k2.model_bpw and k2.bpw == w2.bpw == 2
+    assert p.gpu_seconds == pytest.approx(sum(n.gpu_seconds for n in p.nodes) + sum(ln.gpu_seconds for ln in p.linears))
+    text = price_table(p)
+    assert "bpw experts" in text and "bpw model" in text and "attention-K4-mcg" in text

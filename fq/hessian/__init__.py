@@ -17,6 +17,8 @@ Modules (one job per layer is what the workflow runs; ``capture_all`` chains the
     layer        the architecture registry, a layer's tensors streamed from the shards, one decoder layer built
     capture      embed / advance (the chain), hidden-state files, capture_layer (one job), capture_all
     store        the Hessian file (hessian-layer{L:03d}.safetensors): packed fp32 upper triangles, read back checked
+    linear_store the non-expert linears' input Hessians (linears-layer{L:03d}.safetensors, linears-head): per input
+                 group, the same packing (whole-model bases)
 
 Owns: everything under ``fq/hessian/``. May import: ``fq.errors``, ``fq.core.atomic``, ``fq.core.canonical``, ``fq.model.shards``,
 ``fq.core.safepath`` and its own modules; torch, transformers and tokenizers only inside functions (importing this

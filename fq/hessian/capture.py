@@ -37,8 +37,10 @@ guarantee, not bit equality across machines.
 
 Differences from exllamav3's converter, on purpose: every layer here sees the SOURCE model's activations (the
 converter advances through each layer after quantizing it); tokens are the calibration text only (its mix adds
-random ids); sums are float64 (its are float32). Not captured: the shared expert's down projection and the
-attention / dense linears (fq encodes routed experts only), and next-token-prediction layers (layers past
+random ids); sums are float64 (its are float32). Whole-model bases: ``advance_linears`` / ``capture_layer(...,
+linears=, out_linears=)`` also sum the input Hessians of the layer's non-expert linears (forward pre-hooks; linears
+whose inputs are identical tensors share one group), and ``capture_head`` the head's (the last layer's output through
+the final norm): ``fq.hessian.linear_store``. Not captured: next-token-prediction layers (layers past
 ``num_hidden_layers``: their input is not the chain's; their experts keep the weight-only encode).
 
 Memory: one layer's tensors (float32) plus hidden [rows, cols, hidden] float32 in and out (GLM-5 at 250 × 2048:

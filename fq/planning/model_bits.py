@@ -6,18 +6,22 @@ its own ``head_bits``); fq's experts-only accounting counts the routed experts a
     experts  the chain's nominal bits over the routed experts (``Recipe.product_bpw``)
     model    (W_experts · experts + Σ_class W_class · K_class + W_other · 16) / (W_experts + Σ W_class + W_other):
              nominal K of each class the base quantizes, 16 for a class it keeps as published and for ``other``
-             linears (``fq.model.linears.linear_weights``); the head apart
+             linears (``linear_weights``); the head apart
     head     the base's head bits (16: as published)
 
 The figures are nominal (K bits per weight); a published base's ``quantization_config.bits`` states the stored
 bits (trellis, scales and markers: a few hundredths above K).
 
+    linear_shapes(source) -> {tensor prefix: (class, (out, in))}   # from config.json, meta device
+    linear_weights(source) -> {"experts", "attention", "shared", "dense", "head", "other": weights}
+    hessian_groups(names) -> [(linears reading one input), ...]
     product_bits(recipe, product, weights) -> {"experts": int, "model": float, "head": int}
 """
 from __future__ import annotations
 
 from typing import Mapping
 
+from fq.model.linears import HEAD, source_linears
 from fq.planning.recipe import UNQUANTIZED
 
 BODY = ("attention", "shared", "dense")
@@ -33,3 +37,71 @@ def product_bits(recipe, product, weights: Mapping[str, int]) -> dict:
         den += weights.get(cls, 0)
     return {"experts": experts, "model": round(num / den, 4) if den else float(experts),
             "head": base.skeleton_bits("head")}
+
+
+ROUTER_SUFFIXES = (".gate.weight", ".router.weight")
+
+
+def linear_shapes(source) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Every 2-D linear weight but the routed experts, embeddings and routers: tensor prefix -> (class, (out, in)),
+    class one of LINEAR_CLASSES or ``other`` (a DSA indexer, linear-attention projections, ...: stored as
+    published). Shapes come from transformers' own decoder layer built from the config on the meta device (no
+    weights read), so a hub source is counted from its config.json alone. Next-token-prediction layers are not
+    listed (exllamav3 does not load them)."""
+    import torch
+
+    from fq.hessian import layer as layer_mod
+
+    config = dict(source.config)
+    where = f"{source.origin}/config.json"
+    arch = layer_mod.architecture(config, where)
+    hfc = layer_mod.hf_config(config)
+    layer_cls, _ = arch.classes()
+    by_name = {lin.name: lin.cls for d in source_linears(source).values() for v in d.values() for lin in v}
+    out: dict = {}
+    built: dict = {}
+    for layer in range(arch.n_layers(config, where)):
+        # layers alike in what shapes them (MoE or dense, per-layer attention and indexer types) are built once
+        key = (arch.is_moe(config, layer),) + tuple(
+            getattr(hfc, k)[layer] if isinstance(getattr(hfc, k, None), (list, tuple)) else None
+            for k in ("layer_types", "indexer_types"))
+        if key not in built:
+            with torch.device("meta"):
+                built[key] = {k: tuple(v.shape) for k, v in layer_cls(hfc, layer).state_dict().items()}
+        prefix = arch.prefix.format(layer=layer)
+        for rel, shape in built[key].items():
+            name = prefix + arch.checkpoint_name(rel)
+            if len(shape) != 2 or ".experts." in name or not name.endswith(".weight") \
+                    or name.endswith(ROUTER_SUFFIXES):
+                continue
+            prefix_name = name[: -len(".weight")]
+            out[prefix_name] = (by_name.get(prefix_name, "other"), (int(shape[0]), int(shape[1])))
+    if not source.tied_embeddings:
+        out[HEAD] = ("head", (int(hfc.vocab_size), int(hfc.hidden_size)))
+    return out
+
+
+def linear_weights(source, shapes: dict | None = None) -> dict[str, int]:
+    """Weights per class as exllamav3 counts bits: ``experts`` (routed, every MoE layer including next-token-
+    prediction ones), each class of LINEAR_CLASSES, and ``other`` (``linear_shapes``)."""
+    out = {"experts": len(source.moe_layers) * source.n_experts * 3 * source.hidden_size
+           * source.moe_intermediate_size, "attention": 0, "shared": 0, "dense": 0, "head": 0, "other": 0}
+    for cls, (o, i) in (linear_shapes(source) if shapes is None else shapes).values():
+        out[cls] += o * i
+    return out
+
+
+# linears that read one input share its Hessian (fq.hessian.capture groups them by the tensors they see)
+POST_NORM = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa")
+
+
+def hessian_groups(names) -> list[tuple[str, ...]]:
+    """The input groups of one layer's linears of one class (tensor prefixes), as the capture finds them in the
+    registered families: the post-norm readers of attention together, gate and up together, every other alone."""
+    groups: dict = {}
+    for n in sorted(names):
+        parent, _, leaf = n.rpartition(".")
+        key = (parent.rpartition(".")[0] + ".attn-in") if leaf in POST_NORM else \
+            (parent + ".mlp-in") if leaf in ("gate_proj", "up_proj") else n
+        groups.setdefault(key, []).append(n)
+    return [tuple(v) for v in groups.values()]

@@ -253,7 +253,7 @@ def _products(recipe: Recipe, source: SourceModel) -> tuple[dict, ...]:
     whole model and the head (fq.planning.model_bits: the source's linear shapes from its config)."""
     weights = None
     if recipe.linear_nodes:
-        from fq.model.linears import linear_weights
+        from fq.planning.model_bits import linear_weights
 
         weights = linear_weights(source)
     out = []

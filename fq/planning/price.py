@@ -267,13 +267,13 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
 
 def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq: float, calibrated: bool):
     """(LinearPrice per linear node, the source's weights per class) of a recipe's whole-model bases; ((), None)
-    without any. The linears' shapes come from the config (fq.model.linears.linear_shapes); each encodes at the cost
+    without any. The linears' shapes come from the config (fq.planning.model_bits.linear_shapes); each encodes at the cost
     table's seconds for its padded shape; its Hessian is shared by the linears reading one input."""
     if not recipe.linear_nodes:
         return (), None
     from fq.codec.shape import padded_shape
     from fq.hessian.store import packed_len
-    from fq.model.linears import hessian_groups, linear_shapes, linear_weights
+    from fq.planning.model_bits import hessian_groups, linear_shapes, linear_weights
 
     shapes = linear_shapes(source)
     weights = linear_weights(source, shapes)

@@ -65,6 +65,16 @@ def effective_bpw(c: Campaign, chain) -> float:
     return bits
 
 
+def stored_bytes(c: Campaign, chain) -> int:
+    """What a consumer of the product stores: its base's published directory (skeleton, quantized linears, expert
+    fragments) and each stage's fragments."""
+    pub = Path(c.p("published"))
+    files = list((pub / "base" / chain[0]).glob("*.safetensors"))
+    for n in chain[1:]:
+        files += list((pub / "stages" / n).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
+
+
 def build_rows(c: Campaign, summary: dict) -> list[dict]:
     metrics = _load_metrics(c)
     bases = {(n.K, n.codebook): n.name for n in c.recipe.bases}
@@ -84,9 +94,11 @@ def build_rows(c: Campaign, summary: dict) -> list[dict]:
         if native_name and len(chain) > 1:
             native = _rel(metrics[native_name], sorted(last))
         info = summary["products"].get(prod.name, {})
+        planned = next((p for p in c.plan.products if p["name"] == prod.name), {})
         rows.append({
             "product": prod.name, "chain": " > ".join(chain), "nominal_bpw": bits,
-            "effective_bpw": round(effective_bpw(c, chain), 4), "rel_mse": _rel(errs),
+            "effective_bpw": round(effective_bpw(c, chain), 4), "model_bpw": planned.get("model_bpw"),
+            "stored_bytes": stored_bytes(c, chain), "rel_mse": _rel(errs),
             "rel_mse_last_experts": _rel(errs, sorted(last)),
             "native": native_name or "", "native_rel_mse": native,
             "vs_native": (_rel(errs, sorted(last)) / native) if native else None,
@@ -114,9 +126,9 @@ def add_eval(rows: list[dict], doc: dict | None) -> list[dict]:
 
 
 def write_table(rows: list[dict], path: str) -> None:
-    cols = ["product", "chain", "nominal_bpw", "effective_bpw", "rel_mse", "native", "native_rel_mse",
+    cols = ["product", "chain", "nominal_bpw", "effective_bpw", "model_bpw", "rel_mse", "native", "native_rel_mse",
             "vs_native", "kl", "ppl", "top1", "native_kl", "native_top1", "weight_only_kl", "weight_only_top1", "bytes",
-            "assembly_sha256", "exl3_runtime"]
+            "stored_bytes", "assembly_sha256", "exl3_runtime"]
     lines = ["\t".join(cols)]
     for r in rows:
         vals = []
@@ -152,9 +164,10 @@ def plot_quality(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def plot_kl(doc: dict, path: str) -> None:
+def plot_kl(doc: dict, path: str, stored: dict | None = None, whole=()) -> None:
     """KL against the source and top-1 agreement, per product, native point and weight-only twin, against effective
-    bits per weight."""
+    bits per weight; with ``stored`` (product -> bytes a consumer stores), a third panel: each product's KL against
+    its total bytes, whole-model bases beside experts-only ones (where bits buy the most)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,7 +175,10 @@ def plot_kl(doc: dict, path: str) -> None:
 
     from fq.runtime.evaluate import table
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
+    if stored:
+        fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5), dpi=120)
+    else:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
     floor = min([r["kl"] for r in table(doc) if r["kl"] > 0] or [1e-6]) / 10  # KL 0 (the source itself) drawn here
     twins = False
     for r in table(doc):
@@ -180,6 +196,20 @@ def plot_kl(doc: dict, path: str) -> None:
             a.scatter(r["effective_bpw"], y, **style)
             a.annotate(label, (r["effective_bpw"], y), textcoords="offset points",
                        xytext=(5, -10 if native or twin else 4), fontsize=8 if color == "black" else 7, color=color)
+    if stored:
+        for r in table(doc):
+            if r["kind"] in ("native", "weight-only") or r["name"] not in stored:
+                continue
+            w = r["name"] in whole
+            y = max(r["kl"], floor)
+            ax3.scatter(stored[r["name"]] / 1e6, y, s=40, marker="s" if w else "o",
+                        color="tab:blue" if w else "black", zorder=3)
+            ax3.annotate(r["name"], (stored[r["name"]] / 1e6, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax3.set_yscale("log")
+        ax3.set_xlabel("stored MB (base dir + stages); squares: whole-model")
+        ax3.set_ylabel("KL(source || product)")
+        ax3.margins(x=0.3, y=0.1)
+        ax3.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
     ax.set_ylabel("KL(source || product), nats per token")
     ax2.set_ylabel("top-1 agreement with the source")
@@ -277,7 +307,8 @@ def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, la
     doc = canonical.load(eval_json) if eval_json else None
     rows = add_eval(build_rows(c, summary), doc)
     if kl_png:
-        plot_kl(doc, kl_png)
+        plot_kl(doc, kl_png, {r["product"]: r["stored_bytes"] for r in rows},
+                whole={p.name for p in c.recipe.products if c.recipe.node(p.chain[0]).skeleton})
     write_table(rows, table)
     plot_quality(rows, quality_png)
     plot_layers(rows, list(c.source.moe_layers), layers_png)
