@@ -234,8 +234,7 @@ def _group(inputs: dict, groups: list | None, layer) -> list:
         groups = []
         for n in names:
             for g in groups:
-                lead = inputs[g[0]]
-                if lead.shape == inputs[n].shape and torch_equal(lead, inputs[n]):
+                if _same(inputs[g[0]], inputs[n]):
                     g.append(n)
                     break
             else:
@@ -243,13 +242,13 @@ def _group(inputs: dict, groups: list | None, layer) -> list:
         return groups
     for g in groups:
         for n in g[1:]:
-            if not torch_equal(inputs[g[0]], inputs[n]):
+            if not _same(inputs[g[0]], inputs[n]):
                 raise FqError(f"layer {layer}: linears {g[0]} and {n} read the same input in the first batch but not "
                               "in a later one")
     return groups
 
 
-def torch_equal(a, b) -> bool:
+def _same(a, b) -> bool:
     import torch
 
     return a.shape == b.shape and bool(torch.equal(a, b))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from fq.core import canonical
 from fq.errors import FqError
-from fq.hessian.store import pack, packed_len, unpack
+from fq.hessian.store import check_finite, pack, packed_len, read_bound, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -173,16 +173,10 @@ class LinearHessians:
 
 def read_linear_hessians(path: str | os.PathLike, expect_sha256: str | None = None) -> LinearHessians:
     """Read and check a linear Hessian file (digest, metadata, tensor set, dtypes, shapes, counts, finite values)."""
-    import torch
-
-    from fq.model.shards import read_whole, tensors_in_range
+    from fq.model.shards import tensors_in_range
 
     where = str(path)
-    header, data = read_whole(path, "the linear Hessian file")
-    digest = canonical.sha256_hex(data)
-    if expect_sha256 is not None and digest != expect_sha256:
-        raise FqError(f"{where}: sha256 {digest}, expected {expect_sha256} (field hessian_sha256: not the linear "
-                      "Hessian file the encode is bound to)")
+    header, data, digest = read_bound(path, expect_sha256, "linear Hessian")
     meta = _check_meta(dict(header.metadata), where)
     want = {}
     for i, g in enumerate(meta["groups"]):
@@ -201,7 +195,5 @@ def read_linear_hessians(path: str | os.PathLike, expect_sha256: str | None = No
     for i, c in enumerate(counts):
         if c != meta["tokens"]:
             raise FqError(f"{where}: tensor 'h.{i}.count' is {c}, expected tokens = {meta['tokens']}")
-    for name, v in t.items():
-        if not bool(torch.isfinite(v).all()):
-            raise FqError(f"{where}: tensor {name!r} has non-finite values")
+    check_finite(t, where)
     return LinearHessians(where, digest, meta, counts, t)

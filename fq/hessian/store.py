@@ -208,18 +208,33 @@ class LayerHessians:
         return h / c
 
 
-def read_hessians(path: str | os.PathLike, expect_sha256: str | None = None) -> LayerHessians:
-    """Read and check a Hessian file (digest, metadata, tensor set, dtypes, shapes, counts, finite values)."""
-    import torch
+def read_bound(path: str | os.PathLike, expect_sha256: str | None, what: str):
+    """(header, data, sha256) of a Hessian file (``what``: "Hessian", "linear Hessian"), refused when it is not the
+    one an encode is bound to."""
+    from fq.model.shards import read_whole
 
-    from fq.model.shards import read_whole, tensors_in_range
-
-    where = str(path)
-    header, data = read_whole(path, "the Hessian file")
+    header, data = read_whole(path, f"the {what} file")
     digest = canonical.sha256_hex(data)
     if expect_sha256 is not None and digest != expect_sha256:
-        raise FqError(f"{where}: sha256 {digest}, expected {expect_sha256} (field hessian_sha256: not the Hessian file "
+        raise FqError(f"{path}: sha256 {digest}, expected {expect_sha256} (field hessian_sha256: not the {what} file "
                       "the encode is bound to)")
+    return header, data, digest
+
+
+def check_finite(tensors: dict, where: str) -> None:
+    import torch
+
+    for name, v in tensors.items():
+        if not bool(torch.isfinite(v).all()):
+            raise FqError(f"{where}: tensor {name!r} has non-finite values")
+
+
+def read_hessians(path: str | os.PathLike, expect_sha256: str | None = None) -> LayerHessians:
+    """Read and check a Hessian file (digest, metadata, tensor set, dtypes, shapes, counts, finite values)."""
+    from fq.model.shards import tensors_in_range
+
+    where = str(path)
+    header, data, digest = read_bound(path, expect_sha256, "Hessian")
     meta = _check_meta(header.metadata, where)
     n, m, E = meta["hidden_size"], meta["intermediate_size"], meta["n_experts"]
     want = {"input": ("F32", (packed_len(n),)), "input.count": ("I64", ())}
@@ -250,7 +265,5 @@ def read_hessians(path: str | os.PathLike, expect_sha256: str | None = None) -> 
                           "token reaches every expert)")
         if not 0 <= c <= meta["tokens"]:
             raise FqError(f"{where}: down.count[{e}] is {c}, expected 0..{meta['tokens']}")
-    for name, v in t.items():
-        if not bool(torch.isfinite(v).all()):
-            raise FqError(f"{where}: tensor {name!r} has non-finite values")
+    check_finite(t, where)
     return LayerHessians(where, digest, meta, input_count, down_counts, t)

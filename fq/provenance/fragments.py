@@ -285,19 +285,25 @@ def write_fragment(path: str | os.PathLike, *, layout: ExpertLayout, node: str, 
         for proj in layout.projections:
             tset = projs[proj]
             where = f"fragment {node} layer {layer} expert {ex} {proj}"
-            rs = {s: _as_raw(layout.key(layer, ex, proj, s), t) for s, t in tset.items()}
-            marker = rs.get(codebook)
-            value = int.from_bytes(marker.data, "little", signed=True) if marker and len(marker.data) == 4 else None
-            lin = derive_linear({s: (r.dtype, r.shape) for s, r in rs.items()}, where, value)
-            if (lin.K, lin.codebook) != (K, codebook):
-                raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, fragment declares K={K} {codebook}")
-            for s in SCALE_SUFFIXES:
-                check_scale(rs[s].data, f"{where} {s}")
-            raws.extend(rs[s] for s in suffixes(codebook))
+            raws.extend(_coded_set({s: _as_raw(layout.key(layer, ex, proj, s), t) for s, t in tset.items()},
+                                   K, codebook, where))
     meta = {"format": FORMAT, "kind": "expert", "node": node, "role": role, "layer": str(layer), "block": str(block),
             "K": str(K), "codebook": codebook, "layout": json.dumps(layout.to_json(), separators=(",", ":"))}
     write_shard(path, raws, meta)
     return _describe_path(path)
+
+
+def _coded_set(rs: dict, K: int, codebook: str, where: str) -> list:
+    """One linear's codec tensor set (suffix -> RawTensor), checked to be K-bit ``codebook`` EXL3 with valid scales:
+    its tensors in the order a fragment stores them."""
+    marker = rs.get(codebook)
+    value = int.from_bytes(marker.data, "little", signed=True) if marker and len(marker.data) == 4 else None
+    lin = derive_linear({s: (r.dtype, r.shape) for s, r in rs.items()}, where, value)
+    if (lin.K, lin.codebook) != (K, codebook):
+        raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, fragment declares K={K} {codebook}")
+    for s in SCALE_SUFFIXES:
+        check_scale(rs[s].data, f"{where} {s}")
+    return [rs[s] for s in suffixes(codebook)]
 
 
 def write_linears(path: str | os.PathLike, *, node: str, cls: str, layer: int | None, K: int, codebook: str,
@@ -315,16 +321,8 @@ def write_linears(path: str | os.PathLike, *, node: str, cls: str, layer: int | 
     for name in sorted(linears):
         if not _LINEAR_NAME.fullmatch(name):
             raise FqError(f"linear fragment {node}: linear name {name!r} is not a dotted tensor prefix")
-        where = f"linear fragment {node} {name}"
-        rs = {s: _as_raw(f"{name}.{s}", t) for s, t in linears[name].items()}
-        marker = rs.get(codebook)
-        value = int.from_bytes(marker.data, "little", signed=True) if marker and len(marker.data) == 4 else None
-        lin = derive_linear({s: (r.dtype, r.shape) for s, r in rs.items()}, where, value)
-        if (lin.K, lin.codebook) != (K, codebook):
-            raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, fragment declares K={K} {codebook}")
-        for s in SCALE_SUFFIXES:
-            check_scale(rs[s].data, f"{where} {s}")
-        raws.extend(rs[s] for s in suffixes(codebook))
+        raws.extend(_coded_set({s: _as_raw(f"{name}.{s}", t) for s, t in linears[name].items()}, K, codebook,
+                               f"linear fragment {node} {name}"))
     meta = {"format": FORMAT, "kind": "linear", "node": node, "class": cls,
             "layer": "head" if layer is None else str(layer), "K": str(K), "codebook": codebook}
     write_shard(path, raws, meta)

@@ -478,8 +478,8 @@ class Campaign:
 
     def linear_skeletons(self, node: str, layer: int | None) -> list[str]:
         """The committed skeleton shards a linear job reads."""
-        return sorted({ref["shard"] for ref in self.linear_sources(node, layer).values()}
-                      | {ref["scale_shard"] for ref in self.linear_sources(node, layer).values() if "scale_shard" in ref})
+        refs = self.linear_sources(node, layer).values()
+        return sorted({ref["shard"] for ref in refs} | {ref["scale_shard"] for ref in refs if "scale_shard" in ref})
 
     def linear_files(self) -> list[str]:
         """Every linear fragment with its attestation and metrics."""

@@ -23,20 +23,28 @@ def source_statement(doc: dict, shards) -> dict:
             "shards": [{"name": s, "sha256": src["shards"][s]["sha256"]} for s in sorted(set(shards))]}
 
 
-def extract_skeleton(campaign_json: str, key_path: str, staged: str, tensors: list[str], out: str,
-                     lock_dir: str | None = None) -> None:
+def _begin(campaign_json: str, key_path: str, out: str, lock_dir: str | None, lock: str, what: str):
+    """(campaign document, signing key) of a skeleton job, after taking its worker lock and removing the temps an
+    interrupted write of ``out`` left."""
     from fq.provenance.fragments import attestation_name
     from fq.workflow import locks
     from fq.workflow.common import check_signer
 
-    shard = Path(out).name
+    name = Path(out).name
     if lock_dir is not None:
-        locks.hold_worker(lock_dir, f"skeleton-{shard}", f"skeleton {shard}")
-        for p in locks.remove_dead_temps(Path(out).parent, [shard, attestation_name(shard)]):
+        locks.hold_worker(lock_dir, lock, what)
+        for p in locks.remove_dead_temps(Path(out).parent, [name, attestation_name(name)]):
             print(f"removed {p}: leftover of an interrupted write of this skeleton", file=sys.stderr)
     doc = canonical.load(campaign_json)
     priv = keys.load_private(key_path)
     check_signer(doc, priv.public_key(), key_path)
+    return doc, priv
+
+
+def extract_skeleton(campaign_json: str, key_path: str, staged: str, tensors: list[str], out: str,
+                     lock_dir: str | None = None) -> None:
+    doc, priv = _begin(campaign_json, key_path, out, lock_dir, f"skeleton-{Path(out).name}",
+                       f"skeleton {Path(out).name}")
     shard = Path(staged).name
     with open(staged, "rb") as fh:
         header = read_header(fh, staged)
@@ -54,18 +62,9 @@ def derive_variant(campaign_json: str, key_path: str, whole: str, tensors: list[
     """The skeleton shard ``whole`` (committed, verified here under the campaign key) without the tensors a
     whole-model base replaces: ``tensors`` kept, byte-verbatim, attested per tensor like the whole shard."""
     from fq.provenance.attest.fragment import verify_shard
-    from fq.provenance.fragments import attestation_name
-    from fq.workflow import locks
-    from fq.workflow.common import check_signer
 
-    name = Path(out).name
-    if lock_dir is not None:
-        locks.hold_worker(lock_dir, f"skeleton-{Path(out).parent.name}-{name}", f"skeleton variant {out}")
-        for p in locks.remove_dead_temps(Path(out).parent, [name, attestation_name(name)]):
-            print(f"removed {p}: leftover of an interrupted write of this skeleton", file=sys.stderr)
-    doc = canonical.load(campaign_json)
-    priv = keys.load_private(key_path)
-    check_signer(doc, priv.public_key(), key_path)
+    doc, priv = _begin(campaign_json, key_path, out, lock_dir, f"skeleton-{Path(out).parent.name}-{Path(out).name}",
+                       f"skeleton variant {out}")
     w = Path(whole)
     att = verify_shard(w.parent, w.name, priv.public_key(), campaign=doc["identity"])
     shard = att.predicate["source_shard"]

@@ -117,6 +117,20 @@ def check_quant_args(pred: dict, where: str) -> None:
         raise FqError(f"{where}: quant_args hessian capture {h['capture']!r} is not one of {', '.join(store.MODES)}")
 
 
+def _described(path, info: ShardInfo | None, node_digest, digest_of: str) -> tuple[Path, ShardInfo]:
+    """(path, its digests): ``info`` as the writer returned it (checked to be this file's), or digested here; and
+    ``node_digest`` checked to be a sha256 (``digest_of``: what computes it)."""
+    if info is None:
+        p, info = _describe(path)
+    else:
+        p = Path(path)
+        if info.name != p.name:
+            raise FqError(f"{p}: the digests given are those of {info.name}")
+    if not (isinstance(node_digest, str) and SHA256_HEX.fullmatch(node_digest)):
+        raise FqError(f"{p}: node_digest {node_digest!r} is not a sha256 hex digest ({digest_of})")
+    return p, info
+
+
 def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
                     encoder: dict, quant_args: dict, node_digest: str, parent: dict | None = None,
                     determinism: dict | None = None, info: ShardInfo | None = None) -> Attested:
@@ -125,14 +139,7 @@ def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
     ``parent`` = {name, sha256} of the parent's committed fragment, required for a stage and refused
     for a base. ``info``: what write_fragment returned for this file (it read the committed file back and
     digested it), so the writer does not read and hash the same bytes twice; None: digest the file here."""
-    if info is None:
-        p, info = _describe(path)
-    else:
-        p = Path(path)
-        if info.name != p.name:
-            raise FqError(f"{p}: the digests given are those of {info.name}")
-    if not (isinstance(node_digest, str) and SHA256_HEX.fullmatch(node_digest)):
-        raise FqError(f"{p}: node_digest {node_digest!r} is not a sha256 hex digest (Recipe.node_digest)")
+    p, info = _described(path, info, node_digest, "Recipe.node_digest")
     if info.kind != "expert":
         raise FqError(f"{p}: is a {info.kind} shard; use attest_skeleton")
     m = info.meta
@@ -165,14 +172,7 @@ def attest_linears(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign:
                    info: ShardInfo | None = None) -> Attested:
     """Sign a linear fragment (a linear node's encoding of one class of one layer, or of the head); ``node_digest``:
     ``LinearNode.digest``, which a base's plan names for that class."""
-    if info is None:
-        p, info = _describe(path)
-    else:
-        p = Path(path)
-        if info.name != p.name:
-            raise FqError(f"{p}: the digests given are those of {info.name}")
-    if not (isinstance(node_digest, str) and SHA256_HEX.fullmatch(node_digest)):
-        raise FqError(f"{p}: node_digest {node_digest!r} is not a sha256 hex digest (LinearNode.digest)")
+    p, info = _described(path, info, node_digest, "LinearNode.digest")
     if info.kind != "linear":
         raise FqError(f"{p}: is a {info.kind} shard; use attest_{'skeleton' if info.kind == 'skeleton' else 'fragment'}")
     m = info.meta
