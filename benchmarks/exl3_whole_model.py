@@ -1,17 +1,25 @@
 """Whole-model bases against exllamav3's own converter at the same total bits, both run by exllamav3 on the GPU.
 
-For a published campaign (``CAMPAIGN``: published/, signer.pub, demo-model/): every bare base of the publication is
-verified under the pinned key and staged from the verified bytes (``fq.runtime.load.verify_product``,
-``fq.runtime.exl3.stage_base``), then loaded by exllamav3; exllamav3's converter (``python -m
-exllamav3.conversion.convert_model``, default allocation, head 6 bits, optionally ``-hq``) quantizes the same source
-at each ``--bits`` and at each fq whole-model base's own total bits (its ``quantization_config.bits``). Every model
-runs the same held-out windows; KL(source || model) is measured per position against the source in transformers
-(float32), with the standard error of the mean, and per fq base the paired per-position difference to the converter
-at its bits (mean and standard error). Sizes are the bytes of each directory's ``*.safetensors``.
+For a published campaign (``CAMPAIGN``: published/, signer.pub, demo-model/, and optionally the campaign's
+calibration tokens as calibration-tokens.safetensors): every bare base of the publication is verified under the
+pinned key and staged from the verified bytes (``fq.runtime.load.verify_product``, ``fq.runtime.exl3.stage_base``),
+then loaded by exllamav3. exllamav3's converter (``python -m exllamav3.conversion.convert_model``) quantizes the same
+source once per fq whole-model base and per ``--reference``:
 
-    python3 benchmarks/exl3_whole_model.py CAMPAIGN OUT [--bits 2 3 4] [--hq] [--tokens 2048] [--seq 256]
+- ``recipe``: fq's own allocation given to the converter as a per-tensor recipe (``-rcp``: experts, attention, shared
+  experts, dense MLP and head at the base's bits), calibrated on the campaign's own tokens (``-cd``) when present:
+  equal bytes, so the difference is the quantizer's alone;
+- ``default``: ``-b`` the base's total bits, the converter's own allocation and its bundled calibration corpus;
+- ``hq``: the same with ``-hq`` (its floors can overshoot ``-b``: the size ratio says by how much).
 
-Writes ``OUT/whole_model.json`` and prints a markdown table.
+Every model runs the same held-out windows; KL(source || model) is measured per position against the source in
+transformers (float32), with the standard error of the mean, and per fq base the paired per-position difference to
+each reference at its bits (mean and standard error). Sizes are the bytes of each directory's ``*.safetensors``.
+
+    python3 benchmarks/exl3_whole_model.py CAMPAIGN OUT [--reference recipe default hq] [--tokens 2048] [--seq 256]
+
+Writes ``OUT/whole_model.json`` (after every conversion, so a run cut short keeps what it measured) and prints a
+markdown table.
 """
 from __future__ import annotations
 
@@ -68,10 +76,44 @@ def tensor_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.glob("*.safetensors"))
 
 
-def convert(src: Path, out: Path, work: Path, bits: float, hq: bool) -> Path:
+CLASS_PATTERNS = {  # exllamav3's tensor keys per fq skeleton class; later entries override earlier ones
+    "dense": "model.layers.*.mlp.*_proj",
+    "shared": "model.layers.*.mlp.shared_experts.*",
+    "experts": "model.layers.*.mlp.experts.*",
+    "attention": "model.layers.*.self_attn.*",
+}
+
+
+def recipe_yaml(qc: dict, path: Path) -> Path:
+    """fq's allocation (a whole-model base's quantization_config) as an exllamav3 per-tensor recipe."""
+    import yaml
+
+    bits = dict(qc["linear_bits"], experts=qc["expert_bits"])
+    tensors = {CLASS_PATTERNS[c]: int(bits.get(c, 16)) for c in CLASS_PATTERNS}
+    path.write_text(yaml.safe_dump({"target_bpw": qc["bits"], "head_bits": int(qc["linear_bits"].get("head", 16)),
+                                    "tensors": tensors}, sort_keys=False))
+    return path
+
+
+def exl3_cal_data(campaign: Path, scratch: Path) -> list[str]:
+    """The campaign's calibration tokens (fq's token file) as the converter's -cd file, with its rows and columns."""
+    f = campaign / "calibration-tokens.safetensors"
+    if not f.is_file():
+        return []
+    from safetensors.torch import load_file, save_file
+
+    ids = load_file(str(f))["tokens"]
+    save_file({"input_ids": ids.to(torch.int64).contiguous()}, str(scratch / "cal.safetensors"))
+    return ["-cd", str(scratch / "cal.safetensors"), "-cr", str(ids.shape[0]), "-cc", str(ids.shape[1])]
+
+
+def convert(src: Path, out: Path, work: Path, args: list[str], log: Path) -> Path:
     cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(src), "-o", str(out), "-w", str(work),
-           "-b", f"{bits:g}"] + (["-hq"] if hq else [])
-    subprocess.run(cmd, check=True)
+           *args]
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
     return out
 
 
@@ -79,8 +121,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("campaign", type=Path)
     p.add_argument("out", type=Path)
-    p.add_argument("--bits", type=float, nargs="*", default=[2.0, 3.0, 4.0])
-    p.add_argument("--hq", action="store_true")
+    p.add_argument("--reference", nargs="+", choices=["recipe", "default", "hq"], default=["recipe", "default", "hq"])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args(argv)
@@ -96,38 +137,51 @@ def main(argv=None) -> int:
     products = read_publication(root, key).predicate["products"]
     ids = windows(args.campaign, args.tokens, args.seq)
     ref = source_logprobs(src, ids)
-    rows, kls = [], {}
+    rows, kls, qcs = [], {}, {}
     for name in sorted(n for n, e in products.items() if len(e["chain"]) == 1):
         vc = verify_product(root / products[name]["file"], key)
         with tempfile.TemporaryDirectory() as tmp:
             stage_base(vc, Path(tmp))
             kls[f"fq {name}"] = kl_per_position(ref, exl3_logprobs(ex, Path(tmp), ids))
-        qc = json.loads((root / "base" / name / "config.json").read_text())["quantization_config"]
+        qc = qcs[name] = json.loads((root / "base" / name / "config.json").read_text())["quantization_config"]
         rows.append({"model": f"fq {name}", "bits": qc["bits"], "expert_bits": qc.get("expert_bits", qc["bits"]),
                      "bytes": tensor_bytes(root / "base" / name), "whole_model": "linear_bits" in qc})
-    targets = sorted(set(args.bits) | {r["bits"] for r in rows if r["whole_model"]})
-    for bits in targets:
-        scratch = Path(tempfile.mkdtemp(prefix=f"exl3-b{bits:g}-"))  # converted models stay off OUT
-        d = convert(src, scratch / "model", scratch / "work", bits, args.hq)
-        kls[f"exllamav3 -b {bits:g}"] = kl_per_position(ref, exl3_logprobs(ex, d, ids))
-        rows.append({"model": f"exllamav3 -b {bits:g}{' -hq' if args.hq else ''}", "bits": bits, "bytes": tensor_bytes(d),
-                     "whole_model": True})
-    for r in rows:
-        r["kl"], r["kl_se"] = mean_se(kls[r["model"].removesuffix(" -hq")])
-        if r["model"].startswith("fq ") and r["whole_model"]:
-            other = f"exllamav3 -b {r['bits']:g}"
-            diff = kls[r["model"]] - kls[other]
-            r["vs_exllamav3"] = {"model": other, "kl_diff": mean_se(diff)[0], "kl_diff_se": mean_se(diff)[1],
-                                 "bytes_ratio": r["bytes"] / next(x["bytes"] for x in rows if x["model"].startswith(other))}
-    doc = {"positions": int(ids.numel()), "seq": args.seq, "hq": args.hq, "rows": rows}
+        rows[-1]["kl"], rows[-1]["kl_se"] = mean_se(kls[rows[-1]["model"]])
+    doc = {"positions": int(ids.numel()), "seq": args.seq, "rows": rows}
+    scratch = Path(tempfile.mkdtemp(prefix="exl3-ref-"))  # converted models stay off OUT
+    cal = exl3_cal_data(args.campaign, scratch)
+    log = args.out / "convert.log"
+    done_default: dict[float, str] = {}
+    for ref_kind in args.reference:
+        for name in sorted(n for n, qc in qcs.items() if "linear_bits" in qc):
+            qc = qcs[name]
+            if ref_kind == "recipe":
+                label = f"exllamav3 -rcp {name}"
+                cargs = ["-rcp", str(recipe_yaml(qc, scratch / f"{name}.yaml")), "-b", f"{qc['bits']:g}", *cal]
+            else:
+                label = f"exllamav3 -b {qc['bits']:g}" + (" -hq" if ref_kind == "hq" else "")
+                cargs = ["-b", f"{qc['bits']:g}"] + (["-hq"] if ref_kind == "hq" else [])
+            if label not in kls:
+                d = convert(src, scratch / label.replace(" ", "_"), scratch / (label.replace(" ", "_") + "-work"),
+                            cargs, log)
+                kls[label] = kl_per_position(ref, exl3_logprobs(ex, d, ids))
+                k, se = mean_se(kls[label])
+                rows.append({"model": label, "reference": ref_kind, "bits": qc["bits"], "bytes": tensor_bytes(d),
+                             "whole_model": True, "kl": k, "kl_se": se})
+            other = next(r for r in rows if r["model"] == label)
+            diff = kls[f"fq {name}"] - kls[label]
+            mine = next(r for r in rows if r["model"] == f"fq {name}")
+            mine.setdefault("vs_exllamav3", {})[ref_kind] = {
+                "model": label, "kl_diff": mean_se(diff)[0], "kl_diff_se": mean_se(diff)[1],
+                "bytes_ratio": mine["bytes"] / other["bytes"]}
+            (args.out / "whole_model.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     (args.out / "whole_model.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print("| model | bits (whole model) | tensor bytes | KL vs source ± SE | paired ΔKL vs exllamav3 ± SE | size ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | bits (whole model) | tensor bytes | KL vs source ± SE | vs exllamav3: paired ΔKL ± SE (size ratio) |")
+    print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        v = r.get("vs_exllamav3")
-        vs = f"{v['kl_diff']:+.5f} ± {v['kl_diff_se']:.5f}" if v else ""
-        ratio = f"{v['bytes_ratio']:.4f}" if v else ""
-        print(f"| {r['model']} | {r['bits']} | {r['bytes']:,} | {r['kl']:.5f} ± {r['kl_se']:.5f} | {vs} | {ratio} |")
+        vs = "; ".join(f"{k}: {v['kl_diff']:+.5f} ± {v['kl_diff_se']:.5f} ({v['bytes_ratio']:.4f})"
+                       for k, v in r.get("vs_exllamav3", {}).items())
+        print(f"| {r['model']} | {r['bits']} | {r['bytes']:,} | {r['kl']:.5f} ± {r['kl_se']:.5f} | {vs} |")
     return 0
 
 

@@ -1,7 +1,13 @@
 """A calibrated campaign (config ``calibration:``), run for real by Snakemake on the demo model: the calibration
 chain, Hessian artifacts bound per layer, LDLQ fragments whose attestations name the bound Hessian, and the
 refusals that keep a campaign from mixing Hessians (a re-capture that differs, a swapped Hessian file, a fragment
-attesting another Hessian)."""
+attesting another Hessian).
+
+Its base is a whole-model base (recipe ``skeleton``): attention, the shared experts, the dense MLP and lm_head are
+quantized too. One linear node per (class, K, codebook) shared by the bases that name it, LDLQ against the linears'
+own input Hessians, fragments attested and verified by every consumer, the quantized tensors replacing the bf16 ones
+in the base directory, the derived config's whole-model bits, and the CPU runtime loading it (the tests after the
+calibration ones; one campaign for both keeps the suite inside its budget)."""
 from __future__ import annotations
 
 import base64
@@ -16,15 +22,20 @@ import pytest
 import torch
 
 from fq.core import canonical
-from test_workflow import REPO, RECIPE, campaign, smk, write_config
+from safetensors import safe_open
+
+from test_workflow import REPO, RECIPE, campaign, job_counts, smk, write_config
 
 pytestmark = pytest.mark.slow
 
 CALIBRATION = {"text": None, "sha256": None, "rows": 4, "columns": 64, "capture": "all-experts",
                "compare_weight_only": True}
 EVAL = {"text": None, "tokens": 512, "seq_len": 128}  # 4 windows: small, the twins are measured beside each product
-# the base and one stage on its 2 hottest experts per layer: a stage's Hessian and twin, with few encodes
-RECIPE2 = dict(RECIPE, nodes=[RECIPE["nodes"][0], dict(RECIPE["nodes"][1], experts={"hot": 2})],
+# the base and one stage on its 2 hottest experts per layer: a stage's Hessian and twin, with few encodes. The base
+# is a whole-model one (recipe skeleton: attention, the shared experts, the dense MLP and lm_head quantized too), so
+# the whole-model tests (the rest of this module, after the calibration ones) share this campaign
+FULL = {"attention": 4, "shared": 4, "dense": 4, "head": 6}
+RECIPE2 = dict(RECIPE, nodes=[dict(RECIPE["nodes"][0], skeleton=FULL), dict(RECIPE["nodes"][1], experts={"hot": 2})],
                products=RECIPE["products"][:2])
 # The campaign plans the stage's experts from the usage recorded with the demo model (config usage:) instead of
 # measuring it again (the usage job: test_workflow.py)
@@ -155,8 +166,6 @@ def test_fq_verify_refuses_a_published_layer_with_two_hessians(cal, tmp_path):
 def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_product(cal):
     """calibration.compare_weight_only: every fragment also encoded weight-only (a stage against its parent's twin),
     unsigned, never published; fq eval measures each product's twin with the same windows, the report shows both."""
-    from safetensors import safe_open
-
     from fq.codec import encode, encode_residual
     from fq.model.source import PROJECTIONS
     from fq.provenance.attest import keys
@@ -218,6 +227,153 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
     assert (out / "report" / "kl.png").stat().st_size > 0
     stmt = read_publication(out / "published", keys.load_public(out / "signer.pub"))
     assert canonical.load(out / "campaign_summary.json") == summary_view(stmt.predicate)
+
+# -- whole-model bases (the campaign's base "a" names skeleton FULL) ----------------------------------------------------
+# a second base naming attention at K4 too (planned only: the dry run shows the shared node)
+TWO_BASES = dict(RECIPE2, nodes=[*RECIPE2["nodes"], {"name": "v", "kind": "base", "K": 2, "codebook": "mul1",
+                                                      "skeleton": {"attention": 4}}],
+                 products=[*RECIPE2["products"], {"name": "v", "chain": ["v"]}])
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def test_one_linear_job_per_class_and_layer_shared_by_the_bases(cal, tmp_path):
+    d = cal
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    write_config(tmp_path / "one", RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)
+    p = smk(tmp_path / "one", "-n")
+    counts = job_counts(p.stdout + p.stderr)
+    # attention K4 (3 layers), shared K4 (2 MoE layers), dense K4 (layer 0), head K6
+    assert counts["encode_linears"] == 3 + 2 + 1 + 1 and counts["calib_head"] == 1
+    c = campaign(d)
+    assert [n["name"] for n in c.plan.linears] == ["attention-K4-mul1", "shared-K4-mul1", "dense-K4-mul1",
+                                                   "head-K6-mul1"]
+    # a K2 base naming attention K4 as well adds its experts' jobs and no linear job
+    write_config(tmp_path / "two", TWO_BASES, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)
+    p = smk(tmp_path / "two", "-n")
+    two = job_counts(p.stdout + p.stderr)
+    assert two["encode_linears"] == counts["encode_linears"] and two["encode"] > counts["encode"]
+    c2 = campaign(tmp_path / "two")
+    nodes = {n["name"]: n for n in c2.plan.to_json()["nodes"]}
+    assert nodes["v"]["skeleton"] == {"attention": "attention-K4-mul1"}
+    assert nodes["a"]["skeleton"]["attention"] == "attention-K4-mul1"
+    assert set(c2.base_linear_fragments("v")) < set(c2.base_linear_fragments("a"))
+
+
+def test_linear_fragments_are_ldlq_against_their_bound_hessians(cal):
+    d = cal
+    c = campaign(d)
+    for node, layer in c.linear_jobs:
+        path = Path(c.linear_fragment(node, layer))
+        pred = statement(path)["predicate"]
+        bound = canonical.load(c.linear_hessian_binding(layer))
+        assert pred["kind"] == "linear" and pred["quant_args"]["objective"].startswith("LDLQ")
+        assert pred["quant_args"]["hessian"]["sha256"] == bound["sha256"] == hashlib.sha256(
+            Path(c.linear_hessian(layer)).read_bytes()).hexdigest()
+        metrics = canonical.load(c.linear_metrics(node, layer))
+        assert all(0 < m["proxy_err"] < 0.05 for m in metrics["linears"].values()), metrics
+
+
+def test_published_base_holds_the_quantized_linears_and_verifies(cal):
+    d = cal
+    out = d / "campaign"
+    pub = out / "published"
+    p = subprocess.run([sys.executable, "-m", "fq", "verify", str(pub), "--key", str(out / "signer.pub")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    index = json.loads((pub / "base" / "a" / "model.safetensors.index.json").read_text())["weight_map"]
+    # no bf16 weight of a quantized linear is left; embeddings, norms and the router stay as published
+    assert not [k for k in index if k.endswith("_proj.weight") and ".experts." not in k]
+    assert "lm_head.weight" not in index and "lm_head.trellis" in index
+    assert "model.embed_tokens.weight" in index and "model.norm.weight" in index
+    assert "model.layers.1.mlp.gate.weight" in index and "model.layers.0.self_attn.q_proj.trellis" in index
+    for name, shard in index.items():
+        assert name in _keys(pub / "base" / "a" / shard)
+    # the product's payload bytes (publication, summary) count its linear fragments beside its expert fragments
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
+
+    stmt = read_publication(pub, keys.load_public(out / "signer.pub"))
+    plan = canonical.loads(base64.b64decode(canonical.loads((pub / "assemblies" / "a.assembly.intoto.jsonl")
+                                                            .read_bytes())["payload"]))["predicate"]
+    sizes = [(pub / f["name"]).stat().st_size for f in [*plan["fragments"], *plan["linears"]]]
+    assert [f["size"] for f in plan["linears"]] == [(pub / f["name"]).stat().st_size for f in plan["linears"]]
+    assert stmt.predicate["products"]["a"]["bytes"] == sum(sizes)
+    assert canonical.load(out / "campaign_summary.json")["products"]["a"]["bytes"] == sum(sizes)
+
+
+def test_derived_config_states_bits_over_the_whole_model(cal):
+    d = cal
+    base = d / "campaign" / "published" / "base" / "a"
+    q = json.loads((base / "config.json").read_text())["quantization_config"]
+    assert q["expert_bits"] == 3 and q["head_bits"] == 6 and q["linear_bits"] == FULL
+    assert q["calibration"] == {"rows": CALIBRATION["rows"], "cols": CALIBRATION["columns"]}
+    # bits, recomputed from the published tensors: the stored bytes of every linear but the embeddings, the head and
+    # the routers over the weights they hold (exllamav3's convention: head_bits apart)
+    index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    mods: dict = {}
+    for name, shard in index.items():
+        mod, _, leaf = name.rpartition(".")
+        with safe_open(str(base / shard), "pt") as f:
+            t = f.get_tensor(name)
+        mods.setdefault(mod, {})[leaf] = t
+    n_bytes = n_weights = 0
+    for mod, ts in mods.items():
+        if mod == "lm_head" or mod.endswith(("embed_tokens", ".gate")):
+            continue
+        if "trellis" in ts:
+            n_weights += ts["trellis"].shape[0] * 16 * ts["trellis"].shape[1] * 16
+        elif "weight" in ts and ts["weight"].dim() == 2:
+            n_weights += ts["weight"].numel()
+        else:
+            continue
+        n_bytes += sum(t.numel() * t.element_size() for k, t in ts.items() if k != "bias")
+    assert q["bits"] == round(8 * n_bytes / n_weights, 4) and 3 < q["bits"] < 4.5
+
+
+def test_a_tampered_linear_fragment_is_refused_by_verify(cal, tmp_path):
+    d = cal
+    out = d / "campaign"
+    pub = shutil.copytree(out / "published", tmp_path / "published")
+    frag = pub / "base" / "a" / "shared-K4-mul1-layer002.safetensors"
+    raw = bytearray(frag.read_bytes())
+    raw[-3] ^= 0x40
+    frag.write_bytes(bytes(raw))
+    p = subprocess.run([sys.executable, "-m", "fq", "verify", str(pub), "--key", str(out / "signer.pub")],
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "shared-K4-mul1-layer002.safetensors" in p.stderr, p.stderr
+
+
+def test_cpu_runtime_loads_whole_model_products(cal):
+    """fq's runtime reconstructs every quantized linear from its fragment; the product's logits stay close to the
+    source's and the stage still improves on its whole-model base."""
+    from fq.provenance.attest import keys
+    from fq.runtime.load import load_checkpoint, load_product
+
+    d = cal
+    out = d / "campaign"
+    pub = keys.load_public(out / "signer.pub")
+    src = load_checkpoint(out / "demo-model")
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = torch.log_softmax(src(input_ids=ids).logits.float(), -1)
+    kl = {}
+    for p in ("a", "a.r1"):
+        m = load_product(out / "published" / "assemblies" / f"{p}.assembly.intoto.jsonl", pub,
+                         root=out / "published")
+        tensors = m.state.tensors
+        q = tensors["model.layers.0.self_attn.q_proj.weight"]
+        w = src.state_dict()["model.layers.0.self_attn.q_proj.weight"].float()
+        assert q.shape == w.shape and 0 < float((q - w).norm() / w.norm()) < 0.2
+        with torch.no_grad():
+            lp = torch.log_softmax(m.model(input_ids=ids).logits.float(), -1)
+        kl[p] = float((ref.exp() * (ref - lp)).sum(-1).mean())
+    assert all(0 < v < 0.05 for v in kl.values()), kl
+    assert kl["a.r1"] < kl["a"], kl
 
 
 def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):

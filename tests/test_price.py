@@ -324,3 +324,19 @@ def test_whole_model_bases_are_priced_with_their_linears(glm5, table):
     assert p.gpu_seconds == pytest.approx(sum(n.gpu_seconds for n in p.nodes) + sum(ln.gpu_seconds for ln in p.linears))
     text = price_table(p)
     assert "bpw experts" in text and "bpw model" in text and "attention-K4-mcg" in text
+    # calibrated: each linear encodes alone, its LDLQ paying the table's seconds times the LDLQ factor and a
+    # per-input-channel term (fitted on the H200: GLM-5's added jobs measured 0.32 GPU-h; docs/benchmarks.md)
+    from fq.planning.calibration_cost import price_calibration
+    from fq.planning.model_bits import linear_shapes
+    from fq.codec.shape import padded_shape
+    from fq.planning.price import LINEAR_LDLQ_S_PER_INPUT
+
+    cal = price_calibration(glm5, 250, 2048)
+    pc = price_recipe(r, glm5, table, calibration=cal)
+    shapes = linear_shapes(glm5)
+    for ln in pc.linears:
+        mine = [s for c, s in shapes.values() if c == ln.name.split("-")[0]]
+        want = sum(table.seconds("mcg", ln.K, padded_shape(s))[0] * cal.ldlq_factor + LINEAR_LDLQ_S_PER_INPUT * s[1]
+                   for s in mine)
+        assert ln.gpu_seconds == pytest.approx(want)
+    assert 0.25 < sum(ln.gpu_seconds for ln in pc.linears) / 3600 < 0.45

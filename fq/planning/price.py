@@ -32,6 +32,11 @@ DEFAULT_DOWNLOAD_MB_S = 125.0  # assumption: a 1 Gbit/s link to the hub; pass th
 DEFAULT_VERIFY_MB_S = 908.0  # the seed's measured finalize re-hash rate (9.32 GB in 10.263 s)
 DEFAULT_USD_PER_GPU_HOUR = 3.0  # assumption: an on-demand H200 price; pass yours
 DEFAULT_GPUS = 8
+# A linear job encodes its matrices one at a time (the experts of a block share one LDL per Hessian), so each LDLQ
+# matrix also pays its Hessian's factorization and walk set-up, growing with its input width: 1.79e-4 s per input
+# channel, fitted to benchmarks/linear_encode_cost.py's GLM-5 matrices on an H200 (docs/benchmarks.md; the cost
+# table's seconds times the LDLQ factor alone priced those jobs at half their measured 0.32 GPU-h)
+LINEAR_LDLQ_S_PER_INPUT = 1.79e-4
 
 
 # -- cost tables -------------------------------------------------------------------------------
@@ -284,7 +289,7 @@ def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq
         secs, scaled, out_b, hess_b = 0.0, False, 0, 0
         for n, shape in mine.items():
             s, sc = table.seconds(ln.codebook, ln.K, padded_shape(shape))
-            secs, scaled = secs + s * ldlq, scaled or sc
+            secs, scaled = secs + s * ldlq + (LINEAR_LDLQ_S_PER_INPUT * shape[1] if calibrated else 0.0), scaled or sc
             o, i = padded_shape(shape)
             out_b += o * i * ln.K // 8 + 2 * (i + o) + 4
         if calibrated:

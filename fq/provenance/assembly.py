@@ -139,6 +139,11 @@ def check_geometry(predicates: list[dict], infos: list, where: str) -> None:
                               f"{first[2]} has {first[0]}x{first[1]}; a chain must keep the geometry")
 
 
+def payload_bytes(plan: dict) -> int:
+    """The bytes a product's plan names: its expert fragments and, for a whole-model base, its linear fragments."""
+    return sum(f["size"] for f in plan["fragments"]) + sum(f["size"] for f in plan.get("linears", ()))
+
+
 def _linear_entry(root, lin: dict, base_dir: str, manifest, public_key, campaign: dict, product: str) -> dict:
     """One linear fragment of a whole-model base, verified, as the plan lists it."""
     name = lin["name"]
@@ -153,7 +158,8 @@ def _linear_entry(root, lin: dict, base_dir: str, manifest, public_key, campaign
     if rel is None or (manifest.files.get(rel) or (None,))[0] != att.sha256:
         raise FqError(f"plan {product}: linear fragment {name} is not in {base_dir} as its base manifest lists it")
     return {"name": name, "sha256": att.sha256, "attestation_sha256": att.attestation_sha256, "node": p["node"],
-            "class": p["class"], "layer": p["layer"], "K": p["K"], "codebook": p["codebook"], "digest": p["node_digest"]}
+            "class": p["class"], "layer": p["layer"], "K": p["K"], "codebook": p["codebook"], "digest": p["node_digest"],
+            "size": manifest.files[rel][1]}
 
 
 def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], fragments: list[str],

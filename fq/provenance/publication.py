@@ -42,7 +42,7 @@ from fq.core import atomic
 from fq.core.canonical import sha256_hex
 from fq.core.safepath import check_name, open_regular, read_regular, sha256_stream
 from fq.errors import FqError
-from fq.provenance.assembly import SUFFIX, Plan
+from fq.provenance.assembly import SUFFIX, Plan, payload_bytes
 from fq.provenance.attest import dsse
 from fq.provenance.attest.campaign import require_same
 from fq.provenance.attest.keys import fingerprint
@@ -110,7 +110,7 @@ def product_entry(plan: Plan, file: str) -> dict:
     """What a publication states about one product, derived from its verified plan."""
     p = plan.predicate
     return {"file": file, "sha256": plan.sha256, "version": p["version"], "chain": [n["node"] for n in p["chain"]],
-            "bytes": sum(f["size"] for f in p["fragments"]), "bpw": sum(n["K"] for n in p["chain"]),
+            "bytes": payload_bytes(p), "bpw": sum(n["K"] for n in p["chain"]),
             "recipe_sha256": p["recipe_sha256"]}
 
 

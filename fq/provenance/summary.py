@@ -13,7 +13,7 @@ base's manifest digest, and the products must be exactly the plans in ``assembli
 from __future__ import annotations
 
 from fq.core import canonical
-from fq.provenance.assembly import SUFFIX, Plan
+from fq.provenance.assembly import SUFFIX, Plan, payload_bytes
 
 SUMMARY_NAME = "campaign_summary.json"
 FORMAT = "fq-campaign-summary/1"
@@ -115,7 +115,7 @@ def check_summary(data: bytes, where: str, plans: dict[str, Plan], campaign: dic
             continue
         p = plan.predicate
         want = {"file": name, "sha256": plan.sha256, "chain": [n["node"] for n in p["chain"]],
-                "bytes": sum(f["size"] for f in p["fragments"])}
+                "bytes": payload_bytes(p)}
         got = {k: entry.get(k) for k in want} if isinstance(entry, dict) else {}
         for k in want:
             if got.get(k) != want[k]:
