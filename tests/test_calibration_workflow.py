@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fq.core import canonical
+from fq.errors import FqError
 from safetensors import safe_open
 
 from test_workflow import REPO, RECIPE, campaign, job_counts, smk, write_config
@@ -374,6 +375,63 @@ def test_cpu_runtime_loads_whole_model_products(cal):
         kl[p] = float((ref.exp() * (ref - lp)).sum(-1).mean())
     assert all(0 < v < 0.05 for v in kl.values()), kl
     assert kl["a.r1"] < kl["a"], kl
+
+
+def test_tp_export_cuts_the_whole_model_bases_linears_by_whole_tiles(cal, tmp_path):
+    """A whole-model base's linears in a TP export: at tp=2 (fq.tp.linears, as tp-export cuts them) each linear is
+    cut by whole 128-blocks where its layer's attention (4 heads of 64 here), its MLP (the dense layer's 512) or the
+    vocabulary (512) divides, and kept whole where not (the shared experts' 128); the pieces reconstruct exactly the
+    whole linear's rows or columns. fq tp-export of the product (tp=1, ep=2: the demo's 128-wide experts cut no
+    further) lists its linear shards in the signed index, and the loader checks them, refusing an altered byte."""
+    from fq.codec import reconstruct
+    from fq.provenance.attest import keys
+    from fq.tp import records
+    from fq.tp.export import attest_shard, tp_export
+    from fq.tp.linears import read_linear_shard, write_linears
+    from fq.tp.slicing import assemble
+    from fq.tp.sources import ExportSource, ProductSource
+
+    out = cal / "campaign"
+    pub, priv = keys.load_public(out / "signer.pub"), keys.load_private(out / "keys" / "signer.key")
+    plan = out / "published" / "assemblies" / "a.assembly.intoto.jsonl"
+    src = ProductSource(plan, pub)
+    pred = src.predicate
+    common = {"format": records.SHARD_FORMAT, "product": pred["product"], "plan_sha256": src.assembly.sha256,
+              "campaign": pred["campaign"]}
+    cut = tmp_path / "tp2"
+    files = write_linears(src, cut, {"tp": 2, "ep": 1}, common, priv, attest_shard)
+    ranks = [{}, {}]
+    for f in files:
+        _, p = records.open_record((cut / (f["name"] + ".intoto.jsonl")).read_bytes(), pub, f["name"], records.SHARD)
+        ranks[f["coords"]["tp"]].update(read_linear_shard(cut, f["name"], p))
+    whole: dict = {}
+    for frag in sorted((out / "published" / "base" / "a").glob("*-K*-mul1-*.safetensors")):
+        with safe_open(str(frag), "pt") as fh:
+            for k in fh.keys():
+                prefix, _, suffix = k.rpartition(".")
+                whole.setdefault(prefix, {})[suffix] = fh.get_tensor(k)
+    assert set(ranks[0]) == set(ranks[1]) == set(whole) and len(files) == 2 * len(pred["linears"])
+    want = {"model.layers.0.self_attn.q_proj": 0, "model.layers.2.self_attn.o_proj": 1, "model.layers.0.mlp.up_proj": 0,
+            "model.layers.0.mlp.down_proj": 1, "model.layers.1.mlp.shared_experts.gate_proj": None, "lm_head": 0}
+    for prefix, dim in want.items():
+        assert [r[prefix][1].dim if r[prefix][1] else None for r in ranks] == [dim, dim], prefix
+    for prefix, sets in whole.items():
+        full = reconstruct(sets)
+        pieces = [(r[prefix][1], reconstruct(r[prefix][0])) for r in ranks]
+        if pieces[0][0] is None:
+            assert all(torch.equal(p, full) for _, p in pieces), prefix
+        else:
+            assert torch.equal(assemble(pieces), full), prefix
+
+    res = tp_export(plan, pub, tmp_path / "ep2", tp=1, ep=2, sign_key=priv)
+    ex = ExportSource(res.path, pub, product=ProductSource(plan, pub))
+    assert {k: v[1] for k, v in ex.linear_sets(0).items()} == {k: None for k in whole}
+    f = next((res.path / "linears-tp0").glob("*.safetensors"))
+    raw = bytearray(f.read_bytes())
+    raw[-5] ^= 0x10
+    f.write_bytes(bytes(raw))
+    with pytest.raises(FqError, match="do not match the attested sha256"):
+        ExportSource(res.path, pub).linear_sets(0)
 
 
 def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):

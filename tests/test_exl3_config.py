@@ -144,6 +144,31 @@ def test_the_derivation_is_byte_reproducible(pristine, tmp_path):
     assert (other / QUANTIZATION_CONFIG).stat().st_mtime_ns == mtime
 
 
+def test_an_experts_only_base_states_its_bits_over_the_whole_model(pristine, tmp_path):
+    """What finalize writes now (whole_model_bits): ``bits`` over every linear but the embeddings, the head and the
+    routers (the routed experts at K with their scales, the skeleton's 16-bit linears), as exllamav3's converter
+    states it, ``expert_bits`` K; declared as the model_bits param, which the rule recomputes from the shards."""
+    from fq.errors import FqError
+    from fq.provenance.exl3config import storage_bits, tensor_storage
+
+    base = pristine.root / "base/k2"
+    other = tmp_path / "whole-bits"
+    other.mkdir()
+    for p in base.iterdir():
+        if p.suffix == ".safetensors" or p.name == "source_config.json":
+            shutil.copyfile(p, other / p.name)
+    shards = sorted(p.name for p in other.glob("*.safetensors"))
+    out = write_derived(other, bits=2, codebook="mul1", whole_model_bits=True)
+    want = storage_bits(tensor_storage(other, shards, 2, "mul1", None))
+    assert [d["params"] for d in out] == [{"bits": 2, "codebook": "mul1", "model_bits": want}] * 2
+    for q in (json.loads((other / "config.json").read_bytes())["quantization_config"],
+              json.loads((other / QUANTIZATION_CONFIG).read_bytes())):
+        assert q["bits"] == want and q["expert_bits"] == 2 and "linear_bits" not in q and q["head_bits"] == 16
+    assert 2 < want < 16  # the experts' scales and any 16-bit linear of the skeleton count
+    with pytest.raises(FqError, match=f"the shards hold {want} bits per weight"):
+        derive_quantization_config(other, shards, 2, "mul1", model_bits=round(want + 0.5, 4))
+
+
 def test_a_calibrated_base_states_its_calibration_rows_and_columns(pristine, tmp_path):
     """A calibrated campaign's bases say how many calibration rows and columns their Hessians came from, as the
     converter's ``calibration`` block does; the manifest declares it as a param of both rules, which a consumer

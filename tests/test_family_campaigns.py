@@ -190,7 +190,8 @@ def test_the_base_config_is_exl3_and_source_config_is_the_fp8_original(kimi):
     base = d / "campaign" / "published" / "base" / "a"
     cfg = json.loads((base / "config.json").read_text())
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == "exl3" and qc["bits"] == 3 and qc["codebook"] == "mul1"
+    assert qc["quant_method"] == "exl3" and qc["expert_bits"] == 3 and qc["codebook"] == "mul1"
+    assert 3 < qc["bits"] < 16  # over the whole model: the experts at K3 beside the FP8 attention and 16-bit linears
     assert cfg["model_type"] == "kimi_k2" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     source_cfg = json.loads((base / "source_config.json").read_text())
     assert source_cfg == json.loads((src / "config.json").read_text())
@@ -232,7 +233,10 @@ def test_finalize_lists_every_stored_tensor_as_the_converter_would(kimi):
     camp = kimi[0] / "campaign"
     base = camp / "published/base/a"
     qc = json.loads((base / QUANTIZATION_CONFIG).read_text())
-    want = {**block(3, "mul1"), "tensor_storage": storage_read_by_safetensors(base)}
+    from fq.provenance.exl3config import storage_bits
+
+    storage = storage_read_by_safetensors(base)
+    want = {**block(3, "mul1"), "bits": storage_bits(storage), "expert_bits": 3, "tensor_storage": storage}
     assert {k: v for k, v in qc.items() if k != "calibration"} == {k: v for k, v in want.items() if k != "calibration"}
     storage = qc["tensor_storage"]
     exl3 = {k for k, e in storage.items() if e.get("quant_format") == "exl3"}

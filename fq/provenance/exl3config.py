@@ -133,11 +133,14 @@ def rule_params(bits: int, codebook: str, calibration: dict | None = None, where
                 linears: dict | None = None, model_bits: float | None = None) -> dict:
     """The params both rules take, checked: ``calibration`` (``{"rows", "cols"}`` of a calibrated base's
     Hessians) only for a calibrated base, None for a weight-only one; ``linears`` ({class: K} of the non-expert
-    classes a whole-model base quantizes) and ``model_bits`` (its bits per weight over every linear but the head,
-    ``storage_bits``) only for a whole-model base."""
+    classes a whole-model base quantizes) only for a whole-model base; ``model_bits`` (the base's bits per weight
+    over every linear but the head, ``storage_bits``) for every base fq now publishes (required with ``linears``;
+    absent in the derived files of earlier campaigns, whose ``bits`` is K)."""
     params = {"bits": bits, "codebook": codebook, **({"calibration": dict(calibration)} if calibration is not None else {})}
     if linears:
-        params.update(linears=dict(linears), model_bits=model_bits)
+        params["linears"] = dict(linears)
+    if linears or model_bits is not None:
+        params["model_bits"] = model_bits
     _check_params(params, where)
     return params
 
@@ -145,15 +148,16 @@ def rule_params(bits: int, codebook: str, calibration: dict | None = None, where
 def quantization_block(bits: int, codebook: str, calibration: dict | None = None, *, linears: dict | None = None,
                        model_bits: float | None = None) -> dict:
     """The ``quantization_config`` of a base whose routed experts are EXL3 at K=``bits`` (module docstring);
-    ``calibration``: ``{"rows", "cols"}`` of a calibrated base's Hessians, None for a weight-only one. A whole-model
-    base (``linears``) states ``bits`` over the whole model (``model_bits``), ``expert_bits`` K, ``head_bits`` and
-    ``linear_bits`` (its quantized classes)."""
+    ``calibration``: ``{"rows", "cols"}`` of a calibrated base's Hessians, None for a weight-only one. With
+    ``model_bits`` it states ``bits`` over the whole model, as exllamav3's converter does, and ``expert_bits`` K; a
+    whole-model base (``linears``) also ``head_bits`` and ``linear_bits`` (its quantized classes)."""
     rule_params(bits, codebook, calibration, "quantization_config", linears=linears, model_bits=model_bits)
     block = {"quant_method": "exl3", "version": VERSION, "bits": bits, "head_bits": HEAD_BITS,
              "calibration": dict(calibration or WEIGHT_ONLY), "out_scales": "always", "codebook": codebook}
+    if model_bits is not None:
+        block.update(bits=model_bits, expert_bits=bits)
     if linears:
-        block.update(bits=model_bits, expert_bits=bits, head_bits=linears.get("head", HEAD_BITS),
-                     linear_bits=dict(linears))
+        block.update(head_bits=linears.get("head", HEAD_BITS), linear_bits=dict(linears))
     return block
 
 
@@ -202,16 +206,18 @@ def _check_params(params: dict, where: str) -> None:
     extra = sorted(set(params) - {"bits", "codebook", "calibration", "linears", "model_bits"})
     if extra:
         raise FqError(f"{where}: unknown param(s) {', '.join(extra)}; expected bits, codebook and, for a calibrated "
-                      "base, calibration; for a whole-model base, linears and model_bits")
-    if ("linears" in params) != ("model_bits" in params):
-        raise FqError(f"{where}: linears and model_bits come together (a whole-model base) or not at all")
+                      "base, calibration; model_bits; for a whole-model base, linears")
+    if "linears" in params and "model_bits" not in params:
+        raise FqError(f"{where}: linears without model_bits: a whole-model base states its bits over the model")
     if "linears" in params:
-        lin, mb = params["linears"], params["model_bits"]
+        lin = params["linears"]
         classes = ("attention", "shared", "dense", "head")
         if not isinstance(lin, dict) or not lin or not set(lin) <= set(classes) or not all(
                 type(k) is int and 1 <= k <= 8 for k in lin.values()):
             raise FqError(f"{where}: linears {lin!r}: expected {{class: K}}, classes among {', '.join(classes)}, "
                           "K in 1..8")
+    if "model_bits" in params:
+        mb = params["model_bits"]
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb <= 32:
             raise FqError(f"{where}: model_bits {mb!r}: expected a positive number of bits per weight")
     if "calibration" in params:
@@ -314,9 +320,9 @@ def derive_quantization_config(base_dir: str | os.PathLike, shards: list[str], b
                                calibration: dict | None = None, *, linears: dict | None = None,
                                model_bits: float | None = None) -> bytes:
     """``quantization_config.json`` of a base (rule ``fq-exl3-quantization-config/1``). A whole-model base's
-    ``model_bits`` must be what its shards hold (``storage_bits`` of the tensor storage)."""
+    ``model_bits``, where given, must be what its shards hold (``storage_bits`` of the tensor storage)."""
     storage = tensor_storage(base_dir, shards, bits, codebook, linears)
-    if linears:
+    if model_bits is not None:
         got = storage_bits(storage)
         if got != model_bits:
             raise FqError(f"{base_dir}: the shards hold {got} bits per weight over the model's linears, the params "
@@ -607,10 +613,11 @@ def specs(bits: int, codebook: str, calibration: dict | None = None, expert_bias
 
 
 def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, calibration: dict | None = None,
-                  linears: dict | None = None) -> list[dict]:
+                  linears: dict | None = None, whole_model_bits: bool = False) -> list[dict]:
     """Producer: write ``config.json``, the derived tensor files the base needs and ``quantization_config.json`` of
     ``base_dir`` (which holds ``source_config.json`` and every shard) and return the specs its manifest declares. A
-    file that already holds the derived bytes is left alone (finalize is idempotent)."""
+    file that already holds the derived bytes is left alone (finalize is idempotent). ``whole_model_bits`` (implied
+    by ``linears``): ``bits`` states the bits over the whole model (``model_bits``), ``expert_bits`` K."""
     base_dir = Path(base_dir)
     if not (base_dir / SOURCE_CONFIG).is_file():
         raise FqError(f"{base_dir}/{SOURCE_CONFIG}: missing; a published base keeps its source's config.json "
@@ -618,7 +625,7 @@ def write_derived(base_dir: str | os.PathLike, *, bits: int, codebook: str, cali
     listed = sorted(p.name for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
     tensor_files = needed_tensor_files(base_dir, listed)
     mb = None
-    if linears:  # the bits the shards hold: what the quantization_config rule recomputes and checks
+    if linears or whole_model_bits:  # the bits the shards hold: what the quantization_config rule recomputes, checks
         shards = [n for n in listed if n.endswith(".safetensors") and n not in TENSOR_OUTPUTS]
         mb = storage_bits(tensor_storage(base_dir, shards, bits, codebook, linears))
     out = specs(bits, codebook, calibration, expert_bias=EXPERT_BIAS in tensor_files,

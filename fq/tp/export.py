@@ -14,6 +14,9 @@ Output (written under a temporary name and renamed into place: a reader never se
     OUT/rank-epG-tpT/NODE-layerLLL-blockBBB.safetensors (+ .intoto.jsonl)
                                                   the experts of that fragment owned by ep rank G, cut for
                                                   tp rank T; same keys and per-expert layout as the fragment
+    OUT/linears-tpT/NODE-layerLLL.safetensors (+ .intoto.jsonl)
+                                                  a whole-model base's linear fragment cut for tp rank T
+                                                  (fq.tp.linears), read by that tp rank of every ep group
 
 Each rank shard's attestation (fq-tp-shard/1) names the unsliced fragment (name, sha256,
 attestation digest) and, per expert, its range here, that range's sha256, the unsliced range's sha256
@@ -34,12 +37,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from fq.core import atomic
 from fq.core.canonical import sha256_hex
-from fq.core.safepath import sha256_stream
 from fq.errors import FqError
 from fq.model.experts import expert_keys
-from fq.model.shards import RawTensor, read_header, write_shard
+from fq.model.shards import RawTensor, write_shard
 from fq.provenance.fragments import attestation_name
 from fq.tp import records
+from fq.tp.linears import write_linears
 from fq.tp.mesh import DeviceMesh, Plan, plan
 from fq.tp.moe import moe_manifest
 from fq.tp.slicing import slice_exl3
@@ -61,15 +64,6 @@ class Exported:
     assembly: object  # the verified product plan (fq.provenance.assembly.Plan)
     bytes_per_rank: dict  # (ep, tp) -> bytes of its shards
     product: object = None  # the opened product (fq.provenance.product.Product): what a state file records
-
-
-def _written(path: Path, groups: list[list[str]]) -> tuple[str, int, str, list[tuple[int, int, str]]]:
-    """(sha256, size, header sha256, [(offset, length, sha256)] per group of keys) of a shard just written."""
-    with open(path, "rb") as fh:
-        header = read_header(fh, str(path))
-        spans = [header.span(g, g[0]) for g in groups]
-        whole, size, digests = sha256_stream(fh, spans)
-    return whole, size, header.sha256, [(o, n, d) for (o, n), d in zip(spans, digests)]
 
 
 def tp_export(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *, tp: int,
@@ -105,9 +99,11 @@ def tp_export(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: s
         raise
     per_rank: dict = {}
     for f in files:
-        if f["coords"] is not None:
-            key = (f["coords"]["ep"], f["coords"]["tp"])
-            per_rank[key] = per_rank.get(key, 0) + (out / f["name"]).stat().st_size
+        if f["coords"] is not None:  # a linear shard of tp rank t serves that rank of every ep group
+            size = (out / f["name"]).stat().st_size
+            for key in ([(f["coords"]["ep"], f["coords"]["tp"])] if "ep" in f["coords"] else
+                        [(g, f["coords"]["tp"]) for g in range(ep)]):
+                per_rank[key] = per_rank.get(key, 0) + size
     return Exported(out, sha256_hex(line), len(files), cut, src.assembly, per_rank, src.product)
 
 
@@ -128,7 +124,7 @@ def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> lis
         dense = src.read_dense(sorted(need.dense))
         raws = [raw for _, (raw, _) in sorted(dense.items())]
         write_shard(tmp / REPLICATED, raws, {"format": records.SHARD_FORMAT, "kind": "replicated"})
-        sha, size, hsha, spans = _written(tmp / REPLICATED, [[r.name] for r in raws])
+        sha, size, hsha, spans = records.written(tmp / REPLICATED, [[r.name] for r in raws])
         tensors = [{"name": raw.name, "offset": o, "length": n, "sha256": d,
                     "source": {"name": s["shard"], "sha256": s["shard_sha256"],
                                "attestation_sha256": s["attestation_sha256"]}}
@@ -138,7 +134,7 @@ def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> lis
                 raise FqError(f"{REPLICATED}: {raw.name} changed while being copied")
         predicate = {**common, "kind": "replicated", "shard": {"size": size, "header_sha256": hsha},
                      "tensors": tensors}
-        files.append(_attest(tmp, REPLICATED, sha, predicate, key, "replicated", None, None, None))
+        files.append(attest_shard(tmp, REPLICATED, sha, predicate, key, "replicated", None, None, None))
 
     pending: dict = {}  # (ep, tp) -> [(expert, raws, keys, source sha, slices)] of the current fragment
     current = None
@@ -155,7 +151,7 @@ def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> lis
                     "layout": json.dumps(layout.to_json(), separators=(",", ":")), "tp": str(cut.mesh.tp),
                     "ep": str(cut.mesh.ep), "coords": json.dumps({"ep": g, "tp": t}, separators=(",", ":"))}
             write_shard(tmp / name, [r for _, raws, _, _, _ in experts for r in raws], meta)
-            sha, size, hsha, spans = _written(tmp / name, [keys for _, _, keys, _, _ in experts])
+            sha, size, hsha, spans = records.written(tmp / name, [keys for _, _, keys, _, _ in experts])
             predicate = {**common, "kind": "expert", "mesh": {"tp": cut.mesh.tp, "ep": cut.mesh.ep},
                          "coords": {"ep": g, "tp": t}, "node": p["node"], "chain_index": part, "layer": p["layer"],
                          "block": p["block"], "K": p["K"], "codebook": p["codebook"], "layout": layout.to_json(),
@@ -165,7 +161,7 @@ def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> lis
                          "experts": [{"expert": x, "offset": o, "length": n, "sha256": d, "source_sha256": ssha,
                                       "slices": slices}
                                      for (x, _, _, ssha, slices), (o, n, d) in zip(experts, spans)]}
-            files.append(_attest(tmp, name, sha, predicate, key, "expert", {"ep": g, "tp": t}, p["node"], p["layer"]))
+            files.append(attest_shard(tmp, name, sha, predicate, key, "expert", {"ep": g, "tp": t}, p["node"], p["layer"]))
         pending.clear()
 
     for f, part, att, x, sets, range_sha in src.read_experts(None):
@@ -183,10 +179,11 @@ def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> lis
             keys = expert_keys(layout, f["layer"], x, att.predicate["codebook"])
             pending.setdefault((co["ep"], co["tp"]), []).append((x, raws, keys, range_sha, slices))
     flush()
+    files += write_linears(src, tmp, {"tp": cut.mesh.tp, "ep": cut.mesh.ep}, common, key, attest_shard)
     return files
 
 
-def _attest(tmp: Path, name: str, sha: str, predicate: dict, key, kind: str, coords, node, layer) -> dict:
+def attest_shard(tmp: Path, name: str, sha: str, predicate: dict, key, kind: str, coords, node, layer) -> dict:
     line = records.sign([(name.rsplit("/", 1)[-1], sha)], records.SHARD, predicate, key)
     atomic.write_bytes(tmp / attestation_name(name), line)
     return {"name": name, "sha256": sha, "attestation_sha256": sha256_hex(line), "kind": kind, "coords": coords,

@@ -4,7 +4,9 @@
   ``https://fq.dev/tp-shard/v1``: kind ``expert`` names the unsliced fragment it was cut from (name,
   sha256, attestation digest), the mesh and the rank's coordinates, and per expert its byte range in
   this shard, that range's sha256, the unsliced range's sha256 and the slice of each projection;
-  kind ``replicated`` names, per tensor, the skeleton shard it was copied from byte for byte.
+  kind ``replicated`` names, per tensor, the skeleton shard it was copied from byte for byte; kind ``linear``
+  (a whole-model base's quantized non-expert linears, ``fq.tp.linears``) names the linear fragment it was cut
+  from, the tp rank, and per linear its unsliced (out, in), byte range here, that range's sha256 and its slice.
 - ``export.intoto.jsonl``, predicateType ``https://fq.dev/tp-export/v1``: subjects = every shard of
   the export; the predicate binds them to the product plan (digest), the MoE spec, the manifest digest
   and the mesh shape, and names every shard's attestation digest — so a missing or foreign file shows.
@@ -23,6 +25,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from referencing import Registry, Resource
 
 from fq.core.canonical import dumps, loads
+from fq.core.safepath import sha256_stream
+from fq.model.shards import read_header
 from fq.provenance.attest import dsse
 from fq.provenance.attest.statement import STATEMENT_TYPE
 
@@ -76,12 +80,29 @@ EXPORT_SCHEMA = _obj({
     "manifest_sha256": _ref("sha256"),
     "files": {"type": "array", "minItems": 1, "items": _obj({
         "name": _ref("relname"), "sha256": _ref("sha256"), "attestation_sha256": _ref("sha256"),
-        "kind": {"enum": ["expert", "replicated"]},
-        "coords": {**_COORDS, "type": ["object", "null"]},
+        "kind": {"enum": ["expert", "replicated", "linear"]},
+        "coords": {"anyOf": [_COORDS, _obj({"tp": _INT}), {"type": "null"}]},
         "node": {"type": ["string", "null"]}, "layer": {"type": ["integer", "null"]}})}})
 
-SCHEMAS = {(SHARD, "expert"): SHARD_SCHEMAS["expert"], (SHARD, "replicated"): SHARD_SCHEMAS["replicated"],
-           (EXPORT, None): EXPORT_SCHEMA}
+SHARD_SCHEMAS["linear"] = _obj({
+    **_COMMON_FIELDS, "kind": {"const": "linear"}, "mesh": _MESH, "coords": _obj({"tp": _INT}), "node": _ref("node"),
+    "class": {"enum": ["attention", "shared", "dense", "head"]}, "layer": {"type": ["integer", "null"], "minimum": 0},
+    "K": _ref("K"), "codebook": _ref("codebook"), "source": _SOURCE,
+    "linears": {"type": "array", "minItems": 1, "items": _obj({
+        "name": {"type": "string", "minLength": 1}, "shape": {"type": "array", "items": _POS, "minItems": 2, "maxItems": 2},
+        "offset": _INT, "length": _POS, "sha256": _ref("sha256"), "slice": _SLICE})}})
+
+SCHEMAS = {**{(SHARD, kind): schema for kind, schema in SHARD_SCHEMAS.items()}, (EXPORT, None): EXPORT_SCHEMA}
+
+
+def written(path, groups: list[list[str]]) -> tuple[str, int, str, list[tuple[int, int, str]]]:
+    """(sha256, size, header sha256, [(offset, length, sha256)] per group of keys) of a shard just written: what
+    its record states."""
+    with open(path, "rb") as fh:
+        header = read_header(fh, str(path))
+        spans = [header.span(g, g[0]) for g in groups]
+        whole, size, digests = sha256_stream(fh, spans)
+    return whole, size, header.sha256, [(o, n, d) for (o, n), d in zip(spans, digests)]
 
 
 @functools.lru_cache(maxsize=None)

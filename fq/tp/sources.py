@@ -32,7 +32,7 @@ from fq.provenance.manifest import read_base_manifest
 from fq.provenance.product import open_product
 from fq.tp import records
 from fq.tp.manifest import EXL3
-from fq.tp.mesh import Plan
+from fq.tp.mesh import Plan, Slice
 from fq.tp.moe import MoeLayer, MoeSpec, router_name
 from fq.tp.slicing import slice_dense, slice_exl3
 
@@ -338,9 +338,33 @@ class ExportSource:
         if p["kind"] == "expert" and (p["mesh"] != ix["mesh"] or p["coords"] != f["coords"] or
                                       p["node"] != f["node"] or p["layer"] != f["layer"]):
             raise FqError(f"{where}: mesh, coordinates, node or layer differ from the export index's")
+        if p["kind"] == "linear" and (p["mesh"] != ix["mesh"] or p["coords"] != f["coords"] or
+                                      p["node"] != f["node"] or p["layer"] != f["layer"]):
+            raise FqError(f"{where}: mesh, tp rank, node or layer differ from the export index's")
         if self.product is not None and p["kind"] == "expert":
             _bound_to_plan(p, self.product.predicate, where)
+        if self.product is not None and p["kind"] == "linear":
+            plan = {f["name"]: f for f in self.product.predicate.get("linears", ())}
+            src = plan.get(p["source"]["name"])
+            if src is None or (src["sha256"], src["attestation_sha256"]) != (p["source"]["sha256"],
+                                                                             p["source"]["attestation_sha256"]):
+                raise FqError(f"{where}: cut from {p['source']['name']} ({p['source']['sha256'][:16]}…), not a linear "
+                              "fragment of the pinned product plan")
         return p
+
+    def linear_sets(self, tp: int) -> dict[str, tuple[dict, Slice | None, tuple[int, int]]]:
+        """A whole-model base's quantized linears for tp rank ``tp`` (``fq.tp.linears.read_linear_shard`` of each
+        of its shards, after the shard's attestation is checked against the index)."""
+        from fq.tp.linears import read_linear_shard
+
+        out: dict = {}
+        for f in self.index["files"]:
+            if f["kind"] == "linear" and f["coords"] == {"tp": tp}:
+                for name, got in read_linear_shard(self.dir, f["name"], self._shard(f)).items():
+                    if name in out:
+                        raise FqError(f"{self.dir}/{f['name']}: linear {name} is in two shards of tp rank {tp}")
+                    out[name] = got
+        return out
 
     def admit(self, plan: Plan, ranks) -> list[Unit]:
         if self.product is not None:

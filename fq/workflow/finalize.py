@@ -314,7 +314,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         d = root / "base" / base.name
         with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # config.json (and the tensor files): derived, declared below
             derived = write_derived(d, bits=base.K, codebook=base.codebook, calibration=_calibration_block(c),
-                                    linears=dict(base.skeleton) or None)
+                                    linears=dict(base.skeleton) or None, whole_model_bits=True)
         with disk_full_is_one_line(d / INDEX):  # after the derived shards, which it indexes too
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
         with disk_full_is_one_line(d / MANIFEST_NAME):
