@@ -6,6 +6,7 @@ logits; bad input is refused naming the file, the tensor and what was expected."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,29 @@ def test_each_family_is_read_as_transformers_saved_it(built, arch):
     else:
         assert make_plan(recipe, src).source["exl3_architecture"] == family.exl3
     assert bool(src.exl3_problems) == (arch in UNLOADABLE), src.exl3_problems
+    # whole-model accounting (fq plan / fq price): the non-expert linears transformers' layer has on the meta device
+    # are the checkpoint's own 2-D weights, with their shapes (FP8 / fused families are checked where they differ)
+    from fq.planning.model_bits import linear_shapes
+
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    shapes = linear_shapes(src)
+    assert shapes and all(cls in ("attention", "shared", "dense", "head", "other") for cls, _ in shapes.values())
+    for prefix, (cls, shape) in shapes.items():
+        name = f"{prefix}.weight"
+        if name in index:
+            assert tuple(_saved(d, name).shape) == shape, name
+    assert {c for c, _ in shapes.values()} >= {"attention", "head"}, arch
+    saved = {n[: -len(".weight")] for n in index if n.endswith("_proj.weight") and ".experts." not in n
+             and re.search(r"\.layers\.\d+\.", n) and "visual" not in n}
+    assert saved and saved <= set(shapes), sorted(saved - set(shapes))
+    from fq.planning.price import default_cost_table_path, load_cost_table, price_recipe
+
+    whole = parse_recipe(dict(RECIPE, nodes=[dict(RECIPE["nodes"][0], skeleton={"attention": 4, "head": 6})]), "r")
+    price = price_recipe(whole, src, load_cost_table(default_cost_table_path()), allow_unloadable=True)
+    (k3,) = price.products
+    assert {ln.name for ln in price.linears} == {"attention-K4-mul1", "head-K6-mul1"}
+    assert all(ln.gpu_seconds > 0 and ln.output_bytes < ln.replaced_bytes for ln in price.linears)
+    assert 3 < k3.model_bpw < 16 and k3.bpw == 3
 
 
 def test_registry_is_consistent():
