@@ -386,7 +386,7 @@ def test_tp_export_cuts_the_whole_model_bases_linears_by_whole_tiles(cal, tmp_pa
     from fq.codec import reconstruct
     from fq.provenance.attest import keys
     from fq.tp import records
-    from fq.tp.export import attest_shard, tp_export
+    from fq.tp.export import attest_shard, shard_common, tp_export
     from fq.tp.linears import read_linear_shard, write_linears
     from fq.tp.slicing import assemble
     from fq.tp.sources import ExportSource, ProductSource
@@ -395,11 +395,8 @@ def test_tp_export_cuts_the_whole_model_bases_linears_by_whole_tiles(cal, tmp_pa
     pub, priv = keys.load_public(out / "signer.pub"), keys.load_private(out / "keys" / "signer.key")
     plan = out / "published" / "assemblies" / "a.assembly.intoto.jsonl"
     src = ProductSource(plan, pub)
-    pred = src.predicate
-    common = {"format": records.SHARD_FORMAT, "product": pred["product"], "plan_sha256": src.assembly.sha256,
-              "campaign": pred["campaign"]}
     cut = tmp_path / "tp2"
-    files = write_linears(src, cut, {"tp": 2, "ep": 1}, common, priv, attest_shard)
+    files = write_linears(src, cut, {"tp": 2, "ep": 1}, shard_common(src), priv, attest_shard)
     ranks = [{}, {}]
     for f in files:
         _, p = records.open_record((cut / (f["name"] + ".intoto.jsonl")).read_bytes(), pub, f["name"], records.SHARD)
@@ -410,7 +407,7 @@ def test_tp_export_cuts_the_whole_model_bases_linears_by_whole_tiles(cal, tmp_pa
             for k in fh.keys():
                 prefix, _, suffix = k.rpartition(".")
                 whole.setdefault(prefix, {})[suffix] = fh.get_tensor(k)
-    assert set(ranks[0]) == set(ranks[1]) == set(whole) and len(files) == 2 * len(pred["linears"])
+    assert set(ranks[0]) == set(ranks[1]) == set(whole) and len(files) == 2 * len(src.predicate["linears"])
     want = {"model.layers.0.self_attn.q_proj": 0, "model.layers.2.self_attn.o_proj": 1, "model.layers.0.mlp.up_proj": 0,
             "model.layers.0.mlp.down_proj": 1, "model.layers.1.mlp.shared_experts.gate_proj": None, "lm_head": 0}
     for prefix, dim in want.items():

@@ -144,6 +144,15 @@ def test_the_derivation_is_byte_reproducible(pristine, tmp_path):
     assert (other / QUANTIZATION_CONFIG).stat().st_mtime_ns == mtime
 
 
+def _underived(pristine, to: Path) -> Path:
+    """The pristine base's shards and source config, without its derived files, in ``to``."""
+    to.mkdir()
+    for p in (pristine.root / "base/k2").iterdir():
+        if p.suffix == ".safetensors" or p.name == "source_config.json":
+            shutil.copyfile(p, to / p.name)
+    return to
+
+
 def test_an_experts_only_base_states_its_bits_over_the_whole_model(pristine, tmp_path):
     """What finalize writes now (whole_model_bits): ``bits`` over every linear but the embeddings, the head and the
     routers (the routed experts at K with their scales, the skeleton's 16-bit linears), as exllamav3's converter
@@ -151,12 +160,7 @@ def test_an_experts_only_base_states_its_bits_over_the_whole_model(pristine, tmp
     from fq.errors import FqError
     from fq.provenance.exl3config import storage_bits, tensor_storage
 
-    base = pristine.root / "base/k2"
-    other = tmp_path / "whole-bits"
-    other.mkdir()
-    for p in base.iterdir():
-        if p.suffix == ".safetensors" or p.name == "source_config.json":
-            shutil.copyfile(p, other / p.name)
+    other = _underived(pristine, tmp_path / "whole-bits")
     shards = sorted(p.name for p in other.glob("*.safetensors"))
     out = write_derived(other, bits=2, codebook="mul1", whole_model_bits=True)
     want = storage_bits(tensor_storage(other, shards, 2, "mul1", None))
@@ -176,12 +180,7 @@ def test_a_calibrated_base_states_its_calibration_rows_and_columns(pristine, tmp
     from fq.errors import FqError
     from fq.provenance.exl3config import quantization_block, specs
 
-    base = pristine.root / "base/k2"
-    other = tmp_path / "calibrated"
-    other.mkdir()
-    for p in base.iterdir():
-        if p.suffix == ".safetensors" or p.name == "source_config.json":
-            shutil.copyfile(p, other / p.name)
+    other = _underived(pristine, tmp_path / "calibrated")
     cal = {"rows": 250, "cols": 2048}
     out = write_derived(other, bits=2, codebook="mul1", calibration=cal)
     assert [d["params"] for d in out] == [{"bits": 2, "codebook": "mul1", "calibration": cal}] * 2

@@ -38,6 +38,7 @@ from fq.provenance.attest.keys import fingerprint
 from fq.provenance.attest.statement import MANIFEST, parse_statement, statement
 from fq.provenance.exl3config import (CONFIG, DERIVED_ORDER, QUANTIZATION_CONFIG, RULES, TENSOR_OUTPUTS, TENSOR_RULES,
                                       check_derived, rule_inputs)
+from fq.model.shards import Header, read_header
 from fq.provenance.fragments import attestation_name
 from fq.provenance.geometry import stored_shape_problems
 
@@ -272,3 +273,18 @@ def verify_base(base_dir: str | os.PathLike, public_key: Ed25519PublicKey, campa
         more = f" (and {len(problems) - 1} more problem(s) in this base)" if len(problems) > 1 else ""
         raise FqError(f"{option + ': ' if option else ''}{problems[0]}{more}")
     return VerifiedBase(manifest, shards)
+
+
+def read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[Header | None, bytes]:
+    """A base file's bytes, read once, whose sha256 and size are the manifest's (so what is parsed is what was
+    verified, whatever happens to the file afterwards); and its safetensors header parsed from those bytes."""
+    where = f"{base_dir}/{name}"
+    with open_regular(base_dir, name, where, size=size, listed_by="the base manifest") as fh:
+        header = read_header(fh, where) if name.endswith(".safetensors") else None
+        fh.seek(0)
+        data = fh.read(size + 1)
+    if len(data) != size or sha256_hex(data) != digest:
+        raise FqError(f"{where}: changed since it was verified (sha256/size differ from the manifest)")
+    if header is not None and data[:header.data_start] != header.raw:
+        raise FqError(f"{where}: changed since it was verified (header)")
+    return header, data

@@ -45,18 +45,16 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fq.provenance.assembly import PlanState, campaign_root
-from fq.core.canonical import loads, sha256_hex
+from fq.core.canonical import loads
 from fq.provenance.combine import Verified, narrow, verify_adapter, verify_fragments
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout, suffixes
 from fq.model.checkpoint_model import build_model, checkpoint_state, load_checkpoint, tensor_from  # noqa: F401
 from fq.model import families
 from fq.model.formats import dense_state, fuse_experts
-from fq.provenance.manifest import VerifiedBase
+from fq.provenance.manifest import VerifiedBase, read_verified  # noqa: F401  (fq.runtime.exl3 imports it from here)
 from fq.provenance.product import Product, open_product
-from fq.core.safepath import open_regular
 from fq.provenance.selection import parse_selection
-from fq.model.shards import Header, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -86,21 +84,6 @@ class ProductState:
 class Loaded:
     model: object
     state: ProductState
-
-
-def read_verified(base_dir: Path, name: str, digest: str, size: int) -> tuple[Header, bytes]:
-    """A base file's bytes, read once, whose sha256 and size are the manifest's (so what is parsed is what was
-    verified, whatever happens to the file afterwards); and its safetensors header parsed from those bytes."""
-    where = f"{base_dir}/{name}"
-    with open_regular(base_dir, name, where, size=size, listed_by="the base manifest") as fh:
-        header = read_header(fh, where) if name.endswith(".safetensors") else None
-        fh.seek(0)
-        data = fh.read(size + 1)
-    if len(data) != size or sha256_hex(data) != digest:
-        raise FqError(f"{where}: changed since it was verified (sha256/size differ from the manifest)")
-    if header is not None and data[:header.data_start] != header.raw:
-        raise FqError(f"{where}: changed since it was verified (header)")
-    return header, data
 
 
 def check_tensor_file(base_dir: Path, name: str, base: VerifiedBase, plan: dict) -> str:

@@ -45,11 +45,8 @@ from fq.tp import records
 from fq.tp.linears import write_linears
 from fq.tp.mesh import DeviceMesh, Plan, plan
 from fq.tp.moe import moe_manifest
-from fq.tp.slicing import slice_exl3
+from fq.tp.slicing import SUFFIX_ORDER, slice_exl3
 from fq.tp.sources import INDEX, REPLICATED, ProductSource, needs
-
-SUFFIX_ORDER = ("trellis", "suh", "svh", "mul1", "mcg")
-
 
 def rank_dir(ep: int, tp: int) -> str:
     return f"rank-ep{ep}-tp{tp}"
@@ -116,8 +113,7 @@ def _umask() -> int:
 def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> list[dict]:
     pred = src.predicate
     layout = src.layout
-    common = {"format": records.SHARD_FORMAT, "product": pred["product"], "plan_sha256": src.assembly.sha256,
-              "campaign": pred["campaign"]}
+    common = shard_common(src)
     need = needs(cut, range(cut.mesh.size), layout)
     files = []
     if need.dense:
@@ -181,6 +177,13 @@ def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> lis
     flush()
     files += write_linears(src, tmp, {"tp": cut.mesh.tp, "ep": cut.mesh.ep}, common, key, attest_shard)
     return files
+
+
+def shard_common(src: ProductSource) -> dict:
+    """The fields every rank shard's record of an export of ``src`` shares."""
+    pred = src.predicate
+    return {"format": records.SHARD_FORMAT, "product": pred["product"], "plan_sha256": src.assembly.sha256,
+            "campaign": pred["campaign"]}
 
 
 def attest_shard(tmp: Path, name: str, sha: str, predicate: dict, key, kind: str, coords, node, layer) -> dict:

@@ -19,19 +19,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from fq.core.canonical import loads, sha256_hex
-from fq.core.safepath import open_regular, read_regular
+from fq.core.safepath import open_regular
 from fq.errors import FqError
 from fq.model.shards import RawTensor, read_header, read_range, tensors_in_range, write_shard
 from fq.provenance.attest.fragment import check_header, read_attestation
-from fq.provenance.manifest import read_base_manifest
+from fq.provenance.exl3config import CONFIG, SOURCE_CONFIG
+from fq.provenance.manifest import read_verified
 from fq.tp import records
 from fq.tp.manifest import HAD
 from fq.tp.mesh import Slice
-from fq.tp.slicing import slice_exl3
+from fq.tp.slicing import SUFFIX_ORDER, slice_exl3
 
 OUT_SPLIT = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 IN_SPLIT = ("o_proj", "down_proj")
-SUFFIX_ORDER = ("trellis", "suh", "svh", "mul1", "mcg")
 
 
 def linear_dir(tp: int) -> str:
@@ -50,9 +50,9 @@ def split_dims(cls: str, shapes: dict[str, tuple[int, int]], config: dict, tp: i
     """prefix -> the dimension its tp ranks split (0: output channels, 1: input channels) or None (kept whole), for
     one fragment's linears of class ``cls`` (true, unpadded (out, in) shapes). A layer's attention, or an MLP, is
     split together or not at all: its partial products only add up when every one of its linears is cut alike."""
-    dims = {p: (0 if _leaf(p) in OUT_SPLIT else 1 if _leaf(p) in IN_SPLIT else None) for p in shapes}
     if tp == 1:
         return {p: None for p in shapes}
+    dims = {p: (0 if _leaf(p) in OUT_SPLIT else 1 if _leaf(p) in IN_SPLIT else None) for p in shapes}
     if cls == "head":
         return {p: (0 if _divides(s[0], tp) else None) for p, s in shapes.items()}
     groups: dict[str, list[str]] = {}
@@ -71,24 +71,19 @@ def split_dims(cls: str, shapes: dict[str, tuple[int, int]], config: dict, tp: i
     return out
 
 
-def _shard_slice(dim: int | None, n: int, t: int, tp: int) -> Slice | None:
+def _shard_slice(dim: int | None, shape: tuple[int, int], t: int, tp: int) -> Slice | None:
+    """Rank ``t``'s equal share of dimension ``dim`` of (out, in) ``shape``; None: the whole linear."""
     if dim is None:
         return None
-    step = n // tp
+    step = shape[dim] // tp
     return Slice(dim, t * step, (t + 1) * step)
 
 
 def _base_config(src) -> dict:
     """The base's model config (its source's, verbatim, where kept), checked against the base manifest."""
-    pred = src.predicate
-    base_dir = src.root / pred["base"]["dir"]
-    manifest = read_base_manifest(base_dir, src.key, pred["campaign"])
-    if manifest.sha256 != pred["base"]["manifest"]["sha256"]:
-        raise FqError(f"{base_dir}: base manifest sha256 {manifest.sha256[:16]}… is not the one the plan pins")
-    name = "source_config.json" if "source_config.json" in manifest.files else "config.json"
-    data = read_regular(base_dir, name, f"{base_dir}/{name}")
-    if sha256_hex(data) != manifest.files[name][0]:
-        raise FqError(f"{base_dir}/{name}: not the bytes its base manifest lists")
+    base_dir, manifest = src.base_manifest()
+    name = SOURCE_CONFIG if SOURCE_CONFIG in manifest.files else CONFIG
+    _, data = read_verified(base_dir, name, *manifest.files[name])
     config = loads(data, f"{base_dir}/{name}")
     return config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
 
@@ -135,7 +130,7 @@ def write_linears(src, tmp: Path, mesh: dict, common: dict, key, attest) -> list
             name = f"{linear_dir(t)}/{f['name'].rsplit('/', 1)[-1]}"
             raws, groups, slices = [], [], []
             for prefix in sorted(sets):
-                sl = _shard_slice(dims[prefix], shapes[prefix][dims[prefix]] if dims[prefix] is not None else 0, t, tp)
+                sl = _shard_slice(dims[prefix], shapes[prefix], t, tp)
                 piece = slice_exl3(sets[prefix], sl, f"{f['name']}: {prefix}")
                 keys = [f"{prefix}.{s}" for s in SUFFIX_ORDER if s in piece]
                 raws += [RawTensor.of(k, piece[k.rsplit(".", 1)[1]]) for k in keys]
@@ -157,7 +152,6 @@ def write_linears(src, tmp: Path, mesh: dict, common: dict, key, attest) -> list
     return files
 
 
-
 def read_linear_shard(directory: Path, name: str, p: dict) -> dict[str, tuple[dict, Slice | None, tuple[int, int]]]:
     """One linear rank shard whose record ``p`` is verified: prefix -> (its EXL3 tensor set, the slice of the unsliced
     (out, in) it holds or None for whole, that (out, in)); the header, size and each linear's bytes checked against
@@ -165,9 +159,7 @@ def read_linear_shard(directory: Path, name: str, p: dict) -> dict[str, tuple[di
     where = f"{directory}/{name}"
     out = {}
     with open_regular(directory, name, where) as fh:
-        header = read_header(fh, where)
-        if header.sha256 != p["shard"]["header_sha256"] or header.file_size != p["shard"]["size"]:
-            raise FqError(f"{where}: header or size differ from the attested ones")
+        header = records.attested_header(fh, p, where)
         for lin in p["linears"]:
             keys = [e.name for e in header.entries if e.name.rpartition(".")[0] == lin["name"]]
             if not keys or header.span(keys, lin["name"]) != (lin["offset"], lin["length"]):

@@ -105,6 +105,15 @@ def written(path, groups: list[list[str]]) -> tuple[str, int, str, list[tuple[in
     return whole, size, header.sha256, [(o, n, d) for (o, n), d in zip(spans, digests)]
 
 
+def attested_header(fh, p: dict, where: str):
+    """The header of an open rank shard whose record ``p`` is verified, refused unless it and the file's size are
+    the attested ones."""
+    header = read_header(fh, where)
+    if header.sha256 != p["shard"]["header_sha256"] or header.file_size != p["shard"]["size"]:
+        raise FqError(f"{where}: header or size differ from the attested ones")
+    return header
+
+
 @functools.lru_cache(maxsize=None)
 def _validator(key: tuple):
     common = json.loads(resources.files("fq").joinpath("schemas", "fq-common.schema.json").read_text("utf-8"))

@@ -21,6 +21,7 @@ from fq.tp.manifest import HAD
 from fq.tp.mesh import Slice
 
 TILE = 16
+SUFFIX_ORDER = ("trellis", "suh", "svh", "mul1", "mcg")  # an EXL3 set's tensors, in the order fq's files store them
 
 
 def check_slice(sl: Slice, n: int, where: str, exl3: bool = True) -> None:

@@ -34,7 +34,7 @@ from fq.tp import records
 from fq.tp.manifest import EXL3
 from fq.tp.mesh import Plan, Slice
 from fq.tp.moe import MoeLayer, MoeSpec, router_name
-from fq.tp.slicing import slice_dense, slice_exl3
+from fq.tp.slicing import SUFFIX_ORDER, slice_dense, slice_exl3
 
 INDEX = "export.intoto.jsonl"
 REPLICATED = "replicated.safetensors"
@@ -106,7 +106,7 @@ def _expert_items(layout: ExpertLayout, layer: int, sets: dict, part: int, wante
             continue
         entry, sl = wanted[proj]
         cut = slice_exl3(sets[proj], sl, entry)
-        for s in ("trellis", "suh", "svh", "mul1", "mcg"):
+        for s in SUFFIX_ORDER:
             if s in cut:
                 items.append((entry, part, s, RawTensor.of(entry, cut[s])))
     return items
@@ -192,15 +192,21 @@ class ProductSource:
             self._spec = MoeSpec(self.layout, tuple(out))
         return self._spec
 
+    def base_manifest(self):
+        """(base directory, its base manifest), verified and checked to be the one the plan pins."""
+        pred = self.predicate
+        base_dir = self.root / pred["base"]["dir"]
+        manifest = read_base_manifest(base_dir, self.key, pred["campaign"])
+        if manifest.sha256 != pred["base"]["manifest"]["sha256"]:
+            raise FqError(f"{base_dir}: base manifest sha256 {manifest.sha256[:16]}… is not the one the plan pins")
+        return base_dir, manifest
+
     def _skeleton(self) -> dict:
         """Tensor name -> where it lives in the base's skeleton shards, everything checked against the
         base manifest the plan pins and each skeleton shard's attestation (headers only)."""
         pred = self.predicate
         base_rel = pred["base"]["dir"]
-        base_dir = self.root / base_rel
-        manifest = read_base_manifest(base_dir, self.key, pred["campaign"])
-        if manifest.sha256 != pred["base"]["manifest"]["sha256"]:
-            raise FqError(f"{base_dir}: base manifest sha256 {manifest.sha256[:16]}… is not the one the plan pins")
+        base_dir, manifest = self.base_manifest()
         fragments = {f["name"][len(base_rel) + 1:] for f in pred["fragments"] if f["name"].startswith(base_rel + "/")}
         index = {}
         derived = {d["name"] for d in manifest.derived}  # gpt-oss's per-expert biases: the skeleton's fused ones serve
@@ -335,12 +341,9 @@ class ExportSource:
                 raise FqError(f"{where}: {k} differs from the export index's")
         if p["kind"] != f["kind"]:
             raise FqError(f"{where}: a {p['kind']} shard, the index says {f['kind']}")
-        if p["kind"] == "expert" and (p["mesh"] != ix["mesh"] or p["coords"] != f["coords"] or
-                                      p["node"] != f["node"] or p["layer"] != f["layer"]):
+        if p["kind"] in ("expert", "linear") and (p["mesh"] != ix["mesh"] or p["coords"] != f["coords"] or
+                                                  p["node"] != f["node"] or p["layer"] != f["layer"]):
             raise FqError(f"{where}: mesh, coordinates, node or layer differ from the export index's")
-        if p["kind"] == "linear" and (p["mesh"] != ix["mesh"] or p["coords"] != f["coords"] or
-                                      p["node"] != f["node"] or p["layer"] != f["layer"]):
-            raise FqError(f"{where}: mesh, tp rank, node or layer differ from the export index's")
         if self.product is not None and p["kind"] == "expert":
             _bound_to_plan(p, self.product.predicate, where)
         if self.product is not None and p["kind"] == "linear":
@@ -400,9 +403,7 @@ class ExportSource:
         where = f"{self.dir}/{f['name']}"
         units = []
         with open_regular(self.dir, f["name"], where) as fh:
-            header = read_header(fh, where)
-            if header.sha256 != p["shard"]["header_sha256"] or header.file_size != p["shard"]["size"]:
-                raise FqError(f"{where}: header or size differ from the attested ones")
+            header = records.attested_header(fh, p, where)
             for x, e in sorted(wanted.items()):
                 projs = need.experts[(p["layer"], x)][rank]
                 for proj, (entry, sl) in projs.items():
