@@ -179,11 +179,15 @@ def linear_job(wc):
 
 
 def linear_inputs(wc):
-    """The committed skeleton shards it reads (with attestations), and its Hessian in a calibrated campaign."""
+    """The committed skeleton shards it reads (with attestations), a stage residual's parent linear fragments (with
+    theirs), and its Hessian in a calibrated campaign."""
     node, layer = linear_job(wc)
     shards = C.linear_skeletons(node, layer)
+    parents = [a["path"] for a in C.linear_ancestors(node, layer)]  # a stage's residual: the fragments it corrects
     inputs = {"campaign": ancient(C.campaign_json), "key": ancient(KEY), "skeleton": shards,
-              "attestations": [C.attestation(s) for s in shards]}
+              "attestations": [C.attestation(s) for s in shards + parents]}
+    if parents:
+        inputs["parents"] = parents
     spec = linear_hessian_spec(layer)
     if spec is not None:
         inputs["hessian"] = ancient(spec["path"])
@@ -201,7 +205,8 @@ def linear_spec(wc):
     node, layer = linear_job(wc)
     ln = C.plan.linear(node)
     return {"node": node, "class": ln["class"], "K": ln["K"], "codebook": ln["codebook"], "node_digest": ln["digest"],
-            "layer": layer, "sources": C.linear_sources(node, layer), "hessian": linear_hessian_spec(layer)}
+            "layer": layer, "sources": C.linear_sources(node, layer), "hessian": linear_hessian_spec(layer),
+            "ancestors": C.linear_ancestors(node, layer)}
 
 
 def linear_key(wc):

@@ -7,4 +7,4 @@ encode_linear_job(campaign_json=snakemake.input.campaign, key_path=snakemake.inp
                   K=s["K"], codebook=s["codebook"], node_digest=s["node_digest"], layer=s["layer"],
                   sources=s["sources"], out_fragment=out.fragment, out_metrics=out.metrics, device=p.device,
                   devices_list=list(p.devices), lock_dir=p.locks, seed=p.seed, threads=snakemake.threads,
-                  hessian=s["hessian"])
+                  hessian=s["hessian"], ancestors=s["ancestors"])

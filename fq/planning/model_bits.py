@@ -5,9 +5,13 @@ its own ``head_bits``); fq's experts-only accounting counts the routed experts a
 
     experts  the chain's nominal bits over the routed experts (``Recipe.product_bpw``)
     model    (W_experts · experts + Σ_class W_class · K_class + W_other · 16) / (W_experts + Σ W_class + W_other):
-             nominal K of each class the base quantizes, 16 for a class it keeps as published and for ``other``
+             nominal K of each class the base quantizes (plus each stage residual's on it: ``class_bits``), 16 for
+             a class it keeps as published and for ``other``
              linears (``linear_weights``); the head apart
-    head     the base's head bits (16: as published)
+    head     the head's bits (16: as published)
+
+A stage that also corrects a class (recipe ``skeleton`` on a stage) adds its K to that class: the product's linears
+are the sum of the chain's reconstructions, as its experts are.
 
 The figures are nominal (K bits per weight); a published base's ``quantization_config.bits`` states the stored
 bits (trellis, scales and markers: a few hundredths above K).
@@ -27,16 +31,22 @@ from fq.planning.recipe import UNQUANTIZED
 BODY = ("attention", "shared", "dense")
 
 
+def class_bits(recipe, product) -> dict[str, int]:
+    """Nominal bits per weight of each non-expert class in ``product``: the sum of K over its chain's linear nodes
+    of that class (the base's, then every stage residual on it: ``Recipe.chain_linears``), 16 where the base keeps it."""
+    chains = recipe.chain_linears(product.chain[-1])
+    return {cls: sum(ln.K for ln in chains[cls]) if cls in chains else UNQUANTIZED for cls in (*BODY, "head")}
+
+
 def product_bits(recipe, product, weights: Mapping[str, int]) -> dict:
-    base = recipe.node(product.chain[0])
     experts = recipe.product_bpw(product)
+    bits = class_bits(recipe, product)
     num = weights["experts"] * experts + weights.get("other", 0) * UNQUANTIZED
     den = weights["experts"] + weights.get("other", 0)
     for cls in BODY:
-        num += weights.get(cls, 0) * base.skeleton_bits(cls)
+        num += weights.get(cls, 0) * bits[cls]
         den += weights.get(cls, 0)
-    return {"experts": experts, "model": round(num / den, 4) if den else float(experts),
-            "head": base.skeleton_bits("head")}
+    return {"experts": experts, "model": round(num / den, 4) if den else float(experts), "head": bits["head"]}
 
 
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight")

@@ -92,8 +92,9 @@ class Plan:
     skeleton_only_shards: tuple[str, ...]
     bytes: Mapping[str, int]  # source_total, skeleton, outputs_total, peak_source, peak_local
     # whole-model bases: every linear node (one class at K bits, one codebook) with the layers it encodes and the
-    # linears of each ({"name", "class", "K", "codebook", "digest", "layers": {"L"|"head": [tensor prefix, ...]}});
-    # a base's node entry names the linear node of each class it quantizes ("skeleton": {class: linear node})
+    # linears of each ({"name", "class", "K", "codebook", "digest", "layers": {"L"|"head": [tensor prefix, ...]}};
+    # a stage's residual on a class also "parent" and "parent_digest": the linear node it corrects); a base's or
+    # stage's node entry names the linear node of each class it encodes ("skeleton": {class: linear node})
     linears: tuple[Mapping, ...] = ()
 
     def linear_jobs(self) -> tuple[tuple[str, int | None], ...]:
@@ -231,7 +232,7 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
         block_size=block_size,
         windows_on_disk=windows_on_disk,
         nodes=tuple({**n.to_json(), "parent": n.parent, "digest": recipe.node_digest(n.name),
-                     **({"skeleton": {c: ln.name for c, ln in recipe.base_linears(n.name).items()}} if n.skeleton else {})}
+                     **({"skeleton": {c: ln.name for c, ln in recipe.node_linears(n.name).items()}} if n.skeleton else {})}
                     for n in recipe.nodes),
         products=_products(recipe, source),
         selections={name: (None if all(e == everything for e in sel.values()) and len(sel) == len(source.moe_layers)
@@ -277,12 +278,16 @@ def plan_linears(recipe: Recipe, source: SourceModel) -> tuple[dict, ...]:
     for ln in recipe.linear_nodes:
         layers = found.get(ln.cls, {})
         if not layers:
-            users = [b.name for b in recipe.bases if b.skeleton_bits(ln.cls) == ln.K]
+            users = recipe.linear_users(ln.name)
             why = (" (tie_word_embeddings: the head is the embedding matrix, which stays as published)"
                    if ln.cls == "head" and source.tied_embeddings else "")
-            raise FqError(f"recipe {recipe.source}: base(s) {', '.join(users)} quantize class {ln.cls!r} at K{ln.K}, "
+            raise FqError(f"recipe {recipe.source}: node(s) {', '.join(users)} quantize class {ln.cls!r} at K{ln.K}, "
                           f"but the source {source.origin} has no {ln.cls} linears{why}; set skeleton.{ln.cls} to 16")
+        if len(ln.name) > 64:
+            raise FqError(f"recipe {recipe.source}: linear node {ln.name!r} of node(s) {', '.join(recipe.linear_users(ln.name))} "
+                          f"is {len(ln.name)} characters, a file name prefix takes at most 64: fewer stages on {ln.cls}")
         out.append({**ln.to_json(), "digest": ln.digest,
+                    **({"parent_digest": ln.parent.digest} if ln.parent is not None else {}),
                     "layers": {("head" if l is None else str(l)): [x.name for x in v] for l, v in layers.items()}})
     return tuple(out)
 

@@ -219,6 +219,9 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         used = [lin[ln.name] for ln in recipe.base_linears(base).values()]
         return skeleton - sum(u.replaced_bytes for u in used) + sum(u.output_bytes for u in used)
 
+    def stage_linear_bytes(stage: str) -> int:  # a stage's residuals on non-expert linears, published with it
+        return sum(lin[ln.name].output_bytes for ln in recipe.node_linears(stage).values())
+
     products = []
     for p in recipe.products:
         extra = {}
@@ -228,10 +231,13 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
             bits = product_bits(recipe, p, weights)
             extra = {"model_bpw": bits["model"], "head_bits": bits["head"]}
         products.append(ProductPrice(p.name, p.chain, recipe.product_bpw(p),
-                                     base_bytes(p.chain[0]) + sum(node_bytes[n] for n in p.chain),
-                                     node_bytes[p.chain[-1]], **extra))
+                                     base_bytes(p.chain[0]) + sum(node_bytes[n] for n in p.chain)
+                                     + sum(stage_linear_bytes(n) for n in p.chain[1:]),
+                                     node_bytes[p.chain[-1]] + (stage_linear_bytes(p.chain[-1]) if len(p.chain) > 1
+                                                                else 0), **extra))
     products = tuple(products)
-    published = sum(base_bytes(b.name) for b in recipe.bases) + sum(node_bytes.values())
+    published = sum(base_bytes(b.name) for b in recipe.bases) + sum(node_bytes.values()) + \
+        sum(stage_linear_bytes(n.name) for n in recipe.stages)
 
     layer_out = layer_output_bytes(recipe, source, counts)
     budget = windows_budget(disk_budget, calibration)  # the Hessians and hidden states share the disk
@@ -298,7 +304,8 @@ def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq
                 by_layer.setdefault(n.rsplit(".", 2)[0] if n != "lm_head" else n, []).append(n)
             for names in by_layer.values():
                 hess_b += sum(4 * packed_len(mine[g[0]][1]) for g in hessian_groups(names))
-        replaced = sum(int(o * i * dtype_bytes) for o, i in mine.values())
+        # a base's linear node replaces the bf16 weights in its directory; a stage's residual replaces nothing
+        replaced = sum(int(o * i * dtype_bytes) for o, i in mine.values()) if ln.parent is None else 0
         out.append(LinearPrice(ln.name, ln.K, ln.codebook, len(mine), secs, out_b, replaced, hess_b, scaled))
     return tuple(out), weights
 

@@ -68,8 +68,9 @@ class Node:
     experts: Selection  # ALL for a base
     description: str = ""
     # a base's quantized non-expert classes, ((class, K), ...) in LINEAR_CLASSES order; classes at 16 bits omitted.
+    # A stage's: the classes it adds a K-bit residual to (against its chain's reconstruction of those linears).
     # Not part of to_json (so not of node_digest): the expert fragments do not depend on it; each (class, K,
-    # codebook) is its own linear node (Recipe.linear_nodes) with its own digest.
+    # codebook[, the linear nodes it corrects]) is its own linear node (Recipe.linear_nodes) with its own digest.
     skeleton: tuple[tuple[str, int], ...] = ()
 
     @property
@@ -90,23 +91,51 @@ class Node:
 @dataclass(frozen=True)
 class LinearNode:
     """One encoding of a non-expert class (attention, shared, dense, head) at K bits with one codebook: shared by
-    every base of the recipe that names that class at those bits (one DAG node, one set of fragments)."""
+    every base of the recipe that names that class at those bits (one DAG node, one set of fragments).
+
+    A stage's linear node (``parent`` set) encodes the K-bit residual of each linear against the reconstruction of
+    the linear nodes it corrects (``parent``, its parent, ... down to a base's): it is shared by every stage naming
+    the class at those bits and codebook on the same linear ancestry. Its name extends the parent's
+    (``attention-K4-mul1+K2-mul1``) and its digest binds the parent's."""
 
     cls: str
     K: int
     codebook: str
+    parent: "LinearNode | None" = None
 
     @property
     def name(self) -> str:
+        if self.parent is not None:
+            return f"{self.parent.name}+K{self.K}-{self.codebook}"
         return f"{self.cls}-K{self.K}-{self.codebook}"
 
+    @property
+    def role(self) -> str:
+        return "base" if self.parent is None else "stage"
+
+    @property
+    def depth(self) -> int:
+        """0 for a base's linear node, 1 for a residual on it, ..."""
+        return 0 if self.parent is None else self.parent.depth + 1
+
+    def ancestry(self) -> tuple["LinearNode", ...]:
+        """The linear nodes this one corrects, base first (empty for a base's)."""
+        return () if self.parent is None else self.parent.ancestry() + (self.parent,)
+
     def to_json(self) -> dict:
-        return {"name": self.name, "class": self.cls, "K": self.K, "codebook": self.codebook}
+        out = {"name": self.name, "class": self.cls, "K": self.K, "codebook": self.codebook}
+        if self.parent is not None:
+            out["parent"] = self.parent.name
+        return out
 
     @property
     def digest(self) -> str:
-        """sha256 of the definition: what the fragments attest and a plan names."""
-        return canonical.sha256_hex(canonical.dumps({"format": FORMAT, "linear": self.to_json()}))
+        """sha256 of the definition (and of the parent's digest, for a residual): what the fragments attest and a
+        plan names; it changes with every linear node the residual corrects."""
+        doc = {"format": FORMAT, "linear": self.to_json()}
+        if self.parent is not None:
+            doc["parent_digest"] = self.parent.digest
+        return canonical.sha256_hex(canonical.dumps(doc))
 
 
 @dataclass(frozen=True)
@@ -164,20 +193,44 @@ class Recipe:
 
     @property
     def linear_nodes(self) -> tuple[LinearNode, ...]:
-        """Every distinct (class, K, codebook) a base quantizes, in LINEAR_CLASSES order, then K, then codebook."""
-        found = {LinearNode(cls, K, b.codebook) for b in self.bases for cls, K in b.skeleton}
-        return tuple(sorted(found, key=lambda n: (LINEAR_CLASSES.index(n.cls), n.K, n.codebook)))
+        """Every distinct linear node a base or a stage encodes, in LINEAR_CLASSES order, then depth (a residual
+        after the nodes it corrects), then K, codebook and name."""
+        found = {ln for n in self.nodes for ln in self.node_linears(n.name).values()}
+        return tuple(sorted(found, key=lambda n: (LINEAR_CLASSES.index(n.cls), n.depth, n.K, n.codebook, n.name)))
 
     def base_linears(self, base: str) -> dict[str, LinearNode]:
         """class -> the linear node a base's published directory takes that class from (quantized classes only)."""
         b = self.node(base)
+        if not b.is_base:
+            raise FqError(f"recipe {self.source}: {base!r} is a stage, not a base")
         return {cls: LinearNode(cls, K, b.codebook) for cls, K in b.skeleton}
+
+    def node_linears(self, name: str) -> dict[str, LinearNode]:
+        """class -> the linear node ``name`` itself encodes: a base's quantized classes, or the classes a stage adds
+        a residual to (its parent being the chain's last linear node of that class)."""
+        n = self.node(name)
+        if n.is_base:
+            return self.base_linears(name)
+        below = self.chain_linears(n.parent)
+        return {cls: LinearNode(cls, K, n.codebook, below[cls][-1]) for cls, K in n.skeleton}
+
+    def chain_linears(self, name: str) -> dict[str, tuple[LinearNode, ...]]:
+        """class -> the linear nodes whose reconstructions a product ending at ``name`` sums, base first."""
+        out: dict[str, tuple[LinearNode, ...]] = {}
+        for element in self.chain(name):
+            for cls, ln in self.node_linears(element).items():
+                out[cls] = out.get(cls, ()) + (ln,)
+        return out
+
+    def linear_users(self, name: str) -> tuple[str, ...]:
+        """The nodes (bases or stages) whose own linears include linear node ``name``: who publishes it."""
+        return tuple(n.name for n in self.nodes if any(ln.name == name for ln in self.node_linears(n.name).values()))
 
     def linear_node(self, name: str) -> LinearNode:
         for n in self.linear_nodes:
             if n.name == name:
                 return n
-        raise FqError(f"recipe {self.source}: no base quantizes a non-expert class as {name!r} "
+        raise FqError(f"recipe {self.source}: no node quantizes a non-expert class as {name!r} "
                       f"(linear nodes: {', '.join(n.name for n in self.linear_nodes) or 'none'})")
 
     @property
@@ -245,8 +298,9 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
                          if raw.get("skeleton", {}).get(c, UNQUANTIZED) != UNQUANTIZED)
             node = Node(name, "base", raw["K"], raw["codebook"], None, ALL, raw.get("description", ""), skel)
         else:
+            skel = tuple((c, raw["skeleton"][c]) for c in LINEAR_CLASSES if c in raw.get("skeleton", {}))
             node = Node(name, "stage", raw["K"], raw["codebook"], raw["parent"],
-                        _selection(raw["experts"]), raw.get("description", ""))
+                        _selection(raw["experts"]), raw.get("description", ""), skel)
         nodes[name] = node
         file_index[name] = i
 
@@ -258,6 +312,7 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
     for node in order:
         if node.parent is not None:
             _check_subset_static(node, nodes[node.parent], err)
+            _check_stage_skeleton(node, nodes, file_index[node.name], err)
 
     products = _products(doc["products"], nodes, err)
     return Recipe(
@@ -315,6 +370,19 @@ def _topological(nodes: dict[str, Node], file_index: dict[str, int], err: str) -
         cycle = seen[seen.index(cur):] + [cur]
         raise FqError(f"{err}: parents form a cycle {' -> '.join(cycle)}; every stage must descend from a base")
     return order
+
+
+def _check_stage_skeleton(node: Node, nodes: dict[str, Node], index: int, err: str) -> None:
+    """A stage's ``skeleton`` corrects linears its chain's base quantizes: a residual on a class the base keeps as
+    published (16 bits) would correct an exact weight."""
+    base = node
+    while base.parent is not None:
+        base = nodes[base.parent]
+    for cls, _ in node.skeleton:
+        if base.skeleton_bits(cls) == UNQUANTIZED:
+            raise FqError(f"{err}: stage {node.name!r} (nodes[{index}]) skeleton.{cls}: its chain's base {base.name!r} "
+                          f"leaves {cls} unquantized ({UNQUANTIZED} bits, as published), so there is no reconstruction "
+                          f"to correct; quantize {cls} in base {base.name!r} or drop skeleton.{cls} from the stage")
 
 
 def _check_subset_static(node: Node, parent: Node, err: str) -> None:

@@ -140,8 +140,58 @@ def check_geometry(predicates: list[dict], infos: list, where: str) -> None:
 
 
 def payload_bytes(plan: dict) -> int:
-    """The bytes a product's plan names: its expert fragments and, for a whole-model base, its linear fragments."""
-    return sum(f["size"] for f in plan["fragments"]) + sum(f["size"] for f in plan.get("linears", ()))
+    """The bytes a product's plan names: its expert fragments and, for a whole-model base, its linear fragments, and
+    its stages' residuals on non-expert linears."""
+    return sum(f["size"] for f in plan["fragments"]) + sum(f["size"] for f in plan.get("linears", ())) + \
+        sum(f["size"] for f in plan.get("stage_linears", ()))
+
+
+def _unit(layer: int | None) -> str:
+    return "the head" if layer is None else f"layer {layer}"
+
+
+def check_stage_linears(plan: dict, where: str) -> None:
+    """A plan's stage residuals on non-expert linears: each in its stage's directory, one per (stage, class, layer),
+    stages in chain order, and each naming as its parent the linear fragment of the same class and layer that the
+    chain reconstructs before it (the base's linear fragment, or the previous stage's residual on it)."""
+    chain = {n["node"]: i for i, n in enumerate(plan["chain"])}
+    last: dict = {}  # (class, layer) -> {name, sha256} of the chain's last linear fragment of it so far
+    for f in plan.get("linears", ()):
+        last[(f["class"], f["layer"])] = {"name": f["name"].rsplit("/", 1)[-1], "sha256": f["sha256"]}
+    seen, order = set(), []
+    for f in plan.get("stage_linears", ()):
+        check_name(f["name"], f"{where}: stage linear name")
+        i = chain.get(f["stage"])
+        if not i:
+            raise FqError(f"{where}: linear fragment {f['name']} belongs to {f['stage']!r}, which is not a stage of the "
+                          f"chain")
+        if not f["name"].startswith(f"stages/{f['stage']}/"):
+            raise FqError(f"{where}: linear fragment {f['name']} of stage {f['stage']} lies outside stages/{f['stage']}/")
+        key = (f["stage"], f["class"], f["layer"])
+        if key in seen:
+            raise FqError(f"{where}: two linear fragments of stage {key[0]} for {key[1]} layer {key[2]}")
+        seen.add(key)
+        order.append(i)
+        want = last.get((f["class"], f["layer"]))
+        if want is None:
+            raise FqError(f"{where}: linear fragment {f['name']} is a residual on {f['class']} "
+                          f"{_unit(f['layer'])}"
+                          f", which the chain before stage {f['stage']} does not quantize")
+        if f["parent"] != want:
+            raise FqError(f"{where}: linear fragment {f['name']} records parent {f['parent']['name']} sha256 "
+                          f"{f['parent']['sha256'][:16]}…, but the chain's {f['class']} fragment before it is "
+                          f"{want['name']} sha256 {want['sha256'][:16]}… (chain edge broken)")
+        last[(f["class"], f["layer"])] = {"name": f["name"].rsplit("/", 1)[-1], "sha256": f["sha256"]}
+    if order != sorted(order):
+        raise FqError(f"{where}: stage linear fragments are not in chain order")
+
+
+def plan_subjects(plan: dict) -> list[tuple[str, str]]:
+    """What a plan's statement signs: every expert fragment, every stage residual on linears, the base manifest
+    (the base's own linear fragments are covered by the manifest)."""
+    return [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
+        [(f["name"], f["sha256"]) for f in plan.get("stage_linears", ())] + \
+        [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
 
 
 def _linear_entry(root, lin: dict, base_dir: str, manifest, public_key, campaign: dict, product: str) -> dict:
@@ -162,14 +212,35 @@ def _linear_entry(root, lin: dict, base_dir: str, manifest, public_key, campaign
             "size": manifest.files[rel][1]}
 
 
+def _stage_linear_entry(root, lin: dict, chain: dict, public_key, campaign: dict) -> dict:
+    """One stage's residual on non-expert linears (``lin``: {name, digest, stage}), verified, as the plan lists it."""
+    name = lin["name"]
+    att = verify_shard(root, name, public_key, campaign)
+    p = att.predicate
+    if p["kind"] != "linear" or p["role"] != "stage":
+        raise FqError(f"{name}: a {p['kind']} {p['role']} shard is not a stage's residual on linears")
+    if p["node_digest"] != lin["digest"]:
+        raise FqError(f"{name}: attests node_digest {p['node_digest'][:16]}…, the stage's linear node {p['node']} is "
+                      f"{lin['digest'][:16]}…")
+    if p["codebook"] != chain[lin["stage"]]["codebook"]:
+        raise FqError(f"{name}: codebook {p['codebook']}, stage {lin['stage']} encodes with {chain[lin['stage']]['codebook']}")
+    return {"name": name, "sha256": att.sha256, "attestation_sha256": att.attestation_sha256, "stage": lin["stage"],
+            "node": p["node"], "class": p["class"], "layer": p["layer"], "K": p["K"], "codebook": p["codebook"],
+            "digest": p["node_digest"], "parent": p["parent"], "size": p["shard"]["size"],
+            "header_sha256": p["shard"]["header_sha256"]}
+
+
 def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], fragments: list[str],
                    base_dir: str, campaign: dict, recipe_sha256: str, version: int, expires: dt.datetime | str,
-                   public_key: Ed25519PublicKey, linears: list[dict] | None = None) -> dict:
+                   public_key: Ed25519PublicKey, linears: list[dict] | None = None,
+                   stage_linears: list[dict] | None = None) -> dict:
     """The plan of ``product``: verifies every named fragment (signature and bytes) and the base manifest
     under ``public_key``, requires each fragment's attested node_digest to be its chain entry's ``digest``
     (``Recipe.node_digest``), re-derives K/codebook per node from the fragments, and checks the chain.
     ``linears``: a whole-model base's linear fragments, [{name, digest}] (``LinearNode.digest``), each verified
-    and required to be listed in the base manifest with its bytes."""
+    and required to be listed in the base manifest with its bytes. ``stage_linears``: the chain's stages' residuals
+    on non-expert linears, [{name, digest, stage}], each verified (kind linear, role stage, its node digest) and its
+    parent edge checked (``check_stage_linears``)."""
     check_name(base_dir, "base_dir")
     if not (isinstance(recipe_sha256, str) and SHA256_HEX.fullmatch(recipe_sha256)):
         raise FqError(f"plan {product}: recipe_sha256 {recipe_sha256!r} is not a sha256 hex digest")
@@ -218,9 +289,17 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
     if linears:
         plan["linears"] = [_linear_entry(root, lin, base_dir, manifest, public_key, campaign, product)
                            for lin in sorted(linears, key=lambda x: x["name"])]
+    if stage_linears:
+        for lin in stage_linears:
+            if lin.get("stage") not in nodes or nodes[lin["stage"]]["role"] != "stage":
+                raise FqError(f"plan {product}: linear fragment {lin.get('name')} names {lin.get('stage')!r}, not a "
+                              f"stage of the chain")
+        plan["stage_linears"] = [_stage_linear_entry(root, lin, nodes, public_key, campaign)
+                                 for lin in sorted(stage_linears, key=lambda x: (order[x["stage"]], x["name"]))]
     validate_predicate(ASSEMBLY, plan, f"plan {product}")
     check_chain(chain, f"plan {product}")
     check_fragments(plan, f"plan {product}")
+    check_stage_linears(plan, f"plan {product}")
     if manifest.node != chain[0]["node"]:
         raise FqError(f"plan {product}: {base_dir} is the base of {manifest.node!r}, the chain starts at {chain[0]['node']!r}")
     for f in entries:
@@ -230,9 +309,7 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
 
 
 def sign_assembly(plan: dict, key: Ed25519PrivateKey) -> bytes:
-    subjects = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
-               [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
-    return dsse.envelope_line(dsse.sign(statement(subjects, ASSEMBLY, plan), key))
+    return dsse.envelope_line(dsse.sign(statement(plan_subjects(plan), ASSEMBLY, plan), key))
 
 
 def write_assembly(root: str | os.PathLike, plan: dict, key: Ed25519PrivateKey) -> Path:
@@ -348,12 +425,11 @@ def read_assembly(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now:
     subjects, plan = parse_statement(payload, where, ASSEMBLY)
     if plan["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{where}: campaign identity names signer {plan['campaign']['signer'][:16]}…, not the pinned key")
-    want = [(f["name"], f["sha256"]) for f in plan["fragments"]] + \
-           [(plan["base"]["manifest"]["name"], plan["base"]["manifest"]["sha256"])]
-    if subjects != want:
+    if subjects != plan_subjects(plan):
         raise FqError(f"{where}: statement subjects differ from the plan's fragments and manifest")
     check_chain(plan["chain"], where)
     check_fragments(plan, where)
+    check_stage_linears(plan, where)
     now = now or dt.datetime.now(dt.timezone.utc)
     expires = parse_time(plan["expires"], f"{where}: expires")
     if now >= expires:

@@ -298,6 +298,7 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
             base_option: str | None = None) -> Combined:
     """``base_option``: the command-line option that named ``base_dir`` (fq combine passes ``--base``)."""
     product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
+    product.refuse_stage_linears("fq combine's adapter")
     plan_obj, plan = product.plan, product.predicate
     chain = plan["chain"]
     index = {n["node"]: i for i, n in enumerate(chain)}

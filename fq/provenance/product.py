@@ -97,11 +97,41 @@ class Product:
             if p[pk] != f[k]:
                 raise FqError(f"{where}: attestation and plan disagree on {k} ({p[pk]!r} attested, {f[k]!r} in the plan)")
 
+    def check_stage_linear(self, att: Attested, f: dict, where: str) -> None:
+        """A stage's residual on non-expert linears (verified attestation) against its plan entry ``f``: the same
+        attestation and bytes, kind linear, role stage, the linear node digest, class, layer, K, codebook, its
+        parent edge, and the shard's size and header digest."""
+        p = att.predicate
+        if att.attestation_sha256 != f["attestation_sha256"] or att.sha256 != f["sha256"]:
+            raise FqError(f"{where}: attestation or bytes are not the ones the plan names (sha256 "
+                          f"{att.sha256[:16]}…, the plan names {f['sha256'][:16]}…)")
+        if p["kind"] != "linear" or p["role"] != "stage":
+            raise FqError(f"{where}: a {p['kind']} {p['role']} shard, the plan names a stage's linear fragment")
+        for k, pk in (("node", "node"), ("class", "class"), ("layer", "layer"), ("K", "K"), ("codebook", "codebook"),
+                      ("digest", "node_digest"), ("parent", "parent")):
+            if p[pk] != f[k]:
+                raise FqError(f"{where}: attestation and plan disagree on {k} ({p[pk]!r} attested, {f[k]!r} in the plan)")
+        for k in ("size", "header_sha256"):
+            if p["shard"][k] != f[k]:
+                raise FqError(f"{where}: attestation and plan disagree on the shard's {k} "
+                              f"({p['shard'][k]!r} attested, {f[k]!r} in the plan)")
+
     def check_header(self, att: Attested, header, f: dict, where: str) -> None:
         """The shard's safetensors header as read: the attested one, and the size the plan names."""
         check_header(att, header, where)
         if header.file_size != f["size"]:
             raise FqError(f"{where}: {header.file_size} bytes, the plan says {f['size']}")
+
+    def refuse_stage_linears(self, consumer: str) -> None:
+        """For a consumer that carries routed-expert stages only: refuse a product whose stages also correct
+        non-expert linears (plan ``stage_linears``), rather than silently drop those residuals."""
+        n = len(self.predicate.get("stage_linears", ()))
+        if n:
+            stages = sorted({f["stage"] for f in self.predicate["stage_linears"]})
+            raise FqError(f"{self.plan.path}: product {self.predicate['product']}'s stage(s) {', '.join(stages)} also "
+                          f"correct non-expert linears ({n} linear residual fragment(s), plan stage_linears); "
+                          f"{consumer} carries routed-expert stages only. Load the product from its published tree "
+                          f"with fq's CPU runtime (fq.runtime.load.load_product, fq eval) instead")
 
     def record(self, state: PlanState | None) -> None:
         if state is not None:

@@ -172,7 +172,7 @@ def build_publication(root: str | os.PathLike, *, version: int, campaign: dict, 
         require_same(p["campaign"], campaign, plan.path)
         products[p["product"]] = product_entry(plan, file)
         known[file] = plan.sha256
-        for f in p["fragments"]:
+        for f in [*p["fragments"], *p.get("stage_linears", ())]:
             known[f["name"]] = f["sha256"]
             known[attestation_name(f["name"])] = f["attestation_sha256"]
         base = p["base"]

@@ -197,6 +197,15 @@ def _check_plan(report: Report, product: Product, path: Path, root: Path, public
         rel = f["name"][len(plan["base"]["dir"]) + 1:]
         if manifest is not None and (manifest.files.get(rel) or (None,))[0] != att.sha256:
             raise _Located(f"{path}: linear fragment {f['name']} is not in the base as its manifest lists it", f["name"])
+    for f in plan.get("stage_linears", ()):  # the stages' residuals on non-expert linears: signed by the plan
+        if skip(f["name"]):
+            continue
+        att = verified.get(f["name"])
+        if att is None and not os.path.lexists(root / f["name"]):
+            absent.append(f["name"])
+            continue
+        att = att or verify_shard(root, f["name"], public_key, plan["campaign"])
+        product.check_stage_linear(att, f, f"{path}: linear fragment {f['name']}")
     if absent and missing is None:
         raise FqError(f"{path}: fragment {absent[0]} is missing" +
                       (f" (and {len(absent) - 1} more of its fragments)" if len(absent) > 1 else ""))

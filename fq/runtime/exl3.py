@@ -19,6 +19,9 @@ under the pinned key, the whole base against its manifest, every stage byte agai
     load_exl3_adapter(base_dir, adapter, plan, key, device=..., ...)        # (b) base + ``fq combine`` adapter
     Exl3Product.forward(ids[1, T]) -> float32 logits; .close()
 
+A product whose stages also correct non-expert linears (plan ``stage_linears``) is refused with a clear error (the
+CPU path, ``fq.runtime.load``, sums them): summing attention's EXL3 GEMMs is not built here yet.
+
 Needs CUDA and exllamav3 (imported lazily); tested against the CPU path's logits in tests/test_exl3_runtime.py.
 """
 from __future__ import annotations
@@ -130,6 +133,8 @@ class Exl3Product:
 
 
 def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = False) -> Exl3Product:
+    # stages' residuals on non-expert linears (attention, ...) are not summed on this path yet: refused, not dropped
+    vc.product.refuse_stage_linears("fq.runtime.exl3 (exllamav3)")
     import exllamav3 as ex
 
     tmp = tempfile.TemporaryDirectory(prefix="fq-exl3-")

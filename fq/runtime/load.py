@@ -14,6 +14,11 @@ Two ways in, one set of checks (``fq combine``'s: ``fq.provenance.combine``, ``.
     ``fq.provenance.combine.verify_adapter`` (every stage's bytes of every expert it holds equal the plan's digest of that
     fragment range; an expert carries all of the chain's stages that cover it, or is absent and keeps its base).
 
+A product whose stages also correct non-expert linears (plan ``stage_linears``: recipe ``skeleton`` on a stage) has
+each such residual fragment verified against the plan (``stage_linear_sets``), and each quantized linear is the sum of
+the base's reconstruction and its stages' residuals, in chain order, as a routed expert is; (b) refuses such a
+product (an adapter carries routed-expert stages only).
+
 Then, from the verified bytes only (each base file is read once into memory and its sha256 compared with the
 manifest's before it is parsed): the skeleton tensors verbatim (upcast to float32, exact), and per routed-expert
 linear the float32 sum of its chain's reconstructions (``reconstruct_chain``: base, then the stages in chain
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fq.provenance.assembly import PlanState, campaign_root
+from fq.provenance.attest.fragment import verify_shard
 from fq.core.canonical import loads
 from fq.provenance.combine import Verified, narrow, verify_adapter, verify_fragments
 from fq.errors import FqError
@@ -182,15 +188,45 @@ def stage_sets(v: Verified, chain: list[dict]) -> dict:
     return {k: sorted(d.items()) for k, d in out.items()}
 
 
-def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dict) -> ProductState:
+def stage_linear_sets(product: Product, public_key: Ed25519PublicKey) -> dict:
+    """weight name (``{linear}.weight``) -> [(chain index, tensor set)] of the product's stages' residuals on
+    non-expert linears (plan ``stage_linears``), in chain order: each fragment verified (attestation against the plan
+    entry: bytes, node digest, parent edge) and its bytes read once, their sha256 the plan's."""
+    plan, root = product.predicate, product.root
+    index = {n["node"]: i for i, n in enumerate(plan["chain"])}
+    out: dict = {}
+    for f in plan.get("stage_linears", ()):
+        where = f"{root / f['name']}"
+        att = verify_shard(root, f["name"], public_key, plan["campaign"])
+        product.check_stage_linear(att, f, where)
+        header, data = read_verified(root, f["name"], f["sha256"], f["size"])
+        product.check_header(att, header, f, where)
+        sets: dict = {}
+        for e in header.entries:
+            lin, _, suffix = e.name.rpartition(".")
+            sets.setdefault(f"{lin}.weight", {})[suffix] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
+        for name, tset in sets.items():
+            if set(tset) != set(suffixes(f["codebook"])):
+                raise FqError(f"{where}: {name[:-len('.weight')]}: incomplete tensor set {sorted(tset)}")
+            out.setdefault(name, []).append((index[f["stage"]], tset))
+    return out
+
+
+def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dict,
+           stage_linears: dict | None = None) -> ProductState:
     from fq.codec import reconstruct_chain
 
     plan = product.predicate
     layout = ExpertLayout.from_json(plan["layout"], f"{product.plan.path}: layout")
     config, skeleton, base_sets, linears = _base_tensors(base_dir, base, plan, layout)
     tensors = dense_state(skeleton, f"{base_dir}: skeleton")  # FP8 tensors a base keeps verbatim, dequantized
-    for name, (tset, shape) in sorted(linears.items()):  # a whole-model base's quantized non-expert linears
-        tensors[name] = reconstruct_chain([tset], name, shape)
+    stage_linears = stage_linears or {}
+    stray = sorted(set(stage_linears) - set(linears))
+    if stray:
+        raise FqError(f"{product.plan.path}: stage residuals on linears the base does not quantize: {stray[:3]}")
+    for name, (tset, shape) in sorted(linears.items()):  # a whole-model base's quantized non-expert linears, plus
+        # the chain's stage residuals on them (chain order): the sum, as for the routed experts
+        tensors[name] = reconstruct_chain([tset] + [s for _, s in stage_linears.get(name, ())], name, shape)
     shapes = expert_shapes(config, layout, f"{base_dir}: the model config")
     stages: dict = {}
     for (layer, ex, proj), base_set in sorted(base_sets.items()):
@@ -236,6 +272,7 @@ class VerifiedChain:
     base_dir: Path
     base: VerifiedBase
     stage_sets: dict  # (layer, expert, proj) -> [(chain index, tensor set)], chain order
+    stage_linears: dict = field(default_factory=dict)  # linear weight name -> [(chain index, tensor set)], chain order
 
     @property
     def plan(self) -> dict:
@@ -255,7 +292,7 @@ def verify_product(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *
     base_dir = product.root / plan["base"]["dir"]
     work, chosen = _all(plan)
     v = verify_fragments(product, public_key, work, chosen, base_dir=base_dir)
-    return VerifiedChain(product, base_dir, v.base, stage_sets(v, plan["chain"]))
+    return VerifiedChain(product, base_dir, v.base, stage_sets(v, plan["chain"]), stage_linear_sets(product, public_key))
 
 
 def verify_adapter_product(base_dir: str | os.PathLike, adapter: str | os.PathLike, plan_path: str | os.PathLike,
@@ -271,6 +308,7 @@ def verify_adapter_product(base_dir: str | os.PathLike, adapter: str | os.PathLi
         except FqError:
             root = Path(plan_path).parent
     product = open_product(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
+    product.refuse_stage_linears("an fq combine adapter")
     plan = product.predicate
     work, chosen = _all(plan)
     base_node = plan["base"]["node"]
@@ -284,7 +322,7 @@ def product_state(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *,
                   **kw) -> ProductState:
     """(a), as dense float32 tensors."""
     vc = verify_product(plan_path, public_key, state=state, **kw)
-    result = _state(vc.product, vc.base_dir, vc.base, vc.stage_sets)
+    result = _state(vc.product, vc.base_dir, vc.base, vc.stage_sets, vc.stage_linears)
     vc.product.record(state)
     return result
 

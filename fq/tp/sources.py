@@ -136,6 +136,7 @@ class ProductSource:
         self.plan_path, self.key = plan_path, public_key
         self._args = {"root": root, "now": now, "state": state, "min_version": min_version}
         self.product = open_product(plan_path, public_key, **self._args)  # the checks every consumer shares
+        self.product.refuse_stage_linears("fq's TP export and store")
         self.assembly, self.root = self.product.plan, self.product.root
         self.layout = ExpertLayout.from_json(self.predicate["layout"], f"{plan_path}: layout")
         self._spec = None

@@ -530,8 +530,24 @@ class Campaign:
 
     def base_linear_fragments(self, base: str) -> list[str]:
         """The linear fragments a whole-model base publishes (none for an experts-only base)."""
-        return [self.linear_fragment(ln.name, layer) for ln in self.recipe.base_linears(base).values()
+        self.recipe.base_linears(base)  # refuses a stage
+        return self.node_linear_fragments(base)
+
+    def node_linear_fragments(self, node: str) -> list[str]:
+        """The linear fragments a node publishes: a whole-model base's quantized linears, or a stage's residuals on
+        non-expert classes (recipe ``skeleton`` on a stage: published in its stage directory)."""
+        return [self.linear_fragment(ln.name, layer) for ln in self.recipe.node_linears(node).values()
                 for n, layer in self.linear_jobs if n == ln.name]
+
+    def linear_ancestors(self, node: str, layer: int | None) -> list[dict]:
+        """The committed linear fragments a stage's residual on a class corrects, as its job reads them (base first):
+        [{node, codebook, digest, path}]; empty for a base's linear node."""
+        out, entry = [], self.plan.linear(node)
+        while "parent" in entry:
+            entry = self.plan.linear(entry["parent"])
+            out.append({"node": entry["name"], "codebook": entry["codebook"], "digest": entry["digest"],
+                        "path": self.linear_fragment(entry["name"], layer)})
+        return out[::-1]
 
     def variant_files(self) -> list[str]:
         return [p for v, shards in self.skeleton_variants.items() for s in shards

@@ -242,7 +242,7 @@ class _Hessians:
         return self._input
 
 
-def _encode_matrix(w, chain: list, K: int, codebook: str, seed: int, dev, H, name: str):
+def encode_matrix(w, chain: list, K: int, codebook: str, seed: int, dev, H, name: str):
     """(Encoded, sum of W² of the matrix itself): weight-only or LDLQ, base or residual over ``chain``."""
     if H is not None:
         enc = encode_ldlq(w, H, K, codebook, seed, dev, parents=chain or None, name=name)
@@ -354,7 +354,7 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 t = time.perf_counter()
                 if stats is not None:
                     _gap(timeline, stats[i], t)
-                enc, sum_sq_w = _encode_matrix(w, chains[p], b.K, b.codebook, s, dev, hess.for_matrix(e, p),
+                enc, sum_sq_w = encode_matrix(w, chains[p], b.K, b.codebook, s, dev, hess.for_matrix(e, p),
                                                f"{b.node} layer {b.layer} expert {e} {p}")
                 sum_sq_w = enc.sum_sq_w if sum_sq_w is None else sum_sq_w
                 if stats is not None:
@@ -443,7 +443,7 @@ def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sour
     for e in experts:
         for p in PROJECTIONS:
             w = W[e][p]
-            enc, _ = _encode_matrix(w, [], K, codebook, matrix_seed(seed, f"native-K{K}", layer, e, p), dev,
+            enc, _ = encode_matrix(w, [], K, codebook, matrix_seed(seed, f"native-K{K}", layer, e, p), dev,
                                     hess.for_matrix(e, p), f"native K{K} layer {layer} expert {e} {p}")
             metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w, "sum_sq_err": enc.sum_sq_err}
             if enc.proxy_err is not None:
@@ -483,7 +483,7 @@ def encode_weight_only(*, node: str, role: str, K: int, codebook: str, node_dige
     metrics, tensors = {}, {}
     for e in experts:
         for p in PROJECTIONS:
-            enc, sum_sq_w = _encode_matrix(W[e][p], [sets[e][p] for sets in parents], K, codebook,
+            enc, sum_sq_w = encode_matrix(W[e][p], [sets[e][p] for sets in parents], K, codebook,
                                            matrix_seed(seed, node, layer, e, p), dev, None,
                                            f"weight-only {node} layer {layer} expert {e} {p}")
             metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w if sum_sq_w is None else sum_sq_w,

@@ -12,7 +12,7 @@ Published layout (``OUT/published``)::
                      fq.provenance.exl3config),
                      tokenizer and generation files, skeleton shards, NODE's fragments, model.safetensors.index.json,
                      fq-manifest.intoto.jsonl            (every shard with its .intoto.jsonl beside it)
-    stages/NODE/     NODE's fragments
+    stages/NODE/     NODE's fragments, and its residuals on non-expert linears (recipe ``skeleton`` on a stage)
     assemblies/      PRODUCT.assembly.intoto.jsonl
     publication.intoto.jsonl   the signed publication statement (fq.provenance.publication): every file above with its
                                sha256, the products, plans and bases, and the version (assembly.version)
@@ -194,11 +194,20 @@ def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
         p = Path(c.linear_fragment(node, layer))
         try:
             att = verify_shard(p.parent, p.name, pub, campaign=ident)
-            want = c.plan.linear(node)["digest"]
+            entry = c.plan.linear(node)
+            want = entry["digest"]
             if att.predicate["kind"] != "linear" or att.predicate["node_digest"] != want:
                 raise FqError(f"finalize {p}: attests {att.predicate['kind']} node_digest "
                               f"{str(att.predicate['node_digest'])[:16]}…, linear node {node} is {want[:16]}…; re-encode it")
             check_linear_objective(c, att, layer, f"finalize {p}")
+            if "parent" in entry:  # a stage's residual: its edge names the parent linear fragment actually committed
+                parent = done.get(("linear", entry["parent"], layer))
+                got = att.predicate["parent"] or {"name": None, "sha256": "-"}
+                if parent is not None and (got["name"], got["sha256"]) != (parent.name, parent.sha256):
+                    raise FqError(f"finalize {p}: encoded against parent {got['name']} sha256 {got['sha256'][:16]}…, "
+                                  f"the committed parent is {parent.sha256[:16]}…; re-encode it")
+            elif att.predicate["parent"] is not None:
+                raise FqError(f"finalize {p}: linear node {node} is a base's, but the fragment names a parent")
             done[("linear", node, layer)] = att
         except FqError as e:
             problems.append(str(e))
@@ -243,6 +252,11 @@ def _published_plan(c: Campaign) -> dict[str, Path]:
         p = Path(c.fragment(f.node, f.block))
         out[f"{rel_dir}/{p.name}"] = p
         out[f"{rel_dir}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
+    for stage in c.recipe.stages:  # a stage's residuals on non-expert linears go with its expert fragments
+        for s in c.node_linear_fragments(stage.name):
+            p = Path(s)
+            out[f"stages/{stage.name}/{p.name}"] = p
+            out[f"stages/{stage.name}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
     for base in c.recipe.bases:
         for s in c.base_skeletons(base.name) + c.base_linear_fragments(base.name):
             p = Path(s)
@@ -332,9 +346,11 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         base = prod.chain[0]
         linears = [{"name": f"base/{base}/{Path(p).name}", "digest": c.plan.linear(Path(p).parent.name)["digest"]}
                    for p in c.base_linear_fragments(base)]
+        stage_linears = [{"name": f"stages/{n}/{Path(p).name}", "digest": c.plan.linear(Path(p).parent.name)["digest"],
+                          "stage": n} for n in prod.chain[1:] for p in c.node_linear_fragments(n)]
         plan_doc = build_assembly(root, product=prod.name, chain=chain, fragments=names, base_dir=f"base/{base}",
                                   campaign=ident, recipe_sha256=c.recipe.sha256, version=version, expires=expires,
-                                  public_key=pub, linears=linears)
+                                  public_key=pub, linears=linears, stage_linears=stage_linears)
         with disk_full_is_one_line(root / "assemblies" / f"{prod.name}.assembly.intoto.jsonl"):
             path = write_assembly(root, plan_doc, priv)
         plans.append(Plan(str(path), sha256_file(path), plan_doc))

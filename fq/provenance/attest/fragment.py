@@ -168,10 +168,11 @@ def _linear_hessian_file(layer: int | None) -> str:
 
 
 def attest_linears(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict, encoder: dict,
-                   quant_args: dict, node_digest: str, determinism: dict | None = None,
+                   quant_args: dict, node_digest: str, parent: dict | None = None, determinism: dict | None = None,
                    info: ShardInfo | None = None) -> Attested:
     """Sign a linear fragment (a linear node's encoding of one class of one layer, or of the head); ``node_digest``:
-    ``LinearNode.digest``, which a base's plan names for that class."""
+    ``LinearNode.digest``, which a base's plan names for that class. ``parent``: a stage's residual on the class,
+    {name, sha256} of the committed linear fragment of the same layer it corrects (its role is then ``stage``)."""
     p, info = _described(path, info, node_digest, "LinearNode.digest")
     if info.kind != "linear":
         raise FqError(f"{p}: is a {info.kind} shard; use attest_{'skeleton' if info.kind == 'skeleton' else 'fragment'}")
@@ -179,10 +180,16 @@ def attest_linears(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign:
     if p.name != linear_filename(m["node"], m["layer"]):
         raise FqError(f"{p}: a linear fragment of {m['node']} layer {m['layer']} must be named "
                       f"{linear_filename(m['node'], m['layer'])}")
+    suffix = "-head.safetensors" if m["layer"] is None else f"-layer{m['layer']:03d}.safetensors"
+    if parent is not None and not (isinstance(parent.get("name"), str) and parent["name"].endswith(suffix)
+                                   and m["node"].startswith(parent["name"][: -len(suffix)] + "+")):
+        raise FqError(f"{p}: parent {parent.get('name')!r} must be the file name of the linear fragment of the same "
+                      f"layer this residual corrects (PARENT{suffix}, {m['node']} = PARENT+K..)")
     predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
-    predicate.update({"kind": "linear", "node": m["node"], "node_digest": node_digest, "role": "base",
+    predicate.update({"kind": "linear", "node": m["node"], "node_digest": node_digest,
+                      "role": "base" if parent is None else "stage",
                       "class": m["class"], "layer": m["layer"], "block": None, "K": m["K"], "codebook": m["codebook"],
-                      "layout": None, "quant_args": quant_args, "parent": None,
+                      "layout": None, "quant_args": quant_args, "parent": parent,
                       "linears": [t.to_json() for t in info.tensors]})
     check_quant_args(predicate, str(p))
     return _sign_and_write(p, info, predicate, key)
@@ -214,9 +221,11 @@ def check_location(name: str, pred: dict, att: str) -> None:
     if pred["kind"] == "linear":
         if base != linear_filename(pred["node"], pred["layer"]):
             raise FqError(f"{att}: attests linear node {pred['node']} layer {pred['layer']}, which is not file {base!r}")
-        if len(parts) >= 2 and parts[-2] not in (pred["node"],) and parts[-3:-2] != ["base"]:
+        area = {"base": "base", "stage": "stages"}[pred["role"]]
+        if len(parts) >= 2 and parts[-2] not in (pred["node"],) and parts[-3:-2] != [area]:
             raise FqError(f"{att}: a linear fragment of node {pred['node']} lies in directory "
-                          f"{'/'.join(parts[:-1])}/; it belongs in its node's directory or a base's")
+                          f"{'/'.join(parts[:-1])}/; it belongs in its node's directory or a "
+                          f"{'base' if area == 'base' else 'stage'}'s ({area}/NODE/)")
         return
     if pred["kind"] != "expert":
         return
