@@ -36,7 +36,11 @@ EVAL = {"text": None, "tokens": 512, "seq_len": 128}  # 4 windows: small, the tw
 # is a whole-model one (recipe skeleton: attention, the shared experts, the dense MLP and lm_head quantized too), so
 # the whole-model tests (the rest of this module, after the calibration ones) share this campaign
 FULL = {"attention": 4, "shared": 4, "dense": 4, "head": 6}
-RECIPE2 = dict(RECIPE, nodes=[dict(RECIPE["nodes"][0], skeleton=FULL), dict(RECIPE["nodes"][1], experts={"hot": 2})],
+# the stage also corrects attention (a residual at K2 on the base's K4 linears: tests at the end of the module)
+STAGE_SKELETON = {"attention": 2}
+RESIDUAL = "attention-K4-mul1+K2-mul1"
+RECIPE2 = dict(RECIPE, nodes=[dict(RECIPE["nodes"][0], skeleton=FULL),
+                              dict(RECIPE["nodes"][1], experts={"hot": 2}, skeleton=STAGE_SKELETON)],
                products=RECIPE["products"][:2])
 # The campaign plans the stage's experts from the usage recorded with the demo model (config usage:) instead of
 # measuring it again (the usage job: test_workflow.py)
@@ -248,10 +252,11 @@ def test_one_linear_job_per_class_and_layer_shared_by_the_bases(cal, tmp_path):
     write_config(tmp_path / "one", RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)
     p = smk(tmp_path / "one", "-n")
     counts = job_counts(p.stdout + p.stderr)
-    # attention K4 (3 layers), shared K4 (2 MoE layers), dense K4 (layer 0), head K6
-    assert counts["encode_linears"] == 3 + 2 + 1 + 1 and counts["calib_head"] == 1
+    # attention K4 and the stage's K2 residual on it (3 layers each), shared K4 (2 MoE layers), dense K4 (layer 0),
+    # head K6
+    assert counts["encode_linears"] == 3 + 3 + 2 + 1 + 1 and counts["calib_head"] == 1
     c = campaign(d)
-    assert [n["name"] for n in c.plan.linears] == ["attention-K4-mul1", "shared-K4-mul1", "dense-K4-mul1",
+    assert [n["name"] for n in c.plan.linears] == ["attention-K4-mul1", RESIDUAL, "shared-K4-mul1", "dense-K4-mul1",
                                                    "head-K6-mul1"]
     # a K2 base naming attention K4 as well adds its experts' jobs and no linear job
     write_config(tmp_path / "two", TWO_BASES, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)
@@ -276,7 +281,8 @@ def test_linear_fragments_are_ldlq_against_their_bound_hessians(cal):
         assert pred["quant_args"]["hessian"]["sha256"] == bound["sha256"] == hashlib.sha256(
             Path(c.linear_hessian(layer)).read_bytes()).hexdigest()
         metrics = canonical.load(c.linear_metrics(node, layer))
-        assert all(0 < m["proxy_err"] < 0.05 for m in metrics["linears"].values()), metrics
+        bound = 1 if "parent" in c.plan.linear(node) else 0.05  # a residual's error is relative to the residual
+        assert all(0 < m["proxy_err"] < bound for m in metrics["linears"].values()), metrics
 
 
 def test_published_base_holds_the_quantized_linears_and_verifies(cal):
@@ -429,6 +435,132 @@ def test_tp_export_cuts_the_whole_model_bases_linears_by_whole_tiles(cal, tmp_pa
     f.write_bytes(bytes(raw))
     with pytest.raises(FqError, match="do not match the attested sha256"):
         ExportSource(res.path, pub).linear_sets(0)
+
+
+# -- a stage that also corrects attention (the stage's skeleton STAGE_SKELETON) ------------------------------------
+
+
+def test_the_stages_attention_residual_is_ldlq_against_the_committed_base_linears_and_published_with_it(cal):
+    """Each of the stage's residual fragments (one per layer) is attested as a stage of linear node RESIDUAL against
+    the committed base linear fragment of its layer ({name, sha256}), LDLQ against the same bound linear Hessian;
+    it is published in the stage's directory, listed (with its parent edge) in the stage product's plan only, counted
+    in the product's payload and stored bytes and in its bits over the whole model."""
+    from fq.planning.model_bits import class_bits
+
+    c = campaign(cal)
+    out = cal / "campaign"
+    pub = out / "published"
+    jobs = [(n, l) for n, l in c.linear_jobs if n == RESIDUAL]
+    assert [l for _, l in jobs] == [0, 1, 2] and c.plan.linear(RESIDUAL)["parent"] == "attention-K4-mul1"
+    plans = {p: canonical.loads(base64.b64decode(canonical.loads((pub / "assemblies" / f"{p}.assembly.intoto.jsonl")
+                                                                 .read_bytes())["payload"]))["predicate"]
+             for p in ("a", "a.r1")}
+    listed = {f["name"]: f for f in plans["a.r1"]["stage_linears"]}
+    assert "stage_linears" not in plans["a"] and len(listed) == 3
+    for node, layer in jobs:
+        path, parent = Path(c.linear_fragment(node, layer)), Path(c.linear_fragment("attention-K4-mul1", layer))
+        pred, base = statement(path)["predicate"], statement(parent)["predicate"]
+        assert pred["role"] == "stage" and pred["K"] == 2 and pred["parent"] == {"name": parent.name,
+                                                                                 "sha256": sha256(parent)}
+        assert pred["node_digest"] == c.plan.linear(node)["digest"] != base["node_digest"]
+        assert pred["quant_args"]["objective"].startswith("LDLQ")
+        assert pred["quant_args"]["hessian"] == base["quant_args"]["hessian"]
+        assert [t["name"] for t in pred["linears"]] == [t["name"] for t in base["linears"]]
+        metrics = canonical.load(c.linear_metrics(node, layer))
+        assert metrics["parent"] == pred["parent"] and all(0 < m["proxy_err"] < 1 for m in metrics["linears"].values())
+        published = pub / "stages" / "a.r1" / path.name
+        assert published.read_bytes() == path.read_bytes() and not (pub / "base" / "a" / path.name).exists()
+        f = listed[f"stages/a.r1/{path.name}"]
+        assert f["parent"] == pred["parent"] and f["stage"] == "a.r1" and f["size"] == path.stat().st_size
+    from fq.provenance.assembly import payload_bytes
+
+    summary = canonical.load(out / "campaign_summary.json")["products"]
+    assert summary["a.r1"]["bytes"] == payload_bytes(plans["a.r1"]) == sum(
+        f["size"] for f in [*plans["a.r1"]["fragments"], *plans["a.r1"]["linears"], *listed.values()])
+    rows = {r["product"]: r for r in canonical.load(out / "report" / "products.json")}
+    stage_files = sorted((pub / "stages" / "a.r1").glob("*.safetensors"))
+    assert sum(RESIDUAL in f.name for f in stage_files) == 3
+    assert rows["a.r1"]["stored_bytes"] == rows["a"]["stored_bytes"] + sum(f.stat().st_size for f in stage_files)
+    bits = class_bits(c.recipe, c.recipe.products[1])
+    assert bits == {"attention": 6, "shared": 4, "dense": 4, "head": 6}
+    planned = {p["name"]: p for p in c.plan.products}
+    assert planned["a.r1"]["model_bpw"] == rows["a.r1"]["model_bpw"] > planned["a"]["model_bpw"] + 2
+
+
+def test_the_cpu_runtime_sums_the_base_linear_and_the_stages_residual(cal, tmp_path):
+    """product a.r1's attention linears are the sum of the base's reconstruction and the stage's residual (exactly
+    reconstruct_chain of the two published tensor sets), closer to the source than the base's alone; consumers that
+    carry routed-expert stages only (fq combine, tp-export, the exllamav3 runtime) refuse the product by name."""
+    from fq.codec import reconstruct_chain
+    from fq.provenance.attest import keys
+    from fq.provenance.combine import combine
+    from fq.runtime.load import product_state
+
+    out = cal / "campaign"
+    pub, key = out / "published", keys.load_public(out / "signer.pub")
+    plan = lambda p: pub / "assemblies" / f"{p}.assembly.intoto.jsonl"  # noqa: E731
+    states = {p: product_state(plan(p), key, root=pub) for p in ("a", "a.r1")}
+    src = dict(safe_open_all(out / "demo-model"))
+    for layer in (0, 2):
+        sets = []
+        for f in (pub / "base" / "a" / f"attention-K4-mul1-layer{layer:03d}.safetensors",
+                  pub / "stages" / "a.r1" / f"{RESIDUAL}-layer{layer:03d}.safetensors"):
+            with safe_open(str(f), "pt") as fh:
+                sets.append({k: fh.get_tensor(k) for k in fh.keys()})
+        for lin in ("q_proj", "o_proj"):
+            name = f"model.layers.{layer}.self_attn.{lin}"
+            chain = [{k.rpartition(".")[2]: v for k, v in s.items() if k.rpartition(".")[0] == name} for s in sets]
+            w = src[f"{name}.weight"].float()
+            summed, base = states["a.r1"].tensors[f"{name}.weight"], states["a"].tensors[f"{name}.weight"]
+            assert torch.equal(summed, reconstruct_chain(chain, name, tuple(w.shape)))
+            assert torch.equal(base, reconstruct_chain(chain[:1], name, tuple(w.shape)))
+            assert (summed - w).norm() < 0.7 * (base - w).norm()
+    with pytest.raises(FqError, match="a.r1 also correct non-expert linears.*fq combine's adapter"):
+        combine(plan("a.r1"), key, tmp_path / "adapter.safetensors")
+    from fq.tp.sources import ProductSource
+
+    with pytest.raises(FqError, match="TP export"):
+        ProductSource(plan("a.r1"), key)
+    from fq.runtime.exl3 import load_exl3_product
+
+    with pytest.raises(FqError, match="exllamav3"):  # refused after verification, before exllamav3 is imported
+        load_exl3_product(plan("a.r1"), key, root=pub)
+
+
+def safe_open_all(directory: Path):
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                yield k, fh.get_tensor(k)
+
+
+def test_a_tampered_or_re_signed_stage_residual_is_refused(cal, tmp_path):
+    """A flipped byte in a published residual fragment: fq verify names it and the runtime refuses to load the
+    product. An insider re-signing the residual's attestation with another parent: verify refuses it (the plan names
+    another attestation, and the tree's chain edge is broken)."""
+    from fq.provenance.attest import dsse, keys
+    from fq.runtime.load import product_state
+
+    out = cal / "campaign"
+    key = keys.load_public(out / "signer.pub")
+    pub = shutil.copytree(out / "published", tmp_path / "published")
+    frag = pub / "stages" / "a.r1" / f"{RESIDUAL}-layer001.safetensors"
+    raw = bytearray(frag.read_bytes())
+    raw[-3] ^= 0x40
+    frag.write_bytes(bytes(raw))
+    verify = lambda: subprocess.run([sys.executable, "-m", "fq", "verify", str(pub), "--key",  # noqa: E731
+                                     str(out / "signer.pub")], capture_output=True, text=True)
+    p = verify()
+    assert p.returncode != 0 and frag.name in p.stdout + p.stderr, p.stderr
+    with pytest.raises(FqError, match=frag.name.replace("+", r"\+")):
+        product_state(pub / "assemblies" / "a.r1.assembly.intoto.jsonl", key, root=pub)
+    shutil.copyfile(out / "published" / "stages" / "a.r1" / frag.name, frag)
+    st = statement(frag)
+    st["predicate"]["parent"]["sha256"] = "0" * 64
+    priv = keys.load_private(out / "keys" / "signer.key")
+    frag.with_name(frag.name + ".intoto.jsonl").write_bytes(dsse.envelope_line(dsse.sign(canonical.dumps(st), priv)))
+    p = verify()
+    assert p.returncode != 0 and "chain edge broken" in p.stdout + p.stderr, p.stdout + p.stderr
 
 
 def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):
