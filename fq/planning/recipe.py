@@ -3,7 +3,9 @@
 A recipe is a forest of **nodes**. A base encodes every routed expert at K bits; a stage encodes
 the K-bit residual ``W - Ŵ(parent chain)`` for a selection of experts (all, the N hottest per
 layer, or explicit per-layer lists). A **product** is a chain base -> stage -> ... whose weight is
-the sum of the chain's reconstructions; one node can serve many products, which is the point:
+the sum of the chain's reconstructions. A base may also quantize the non-expert linear classes (``skeleton``), and a
+stage may add a residual on those its chain's base quantizes (``skeleton`` on a stage: ``LinearNode`` with a parent);
+one node can serve many products, which is the point:
 the GLM-5.2 dag publishes 9 products (35 nominal bpw) from 9 passes emitting 14 bpw.
 
 Validation is the JSON schema first (shape, K in 1..8, codebook names), then the rules a schema
