@@ -68,21 +68,18 @@ def _forward(g: Geo, x: np.ndarray, v: np.ndarray, pre: np.ndarray | None):
             w = t + NT * u
             j0 = (w // P) * NQ
             part = w % P
-            best = [None] * NQ
-            for hq in range(NH):
-                h = part + P * hq
-                pidx = h * (E >> K) + (j0 >> K)
-                assert np.array_equal(pidx, (h * E + j0) >> K)
-                if K == 1 and hq == 1 and u >= 8:
-                    pm = buf0[rows, pidx[None, :]]
-                else:
-                    pm = Mc[rows, pidx[None, :]]
-                for e in range(NQ):
-                    val = v[(part + P * hq) * E + j0 + e][None, :]
-                    d = torch.from_numpy((val - xi).astype(np.float32))
-                    c = fma_f32(d, d, torch.from_numpy(pm)).numpy().view(np.uint32)
-                    c = (c & mask) | np.uint32(h)
-                    best[e] = c if hq == 0 else np.minimum(best[e], c)
+            # every (hq, e) candidate of the unit at once (axes: tile, hq, e, thread): each thread's candidates read
+            # the cost buffers before the unit writes any, so one array op per unit is the kernel's hq/e loops
+            h = part[None, :] + P * np.arange(NH)[:, None]  # (NH, NT)
+            pidx = h * (E >> K) + (j0 >> K)[None, :]
+            assert np.array_equal(pidx, (h * E + j0[None, :]) >> K)
+            # (n, NH, NT); K = 1: the high half's second edge reads buf0
+            pm = np.stack([(buf0 if K == 1 and hq == 1 and u >= 8 else Mc)[:, pidx[hq]] for hq in range(NH)], axis=1)
+            val = v[(h * E)[:, None, :] + j0[None, None, :] + np.arange(NQ)[None, :, None]]  # (NH, NQ, NT)
+            d = torch.from_numpy((val[None] - xi[:, :, None, None]).astype(np.float32))
+            c = fma_f32(d, d, torch.from_numpy(pm[:, :, None, :])).numpy().view(np.uint32)
+            c = (c & mask) | h.astype(np.uint32)[None, :, None, :]
+            best = [c[:, :, e, :].min(axis=1) for e in range(NQ)]
             if P > 1:
                 off = 1
                 while off < P:
