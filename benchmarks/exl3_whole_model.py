@@ -1,7 +1,8 @@
 """Whole-model bases against exllamav3's own converter at the same total bits, both run by exllamav3 on the GPU.
 
-For a published campaign (``CAMPAIGN``: published/, signer.pub, demo-model/, and optionally the campaign's
-calibration tokens as calibration-tokens.safetensors): every bare base of the publication is verified under the
+For a published campaign (``CAMPAIGN``: published/, signer.pub, the source checkpoint as source/ or demo-model/, and
+optionally the campaign's calibration tokens as calibration-tokens.safetensors; the held-out text is the demo's, so the
+source must use the demo tokenizer: the demo model, or benchmarks/second_family_campaign.py's Qwen3-MoE): every bare base of the publication is verified under the
 pinned key and staged from the verified bytes (``fq.runtime.load.verify_product``, ``fq.runtime.exl3.stage_base``),
 then loaded by exllamav3. exllamav3's converter (``python -m exllamav3.conversion.convert_model``) quantizes the same
 source once per fq whole-model base and per ``--reference``:
@@ -34,12 +35,16 @@ from pathlib import Path
 import torch
 
 
+def source_dir(campaign: Path) -> Path:
+    return campaign / "source" if (campaign / "source").is_dir() else campaign / "demo-model"
+
+
 def windows(campaign: Path, tokens: int, seq: int) -> torch.Tensor:
     from fq.model.demo_model import text
     from fq.runtime.evaluate import tokenize
     from fq.runtime.quality import token_windows
 
-    ids, _ = tokenize(campaign / "demo-model", text("heldout"))
+    ids, _ = tokenize(source_dir(campaign), text("heldout"))
     return torch.stack([torch.as_tensor(w, dtype=torch.long) for w in token_windows(ids, seq, tokens)])
 
 
@@ -89,7 +94,9 @@ def recipe_yaml(qc: dict, path: Path) -> Path:
     import yaml
 
     bits = dict(qc["linear_bits"], experts=qc["expert_bits"])
-    tensors = {CLASS_PATTERNS[c]: int(bits.get(c, 16)) for c in CLASS_PATTERNS}
+    # only the classes the base names: the converter refuses a pattern that matches no tensor (Qwen3-MoE has no
+    # shared experts); a class the base keeps in bf16 is then left to the converter's budget
+    tensors = {CLASS_PATTERNS[c]: int(bits[c]) for c in CLASS_PATTERNS if c in bits}
     path.write_text(yaml.safe_dump({"target_bpw": qc["bits"], "head_bits": int(qc["linear_bits"].get("head", 16)),
                                     "tensors": tensors}, sort_keys=False))
     return path
@@ -105,6 +112,25 @@ def exl3_cal_data(campaign: Path, scratch: Path) -> list[str]:
     ids = load_file(str(f))["tokens"]
     save_file({"input_ids": ids.to(torch.int64).contiguous()}, str(scratch / "cal.safetensors"))
     return ["-cd", str(scratch / "cal.safetensors"), "-cr", str(ids.shape[0]), "-cc", str(ids.shape[1])]
+
+
+def converter_source(src: Path, scratch: Path) -> Path:
+    """The source as the converter reads it: the same weight files (linked), and config.json with the keys exllamav3
+    reads under another spelling than transformers 5.x saves (the family's ``Exl3Needs.derived_keys``, which fq's
+    bases derive too: Qwen3-MoE's ``num_experts``, saved as ``num_local_experts``). No key to add: ``src`` itself."""
+    from fq.model import families
+
+    cfg = json.loads((src / "config.json").read_text())
+    extra = families.for_config(cfg, str(src / "config.json")).exl3_needs.derived_keys(cfg)
+    if not extra:
+        return src
+    d = scratch / "source"
+    d.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f.resolve())
+    (d / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
+    return d
 
 
 def convert(src: Path, out: Path, work: Path, args: list[str], log: Path) -> Path:
@@ -132,7 +158,7 @@ def main(argv=None) -> int:
     from fq.runtime.load import verify_product
 
     args.out.mkdir(parents=True, exist_ok=True)
-    root, src = args.campaign / "published", args.campaign / "demo-model"
+    root, src = args.campaign / "published", source_dir(args.campaign)
     key = keys.load_public(args.campaign / "signer.pub")
     products = read_publication(root, key).predicate["products"]
     ids = windows(args.campaign, args.tokens, args.seq)
@@ -150,6 +176,7 @@ def main(argv=None) -> int:
     doc = {"positions": int(ids.numel()), "seq": args.seq, "rows": rows}
     scratch = Path(tempfile.mkdtemp(prefix="exl3-ref-"))  # converted models stay off OUT
     cal = exl3_cal_data(args.campaign, scratch)
+    conv_src = converter_source(src, scratch)
     log = args.out / "convert.log"
     done_default: dict[float, str] = {}
     for ref_kind in args.reference:
@@ -162,7 +189,7 @@ def main(argv=None) -> int:
                 label = f"exllamav3 -b {qc['bits']:g}" + (" -hq" if ref_kind == "hq" else "")
                 cargs = ["-b", f"{qc['bits']:g}"] + (["-hq"] if ref_kind == "hq" else [])
             if label not in kls:
-                d = convert(src, scratch / label.replace(" ", "_"), scratch / (label.replace(" ", "_") + "-work"),
+                d = convert(conv_src, scratch / label.replace(" ", "_"), scratch / (label.replace(" ", "_") + "-work"),
                             cargs, log)
                 kls[label] = kl_per_position(ref, exl3_logprobs(ex, d, ids))
                 k, se = mean_se(kls[label])

@@ -3,8 +3,8 @@ runs a forward on held-out tokens; its logits must agree with fq's own reference
 product in transformers, routed experts = fq's reconstruction in float32) within fp16 tolerance.
 
 Needs CUDA and exllamav3 (skipped otherwise, as in CI). The campaign is FQ_EXL3_CAMPAIGN (a campaign directory:
-published/, signer.pub, demo-model/), built on the CPU and carried to the GPU box; docs/benchmarks.md has the
-command. FQ_EXL3_JSON names a file for the measured agreement.
+published/, signer.pub, and the source checkpoint as demo-model/ or source/, with the demo tokenizer), built on the
+CPU and carried to the GPU box; docs/benchmarks.md has the command. FQ_EXL3_JSON names a file for the measured agreement.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _windows(campaign: Path) -> torch.Tensor:
     from fq.runtime.evaluate import tokenize
     from fq.runtime.quality import token_windows
 
-    ids, _ = tokenize(campaign / "demo-model", text("heldout"))
+    src = campaign / "source" if (campaign / "source").is_dir() else campaign / "demo-model"
+    ids, _ = tokenize(src, text("heldout"))
     return torch.stack([torch.as_tensor(w, dtype=torch.long) for w in token_windows(ids, SEQ, TOKENS)])
 
 

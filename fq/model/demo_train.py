@@ -136,22 +136,25 @@ def _lr(step: int) -> float:
     return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * t))
 
 
-def train_model(train_ids, *, steps: int = STEPS, progress: bool = True, log=print):
-    """A Glm4MoeForCausalLM trained on random windows of ``train_ids`` (a 1-D int64 tensor); returns
-    (model, record)."""
+def train_model(train_ids, *, steps: int = STEPS, progress: bool = True, log=print, model=None):
+    """A Glm4MoeForCausalLM (or ``model``, another family's freshly initialised one) trained on random windows of
+    ``train_ids`` (a 1-D int64 tensor); returns (model, record). Routers with a selection bias
+    (``e_score_correction_bias``) are balanced as DeepSeek-V3 does; others by the family's own auxiliary loss, if its
+    config asks for one (``output_router_logits``)."""
     import torch
     from transformers import Glm4MoeForCausalLM
 
     from fq.model.usage import routers
 
     torch.manual_seed(SEED)
-    model = Glm4MoeForCausalLM(glm_config())
+    if model is None:
+        model = Glm4MoeForCausalLM(glm_config())
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    rs = routers(model)
+    rs = {L: r for L, r in routers(model).items() if hasattr(r, "e_score_correction_bias")}
     loads = {L: torch.zeros(r.weight.shape[0], dtype=torch.int64) for L, r in rs.items()}
 
     def hook(_m, _i, out, L):
