@@ -33,3 +33,19 @@ def test_the_codec_api_still_resolves_lazily():
             "    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "no_such_name" in out
+
+
+def test_checking_a_base_without_fused_expert_biases_imports_no_torch(tmp_path):
+    """finalize, verify_published and fq verify ask every base whether it needs the derived expert-bias file; a base
+    without fused expert biases (every family but gpt-oss) is answered from the shard headers, without torch."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.1.mlp.experts.0.up_proj.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from fq.provenance.exl3config import RULE_EXPERT_BIAS, RULES\n"
+            "rule = RULES[RULE_EXPERT_BIAS]\n"
+            f"print(rule.needed(Path({str(tmp_path)!r}), rule.inputs(['model.safetensors'])), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

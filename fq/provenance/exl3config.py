@@ -487,13 +487,15 @@ class _ExpertBiasRule(TensorRule):
     consequence = "an EXL3 runtime would load the experts without their biases"
 
     def tensors(self, base_dir, config, headers):
+        fused = _fused_biases(headers)
+        if not fused:  # every base is asked (finalize, fq verify): one without fused biases imports no torch
+            return []
         import torch
 
         from fq.codec.shape import padded
         from fq.model.checkpoint_model import tensor_from
         from fq.model.shards import RawTensor
 
-        fused = _fused_biases(headers)
         prefixes = sorted({p for p, _ in fused}, key=lambda p: [int(t) if t.isdigit() else t for t in p.split(".")])
         out: list[RawTensor] = []
         for prefix in prefixes:
