@@ -45,6 +45,7 @@ RECIPE2 = dict(RECIPE, nodes=[dict(RECIPE["nodes"][0], skeleton=FULL),
 # The campaign plans the stage's experts from the usage recorded with the demo model (config usage:) instead of
 # measuring it again (the usage job: test_workflow.py)
 USAGE = str(REPO / "fq" / "data" / "demo" / "usage.json")
+BLOCK = 8  # every expert of a layer in one encode job (and one weight-only twin job)
 
 
 def sha256(p: Path) -> str:
@@ -59,7 +60,8 @@ def statement(p: Path) -> dict:
 @pytest.fixture(scope="module")
 def cal(tmp_path_factory):
     d = tmp_path_factory.mktemp("cal")
-    write_config(d, RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)  # one window: fewer jobs
+    # one window, and one block per layer (the demo's 8 experts): fewer jobs
+    write_config(d, RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE, block_size=BLOCK)
     smk(d)
     return d
 
@@ -249,7 +251,8 @@ def test_one_linear_job_per_class_and_layer_shared_by_the_bases(cal, tmp_path):
     d = cal
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    write_config(tmp_path / "one", RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)
+    write_config(tmp_path / "one", RECIPE2, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE,
+                 block_size=BLOCK)
     p = smk(tmp_path / "one", "-n")
     counts = job_counts(p.stdout + p.stderr)
     # attention K4 and the stage's K2 residual on it (3 layers each), shared K4 (2 MoE layers), dense K4 (layer 0),
@@ -259,7 +262,8 @@ def test_one_linear_job_per_class_and_layer_shared_by_the_bases(cal, tmp_path):
     assert [n["name"] for n in c.plan.linears] == ["attention-K4-mul1", RESIDUAL, "shared-K4-mul1", "dense-K4-mul1",
                                                    "head-K6-mul1"]
     # a K2 base naming attention K4 as well adds its experts' jobs and no linear job
-    write_config(tmp_path / "two", TWO_BASES, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE)
+    write_config(tmp_path / "two", TWO_BASES, calibration=CALIBRATION, eval=EVAL, windows="1-2", usage=USAGE,
+                 block_size=BLOCK)
     p = smk(tmp_path / "two", "-n")
     two = job_counts(p.stdout + p.stderr)
     assert two["encode_linears"] == counts["encode_linears"] and two["encode"] > counts["encode"]
