@@ -22,12 +22,12 @@ HIDDEN = INTER = 128  # the smallest EXL3 geometry: one 128x128 matrix is 64 tre
 N_EXPERTS = 2
 LAYERS = 3  # layer 0 dense, layers 1-2 MoE
 
-# One K1 base and one K1 stage over one expert per layer: four encode jobs of block size 2.
+# One K3 base and one K3 stage over one expert per layer: four encode jobs of block size 2.
 RECIPE = {
-    "format": "fq-cartridge/2", "name": "crash", "description": "crash tests (K1 encodes fastest)",
+    "format": "fq-cartridge/2", "name": "crash", "description": "crash tests (K3 encodes fastest on the CPU)",
     "nodes": [
-        {"name": "a", "kind": "base", "K": 1, "codebook": "mul1"},
-        {"name": "a.r1", "kind": "stage", "K": 1, "codebook": "mul1", "parent": "a",
+        {"name": "a", "kind": "base", "K": 3, "codebook": "mul1"},
+        {"name": "a.r1", "kind": "stage", "K": 3, "codebook": "mul1", "parent": "a",
          "experts": {"layers": {"1": [1], "2": [0]}}},
     ],
     "products": [{"name": "a", "chain": ["a"]}, {"name": "a.r1", "chain": ["a", "a.r1"]}],

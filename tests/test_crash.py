@@ -1,7 +1,7 @@
 """Crash safety with real processes: Snakemake launched as an operator would, then killed.
 
 One uninterrupted campaign (the baseline) is built per module on a tiny local checkpoint (128x128
-experts, one K1 base and one K1 stage, block size 2: four encode jobs); while it runs, second launchers
+experts, one K3 base and one K3 stage, block size 2: four encode jobs); while it runs, second launchers
 are started against it. The other tests build their own campaign directories with the same signer
 key, so everything they publish must be byte-identical to the baseline.
 
