@@ -1,6 +1,6 @@
 """The adversarial suite: every attack or operator mistake is refused, with a message naming it.
 
-Each case mutates a freshly built, valid campaign (tests/provkit.py) and is then run through the
+Each case mutates a private copy of one valid campaign (tests/provkit.py) and is then run through the
 consumer paths it concerns: ``verify`` (``fq verify`` on the whole published tree) and/or ``combine``
 (``fq combine`` of product k2r1r2, all experts). A case may instead drive its own flow and return the
 messages. ``test_suite_size`` pins how many cases there are.
@@ -439,10 +439,16 @@ def _(c, tmp):
 
 
 # --- the runner ---
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """One valid campaign, built once; each case tampers with a private copy of it (provkit.private_copy)."""
+    return provkit.build_campaign(tmp_path_factory.mktemp("pristine"))
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_refused(name, tmp_path):
+def test_refused(name, pristine, tmp_path):
     fn, pattern, via, kw = CASES[name]
-    c = provkit.build_campaign(tmp_path)
+    c = provkit.private_copy(pristine, tmp_path / "c")
     custom = fn(c, tmp_path)
     messages = list(custom or [])
     if "verify" in via:
@@ -464,18 +470,18 @@ def test_suite_size():
     assert len(CASES) == 32
 
 
-def test_the_untampered_campaign_passes(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_the_untampered_campaign_passes(pristine, tmp_path):
+    c = provkit.private_copy(pristine, tmp_path / "c")
     assert verify_path(c.root, c.pub, now=NOW).ok
     combine(c.plans["k2r1r2"], c.pub, tmp_path / "out.safetensors", now=NOW)
 
 
-def test_fragment_encoded_for_another_node_definition_is_refused(tmp_path):
+def test_fragment_encoded_for_another_node_definition_is_refused(pristine, tmp_path):
     """A recipe change reruns a node and its descendants; a fragment of that node left from the older
     definition (validly signed, same campaign, same bytes, intact chain edges) carries the older
     node_digest. The producer refuses to plan it; a plan naming the current digest anyway (a buggy
     pipeline signed it) is refused by combine and verify."""
-    c = provkit.build_campaign(tmp_path)
+    c = provkit.private_copy(pristine, tmp_path / "c")
     p = shard(c)
     current = provkit.NODES["r1"]["digest"]
     stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "quant_args": {"seed": 7}}})
