@@ -46,6 +46,23 @@ def golden_matrices():
     return load_file(DATA / "exl3_matrix_golden.safetensors"), meta["cases"]
 
 
+@pytest.fixture(scope="session")
+def pristine_campaign(tmp_path_factory):
+    """One valid provkit campaign per test process (tests/provkit.py), never tampered with: see campaign_copy."""
+    import provkit
+
+    return provkit.build_campaign(tmp_path_factory.mktemp("pristine-campaign"))
+
+
+@pytest.fixture
+def campaign_copy(pristine_campaign, tmp_path):
+    """A private copy of the pristine campaign under tmp_path/c (same key, same tensors) for a test to tamper with:
+    what provkit.build_campaign(tmp_path) builds, without building it again."""
+    import provkit
+
+    return provkit.private_copy(pristine_campaign, tmp_path / "c")
+
+
 @pytest.fixture(scope="module")
 def glm5():
     """The synthetic GLM-5-shaped source (metadata only) that planning and pricing tests share."""

@@ -189,7 +189,8 @@ def private_copy(pristine: Campaign, dest: Path) -> Campaign:
     shutil.copytree(pristine.root.parent, dest)
     root = dest / pristine.root.name
     return Campaign(root, pristine.key_path, pristine.pub_path, pristine.priv, pristine.pub, pristine.campaign,
-                    pristine.source, pristine.sets, {p: root / path.relative_to(pristine.root) for p, path in pristine.plans.items()})
+                    pristine.source, dict(pristine.sets),
+                    {p: root / path.relative_to(pristine.root) for p, path in pristine.plans.items()})
 
 
 def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dims: dict | None = None,

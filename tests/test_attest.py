@@ -123,9 +123,9 @@ def test_keygen_modes_fingerprint_and_no_overwrite(tmp_path):
 
 
 # --- statements and schemas ---
-def test_integers_stay_integers_in_predicates(tmp_path):
+def test_integers_stay_integers_in_predicates(tmp_path, campaign_copy):
     import provkit
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     line = (c.root / "base/k2/k2-layer001-block000.safetensors.intoto.jsonl").read_bytes()
     _, pred = parse_statement(dsse.open_envelope(line, c.pub, "x"), "x", FRAGMENT)
     validate_predicate(FRAGMENT, pred, "x")
@@ -134,9 +134,9 @@ def test_integers_stay_integers_in_predicates(tmp_path):
         validate_predicate(FRAGMENT, pred, "x")
 
 
-def test_both_profiles_validate_every_line_a_campaign_emits(tmp_path):
+def test_both_profiles_validate_every_line_a_campaign_emits(tmp_path, campaign_copy):
     import provkit
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     kinds = set()
     for att in c.root.rglob("*.safetensors.intoto.jsonl"):
         _, pred = parse_statement(dsse.open_envelope(att.read_bytes(), c.pub, att.name), att.name, FRAGMENT)
@@ -147,9 +147,9 @@ def test_both_profiles_validate_every_line_a_campaign_emits(tmp_path):
     assert kinds == {"expert", "skeleton"}
 
 
-def test_stage_predicate_requires_parent(tmp_path):
+def test_stage_predicate_requires_parent(tmp_path, campaign_copy):
     import provkit
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     line = (c.root / "stages/r1/r1-layer001-block000.safetensors.intoto.jsonl").read_bytes()
     _, pred = parse_statement(dsse.open_envelope(line, c.pub, "x"), "x", FRAGMENT)
     pred["parent"] = None

@@ -93,8 +93,8 @@ JSON_CASES = {
 
 
 @pytest.mark.parametrize("name", list(JSON_CASES))
-def test_hostile_json_is_one_problem_line(name, tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_hostile_json_is_one_problem_line(name, tmp_path, campaign_copy):
+    c = campaign_copy
     mutate, pattern = JSON_CASES[name]
     mutate(c)
     (c.root / "stages/r2/notes.txt").write_text("x")  # another problem, which must still be reported
@@ -104,8 +104,8 @@ def test_hostile_json_is_one_problem_line(name, tmp_path):
     assert all("\n" not in m for m in problems)
 
 
-def test_all_hostile_documents_are_reported_together(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_all_hostile_documents_are_reported_together(tmp_path, campaign_copy):
+    c = campaign_copy
     for name, (mutate, _) in JSON_CASES.items():
         if "summary" not in name or name == "deeply nested summary":
             mutate(c)
@@ -140,10 +140,10 @@ def test_json_limits_cost_linear_time():
     ({"layer": "1" * 5000}, r"header metadata 'layer' must be a non-negative decimal integer of at most 9 digits, "
                             r"got '111111111111… \(5000 characters\)'"),
 ])
-def test_hostile_fragment_metadata_is_one_line(meta, pattern, tmp_path):
+def test_hostile_fragment_metadata_is_one_line(meta, pattern, tmp_path, campaign_copy):
     from fq.model.shards import RawTensor, write_shard
     from safetensors import safe_open
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     p = c.root / c.frag("r1", 1, 0)
     with safe_open(p, "pt") as f:
         m, keys = f.metadata(), list(f.keys())
@@ -156,9 +156,9 @@ def test_hostile_fragment_metadata_is_one_line(meta, pattern, tmp_path):
     assert any(re.search(pattern, x) for x in problems), problems
 
 
-def test_tensor_name_with_a_5000_digit_layer_is_one_line(tmp_path):
+def test_tensor_name_with_a_5000_digit_layer_is_one_line(tmp_path, campaign_copy):
     from fq.model.shards import RawTensor, write_shard
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     p = c.root / c.frag("r1", 1, 0)
     name = "model.layers." + "1" * 5000 + ".mlp.experts.0.gate_proj.trellis"
     meta = {"format": "fq-fragment/1", "kind": "expert", "node": "r1", "role": "stage", "layer": "1", "block": "0",
@@ -181,8 +181,8 @@ def _fq(*argv, env=None):
     return subprocess.run([sys.executable, "-m", "fq", *argv], capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_cli_hostile_inputs_never_show_a_traceback(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_cli_hostile_inputs_never_show_a_traceback(tmp_path, campaign_copy):
+    c = campaign_copy
     r = _fq("combine", "--key", str(c.pub_path), "--plan", str(c.plans["k2r1r2"]), "--out", str(tmp_path / "o"),
             "--no-state", "--experts", "1" * 5000)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
@@ -208,8 +208,8 @@ def test_printable_escapes_controls_non_ascii_and_lookalikes():
     assert str(FqError("x/\x1b[31mred: bad")) == "x/\\x1b[31mred: bad"
 
 
-def test_cli_verify_escapes_a_file_name_that_forges_an_ok_line(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_cli_verify_escapes_a_file_name_that_forges_an_ok_line(tmp_path, campaign_copy):
+    c = campaign_copy
     fake = "\x1b[2K\r\nok: 20 shards, 1 base manifests, 2 plans verified under key " + "0" * 64
     (c.root / "stages/r1" / fake).write_bytes(b"x")
     (c.root / "base/k2" / "c\u043enfig.json").write_bytes(b"{}")  # Cyrillic o: a lookalike of config.json
@@ -237,8 +237,8 @@ def _with_signatures(p, edit):
     ({"sig": "!!"}, r"signatures\[1\]\.sig: not valid base64"),
     ({"sig": base64.b64encode(bytes(64)).decode(), "keyid": 7}, r"signatures\[1\]\.keyid must be a string"),
 ])
-def test_junk_after_a_valid_signature_is_refused(junk, pattern, tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_junk_after_a_valid_signature_is_refused(junk, pattern, tmp_path, campaign_copy):
+    c = campaign_copy
     p = att(c.root / c.frag("r1", 1, 0))
     _with_signatures(p, lambda sigs: sigs.append(junk))
     problems = problems_of(c)
@@ -247,8 +247,8 @@ def test_junk_after_a_valid_signature_is_refused(junk, pattern, tmp_path):
     assert re.search(pattern, combine_error(c, tmp_path))
 
 
-def test_junk_signature_in_a_plan_or_manifest_is_refused(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_junk_signature_in_a_plan_or_manifest_is_refused(tmp_path, campaign_copy):
+    c = campaign_copy
     other = base64.b64encode(bytes(64)).decode()
     _with_signatures(c.plans["k2r1"], lambda sigs: sigs.append({"sig": other}))
     _with_signatures(c.root / "base/k2/fq-manifest.intoto.jsonl", lambda sigs: sigs.insert(0, {"sig": other}))
@@ -259,8 +259,8 @@ def test_junk_signature_in_a_plan_or_manifest_is_refused(tmp_path):
                for m in problems), problems
 
 
-def test_signatures_are_capped_before_any_is_verified(tmp_path, monkeypatch):
-    c = provkit.build_campaign(tmp_path)
+def test_signatures_are_capped_before_any_is_verified(tmp_path, monkeypatch, campaign_copy):
+    c = campaign_copy
     p = att(c.root / c.frag("r1", 1, 0))
     _with_signatures(p, lambda sigs: sigs.extend([dict(sigs[0])] * (dsse.MAX_SIGNATURES - 1)))
     dsse.open_envelope(p.read_bytes(), c.pub, "x")  # up to the cap, repeats of the signer's signature are fine
@@ -278,11 +278,11 @@ def test_signatures_are_capped_before_any_is_verified(tmp_path, monkeypatch):
     assert calls == []
 
 
-def test_pinned_attestation_digest_is_compared_first(tmp_path):
+def test_pinned_attestation_digest_is_compared_first(tmp_path, campaign_copy):
     """A validly signed line that is not the one the plan pins (same campaign, same bytes, re-attested with other
     quant_args) is refused by its digest."""
     from fq.provenance.attest.fragment import attest_fragment
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     p = c.root / c.frag("r1", 1, 0)
     parent = provkit._attested(p)["predicate"]["parent"]
     attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
@@ -293,8 +293,8 @@ def test_pinned_attestation_digest_is_compared_first(tmp_path):
 
 
 # --- 7. a fragment lives where its attestation says ---
-def test_fragment_copied_into_another_nodes_directory_is_refused(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_fragment_copied_into_another_nodes_directory_is_refused(tmp_path, campaign_copy):
+    c = campaign_copy
     src = c.root / c.frag("r1", 1, 0)
     (c.root / "stages/k2").mkdir()
     for d in ("stages/r2", "stages/k2"):
@@ -313,8 +313,8 @@ def test_fragment_copied_into_another_nodes_directory_is_refused(tmp_path):
 
 # --- 5. non-finite scales signed by an insider ---
 @pytest.mark.parametrize("suffix,bits,label", [("suh", 0x7E00, "NaN"), ("svh", 0x7C00, "+Inf"), ("svh", 0xFC00, "-Inf")])
-def test_insider_signed_nonfinite_stage_scale_is_refused(suffix, bits, label, tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_insider_signed_nonfinite_stage_scale_is_refused(suffix, bits, label, tmp_path, campaign_copy):
+    c = campaign_copy
     rel = c.frag("r1", 1, 0)
     provkit.poison_scale(c, rel, 1, 2, "up_proj", suffix, 5, bits)
     provkit.insider_resign(c, rel)
@@ -427,8 +427,8 @@ BASE_CASES = {
 
 
 @pytest.mark.parametrize("name", list(BASE_CASES))
-def test_combine_base_verifies_the_whole_checkpoint(name, tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_combine_base_verifies_the_whole_checkpoint(name, tmp_path, campaign_copy):
+    c = campaign_copy
     base = c.root / "base/k2"
     combine(c.plans["k2r1r2"], c.pub, tmp_path / "before.safetensors", now=NOW, base_dir=base, experts="1:0-3")
     mutate, pattern = BASE_CASES[name]
@@ -442,20 +442,20 @@ def test_combine_base_verifies_the_whole_checkpoint(name, tmp_path):
         assert any(re.search(pattern.split(":", 1)[0], p) for p in problems_of(c))
 
 
-def test_combine_base_reports_how_many_problems(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_combine_base_reports_how_many_problems(tmp_path, campaign_copy):
+    c = campaign_copy
     _config_edit(c)
     _stray(c)
     msg = combine_error(c, tmp_path, base_dir=c.root / "base/k2")
     assert msg.endswith("(and 1 more problem(s) in this base)"), msg
 
 
-def test_combine_base_reads_each_file_once(tmp_path, monkeypatch):
+def test_combine_base_reads_each_file_once(tmp_path, monkeypatch, campaign_copy):
     """Bounded memory, one streamed pass: every byte of the base is read about once, never a file twice."""
     import fq.provenance.attest.fragment as fragment_mod
     import fq.provenance.combine as combine_mod
     import fq.provenance.manifest as manifest_mod
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     base = c.root / "base/k2"
     read: dict[str, int] = {}
     real = fragment_mod.open_regular
@@ -494,8 +494,8 @@ def test_combine_base_reads_each_file_once(tmp_path, monkeypatch):
             assert size <= got <= size + 8 * header, (p.name, got, size)
 
 
-def test_insider_signed_nonfinite_base_scale_is_refused_with_base(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_insider_signed_nonfinite_base_scale_is_refused_with_base(tmp_path, campaign_copy):
+    c = campaign_copy
     rel = c.frag("k2", 3, 0)
     provkit.poison_scale(c, rel, 3, 1, "down_proj", "suh", 0, 0x7C00)
     provkit.insider_resign(c, rel)

@@ -64,14 +64,14 @@ def test_verify_with_an_explicit_state_file_writes_it_and_no_state_writes_nothin
         main(["verify", str(old.root), "--key", str(old.pub_path), "--no-state", "--state", str(state)])
 
 
-def test_verify_of_a_tampered_tree_records_nothing(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_verify_of_a_tampered_tree_records_nothing(tmp_path, campaign_copy):
+    c = campaign_copy
     (c.root / "stages/r1/stray.txt").write_text("x")
     assert verify(c) == 1 and not default_state().exists()
 
 
-def test_a_junk_state_file_is_one_usage_error(tmp_path, capsys):
-    c = provkit.build_campaign(tmp_path)
+def test_a_junk_state_file_is_one_usage_error(tmp_path, capsys, campaign_copy):
+    c = campaign_copy
     junk = tmp_path / "junk.json"
     junk.write_text('{"x": 1}')
     assert verify(c, "--state", str(junk)) == 2
@@ -98,8 +98,8 @@ def plant_sparse(path):
 
 @pytest.mark.parametrize("rel", ["stages/r1/r1-layer001-block000.safetensors", "base/k2/source_config.json",
                                  "base/k2/model-00001-of-00001.safetensors", "base/k2/config.json"])
-def test_verify_refuses_a_sparse_terabyte_by_its_listed_size(tmp_path, rel):
-    c = provkit.build_campaign(tmp_path)
+def test_verify_refuses_a_sparse_terabyte_by_its_listed_size(tmp_path, rel, campaign_copy):
+    c = campaign_copy
     if not (c.root / rel).exists():
         pytest.fail(f"provkit has no {rel}: {sorted(p.name for p in (c.root / 'base/k2').iterdir())}")
     plant_sparse(c.root / rel)
@@ -111,8 +111,8 @@ def test_verify_refuses_a_sparse_terabyte_by_its_listed_size(tmp_path, rel):
     assert mine and "refused before reading it" in mine[0], problems
 
 
-def test_combine_base_refuses_a_sparse_terabyte_before_reading_it(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_combine_base_refuses_a_sparse_terabyte_before_reading_it(tmp_path, campaign_copy):
+    c = campaign_copy
     plant_sparse(c.root / "base/k2/source_config.json")
     with pytest.raises(FqError, match=rf"source_config\.json: {TB} bytes, fq-manifest\.intoto\.jsonl says \d+ "
                                       r"\(larger than listed; refused before reading it\)"):
@@ -120,17 +120,17 @@ def test_combine_base_refuses_a_sparse_terabyte_before_reading_it(tmp_path):
     assert not (tmp_path / "a.safetensors").exists()
 
 
-def test_combine_refuses_a_sparse_fragment_by_the_plans_size(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_combine_refuses_a_sparse_fragment_by_the_plans_size(tmp_path, campaign_copy):
+    c = campaign_copy
     plant_sparse(c.root / c.frag("r1", 1, 0))
     with pytest.raises(FqError, match=rf"{TB} bytes, the plan says \d+ \(larger than listed"):
         combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=provkit.NOW)
 
 
-def test_promote_refuses_a_sparse_terabyte_before_hashing_or_copying(tmp_path, capsys):
+def test_promote_refuses_a_sparse_terabyte_before_hashing_or_copying(tmp_path, capsys, campaign_copy):
     from test_promote import write_summary
 
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     out = tmp_path / "out"
     out.mkdir()
     os.rename(c.root, out / "published")
@@ -170,8 +170,8 @@ def refusals(c, rel, tmp_path):
     ("a Hessian under weight-only", {**ldlq_args(1), "objective": "weight-only MSE, no Hessian"},
      r"names a Hessian, but its objective is 'weight-only MSE, no Hessian', not LDLQ"),
 ])
-def test_every_consumer_cross_checks_the_attested_quant_args(tmp_path, case, args, message):
-    c = provkit.build_campaign(tmp_path)
+def test_every_consumer_cross_checks_the_attested_quant_args(tmp_path, case, args, message, campaign_copy):
+    c = campaign_copy
     rel = c.frag("r1", 1, 0)
     provkit.insider_resign(c, rel, quant_args=args)
     tree, alone, combined = refusals(c, rel, tmp_path)
@@ -179,10 +179,10 @@ def test_every_consumer_cross_checks_the_attested_quant_args(tmp_path, case, arg
         assert any(re.search(message, m) for m in got), (case, got)
 
 
-def test_combine_refuses_a_plan_whose_layer_mixes_two_objectives(tmp_path):
+def test_combine_refuses_a_plan_whose_layer_mixes_two_objectives(tmp_path, campaign_copy):
     """One fragment of layer 1 re-signed as encoded against layer 1's Hessian, its neighbours weight-only: fq verify
     of the tree found it; fq combine and the runtime, which open one plan, now do too."""
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     provkit.insider_resign(c, c.frag("r1", 1, 0), quant_args=ldlq_args(1))
     with pytest.raises(FqError, match=r"encoded against (weight-only|Hessian a{64}), but .* of the same layer 1 "
                                       r"against (Hessian a{64}|weight-only); a campaign binds one Hessian per layer"):
@@ -190,12 +190,12 @@ def test_combine_refuses_a_plan_whose_layer_mixes_two_objectives(tmp_path):
     assert any("a campaign binds one Hessian per layer" in p for p in verify_path(c.root, c.pub, now=provkit.NOW).problems)
 
 
-def test_a_publication_and_its_plans_carry_one_version(tmp_path):
+def test_a_publication_and_its_plans_carry_one_version(tmp_path, campaign_copy):
     """An insider's statement at version 3 over plans of version 1 (finalize signs every plan with the publication's
     version): refused by the producer's own builder and by every consumer."""
     from fq.provenance.publication import NAME
 
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     with pytest.raises(FqError, match="products.k2r1 is a plan of version 1, the publication is version 3"):
         provkit.publish(c, version=3)
     st = provkit._attested_line(c.root / NAME)

@@ -103,8 +103,8 @@ def test_a_base_with_fused_biases_must_declare_the_per_expert_file(tmp_path):
         combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=provkit.NOW, base_dir=base)
 
 
-def test_a_base_without_fused_biases_declares_no_bias_file(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_a_base_without_fused_biases_declares_no_bias_file(tmp_path, campaign_copy):
+    c = campaign_copy
     assert [d["name"] for d in write_derived(c.root / "base/k2", bits=2, codebook="mul1")] == \
         ["config.json", QUANTIZATION_CONFIG]
     assert not (c.root / "base/k2" / EXPERT_BIAS).exists()

@@ -52,16 +52,16 @@ def test_selection_forms():
     assert s.describe() == "3:1,2;5:0"
 
 
-def test_selection_must_exist_in_the_product(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_selection_must_exist_in_the_product(tmp_path, campaign_copy):
+    c = campaign_copy
     for sel, msg in (("8", r"experts \[8\] are not in layer 1"), ("2:0", "layer 2 is not in product"),
                      ("3:6-9", r"experts \[8, 9\] of layer 3 are not in product")):
         with pytest.raises(FqError, match=msg):
             combine(c.plans["k2r1r2"], c.pub, tmp_path / "o.safetensors", experts=sel, now=provkit.NOW)
 
 
-def test_malformed_state_file_is_refused(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_malformed_state_file_is_refused(tmp_path, campaign_copy):
+    c = campaign_copy
     st = tmp_path / "state.json"
     st.write_text('{"x/k2r1": {"version": "2", "sha256": "ab"}}')
     with pytest.raises(FqError, match="plan state must map"):
@@ -71,8 +71,8 @@ def test_malformed_state_file_is_refused(tmp_path):
         combine(c.plans["k2r1"], c.pub, tmp_path / "o.safetensors", now=provkit.NOW, state=PlanState(st))
 
 
-def test_bare_base_product_has_nothing_to_combine(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_bare_base_product_has_nothing_to_combine(tmp_path, campaign_copy):
+    c = campaign_copy
     provkit.PRODUCTS["k2only"] = ["k2"]
     try:
         plan = c.replan("k2only", 1)
@@ -82,8 +82,8 @@ def test_bare_base_product_has_nothing_to_combine(tmp_path):
         combine(plan, c.pub, tmp_path / "o.safetensors", now=provkit.NOW)
 
 
-def test_cli_usage_errors_are_one_line(tmp_path, capsys):
-    c = provkit.build_campaign(tmp_path)
+def test_cli_usage_errors_are_one_line(tmp_path, capsys, campaign_copy):
+    c = campaign_copy
     cases = [
         (["verify", str(tmp_path / "nope"), "--key", str(c.pub_path)], "does not exist"),
         (["verify", str(c.root), "--key", str(tmp_path / "nope.pub")], "cannot read public key"),
@@ -101,9 +101,9 @@ def test_cli_usage_errors_are_one_line(tmp_path, capsys):
         assert re.search(msg, err), err
 
 
-def test_attest_refuses_a_parent_from_another_block(tmp_path):
+def test_attest_refuses_a_parent_from_another_block(tmp_path, campaign_copy):
     from fq.provenance.attest.fragment import attest_fragment
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     p = c.root / c.frag("r1", 1, 0)
     for parent, msg in (({"name": "k2-layer001-block001.safetensors", "sha256": "0" * 64}, "of the same block"),
                         (None, "a stage fragment needs parent digest")):
@@ -112,10 +112,10 @@ def test_attest_refuses_a_parent_from_another_block(tmp_path):
                             quant_args={}, node_digest=provkit.NODES["r1"]["digest"], parent=parent)
 
 
-def test_node_digest_and_recipe_digest_inputs(tmp_path):
+def test_node_digest_and_recipe_digest_inputs(tmp_path, campaign_copy):
     from fq.provenance.assembly import build_assembly
     from fq.provenance.attest.fragment import attest_fragment
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     p = c.root / c.frag("k2", 1, 0)
     for bad in ("", "AB" * 32, "0" * 63, None):
         with pytest.raises(FqError, match="node_digest .* is not a sha256 hex digest"):

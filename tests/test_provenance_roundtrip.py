@@ -60,8 +60,8 @@ def test_round_trip_with_the_real_codec(codec_campaign, tmp_path):
     assert errs[0] > errs[1] > errs[2]
 
 
-def test_combine_equals_the_chain_for_every_chosen_expert(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_combine_equals_the_chain_for_every_chosen_expert(tmp_path, campaign_copy):
+    c = campaign_copy
     out = tmp_path / "a.safetensors"
     res = combine(c.plans["k2r1r2"], c.pub, out, experts="0-2,5", now=NOW)
     assert res.experts == [(layer, e) for layer in provkit.LAYERS for e in (0, 1, 2, 5)]
@@ -86,8 +86,8 @@ def test_combine_equals_the_chain_for_every_chosen_expert(tmp_path):
         assert f.metadata()["product"] == "k2r1r2"
 
 
-def test_adapter_attestation_names_plan_and_bytes(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_adapter_attestation_names_plan_and_bytes(tmp_path, campaign_copy):
+    c = campaign_copy
     out = tmp_path / "a.safetensors"
     res = combine(c.plans["k2r1"], c.pub, out, experts="3:4-7", now=NOW, sign_key=c.priv)
     line = res.attestation.read_bytes()
@@ -100,8 +100,8 @@ def test_adapter_attestation_names_plan_and_bytes(tmp_path):
     assert pred["stages"] == [{"index": 1, "node": "r1", "K": 1, "codebook": "mcg"}]
 
 
-def test_combine_is_deterministic(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_combine_is_deterministic(tmp_path, campaign_copy):
+    c = campaign_copy
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     combine(c.plans["k2r1r2"], c.pub, a, now=NOW)
     combine(c.plans["k2r1r2"], c.pub, b, now=NOW)
@@ -117,10 +117,10 @@ def test_campaign_rebuild_is_byte_identical(tmp_path):
         assert p.read_bytes() == (b.root / p.relative_to(a.root)).read_bytes(), p
 
 
-def test_narrowing_never_reads_unchosen_payload(tmp_path):
+def test_narrowing_never_reads_unchosen_payload(tmp_path, campaign_copy):
     """Corrupt expert 7's bytes in every fragment: a selection without it still combines, reading only
     the chosen ranges; a selection with it is refused."""
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     plan = read_assembly(c.plans["k2r1r2"], c.pub, now=NOW).predicate
     for f in plan["fragments"]:
         for e in f["experts"]:
@@ -138,16 +138,16 @@ def test_narrowing_never_reads_unchosen_payload(tmp_path):
         combine(c.plans["k2r1r2"], c.pub, tmp_path / "bad.safetensors", experts="7", now=NOW)
 
 
-def test_combine_with_base_compares_the_checkpoint_on_disk(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_combine_with_base_compares_the_checkpoint_on_disk(tmp_path, campaign_copy):
+    c = campaign_copy
     res = combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", experts="0", base_dir=c.root / "base/k2", now=NOW)
     base_ranges = [e for f in read_assembly(c.plans["k2r1"], c.pub, now=NOW).predicate["fragments"]
                    for e in f["experts"] if e["expert"] == 0]
     assert res.payload_bytes_read == sum(e["length"] for e in base_ranges)  # base + stage ranges of expert 0
 
 
-def test_plan_state_records_and_accepts_newer(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_plan_state_records_and_accepts_newer(tmp_path, campaign_copy):
+    c = campaign_copy
     state = PlanState(tmp_path / "state.json")
     combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=NOW, state=state)
     combine(c.plans["k2r1"], c.pub, tmp_path / "a.safetensors", now=NOW, state=state)  # same plan again: fine
@@ -157,14 +157,14 @@ def test_plan_state_records_and_accepts_newer(tmp_path):
 
 
 # --- CLI ---
-def test_cli_keygen_verify_combine(tmp_path, capsys):
+def test_cli_keygen_verify_combine(tmp_path, capsys, campaign_copy):
     assert main(["keygen", "--out", str(tmp_path / "k")]) == 0
     assert "fingerprint:" in capsys.readouterr().out
     assert main(["keygen", "--out", str(tmp_path / "k")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already exists" in err
 
-    c = provkit.build_campaign(tmp_path / "c")
+    c = campaign_copy
     fp = keys.fingerprint(c.pub)
     assert main(["verify", str(c.root), "--key", str(c.pub_path), "--fingerprint", fp]) == 0
     assert "13 shards, 1 base manifests, 2 plans" in capsys.readouterr().out
@@ -189,8 +189,8 @@ def test_cli_keygen_verify_combine(tmp_path, capsys):
     assert err.splitlines()[-1].startswith("fq combine: --experts: '1-' is not a list")
 
 
-def test_cli_errors_are_one_line_without_traceback(tmp_path):
-    c = provkit.build_campaign(tmp_path)
+def test_cli_errors_are_one_line_without_traceback(tmp_path, campaign_copy):
+    c = campaign_copy
     frag = c.root / c.frag("r1", 1, 0)
     frag.write_bytes(frag.read_bytes()[:-5])
     r = subprocess.run([sys.executable, "-m", "fq", "combine", "--key", str(c.pub_path), "--plan",
@@ -200,7 +200,7 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
     assert r.stderr.count("\n") == 1 and "truncated" in r.stderr
 
 
-def test_changing_one_stage_reencodes_only_that_node(tmp_path):
+def test_changing_one_stage_reencodes_only_that_node(tmp_path, campaign_copy):
     """The recipe changes r2 (K=2 -> K=3): r2's node digest changes, k2's and r1's do not, and the campaign
     identity does not name the recipe, so only r2 is re-encoded; every untouched fragment, the base
     manifest and the k2r1 plan stay valid next to a k2r1r2 plan of the new recipe."""
@@ -208,7 +208,7 @@ def test_changing_one_stage_reencodes_only_that_node(tmp_path):
     from fq.provenance.assembly import build_assembly, write_assembly
     from fq.provenance.attest.fragment import attest_fragment
     from fq.provenance.fragments import write_fragment
-    c = provkit.build_campaign(tmp_path)
+    c = campaign_copy
     assert set(c.campaign) == {"name", "source", "block_size", "signer", "encoder"}
     untouched = {p: p.read_bytes() for p in c.root.rglob("*") if p.is_file() and "stages/r2" not in p.as_posix()
                  and "assemblies/k2r1r2" not in p.as_posix() and p.name != "publication.intoto.jsonl"}
