@@ -68,10 +68,7 @@ class Product:
         for k in ("node", "layer", "block", "parent", "experts"):
             if p[k] != f[k]:
                 raise FqError(f"{where}: attestation and plan disagree on {k}")
-        for k in ("size", "header_sha256"):
-            if p["shard"][k] != f[k]:
-                raise FqError(f"{where}: attestation and plan disagree on the shard's {k} "
-                              f"({p['shard'][k]!r} attested, {f[k]!r} in the plan)")
+        _check_shard(p, f, where)
         node = self.node(f["node"])
         check_node_digest(att, node["digest"], plan_where or where)
         if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
@@ -87,34 +84,21 @@ class Product:
         """A whole-model base's linear fragment (verified attestation) against its plan entry ``f``: the same
         attestation and bytes, kind, linear node digest, class, layer, K and codebook."""
         p = att.predicate
-        if att.attestation_sha256 != f["attestation_sha256"] or att.sha256 != f["sha256"]:
-            raise FqError(f"{where}: attestation or bytes are not the ones the plan names (sha256 "
-                          f"{att.sha256[:16]}…, the plan names {f['sha256'][:16]}…)")
+        _check_same_bytes(att, f, where)
         if p["kind"] != "linear":
             raise FqError(f"{where}: a {p['kind']} shard, the plan names a linear fragment")
-        for k, pk in (("node", "node"), ("class", "class"), ("layer", "layer"), ("K", "K"), ("codebook", "codebook"),
-                      ("digest", "node_digest")):
-            if p[pk] != f[k]:
-                raise FqError(f"{where}: attestation and plan disagree on {k} ({p[pk]!r} attested, {f[k]!r} in the plan)")
+        _check_linear_fields(p, f, where, LINEAR_FIELDS)
 
     def check_stage_linear(self, att: Attested, f: dict, where: str) -> None:
         """A stage's residual on non-expert linears (verified attestation) against its plan entry ``f``: the same
         attestation and bytes, kind linear, role stage, the linear node digest, class, layer, K, codebook, its
         parent edge, and the shard's size and header digest."""
         p = att.predicate
-        if att.attestation_sha256 != f["attestation_sha256"] or att.sha256 != f["sha256"]:
-            raise FqError(f"{where}: attestation or bytes are not the ones the plan names (sha256 "
-                          f"{att.sha256[:16]}…, the plan names {f['sha256'][:16]}…)")
+        _check_same_bytes(att, f, where)
         if p["kind"] != "linear" or p["role"] != "stage":
             raise FqError(f"{where}: a {p['kind']} {p['role']} shard, the plan names a stage's linear fragment")
-        for k, pk in (("node", "node"), ("class", "class"), ("layer", "layer"), ("K", "K"), ("codebook", "codebook"),
-                      ("digest", "node_digest"), ("parent", "parent")):
-            if p[pk] != f[k]:
-                raise FqError(f"{where}: attestation and plan disagree on {k} ({p[pk]!r} attested, {f[k]!r} in the plan)")
-        for k in ("size", "header_sha256"):
-            if p["shard"][k] != f[k]:
-                raise FqError(f"{where}: attestation and plan disagree on the shard's {k} "
-                              f"({p['shard'][k]!r} attested, {f[k]!r} in the plan)")
+        _check_linear_fields(p, f, where, LINEAR_FIELDS + (("parent", "parent"),))
+        _check_shard(p, f, where)
 
     def check_header(self, att: Attested, header, f: dict, where: str) -> None:
         """The shard's safetensors header as read: the attested one, and the size the plan names."""
@@ -138,6 +122,31 @@ class Product:
             state.record(self.plan)
             if self.publication is not None:
                 state.record_publication(self.publication)
+
+
+# (plan entry field, attested predicate field) of a linear fragment
+LINEAR_FIELDS = (("node", "node"), ("class", "class"), ("layer", "layer"), ("K", "K"), ("codebook", "codebook"),
+                 ("digest", "node_digest"))
+
+
+def _check_same_bytes(att: Attested, f: dict, where: str) -> None:
+    if att.attestation_sha256 != f["attestation_sha256"] or att.sha256 != f["sha256"]:
+        raise FqError(f"{where}: attestation or bytes are not the ones the plan names (sha256 "
+                      f"{att.sha256[:16]}…, the plan names {f['sha256'][:16]}…)")
+
+
+def _check_linear_fields(p: dict, f: dict, where: str, fields) -> None:
+    for k, pk in fields:
+        if p[pk] != f[k]:
+            raise FqError(f"{where}: attestation and plan disagree on {k} ({p[pk]!r} attested, {f[k]!r} in the plan)")
+
+
+def _check_shard(p: dict, f: dict, where: str) -> None:
+    """The attested shard's size and header digest against the plan entry's."""
+    for k in ("size", "header_sha256"):
+        if p["shard"][k] != f[k]:
+            raise FqError(f"{where}: attestation and plan disagree on the shard's {k} "
+                          f"({p['shard'][k]!r} attested, {f[k]!r} in the plan)")
 
 
 def objective(pred: dict) -> str:

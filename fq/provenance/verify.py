@@ -175,37 +175,31 @@ def _check_plan(report: Report, product: Product, path: Path, root: Path, public
     if manifest is not None and manifest.sha256 != plan["base"]["manifest"]["sha256"]:
         raise _Located(f"{path}: {manifest_name} is not the base manifest the plan pins", file)
     atts, absent = [], []
+
+    def attested(f: dict):
+        """The fragment's verified attestation; None where its problem is reported elsewhere or it is absent."""
+        if skip(f["name"]):
+            return None  # already reported as its own problem
+        att = verified.get(f["name"])
+        if att is None and not os.path.lexists(root / f["name"]):
+            absent.append(f["name"])
+            return None
+        return att or verify_shard(root, f["name"], public_key, plan["campaign"])
+
     for f in plan["fragments"]:
-        if skip(f["name"]):
-            continue  # already reported as its own problem
-        att = verified.get(f["name"])
-        if att is None and not os.path.lexists(root / f["name"]):
-            absent.append(f["name"])
-            continue
-        att = att or verify_shard(root, f["name"], public_key, plan["campaign"])
-        atts.append(att)
-        product.check_fragment(att, f, f"{path}: fragment {f['name']}", str(path))
+        if (att := attested(f)) is not None:
+            atts.append(att)
+            product.check_fragment(att, f, f"{path}: fragment {f['name']}", str(path))
     for f in plan.get("linears", ()):  # a whole-model base's linear fragments: attested, and listed by its manifest
-        if skip(f["name"]):
+        if (att := attested(f)) is None:
             continue
-        att = verified.get(f["name"])
-        if att is None and not os.path.lexists(root / f["name"]):
-            absent.append(f["name"])
-            continue
-        att = att or verify_shard(root, f["name"], public_key, plan["campaign"])
         product.check_linear(att, f, f"{path}: linear fragment {f['name']}")
         rel = f["name"][len(plan["base"]["dir"]) + 1:]
         if manifest is not None and (manifest.files.get(rel) or (None,))[0] != att.sha256:
             raise _Located(f"{path}: linear fragment {f['name']} is not in the base as its manifest lists it", f["name"])
     for f in plan.get("stage_linears", ()):  # the stages' residuals on non-expert linears: signed by the plan
-        if skip(f["name"]):
-            continue
-        att = verified.get(f["name"])
-        if att is None and not os.path.lexists(root / f["name"]):
-            absent.append(f["name"])
-            continue
-        att = att or verify_shard(root, f["name"], public_key, plan["campaign"])
-        product.check_stage_linear(att, f, f"{path}: linear fragment {f['name']}")
+        if (att := attested(f)) is not None:
+            product.check_stage_linear(att, f, f"{path}: linear fragment {f['name']}")
     if absent and missing is None:
         raise FqError(f"{path}: fragment {absent[0]} is missing" +
                       (f" (and {len(absent) - 1} more of its fragments)" if len(absent) > 1 else ""))
