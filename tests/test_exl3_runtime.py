@@ -146,3 +146,75 @@ def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaig
     for label, r in results.items():
         assert r["staged_linear_rel_err_max"] < 1e-3 and r["linear_rel_err_max"] < 1e-3, (label, r)
         assert r["kl_cpu_path_exl3"] < 1e-3 and r["top1_agreement"] > 0.98, (label, r)
+
+
+PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 32, 32
+NEAR_TIE = 0.05  # logits: the reference's own margin under which fp16 arithmetic may pick either token
+
+
+def _prompts(campaign: Path) -> list[list[int]]:
+    ids = _windows(campaign).flatten().tolist()
+    return [ids[i * 97:i * 97 + PROMPT_LEN] for i in range(PROMPTS)]
+
+
+def _greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], list]:
+    """Greedy decoding of the exact reconstruction (float32 transformers, full forward each step): the ids and each
+    step's logits."""
+    ids = torch.tensor([prompt], device="cuda:0")
+    out, steps = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(ids).logits[0, -1].float()
+            t = int(logits.argmax())
+            out.append(t)
+            steps.append(logits.cpu())
+            ids = torch.cat([ids, torch.tensor([[t]], device="cuda:0")], 1)
+    return out, steps
+
+
+def _compare_generation(ref: list[int], ref_steps: list, got: list[int]) -> dict:
+    """Token-for-token equality, or the first divergence and the reference's margin there between its own choice
+    and exllamav3's (a near-tie when under NEAR_TIE)."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            margin = (ref_steps[i][a] - ref_steps[i][b]).item()
+            return {"equal": False, "first_divergence": i, "ref_margin": margin, "near_tie": margin < NEAR_TIE}
+    return {"equal": len(ref) == len(got), "first_divergence": None, "ref_margin": None, "near_tie": None}
+
+
+@cuda
+def test_products_generate_through_exllamav3s_generator_as_their_exact_reconstruction(published_campaign):
+    """Every published product (bases and chains) through exllamav3's own Generator and paged KV cache, greedy, at
+    batch 1 (one prompt at a time) and batch 8 (all enqueued together): token for token the greedy output of the
+    exact reconstruction (fq.runtime.load's float32 model), or the first divergence is a near-tie of the reference."""
+    exllamav3_or_skip()
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
+    from fq.runtime.exl3 import load_exl3_product
+    from fq.runtime.load import load_product
+
+    root = published_campaign / "published"
+    key = keys.load_public(published_campaign / "signer.pub")
+    products = read_publication(root, key).predicate["products"]
+    prompts = _prompts(published_campaign)
+    results = {}
+    for name in sorted(products):
+        plan = root / products[name]["file"]
+        model = load_product(plan, key, state=None).model.to("cuda:0").eval()
+        refs = [_greedy_reference(model, p, NEW_TOKENS) for p in prompts]
+        del model
+        with load_exl3_product(plan, key, state=None, cache_tokens=4096) as p:
+            one = [p.generate([q], NEW_TOKENS)[0]["tokens"] for q in prompts]
+            eight = [o["tokens"] for o in p.generate(prompts, NEW_TOKENS)]
+        r = {"batch1": [_compare_generation(ref, steps, g) for (ref, steps), g in zip(refs, one)],
+             "batch8": [_compare_generation(ref, steps, g) for (ref, steps), g in zip(refs, eight)]}
+        r["equal_batch1"] = sum(c["equal"] for c in r["batch1"])
+        r["equal_batch8"] = sum(c["equal"] for c in r["batch8"])
+        results[name] = r
+        print(name, "equal b1", r["equal_batch1"], "b8", r["equal_batch8"], "of", len(prompts),
+              [c["ref_margin"] for c in r["batch1"] + r["batch8"] if not c["equal"]])
+    if os.environ.get("FQ_EXL3_GEN_JSON"):
+        Path(os.environ["FQ_EXL3_GEN_JSON"]).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    for name, r in results.items():
+        for c in r["batch1"] + r["batch8"]:
+            assert c["equal"] or c["near_tie"], (name, c)

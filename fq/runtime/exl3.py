@@ -14,13 +14,16 @@ under the pinned key, the whole base against its manifest, every stage byte agai
   is Σ_stage exl3_gemm(x, stage) in float32 (experts without stages: a chain of one, their base), and the layer is
   switched to exllamav3's per-expert path: its fused multi-expert kernels read one trellis per expert through
   pointer tables and cannot sum stages. Layers without chained experts keep every fast path.
+- A stage's residuals on non-expert linears (plan ``stage_linears``: attention, shared experts, dense MLPs, the head)
+  are summed the same way: the linear's inner becomes a ``ChainLinear``, and the module that owns it drops the bundles
+  that read its trellis through pointers (attention's sliced/pairwise q/k/v bundles, an MLP's bound class and
+  gate/up bundle; an MoE block whose shared expert is chained takes the per-expert path).
 
-    load_exl3_product(plan, key, device="cuda:0", ...) -> Exl3Product      # (a) a published tree's product
+    load_exl3_product(plan, key, device="cuda:0", cache_tokens=None, ...) -> Exl3Product   # (a) a published tree's
     load_exl3_adapter(base_dir, adapter, plan, key, device=..., ...)        # (b) base + ``fq combine`` adapter
     Exl3Product.forward(ids[1, T]) -> float32 logits; .close()
-
-A product whose stages also correct non-expert linears (plan ``stage_linears``) is refused with a clear error (the
-CPU path, ``fq.runtime.load``, sums them): summing attention's EXL3 GEMMs is not built here yet.
+    Exl3Product.generate(prompts, max_new_tokens) -> greedy completions through exllamav3's own Generator and KV
+        cache (the serving path TabbyAPI uses); needs ``cache_tokens`` at load (the cache is allocated by the load)
 
 Needs CUDA and exllamav3 (imported lazily); tested against the CPU path's logits in tests/test_exl3_runtime.py.
 """
@@ -62,6 +65,9 @@ class ChainLinear:
         self.in_features, self.out_features = base.in_features, base.out_features
         self.key = base.key
         self.bias = None
+        self.default_out_dtype = base.default_out_dtype
+        # no bound class: exllamav3's fused paths test ``inner.bc`` and fall back to calling ``forward``
+        self.bc = None
         for s in stages:
             if (s.in_features, s.out_features) != (self.in_features, self.out_features):
                 raise FqError(f"{self.key}: a stage of shape {s.in_features}x{s.out_features} on a base of "
@@ -112,15 +118,69 @@ class Exl3Product:
     linears: dict = field(default_factory=dict)  # checkpoint weight name -> ChainLinear (chained layers only)
     _tmp: tempfile.TemporaryDirectory | None = None
 
+    cache: object = None
+    tokenizer: object = None
+    _generator: object = None
+
     def forward(self, ids, params: dict | None = None):
         """Float32 logits of one sequence ``ids`` [1, T] (no cache)."""
         out = self.model.forward(ids, dict(params or {"attn_mode": "flash_attn_nc"}))
         return out.float()
 
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, logits: bool = False) -> list[dict]:
+        """Greedy (argmax) completions of token-id prompts, all enqueued at once so exllamav3's Generator batches them
+        over its paged KV cache. One dict per prompt, in order: ``tokens`` (the new ids), and with ``logits`` the
+        float32 logits each was chosen from [n, vocab] (to show whether a divergence is a near-tie)."""
+        import torch
+        import exllamav3 as ex
+
+        if self.cache is None:
+            raise FqError(f"{self.product}: loaded without a KV cache: load it with cache_tokens=N to generate")
+        if self._generator is None:
+            self._generator = ex.Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer,
+                                           max_batch_size=max(8, len(prompts)))
+        gen = self._generator
+        jobs = [ex.Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=max_new_tokens,
+                       sampler=ex.ArgmaxSampler(), stop_conditions=[], return_logits=logits, identifier=i)
+                for i, p in enumerate(prompts)]
+        gen.enqueue(jobs)
+        out = [{"tokens": [], "logits": []} for _ in prompts]
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                if r.get("stage") != "streaming":
+                    continue
+                o = out[r["identifier"]]
+                if r.get("token_ids") is not None:
+                    o["tokens"].extend(int(t) for t in r["token_ids"].flatten().tolist())
+                if logits and r.get("logits") is not None:
+                    o["logits"].append(r["logits"].float().reshape(-1, r["logits"].shape[-1]).cpu())
+        for o in out:
+            o["logits"] = torch.cat(o["logits"]) if o["logits"] else None
+            if not logits:
+                del o["logits"]
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the verified base's own tokenizer.json (no special tokens added)."""
+        return self._text_tokenizer().encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._text_tokenizer().decode(ids)
+
+    def _text_tokenizer(self):
+        from tokenizers import Tokenizer
+
+        path = Path(self._tmp.name) / "tokenizer.json" if self._tmp is not None else None
+        if path is None or not path.is_file():
+            raise FqError(f"{self.product}: the base has no tokenizer.json (token ids only)")
+        return Tokenizer.from_file(str(path))
+
     def close(self) -> None:
+        self._generator = None
         if self.model is not None:
             self.model.unload()
             self.model = None
+        self.cache = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -132,10 +192,69 @@ class Exl3Product:
         self.close()
 
 
-def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = False) -> Exl3Product:
-    # stages' residuals on non-expert linears (attention, ...) are not summed on this path yet: refused, not dropped
-    vc.product.refuse_stage_linears("fq.runtime.exl3 (exllamav3)")
-    import exllamav3 as ex
+def _unbundle(module) -> None:
+    """Drop the bundles of ``module`` (an exllamav3 module owning a chained non-expert linear) that read its linears'
+    trellises through pointer tables, so every projection runs through its own ``Linear.forward`` (the inner that
+    sums the stages). An MoE block whose shared expert is chained takes the per-expert path (its fused decode kernel
+    reads the shared expert's pointers too)."""
+    for attr in ("multi_qkv", "multi_kv", "multi_qg", "bc"):
+        if getattr(module, attr, None) is not None:
+            setattr(module, attr, None)
+    if getattr(module, "multi_gu", None) is not None:
+        module.multi_gu = [None] * len(module.multi_gu)
+
+
+def _chain_linears(model, config, vc: VerifiedChain, device: str, linears: dict) -> int:
+    """Every non-expert linear a stage corrects (``vc.stage_linears``) becomes a ChainLinear of the base's EXL3 linear
+    and the stages' residuals; returns how many. A residual whose linear exllamav3 did not build as its own EXL3
+    linear is refused, never dropped."""
+    if not vc.stage_linears:
+        return 0
+    owners = {}
+    for m in model:
+        for child in getattr(m, "modules", ()):
+            owners[id(child)] = m
+    found = {}
+    for m in model:
+        key = getattr(m, "key", None)
+        if key is not None and f"{key}.weight" in vc.stage_linears and hasattr(m, "inner"):
+            found[f"{key}.weight"] = m
+    missing = sorted(set(vc.stage_linears) - set(found))
+    if missing:
+        raise FqError(f"{vc.product.plan.path}: stage residuals on {missing[:3]}, which exllamav3 did not build as "
+                      f"linears of their own")
+    for name, lin in sorted(found.items()):
+        if getattr(lin, "quant_type", None) != "exl3":
+            raise FqError(f"{lin.key}: a stage residual on a linear the base keeps unquantized")
+        stages = [_stage_linear(config, tset, lin.in_features, lin.out_features, device, f"{lin.key}.stage{i}")
+                  for i, tset in vc.stage_linears[name]]
+        lin.inner = linears[name] = ChainLinear(lin.inner, stages)
+        owner = owners.get(id(lin))
+        while owner is not None:  # the attention / MLP holding it, and an MoE block holding that MLP
+            _unbundle(owner)
+            if hasattr(owner, "fused_mode_buffers"):
+                _per_expert_path(owner)
+            owner = owners.get(id(owner))
+    return len(found)
+
+
+def _runtime():
+    """exllamav3, once the product is verified: a clear error where there is no CUDA device or no exllamav3."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FqError("exllamav3 runs on CUDA: no CUDA device here (the product verified; fq eval and "
+                      "fq.runtime.load run it on the CPU)")
+    try:
+        import exllamav3 as ex
+    except ImportError as e:
+        raise FqError(f"exllamav3 is not installed ({e}): pip install exllamav3==1.6.5") from e
+    return ex
+
+
+def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = False,
+           cache_tokens: int | None = None) -> Exl3Product:
+    ex = _runtime()
 
     tmp = tempfile.TemporaryDirectory(prefix="fq-exl3-")
     try:
@@ -143,7 +262,10 @@ def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = Fals
         stage_base(vc, Path(tmp.name))
         config = ex.Config.from_directory(tmp.name)
         model = ex.Model.from_config(config)
+        # exllamav3 allocates a cache's tensors in the model's load: it must exist before
+        cache = ex.Cache(model, max_num_tokens=cache_tokens) if cache_tokens else None
         model.load(device)
+        tokenizer = ex.Tokenizer.from_config(config) if cache_tokens else None
         layout = vc.layout()
         plan = vc.plan
         by_layer: dict = {}
@@ -179,28 +301,30 @@ def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = Fals
         missing = sorted(set(by_layer) - set(chained))
         if missing:
             raise FqError(f"{vc.product.plan.path}: stages for layers {missing} whose MoE block exllamav3 did not build")
+        _chain_linears(model, config, vc, device, linears)
         return Exl3Product(plan["product"], [n["node"] for n in plan["chain"]], model, config, chained, linears,
-                            tmp)
+                            tmp, cache, tokenizer)
     except BaseException:
         tmp.cleanup()
         raise
 
 
 def load_exl3_product(plan_path, public_key, *, device: str = "cuda:0", state=None,
-                      per_expert_everywhere: bool = False, **kw) -> Exl3Product:
+                      per_expert_everywhere: bool = False, cache_tokens: int | None = None, **kw) -> Exl3Product:
     """(a): a published tree's product. ``per_expert_everywhere``: every MoE layer takes the per-expert path (a
-    chain of one where there are no stages): the path's own cost, measured apart from the stages'."""
+    chain of one where there are no stages): the path's own cost, measured apart from the stages'. ``cache_tokens``:
+    a KV cache of that many tokens (a multiple of 256) for ``generate``."""
     vc = verify_product(plan_path, public_key, state=state, **kw)
-    out = _build(vc, device, per_expert_everywhere=per_expert_everywhere)
+    out = _build(vc, device, per_expert_everywhere=per_expert_everywhere, cache_tokens=cache_tokens)
     vc.product.record(state)
     return out
 
 
 def load_exl3_adapter(base_dir, adapter, plan_path, public_key, *, device: str = "cuda:0", state=None,
-                      **kw) -> Exl3Product:
+                      cache_tokens: int | None = None, **kw) -> Exl3Product:
     """(b): a base checkpoint plus the adapter ``fq combine`` wrote (all experts or narrowed)."""
     vc = verify_adapter_product(base_dir, adapter, plan_path, public_key, state=state, **kw)
-    out = _build(vc, device)
+    out = _build(vc, device, cache_tokens=cache_tokens)
     vc.product.record(state)
     return out
 
