@@ -130,11 +130,12 @@ def per_layer(p, tap) -> dict:
         with torch.no_grad():
             got = m.forward(x.view(1, *x.shape), {}).float().view(x.shape)
             sel, w = m.routing_fn(x.shape[0], m.routing_cfg, x, {})
-            flips = (sel.sort(-1).values != r["sel"].sort(-1).values).any(-1).float().mean().item()
-            wdiff = None
-            if not flips:
-                order_e, order_r = sel.argsort(-1), r["sel"].argsort(-1)
-                wdiff = (w.float().gather(-1, order_e) - r["w"].gather(-1, order_r)).abs().max().item()
+            flipped = (sel.sort(-1).values != r["sel"].sort(-1).values).any(-1)
+            flips = flipped.float().mean().item()
+            # routing weights where both chose the same experts (each side sorted by expert id)
+            order_e, order_r = sel.argsort(-1), r["sel"].argsort(-1)
+            dw = (w.float().gather(-1, order_e) - r["w"].gather(-1, order_r)).abs()[~flipped]
+            wdiff = dw.max().item() if dw.numel() else None
             forced = _forced_routing(m, x, r["sel"], r["w"])
         y = r["y"].float()
         # the shared experts are in both outputs; the routed part is what the chain changes
@@ -248,17 +249,25 @@ def main(argv=None) -> int:
         tap.close()
         model.to("cpu")
         r = {"source_vs_exact": agreement(src, ref)}
-        try:
-            with load_exl3_product(plan, key, state=None, per_expert_everywhere=True) as p:
-                got = torch.cat([p.forward(w[None]).to("cuda:0") for w in ids])
-                r["exact_vs_exl3"] = agreement(ref, got)
-                r["source_vs_exl3"] = agreement(src, got)
-                r["layers"] = per_layer(p, tap)
-                _DENSE.clear()
-                r["stages"] = per_stage(p, tap, verify_product)
-                _DENSE.clear()
-        except Exception as e:  # noqa: BLE001  a product this runtime refuses (stage linears): say so, go on
-            r["error"] = f"{type(e).__name__}: {e}"
+        # every MoE layer on the per-expert path (what a chain runs), and a bare base on exllamav3's fast paths too
+        paths = [True] + ([False] if len(products[name]["chain"]) == 1 else [])
+        for per_expert in paths:
+            tag = "" if per_expert else "_fastpath"
+            try:
+                with load_exl3_product(plan, key, state=None, per_expert_everywhere=per_expert) as p:
+                    got = torch.cat([p.forward(w[None]).to("cuda:0") for w in ids])
+                    r["exact_vs_exl3" + tag] = agreement(ref, got)
+                    r["source_vs_exl3" + tag] = agreement(src, got)
+                    r["layers" + tag] = per_layer(p, tap)
+                    if per_expert:
+                        _DENSE.clear()
+                        r["stages"] = per_stage(p, tap, verify_product)
+                        _DENSE.clear()
+            except Exception as e:  # noqa: BLE001  a product this runtime refuses: say so, go on
+                import traceback
+
+                r["error" + tag] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
         results[name] = r
         print(name, json.dumps(r, indent=1, sort_keys=True), flush=True)
     if a.json:
