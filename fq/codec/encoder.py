@@ -141,17 +141,19 @@ def _tile_mses(jobs: list, K: int, codebook: str, device: torch.device) -> list[
     return out
 
 
-def search_scales(xs: list[torch.Tensor], K: int, codebook: str, device) -> list[float]:
+def search_scales(xs: list, K: int, codebook: str, device, samples: dict | None = None) -> list[float]:
     """Global scale of each regularized (in, out) matrix: candidates c*(1 +- SEARCH_STEP) around the Gaussian
     optimum c, walked outward while the best is at an edge, then a parabola (in log scale) through the best
     and its neighbours. Matches the reference's 15-point grid on the golden matrices with 3 evaluations of
     the sample instead of 8.3. Each round evaluates the new candidates of all matrices in one Viterbi call;
-    a matrix's scale does not depend on the others."""
+    a matrix's scale does not depend on the others. ``samples``: {i: sample_tiles(xs[i])} for the matrices that
+    are not all zero, when the caller made them (fq.codec.chunked: ``xs`` are then only counted)."""
     device = pipeline_device(device)
     c = GAUSSIAN_BEST_SCALE[codebook][K - 1] / CODEBOOK_SCALE
     r = 1.0 + SEARCH_STEP
     # an all-zero residual keeps c: every scale codes it equally (its channel scales are zero anyway)
-    samples = {i: sample_tiles(x) for i, x in enumerate(xs) if torch.any(x)}
+    if samples is None:
+        samples = {i: sample_tiles(x) for i, x in enumerate(xs) if torch.any(x)}
     scales = {i: [c / r, c, c * r] for i in samples}
     mses = dict(zip(scales, _tile_mses([(samples[i], scales[i]) for i in scales], K, codebook, device)))
     live = list(scales)
@@ -252,7 +254,7 @@ def _groups(sizes: list[int], limit: int):
         yield group
 
 
-def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> list[Encoded]:
+def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings, chunk=None) -> list[Encoded]:
     device = pipeline_device(device)
     clock = _Clock(timings, device)
     W64s, shapes = [], []
@@ -261,6 +263,12 @@ def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> lis
         W64s.append(W64)
         shapes.append(shape)
     clock("check")
+    if len(W64s) == 1:  # one matrix wider than a chunk of the memory budget: by chunks, the same bytes
+        from fq.codec import chunked
+
+        C = chunked.chunk_columns(W64s[0].shape[1], W64s[0].shape[0], device, chunk)
+        if C < W64s[0].shape[0]:
+            return [chunked.encode_weight_only(W64s[0], shapes[0], K, codebook, seeds[0], names[0], device, C, clock)]
     regs = []  # (x, su, sv) per matrix, until its main Viterbi
     for W64, seed in zip(W64s, seeds):
         regs.append(regularize(W64.t(), seed))
@@ -287,14 +295,16 @@ def _encode_many(Ws, K, codebook, seeds, device, names, parents, timings) -> lis
 
 
 def encode(W: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
-           timings: dict | None = None) -> Encoded:
+           timings: dict | None = None, chunk: int | None = None) -> Encoded:
     """Encode a torch Linear weight W (out, in), dims multiples of 16; the tensors are those of W zero-padded to
     ``fq.codec.shape.padded_shape`` (multiples of 128), W_hat and the error are W's own shape. ``device``:
     None/"cpu" (C Viterbi kernel) or a CUDA device; every stage runs there and both give the same bytes, W_hat, sums
     and g_scale. ``tensors`` are returned on the CPU, ``W_hat`` on ``device``. ``timings``: if a dict, the wall
     seconds of each stage are added to it (check, regularize, search, viterbi, pack, reconstruct; CUDA is
-    synchronized at each stage boundary)."""
-    return _encode_many([W], K, codebook, [seed], device, ["W"], None, timings)[0]
+    synchronized at each stage boundary). ``chunk``: output channels per chunk (a power of two >= 128; default from
+    the memory budget, fq.codec.chunked.chunk_columns): a wider matrix is encoded chunk by chunk, to the same bytes,
+    and its W_hat is returned on the CPU."""
+    return _encode_many([W], K, codebook, [seed], device, ["W"], None, timings, chunk)[0]
 
 
 def encode_batch(Ws: list, K: int, codebook: str = "mul1", seeds=0, device=None, *, parents: list | None = None,
@@ -361,10 +371,11 @@ def residual_target(W: torch.Tensor, parents: list[dict], device=None, name: str
     return pad_to(W, stored) - parent
 
 
-def encode_residual(W, parents, K, codebook="mul1", seed=0, device=None, *, timings: dict | None = None) -> Encoded:
+def encode_residual(W, parents, K, codebook="mul1", seed=0, device=None, *, timings: dict | None = None,
+                    chunk: int | None = None) -> Encoded:
     """Encode R = W - reconstruct_chain(parents), on the padded shape (``residual_target``); W_hat and the error are
-    R's over W's own shape. An all-zero R (or zero channel) reconstructs to exactly 0."""
-    return _encode_many([W], K, codebook, [seed], device, ["W"], [parents], timings)[0]
+    R's over W's own shape. An all-zero R (or zero channel) reconstructs to exactly 0. ``chunk``: as encode's."""
+    return _encode_many([W], K, codebook, [seed], device, ["W"], [parents], timings, chunk)[0]
 
 
 def quantize_residual(W, parents, K, codebook="mul1", seed=0, device=None) -> dict:

@@ -74,19 +74,22 @@ class Grid:
         return acc * self.unit
 
 
-def split(x: torch.Tensor, bits: int, parts: int = 1, batch_dims: int = 0, check: bool = True) -> Grid:
+def split(x: torch.Tensor, bits: int, parts: int = 1, batch_dims: int = 0, check: bool = True,
+          peak: torch.Tensor | None = None) -> Grid:
     """Round x (float64) onto a grid: parts[0] = round(x * 2^(bits - e)) where max|x| < 2^e (taken per batch
     element over the trailing dims, for the first ``batch_dims`` dims), then each further part rounds the
     remainder times 2^bits. |parts[0]| <= 2^bits, |parts[s >= 1]| <= 2^(bits - 1). torch.round is exact
     (half to even) and x - round(x) is exact, so the parts are the same bits on every device. ``check``
     refuses non-finite or out-of-range operands (a device sync; hot loops whose operands are known finite
-    skip it)."""
+    skip it). ``peak``: the max |x| to take the grid from instead of x's own (a slice of a larger operand split
+    on the whole operand's grid: fq.codec.chunked), shaped as x.abs().amax(trailing dims, keepdim=True)."""
     if x.dtype != torch.float64:
         raise TypeError(f"split: expected float64, got {x.dtype}")
     if not 1 <= bits <= 52 or parts < 1:
         raise ValueError(f"split: bits {bits}, parts {parts}")
     dims = tuple(range(batch_dims, x.dim()))
-    peak = x.abs().amax(dim=dims, keepdim=True) if dims else x.abs()
+    if peak is None:
+        peak = x.abs().amax(dim=dims, keepdim=True) if dims else x.abs()
     _, e = torch.frexp(peak)  # peak = m * 2^e, 0.5 <= m < 1 (e = 0 for peak = 0): peak < 2^e
     e = e.to(torch.int64)
     if check and (not bool(torch.isfinite(peak).all()) or bool(((e.abs() > 900) & (peak > 0)).any())):

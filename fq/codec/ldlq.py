@@ -474,7 +474,7 @@ def _groups(n: int, k: int, device: torch.device):
     return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
 
 
-def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> list[Encoded]:
+def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings, chunk=None) -> list[Encoded]:
     device = pipeline_device(device)
     clock = _Clock(timings, device)
     W64s, shapes = [], []  # the padded targets (fq.codec.encoder.target), and each W's own (out, in)
@@ -495,6 +495,13 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> 
     # diagonal (_damped), as exllamav3 damps the Hessian it captured. The same matrix when in is 128-aligned.
     Hc = pad_to(H_own, (padded(in_f), padded(in_f)))
     clock("check")
+    if len(W64s) == 1:  # one matrix wider than a chunk of the memory budget: by chunks, the same bytes
+        from fq.codec import chunked
+
+        C = chunked.chunk_columns(W64s[0].shape[1], W64s[0].shape[0], device, chunk)
+        if C < W64s[0].shape[0]:
+            return [chunked.encode_ldlq(W64s[0], shapes[0], H_own, Hc, K, codebook, seeds[0], names[0], device, C,
+                                        clock)]
     out = []
     for group in _groups(len(W64s), padded(in_f), device):
         regs = [regularize(W64s[i].t(), seeds[i]) for i in group]
@@ -526,13 +533,16 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings) -> 
 
 
 def encode_ldlq(W: torch.Tensor, H: torch.Tensor, K: int, codebook: str = "mul1", seed: int = 0, device=None, *,
-                parents: list | None = None, name: str = "W", timings: dict | None = None) -> Encoded:
+                parents: list | None = None, name: str = "W", timings: dict | None = None,
+                chunk: int | None = None) -> Encoded:
     """Encode a torch Linear weight W (out, in) with its input Hessian H (in, in), W's own width (LDLQ, see the module
     docstring; a W that is not 128-aligned is coded zero-padded). ``parents``: a parent chain makes this a residual stage (W - reconstruct_chain(parents), in
     the same H metric). ``device``: None/"cpu" or a CUDA device; both give the same bytes, W_hat and sums.
-    ``timings``: if a dict, wall seconds per stage are added to it."""
+    ``timings``: if a dict, wall seconds per stage are added to it. ``chunk``: output channels per chunk (a power of
+    two >= 128; default from the memory budget, fq.codec.chunked.chunk_columns): a wider W is encoded chunk by chunk,
+    to the same bytes and sums, in bounded memory (an lm_head), and its W_hat is returned on the CPU."""
     return _encode_many([W], H, K, codebook, [seed], device, [name], None if parents is None else [parents],
-                        timings)[0]
+                        timings, chunk)[0]
 
 
 def encode_ldlq_batch(Ws: list, H: torch.Tensor, K: int, codebook: str = "mul1", seeds=0, device=None, *,
