@@ -45,7 +45,7 @@ ENV = "FQ_ENCODE_CHUNK_MB"
 # default working-set budget of one chunk: a matrix whose chunk would be its whole width is encoded whole
 CHUNK_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}
 # chunk-sized float64 (in, C) temporaries alive at once at the chunked path's peak (the refit's pass: Qb, Q, Qt, HQ,
-# HW and a grid product's parts and sum; measured with tests/memtrack.py)
+# HW and a grid product's parts and sum; counted with fq.codec.memtrack)
 LIVE = 10
 
 
