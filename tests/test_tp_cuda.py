@@ -1,6 +1,7 @@
 """The weight store on CUDA devices: a published product fulfilled onto the GPU (tp=1 and tp=2, and one
 GPU per rank where there are two) reconstructs bit-identically to the CPU, an MoE layer matches the CPU
-within float tolerance, and a rollback or unload gives the device memory back. Skipped without CUDA."""
+within float tolerance, and a rollback or unload gives the device memory back; the same for a whole-model base's
+linears (tpkit.build_whole) from both sources. Skipped without CUDA."""
 import gc
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import provkit
 import tpkit
 from conftest import cuda
+from fq.codec import reconstruct
 from fq.tp.moe import moe_forward
 from fq.tp.slicing import assemble
 from fq.tp.store import InjectedFault, WeightStore
@@ -87,3 +89,51 @@ def test_rollback_and_unload_give_device_memory_back(world):
     gc.collect()
     assert store.allocations == store.releases
     assert [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())] == base
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp-cuda-whole")
+    c = tpkit.build_whole(tmp)
+    return c, tpkit.export(c, tmp / "export-tp2", 2).path
+
+
+def _memory() -> list[int]:
+    gc.collect()
+    torch.cuda.synchronize()
+    return [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())]
+
+
+def _check_linears(c, p, gpu, cpu, devices) -> None:
+    """Every linear on its rank's GPU reconstructs as on the CPU, and the ranks' pieces are the whole linear."""
+    for prefix in [x for shapes in tpkit.LINEARS.values() for x in shapes]:
+        name, pieces = f"{prefix}.weight", []
+        for pl in (pl for pl in p.placements if pl.entry == name):
+            w = gpu.weight(pl.rank, name)
+            assert w.device == torch.device(devices[pl.rank])
+            assert torch.equal(w.cpu(), cpu.weight(pl.rank, name))
+            pieces.append((pl.slice, w.cpu()))
+        full = reconstruct(c.sets[prefix])
+        if pieces[0][0] is None:
+            assert all(torch.equal(w, full) for _, w in pieces), prefix
+        else:
+            assert torch.equal(assemble(pieces), full), prefix
+
+
+def test_a_whole_model_bases_linears_on_the_gpu_match_the_cpu_and_roll_back(whole):
+    c, export = whole
+    devices = [f"cuda:{r % torch.cuda.device_count()}" for r in range(2)]
+    for source in (tpkit.product_source(c), tpkit.export_source(c, export)):
+        p = tpkit.whole_plan(source, 2)
+        base = _memory()
+        store = WeightStore(p.mesh)
+        total = len(source.admit(p, range(2)))
+        for n in (1, total // 2, total):
+            with pytest.raises(InjectedFault):
+                store.fulfill(p, source, devices, fault_after=n)
+            assert store.allocations == store.releases and _memory() == base
+        gpu = store.fulfill(p, source, devices)
+        _check_linears(c, p, gpu, WeightStore(p.mesh).fulfill(p, source, ["cpu"] * 2), devices)
+        del gpu
+        store.unload()
+        assert store.allocations == store.releases and _memory() == base

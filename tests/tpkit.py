@@ -2,9 +2,15 @@
 
 Hidden 128 (the skeleton router is (8, 128)), intermediate 512: gate/up (512, 128), down (128, 512),
 so tp=4 gives 128 intermediate channels per rank and tp=8 is refused (64 is not a multiple of 128).
+
+``build_whole``: the same campaign as a whole-model base (``LINEARS``: attention in layers 0, 1 and 3, a dense MLP
+in layer 0, a shared expert in layer 1, lm_head), with fq's own linear-fragment writer and signer, the base
+manifest and plans re-signed over them. At tp=2 attention (2 heads of 128) and the dense MLP (256) split, the
+shared expert (128) and lm_head (384) stay whole; at tp=4 every linear stays whole.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -68,3 +74,69 @@ def wname(layer: int, expert: int, proj: str) -> str:
 
 def rname(layer: int) -> str:
     return router_name(STANDARD, layer)
+
+
+HEADS = 2  # attention heads of 128, as many key/value heads
+
+
+def _attention(layer: int) -> dict:
+    a = f"model.layers.{layer}.self_attn"
+    return {f"{a}.q_proj": (256, 128), f"{a}.k_proj": (256, 128), f"{a}.v_proj": (256, 128), f"{a}.o_proj": (128, 256)}
+
+
+def _mlp(prefix: str, inter: int) -> dict:
+    return {f"{prefix}.gate_proj": (inter, 128), f"{prefix}.up_proj": (inter, 128), f"{prefix}.down_proj": (128, inter)}
+
+
+LINEARS = {  # (linear node, class, layer) -> {prefix: torch (out, in)}
+    ("attention-K2-mul1", "attention", 0): _attention(0), ("attention-K2-mul1", "attention", 1): _attention(1),
+    ("attention-K2-mul1", "attention", 3): _attention(3),
+    ("dense-K2-mul1", "dense", 0): _mlp("model.layers.0.mlp", 256),
+    ("shared-K2-mul1", "shared", 1): _mlp("model.layers.1.mlp.shared_experts", 128),
+    ("head-K3-mul1", "head", None): {"lm_head": (384, 128)},
+}
+
+
+def build_whole(tmp: Path) -> provkit.Campaign:
+    """``build``'s campaign with LINEARS quantized as a whole-model base; ``c.sets[prefix]`` is each linear's set."""
+    from fq.core.canonical import sha256_hex
+    from fq.provenance.assembly import build_assembly, write_assembly
+    from fq.provenance.attest.fragment import attest_linears
+    from fq.provenance.exl3config import write_derived
+    from fq.provenance.fragments import linear_filename, write_linears
+    from fq.provenance.manifest import write_base_manifest
+
+    c = build(tmp)
+    base = c.root / "base/k2"
+    gen = torch.Generator().manual_seed(7)
+    (base / "source_config.json").write_text(json.dumps(
+        dict(provkit.SOURCE_CONFIG, num_attention_heads=HEADS, num_key_value_heads=HEADS)))
+    names = []
+    for (node, cls, layer), shapes in LINEARS.items():
+        K, codebook = int(node.split("-")[1][1:]), node.split("-")[2]
+        sets = {p: provkit.random_set(o, i, K, codebook, gen) for p, (o, i) in shapes.items()}
+        c.sets.update(sets)
+        path = base / linear_filename(node, layer)
+        write_linears(path, node=node, cls=cls, layer=layer, K=K, codebook=codebook, linears=sets)
+        tensors = [{"tensor": f"{p}.weight", "shard": provkit.SOURCE_SHARD, "dtype": "BF16", "shape": list(s),
+                    "sha256": "3" * 64} for p, s in shapes.items()]
+        attest_linears(path, key=c.priv, campaign=c.campaign, source=dict(c.source, tensors=tensors),
+                       encoder=provkit.encoder(), quant_args={"seed": 0, "K": K, "codebook": codebook},
+                       node_digest=sha256_hex(node.encode()))
+        names.append({"name": f"base/k2/{path.name}", "digest": sha256_hex(node.encode())})
+    derived = write_derived(base, bits=2, codebook="mul1", linears={"attention": 2, "dense": 2, "shared": 2, "head": 3})
+    write_base_manifest(base, node="k2", campaign=c.campaign, key=c.priv, derived=derived)
+    for product, chain in provkit.PRODUCTS.items():
+        frags = [c.frag(n, layer, b) for n in chain for layer in provkit.LAYERS
+                 for b in range(provkit.N_EXPERTS // provkit.BLOCK) if provkit.experts_of(n, b)]
+        plan = build_assembly(c.root, product=product, chain=[provkit.NODES[n] for n in chain], fragments=frags,
+                              base_dir="base/k2", campaign=c.campaign, recipe_sha256=provkit.RECIPE_SHA256, version=1,
+                              expires=provkit.EXPIRES, public_key=c.pub, linears=names)
+        c.plans[product] = write_assembly(c.root, plan, c.priv)
+    provkit.publish(c)
+    return c
+
+
+def whole_plan(source, tp: int = 1, ep: int = 1, pp: int = 1, epoch: int = 0, assign: str = "contiguous"):
+    """A whole-model base's plan: its manifest is declared for the mesh's tp."""
+    return plan(moe_manifest(source.spec(), assign, tp), DeviceMesh(tp=tp, ep=ep, pp=pp, epoch=epoch))

@@ -70,6 +70,6 @@ def run_plan(args) -> int:
     key, _ = load_pinned(args)
     src = ProductSource(args.plan, key, root=args.root)
     mesh = DeviceMesh(tp=args.tp, ep=args.ep, pp=args.pp, epoch=args.epoch)
-    result = plan(moe_manifest(src.spec(), args.assign), mesh)
+    result = plan(moe_manifest(src.spec(), args.assign, args.tp), mesh)
     print(pretty(result.to_json()) if args.json else describe(result), end="" if args.json else "\n")
     return 0

@@ -70,7 +70,7 @@ def tp_export(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: s
         raise FqError("tp-export: a signing key is required (loaders pin the exporter's public key)")
     src = ProductSource(plan_path, public_key, root=root, now=now, state=state, min_version=min_version)
     spec = src.spec()
-    manifest = moe_manifest(spec, assign)
+    manifest = moe_manifest(spec, assign, tp)  # with a whole-model base's linears, as write_linears cuts them
     cut = plan(manifest, DeviceMesh(tp=tp, ep=ep))  # refuses non-128-aligned sizes, saying which work
     out = Path(out)
     if out.exists() or out.is_symlink():

@@ -38,7 +38,7 @@ from fq.model.shards import DTYPES
 FORMAT = "fq-weight-manifest/1"
 HAD = 128  # the Hadamard block: every EXL3 split boundary is a multiple of it
 EXL3 = "exl3"
-ROLES = ("router", "gate", "up", "down", "embed", "head", "dense")
+ROLES = ("router", "gate", "up", "down", "embed", "head", "dense", "attention", "shared")
 EXPERT_ROLES = ("gate", "up", "down")
 ASSIGNMENTS = ("contiguous", "strided")
 AXES = ("tp", "ep")  # axes a collective may reduce over; pp stages talk point to point
@@ -163,10 +163,13 @@ def _is_int(v) -> bool:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Entries and collectives, validated on construction (an invalid manifest cannot exist)."""
+    """Entries and collectives, validated on construction (an invalid manifest cannot exist). ``tp``: the one tp
+    size the manifest was declared for, where its policies depend on it (a whole-model base's linears are split only
+    where that tp divides them, ``fq.tp.linears``); None: any tp."""
 
     entries: tuple[WeightEntry, ...]
     collectives: tuple[Collective, ...] = ()
+    tp: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "entries", tuple(self.entries))
@@ -185,8 +188,11 @@ class Manifest:
         return tuple(sorted({e.layer for e in self.entries if e.layer is not None}))
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "entries": [e.to_json() for e in self.entries],
-                "collectives": [c.to_json() for c in self.collectives]}
+        out = {"format": FORMAT, "entries": [e.to_json() for e in self.entries],
+               "collectives": [c.to_json() for c in self.collectives]}
+        if self.tp is not None:  # absent otherwise: a tp-free manifest keeps its identity
+            out["tp"] = self.tp
+        return out
 
     @property
     def sha256(self) -> str:
@@ -195,6 +201,8 @@ class Manifest:
 
 def validate(m: Manifest) -> None:
     """Identities, shapes, policies, ties and collectives; every error names the entry and the fix."""
+    if m.tp is not None and (not _is_int(m.tp) or m.tp < 1):
+        raise FqError(f"manifest: tp must be a positive integer or None, got {m.tp!r}")
     seen: set[str] = set()
     for e in m.entries:
         w = f"manifest entry {e.name!r}"
@@ -310,6 +318,9 @@ def check_mesh(m: Manifest, tp: int, ep: int, pp: int) -> None:
     for label, v in (("tp", tp), ("ep", ep), ("pp", pp)):
         if not _is_int(v) or v < 1:
             raise FqError(f"mesh: {label} must be a positive integer, got {v!r}")
+    if m.tp is not None and tp != m.tp:
+        raise FqError(f"mesh: tp={tp}, but the manifest was declared for tp={m.tp} (which of its linears split "
+                      f"depends on tp); declare it for tp={tp}")
     splits = [(e, split_dim(effective(m, e))) for e in m.entries]
     splits = [(e, d) for e, d in splits if d is not None]
     good = None

@@ -187,7 +187,8 @@ def _stages(layers: tuple[int, ...], mesh: DeviceMesh) -> tuple[Stage, ...]:
     return tuple(out)
 
 
-def _tp_slice(n: int, dim: int, t: int, tp: int) -> Slice:
+def tp_slice(n: int, dim: int, t: int, tp: int) -> Slice:
+    """tp rank ``t``'s equal share of ``n`` channels along ``dim`` (the planner's and tp-export's one cut)."""
     step = n // tp
     return Slice(dim, t * step, (t + 1) * step)
 
@@ -242,9 +243,9 @@ def plan(manifest: Manifest, mesh: DeviceMesh) -> Plan:
         for r in ranks:
             t = mesh.coords(r)["tp"]
             if isinstance(pol, SplitOutput):
-                out.append((r, _tp_slice(e.shape[0], 0, t, mesh.tp), (ep_place, "Shard(0)")))
+                out.append((r, tp_slice(e.shape[0], 0, t, mesh.tp), (ep_place, "Shard(0)")))
             elif isinstance(pol, SplitInput):
-                out.append((r, _tp_slice(e.shape[1], 1, t, mesh.tp), (ep_place, "Shard(1)")))
+                out.append((r, tp_slice(e.shape[1], 1, t, mesh.tp), (ep_place, "Shard(1)")))
             else:
                 out.append((r, None, (ep_place, "Replicate()")))
         return out

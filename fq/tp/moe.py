@@ -10,6 +10,11 @@ to declare, per layer:
 - one ``Collective`` per layer, ``all_reduce`` over ``tp`` x ``ep``: the down projections' partial
   sums (tp) and the experts living on other ranks (ep) are added in one reduction of the layer output.
 
+A whole-model base's spec also lists its quantized non-expert linears (``fq.tp.linears.LinearSpec``) and the
+config's head counts; its manifest is then declared for one tp (``moe_manifest(spec, assign, tp)``), each linear
+split as tp-export cuts it at that tp (``fq.tp.linears.linear_manifest``) and every row-split one reducing into
+its own declared all-reduce over tp.
+
 ``moe_forward`` is the plain computation (router softmax, top-k with renormalized weights, SiLU-gated
 MLP). Given only a rank's experts and slices it computes that rank's partial sum; the partial sums of
 all ranks add up to the full layer (that is what the scheduled all-reduce does).
@@ -22,6 +27,7 @@ import torch
 
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout
+from fq.tp.linears import LinearSpec, linear_manifest
 from fq.tp.manifest import (EXL3, Collective, ExpertParallel, Manifest, Replicate, SplitInput, SplitOutput,
                             WeightEntry)
 
@@ -65,6 +71,8 @@ class MoeLayer:
 class MoeSpec:
     layout: ExpertLayout
     layers: tuple[MoeLayer, ...]
+    linears: tuple[LinearSpec, ...] = ()  # a whole-model base's quantized non-expert linears
+    heads: tuple = (None, None)  # its config's (num_attention_heads, num_key_value_heads): the split rule reads them
 
     def __post_init__(self):
         for ml in self.layers:
@@ -76,7 +84,10 @@ class MoeSpec:
                 raise FqError(f"layer {ml.layer}: experts must be ascending and unique")
 
     def to_json(self) -> dict:
-        return {"layout": self.layout.to_json(), "layers": [ml.to_json() for ml in self.layers]}
+        out = {"layout": self.layout.to_json(), "layers": [ml.to_json() for ml in self.layers]}
+        if self.linears:  # absent for experts-only products: their specs (and exports) stay as they were
+            out.update(linears=[lin.to_json() for lin in self.linears], heads=list(self.heads))
+        return out
 
     @classmethod
     def from_json(cls, obj: dict, where: str) -> "MoeSpec":
@@ -85,14 +96,17 @@ class MoeSpec:
                                     None if ml["router"] is None else
                                     (ml["router"]["name"], ml["router"]["dtype"], tuple(ml["router"]["shape"])))
                            for ml in obj["layers"])
-            return cls(ExpertLayout.from_json(obj["layout"], f"{where}: layout"), layers)
+            linears = tuple(LinearSpec.from_json(lin) for lin in obj.get("linears", ()))
+            heads = tuple(obj["heads"]) if linears else (None, None)
+            return cls(ExpertLayout.from_json(obj["layout"], f"{where}: layout"), layers, linears, heads)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, FqError):
                 raise
             raise FqError(f"{where}: not an MoE spec ({type(e).__name__}: {e})") from None
 
 
-def moe_manifest(spec: MoeSpec, assign: str = "contiguous") -> Manifest:
+def moe_manifest(spec: MoeSpec, assign: str = "contiguous", tp: int | None = None) -> Manifest:
+    """The product's manifest; ``tp`` is needed (and bound into it) only where the spec has linears."""
     entries, collectives = [], []
     layout = spec.layout
     for ml in spec.layers:
@@ -106,7 +120,13 @@ def moe_manifest(spec: MoeSpec, assign: str = "contiguous") -> Manifest:
                 inner = SplitInput(op) if role == "down" else SplitOutput()
                 entries.append(WeightEntry(weight_name(layout, ml.layer, x, proj), ml.layer, x, tuple(dims), EXL3,
                                            role, ExpertParallel(inner, assign)))
-    return Manifest(tuple(entries), tuple(collectives))
+    if not spec.linears:
+        return Manifest(tuple(entries), tuple(collectives))
+    if tp is None:
+        raise FqError("a whole-model base's linears are split by what tp divides: declare its manifest for one tp "
+                      "(moe_manifest(spec, assign, tp))")
+    more, reductions = linear_manifest(spec.linears, spec.heads, tp)
+    return Manifest(tuple(entries + more), tuple(collectives + reductions), tp)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

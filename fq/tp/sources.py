@@ -1,7 +1,7 @@
 """Where the bytes of a load come from. A source's ``admit(plan, ranks)`` does all of its checking —
 signatures, digests, dtypes, shapes — and returns the verified bytes each rank needs as ``Unit``s
 (host memory), before the store allocates anything. A unit is what one device allocation holds: one
-chain node's slices of one expert on one rank, or one dense tensor.
+chain node's slices of one expert on one rank, one linear's slice on one rank, or one dense tensor.
 
 - ``ProductSource(plan, key)``: a published product through its signed assembly (``fq combine``'s
   order of trust; base and stage fragments under ``ROOT``, routers from the base's skeleton shards).
@@ -11,11 +11,16 @@ chain node's slices of one expert on one rank, or one dense tensor.
   of its own shards, each hashed against the export's attestations.
 - ``TensorSource({name: tensor or [exl3 sets]})``: tensors already in memory (tests, engines that
   produced them); checks dtypes and shapes only.
+
+A whole-model base's quantized non-expert linears (``fq.tp.linears``) are units too, one per linear and rank: from
+the product, each linear fragment is read whole (its attested digest unit), checked against the plan and cut in
+memory; from an export, a rank reads its ``linears-tpT`` shards' ranges, each slice and shape checked against its
+plan and each range hashed against the shard's record.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,17 +29,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from fq.core.canonical import sha256_hex
 from fq.core.safepath import open_regular, read_regular
 from fq.errors import FqError
-from fq.model.experts import ExpertLayout, expert_keys, suffixes
+from fq.model.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.model.shards import RawTensor, read_header, read_range, tensors_in_range, torch_dtype
 from fq.provenance.attest.fragment import check_header, range_mismatch, read_attestation
 from fq.provenance.fragments import attestation_name, expert_structure, fragment_meta
 from fq.provenance.manifest import read_base_manifest
 from fq.provenance.product import open_product
 from fq.tp import records
-from fq.tp.manifest import EXL3
+from fq.tp.linears import linear_ranges, linear_specs, read_linear_fragment, read_linear_shard
+from fq.tp.manifest import EXL3, HAD
 from fq.tp.mesh import Plan, Slice
 from fq.tp.moe import MoeLayer, MoeSpec, router_name
-from fq.tp.slicing import SUFFIX_ORDER, slice_dense, slice_exl3
+from fq.tp.slicing import SUFFIX_ORDER, slice_dense, slice_exl3, sliced_shape
 
 INDEX = "export.intoto.jsonl"
 REPLICATED = "replicated.safetensors"
@@ -78,6 +84,7 @@ class Needs:
 
     experts: dict  # (layer, expert) -> rank -> proj -> (entry, slice)
     dense: dict  # source tensor name -> rank -> [(entry, slice)]
+    linears: dict = field(default_factory=dict)  # a non-expert EXL3 weight's name -> rank -> (entry, slice)
 
 
 def needs(plan: Plan, ranks, layout: ExpertLayout) -> Needs:
@@ -86,6 +93,10 @@ def needs(plan: Plan, ranks, layout: ExpertLayout) -> Needs:
         for pl in plan.for_rank(r):
             if pl.alias:
                 continue  # the store points it at the tie target's resident tensor
+            e = plan.manifest.entry(pl.source)
+            if e.dtype == EXL3 and e.expert is None:
+                out.linears.setdefault(pl.source, {})[r] = (pl.entry, pl.slice)
+                continue
             parsed = layout.parse(pl.source)
             if parsed is not None and parsed[3] == "weight":
                 layer, expert, proj, _ = parsed
@@ -190,7 +201,8 @@ class ProductSource:
                 rn = router_name(self.layout, layer)
                 router = (rn, skeleton[rn]["dtype"], skeleton[rn]["shape"]) if rn in skeleton else None
                 out.append(MoeLayer(layer, tuple(sorted(info["experts"])), info["dims"], router))
-            self._spec = MoeSpec(self.layout, tuple(out))
+            heads, linears = linear_specs(self)
+            self._spec = MoeSpec(self.layout, tuple(out), linears, heads)
         return self._spec
 
     def base_manifest(self):
@@ -287,7 +299,23 @@ class ProductSource:
             for r, wanted in sorted(need.experts[(f["layer"], x)].items()):
                 items = _expert_items(self.layout, f["layer"], sets, part, wanted)
                 per_rank[r].append(pack(r, f"rank {r} {f['node']} layer {f['layer']} expert {x}", items))
+        if need.linears:
+            self._admit_linears(need, per_rank)
         return [u for r in sorted(per_rank) for u in per_rank[r]]
+
+    def _admit_linears(self, need: Needs, per_rank: dict) -> None:
+        """Each linear fragment holding a needed linear, read whole and checked against the plan
+        (``read_linear_fragment``), then cut per rank in memory: one unit per linear and rank."""
+        holders = {lin.fragment for lin in self.spec().linears if f"{lin.name}.weight" in need.linears}
+        for f in self.predicate["linears"]:
+            if f["name"] not in holders:
+                continue
+            _, sets, _ = read_linear_fragment(self, f)
+            for prefix in sorted(sets):
+                for r, (entry, sl) in sorted(need.linears.get(f"{prefix}.weight", {}).items()):
+                    cut = slice_exl3(sets[prefix], sl, f"{self.root}/{f['name']}: {prefix}")
+                    items = [(entry, 0, s, RawTensor.of(entry, cut[s])) for s in SUFFIX_ORDER if s in cut]
+                    per_rank[r].append(pack(r, f"rank {r} {f['node']} {prefix}", items))
 
 
 # -- a TP export ---------------------------------------------------------------------------------
@@ -359,8 +387,6 @@ class ExportSource:
     def linear_sets(self, tp: int) -> dict[str, tuple[dict, Slice | None, tuple[int, int]]]:
         """A whole-model base's quantized linears for tp rank ``tp`` (``fq.tp.linears.read_linear_shard`` of each
         of its shards, after the shard's attestation is checked against the index)."""
-        from fq.tp.linears import read_linear_shard
-
         out: dict = {}
         for f in self.index["files"]:
             if f["kind"] == "linear" and f["coords"] == {"tp": tp}:
@@ -378,7 +404,7 @@ class ExportSource:
         if plan.manifest.sha256 != ix["manifest_sha256"]:
             raise FqError(f"{self.dir}: cut for manifest {ix['manifest_sha256'][:16]}…, the plan's is "
                           f"{plan.manifest.sha256[:16]}…; plan moe_manifest(source.spec(), assign="
-                          f"{ix['assign']!r}) instead")
+                          f"{ix['assign']!r}, tp={ix['mesh']['tp']}) instead")
         if (plan.mesh.tp, plan.mesh.ep) != (ix["mesh"]["tp"], ix["mesh"]["ep"]):
             raise FqError(f"{self.dir}: cut for tp={ix['mesh']['tp']} ep={ix['mesh']['ep']}, the plan is for "
                           f"tp={plan.mesh.tp} ep={plan.mesh.ep}; export again with those sizes")
@@ -398,7 +424,48 @@ class ExportSource:
                 wanted = {e["expert"]: e for e in p["experts"] if r in need.experts.get((p["layer"], e["expert"]), {})}
                 if wanted:
                     per_rank[r] += self._read_shard(f, p, r, wanted, need, chain[p["node"]])
+            for f in ix["files"]:
+                if f["kind"] != "linear" or f["coords"] != {"tp": co["tp"]} or \
+                        (f["layer"] is not None and f["layer"] not in layers):
+                    continue
+                p = self._shard(f)
+                wanted = {lin["name"]: lin for lin in p["linears"]
+                          if r in need.linears.get(f"{lin['name']}.weight", {})}
+                if wanted:
+                    per_rank[r] += self._read_linears(plan, f, p, r, wanted, need)
         return [u for r in sorted(per_rank) for u in per_rank[r]]
+
+    def _read_linears(self, plan: Plan, f: dict, p: dict, rank: int, wanted: dict, need: Needs) -> list[Unit]:
+        """One unit per wanted linear of a linear rank shard: its record's slice and shape, and its tensors'
+        geometry, checked against the rank's plan before its range is read and hashed. A linear is the base's own
+        (chain part 0): products whose stages correct linears are refused on opening."""
+        where = f"{self.dir}/{f['name']}"
+        units = []
+        with open_regular(self.dir, f["name"], where) as fh:
+            header = records.attested_header(fh, p, where)
+            for name, lin in sorted(wanted.items()):
+                entry, sl = need.linears[f"{name}.weight"][rank]
+                e = plan.manifest.entry(entry)
+                if lin["slice"] != (sl.to_json() if sl else None):
+                    raise FqError(f"{where}: linear {name} slice {lin['slice']}, rank {rank}'s plan needs "
+                                  f"{sl.to_json() if sl else None} ({'whole' if sl is None else sl.describe()})")
+                if tuple(-(-d // HAD) * HAD for d in lin["shape"]) != e.shape:
+                    raise FqError(f"{where}: linear {name} shape {lin['shape']} (padded to {HAD}s), the plan declares "
+                                  f"{list(e.shape)}")
+                keys = [x.name for x in header.entries if x.name.rpartition(".")[0] == name]
+                if not keys:
+                    raise FqError(f"{where}: linear {name}, which its record lists, has no tensors in the shard")
+                specs = {k.rpartition(".")[2]: (header.entry(k).dtype, header.entry(k).shape) for k in keys}
+                got = derive_linear(specs, f"{where}: linear {name}")
+                if (got.out_features, got.in_features) != sliced_shape(e.shape, sl):
+                    raise FqError(f"{where}: linear {name} tensors are (out, in) = ({got.out_features}, "
+                                  f"{got.in_features}), rank {rank}'s plan needs {sliced_shape(e.shape, sl)}")
+            for lin, keys, data in linear_ranges(fh, header, p, where, set(wanted)):
+                entry = need.linears[f"{lin['name']}.weight"][rank][0]
+                views = tuple(View(entry, 0, k.rpartition(".")[2], header.entry(k).dtype, header.entry(k).shape,
+                                   header.entry(k).start - lin["offset"], header.entry(k).length) for k in keys)
+                units.append(Unit(rank, f"rank {rank} {p['node']} {lin['name']}", bytearray(data), views))
+        return units
 
     def _read_shard(self, f: dict, p: dict, rank: int, wanted: dict, need: Needs, part: int) -> list[Unit]:
         where = f"{self.dir}/{f['name']}"

@@ -6,8 +6,9 @@
 1. **refuse stale work** — the plan must be for the admitted mesh's shape *and* epoch;
 2. **admit** — ``source.admit(plan, ranks)`` verifies signatures, digests, dtypes and shapes and hands
    back the verified bytes each rank needs; the store then checks that every placement on the loaded
-   ranks is covered exactly as declared (EXL3 parts with the sliced geometry, dense tensors with the
-   declared dtype and sliced shape). Nothing has been allocated yet;
+   ranks is covered exactly as declared (EXL3 parts with the sliced geometry — routed experts' and a
+   whole-model base's non-expert linears alike —, dense tensors with the declared dtype and sliced shape).
+   Nothing has been allocated yet;
 3. **allocate** — one device buffer per unit, each recorded in the journal with its origin
    (mesh epoch, rank, device); ties whose target is on the same rank become aliases;
 4. **check origins** — before publishing, every allocation must still match the live mesh epoch, its
