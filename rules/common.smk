@@ -173,6 +173,18 @@ def encode_spec(wc, output):
     }
 
 
+def share_spec(wc):
+    """A share job's base, owner base, digests and paths (Campaign.share_spec): also its rerun key."""
+    return C.share_spec(wc.node, int(wc.layer), int(wc.block))
+
+
+def share_inputs(wc):
+    """The owner base's committed fragment of the block, its attestation and metrics."""
+    spec = share_spec(wc)
+    return {"campaign": ancient(C.campaign_json), "key": ancient(KEY), "fragment": spec["owner_fragment"],
+            "attestation": C.attestation(spec["owner_fragment"]), "metrics": spec["owner_metrics"]}
+
+
 def linear_job(wc):
     """(linear node, layer) of a linear job's wildcards (layer None: the head)."""
     return wc.lnode, None if wc.unit == "head" else int(wc.unit.removeprefix("layer"))

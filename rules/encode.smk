@@ -1,5 +1,6 @@
-# Encoding: skeleton copies per source shard, encode jobs per (node, layer, block) or per (node, layer), native
-# comparisons, weight-only twins (calibration.compare_weight_only).
+# Encoding: skeleton copies per source shard, encode jobs per (node, layer, block) or per (node, layer), share jobs
+# (a base publishing another base's expert encoding), native comparisons, weight-only twins
+# (calibration.compare_weight_only).
 
 
 rule skeleton:
@@ -40,6 +41,8 @@ if C.per_job == "block":
             fragment=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors",
             attestation=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors.intoto.jsonl",
             metrics=f"{OUT}/metrics/{{node}}/{{node}}-layer{{layer}}-block{{block}}.json",
+        wildcard_constraints:
+            node="|".join(re.escape(n) for n in C.encoding_nodes),  # a base sharing another's experts: rule share
         conda:
             "../envs/fq.yaml"
         log:
@@ -102,6 +105,32 @@ else:
                 None if R.name == "encode_layer" else encode_layer_group
             script:
                 "../scripts/encode.py"
+
+
+# A base publishing another base's expert encoding (recipe Node.experts_from: same K and codebook) copies that base's
+# committed fragment of each block under its own name (fq.workflow.share): no encode, no device, no staged shard.
+if C.shared_fragments:
+
+    rule share:
+        input:
+            unpack(share_inputs),
+        output:
+            fragment=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors",
+            attestation=f"{OUT}/fragments/{{node}}/{{node}}-layer{{layer}}-block{{block}}.safetensors.intoto.jsonl",
+            metrics=f"{OUT}/metrics/{{node}}/{{node}}-layer{{layer}}-block{{block}}.json",
+        wildcard_constraints:
+            node="|".join(re.escape(n) for n in C.shared_nodes),
+        conda:
+            "../envs/fq.yaml"
+        log:
+            f"{OUT}/logs/share/{{node}}-layer{{layer}}-block{{block}}.log",
+        benchmark:
+            f"{OUT}/benchmarks/share/{{node}}-layer{{layer}}-block{{block}}.tsv"
+        params:
+            spec=share_spec,
+            locks=f"{OUT}/locks",
+        script:
+            "../scripts/share.py"
 
 
 rule native:

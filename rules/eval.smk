@@ -28,6 +28,7 @@ if C.eval_config:
             source=lambda wc, input: str(Path(input.source[-1]).parent),  # the directory of its tokenizer.json
             native=lambda wc, input: str(Path(input.native[0]).parent.parent) if input.native else None,
             weight_only=lambda wc, input: str(Path(input.weight_only[0]).parent.parent) if input.weight_only else None,
+            twin_aliases=C.twin_aliases,  # a base sharing another's experts is measured with that base's twins
             tokens=C.eval_config["tokens"],
             seq_len=C.eval_config["seq_len"],
         threads: 1  # fq.runtime.quality measures on one thread (its numbers do not depend on the machine's cores)

@@ -39,9 +39,13 @@ FULL = {"attention": 4, "shared": 4, "dense": 4, "head": 6}
 # the stage also corrects attention (a residual at K2 on the base's K4 linears: tests at the end of the module)
 STAGE_SKELETON = {"attention": 2}
 RESIDUAL = "attention-K4-mul1+K2-mul1"
+# Beside it an experts-only base "e" of the same K and codebook: the two share one encoding of the routed experts
+# (recipe Node.experts_from: "e" encodes them, "a" publishes a copy of each of its fragments), so the stage on "a"
+# chains on the shared bytes (tests at the end of the module)
+EXPERTS_ONLY = {"name": "e", "kind": "base", "K": 3, "codebook": "mul1"}
 RECIPE2 = dict(RECIPE, nodes=[dict(RECIPE["nodes"][0], skeleton=FULL),
-                              dict(RECIPE["nodes"][1], experts={"hot": 2}, skeleton=STAGE_SKELETON)],
-               products=RECIPE["products"][:2])
+                              dict(RECIPE["nodes"][1], experts={"hot": 2}, skeleton=STAGE_SKELETON), EXPERTS_ONLY],
+               products=[*RECIPE["products"][:2], {"name": "e", "chain": ["e"]}])
 # The campaign plans the stage's experts from the usage recorded with the demo model (config usage:) instead of
 # measuring it again (the usage job: test_workflow.py)
 USAGE = str(REPO / "fq" / "data" / "demo" / "usage.json")
@@ -104,7 +108,7 @@ def test_a_calibrated_campaign_binds_its_hessians_and_every_fragment_names_its_o
     from fq.workflow.report import load_proxy
 
     proxy = load_proxy(c)
-    assert sorted(proxy) == ["a", "a.r1"] and sorted(proxy["a"]) == ["down", "gate", "up"]
+    assert sorted(proxy) == ["a", "a.r1", "e"] and sorted(proxy["a"]) == ["down", "gate", "up"]
     assert sorted(proxy["a"]["gate"]) == [1, 2] and len(proxy["a"]["gate"][1]) == 8
 
 
@@ -188,8 +192,10 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
 
     out = cal / "campaign"
     c = campaign(cal)
-    assert c.weight_only_jobs == c.fragments
-    for f in c.fragments:
+    # one twin per encoded fragment: "a" publishes the experts of "e", whose twins are its own
+    assert c.weight_only_jobs == c.encoded_fragments and c.twin_aliases == {"a": "e"}
+    assert c.weight_only_tensors("a", c.fragments[0].block) == c.weight_only_tensors("e", c.fragments[0].block)
+    for f in c.weight_only_jobs:
         twin, real = Path(c.weight_only_tensors(f.node, f.block)), Path(c.fragment(f.node, f.block))
         assert twin.is_file() and not twin.with_name(twin.name + ".intoto.jsonl").exists()
         with safe_open(str(twin), "pt") as a, safe_open(str(real), "pt") as b:
@@ -198,8 +204,8 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
         assert m["objective"] == OBJECTIVE_WEIGHT and m["node_digest"] == c.recipe.node_digest(f.node)
     assert not any("weight-only" in str(p) for p in (out / "published").rglob("*"))
 
-    # the base's twin is exactly a direct weight-only encode of the source matrix (same seed); the stage's twin the
-    # residual against the base's twin
+    # the base's twin is exactly a direct weight-only encode of the source matrix (same seed: the encoding base's,
+    # "e"); the stage's twin the residual against the base's twin
     stage = next(f for f in c.fragments if f.node == "a.r1")
     base = next(f for f in c.fragments if f.node == "a" and f.block == stage.block)
     layer, e = stage.block.layer, stage.experts[0]
@@ -211,7 +217,7 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
         name = c.source.expert_tensor(layer, e, p)
         with safe_open(str(c.source_dir / c.source.weight_map[name]), "pt") as fh:
             w = fh.get_tensor(name).to(torch.float32)
-        direct = encode(w, 3, "mul1", matrix_seed(0, "a", layer, e, p), "cpu").tensors
+        direct = encode(w, 3, "mul1", matrix_seed(0, "e", layer, e, p), "cpu").tensors
         assert set(direct) == set(twin_a[p]) and all(torch.equal(direct[k], twin_a[p][k]) for k in direct)
         assert not torch.equal(real_a[p]["trellis"], twin_a[p]["trellis"])  # the calibrated encode is another one
         res = encode_residual(w, [twin_a[p]], 3, "mul1", matrix_seed(0, "a.r1", layer, e, p), "cpu").tensors
@@ -220,8 +226,8 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
 
     # eval: one weight-only row per product, paired with it; the report's columns; the summary without eval numbers
     doc = canonical.load(out / "eval" / "eval.json")
-    assert set(doc["weight_only"]) == {f"{p} (weight-only)" for p in doc["products"]} == {"a (weight-only)",
-                                                                                         "a.r1 (weight-only)"}
+    assert set(doc["weight_only"]) == {f"{p} (weight-only)" for p in doc["products"]} == {
+        "a (weight-only)", "a.r1 (weight-only)", "e (weight-only)"}
     for p, row in doc["products"].items():
         twin = doc["weight_only"][row["weight_only"]]
         assert row["weight_only"] == f"{p} (weight-only)" and twin["product"] == p and twin["chain"] == row["chain"]
@@ -230,7 +236,7 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
         print(f"{p}: calibrated KL {row['kl']:.6g}, weight-only KL {twin['kl']:.6g}")
     assert doc["weight_only"]["a (weight-only)"]["kl"] > doc["products"]["a"]["kl"]  # measured on the K3 base
     tsv = (out / "eval" / "eval.tsv").read_text().splitlines()
-    assert sum(line.split("\t")[1] == "weight-only" for line in tsv[1:]) == 2
+    assert sum(line.split("\t")[1] == "weight-only" for line in tsv[1:]) == 3
     rows = {r["product"]: r for r in canonical.load(out / "report" / "products.json")}
     for p, row in doc["products"].items():
         twin = doc["weight_only"][row["weight_only"]]
@@ -566,6 +572,61 @@ def test_a_tampered_or_re_signed_stage_residual_is_refused(cal, tmp_path):
     frag.with_name(frag.name + ".intoto.jsonl").write_bytes(dsse.envelope_line(dsse.sign(canonical.dumps(st), priv)))
     p = verify()
     assert p.returncode != 0 and "chain edge broken" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+# -- one expert encoding for the experts-only base "e" and the whole-model base "a" (recipe Node.experts_from) ------
+
+
+def test_bases_of_one_K_share_one_expert_encoding_and_each_publishes_it(cal):
+    """"e" (experts only) and "a" (whole-model) are both K3 mul1: their experts are encoded once, by "e"'s jobs (the
+    campaign's job table: no encode job of "a", one share job per block of "a"); "a"'s fragments hold "e"'s expert
+    bytes byte for byte, attest where they come from, and are published in "a"'s directory beside its linear
+    fragments and skeleton variant; the stage on "a" chains on them; fq verify checks all of it; the plan and the
+    price count the encode once."""
+    from fq.planning.price import load_cost_table, price_recipe
+    from fq.provenance.attest import keys
+    from fq.provenance.attest.fragment import verify_shard
+
+    out = cal / "campaign"
+    pub = out / "published"
+    c = campaign(cal)
+    n_blocks = len(c.plan.blocks)  # one per MoE layer (block_size 8)
+    assert JOBS["share"] == n_blocks and JOBS["encode"] == n_blocks + len(
+        [f for f in c.fragments if f.node == "a.r1"])
+    assert {f.node for f in c.shared_fragments} == {"a"} and not any(f.node == "a" for f in c.encoded_fragments)
+    assert not list((out / "logs" / "encode").glob("a-layer*")) and len(list((out / "logs" / "share").glob("*.log"))) \
+        == n_blocks
+    key = keys.load_public(out / "signer.pub")
+    for f in c.shared_fragments:
+        mine = pub / "base" / "a" / Path(c.fragment("a", f.block)).name
+        theirs = pub / "base" / "e" / Path(c.fragment("e", f.block)).name
+        a, e = verify_shard(mine.parent, mine.name, key), verify_shard(theirs.parent, theirs.name, key)
+        assert a.predicate["experts_from"] == {"node": "e", "name": theirs.name, "sha256": e.sha256}
+        assert a.predicate["quant_args"] == e.predicate["quant_args"] and a.predicate["source"] == e.predicate["source"]
+        assert a.predicate["node_digest"] == c.recipe.node_digest("a") != e.predicate["node_digest"]
+        # every expert's bytes in the two base directories are identical (only the header's node differs)
+        ra, re_ = mine.read_bytes(), theirs.read_bytes()
+        assert [x["sha256"] for x in a.predicate["experts"]] == [x["sha256"] for x in e.predicate["experts"]]
+        for x, y in zip(a.predicate["experts"], e.predicate["experts"]):
+            assert ra[x["offset"]:x["offset"] + x["length"]] == re_[y["offset"]:y["offset"] + y["length"]]
+        assert (pub / "base" / "a" / mine.name).read_bytes() == Path(c.fragment("a", f.block)).read_bytes()
+    # the stage on "a" names "a"'s (shared) fragments as its parents
+    for f in (f for f in c.fragments if f.node == "a.r1"):
+        att = statement(Path(c.fragment("a.r1", f.block)))["predicate"]
+        assert att["parent"]["name"] == Path(c.fragment("a", f.block)).name
+    # "a"'s directory: its skeleton variant, its linear fragments, the shared expert fragments; "e"'s the whole skeleton
+    names = {p.name for p in (pub / "base" / "a").glob("*.safetensors")}
+    assert {Path(c.fragment("a", b)).name for b in c.plan.blocks} <= names
+    assert {Path(p).name for p in c.base_linear_fragments("a")} <= names
+    assert not any("K4" in p.name for p in (pub / "base" / "e").glob("*.safetensors"))
+    p = subprocess.run([sys.executable, "-m", "fq", "verify", str(pub), "--key", str(out / "signer.pub")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "3 plans" in p.stdout, p.stdout + p.stderr
+    # planned and priced once: passes count e and the stage; "a" costs no GPU time and publishes its bytes
+    assert (c.plan.recipe["passes"], c.plan.recipe["encoded_bpw"]) == (2, 6)
+    price = {n.name: n for n in price_recipe(c.recipe, c.source, load_cost_table()).nodes}
+    assert (price["a"].gpu_seconds, price["a"].experts, price["a"].experts_from) == (0.0, 0, "e")
+    assert price["e"].experts == 8 * n_blocks and price["a"].output_bytes == price["e"].output_bytes
 
 
 def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):

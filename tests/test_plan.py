@@ -15,7 +15,7 @@ from fq.errors import FqError
 from fq.model.source import parse_source
 from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
 from fq.model.usage import parse_usage
-from fq.planning.plan import load_plan, make_plan, write_plan
+from fq.planning.plan import load_plan, make_plan, plan_table, write_plan
 from fq.planning.recipe import load_recipe, parse_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -277,3 +277,25 @@ def test_a_class_the_source_lacks_is_refused_by_name():
         "products": [{"name": "k2", "chain": ["k2"]}]}, "wm.json")
     with pytest.raises(FqError, match="has no dense linears.*skeleton.dense to 16"):
         make_plan(r, source)
+
+
+def test_a_base_sharing_another_bases_experts_is_planned_with_its_owner(glm5, lean):
+    """Bases of one K and codebook: the plan names the owner of the shared encoding on the sharing base's node entry
+    (its digest binds it), still lists the sharing base's fragments (it publishes them: a copy, not an encode) and
+    counts the encode once in passes and encoded bpw; a recipe without such a pair plans as it did (no new field)."""
+    doc = json.loads((RECIPES / "glm52-k2k3-lean.json").read_text())
+    doc["nodes"].append({"name": "k2.w4", "kind": "base", "K": 2, "codebook": doc["nodes"][0]["codebook"],
+                         "skeleton": {"attention": 4}})
+    doc["products"].append({"name": "k2.w4", "chain": ["k2.w4"]})
+    r = parse_recipe(doc, "lean+w4")
+    plan = make_plan(r, glm5, block_size=32)
+    nodes = {n["name"]: n for n in plan.nodes}
+    assert nodes["k2.w4"]["experts_from"] == "k2" and plan.experts_from("k2.w4") == "k2"
+    assert plan.experts_from("k2") is None and "experts_from" not in nodes["k2"]
+    assert nodes["k2.w4"]["digest"] == r.node_digest("k2.w4") != r.node_digest("k2")
+    frags = plan.fragments()
+    assert len([f for f in frags if f.node == "k2.w4"]) == len([f for f in frags if f.node == "k2"]) == len(plan.blocks)
+    assert (plan.recipe["passes"], plan.recipe["encoded_bpw"]) == (lean.passes, lean.encoded_bpw)
+    assert "k2.w4 takes k2's" in plan_table(plan)
+    old = make_plan(lean, glm5, block_size=32)
+    assert not any("experts_from" in n for n in old.nodes) and "copied from another base" not in plan_table(old)

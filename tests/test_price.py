@@ -322,7 +322,17 @@ def test_whole_model_bases_are_priced_with_their_linears(glm5, table):
     assert (k2.model_bpw, k2.head_bits, w2.head_bits) == (pytest.approx(2.3229, abs=1e-4), 16, 6)
     assert 2 < w2.model_bpw < k2.model_bpw and k2.bpw == w2.bpw == 2
     assert p.gpu_seconds == pytest.approx(sum(n.gpu_seconds for n in p.nodes) + sum(ln.gpu_seconds for ln in p.linears))
+    # w2's experts are k2's encoding (same K and codebook): priced once, published in both bases
+    nodes = {n.name: n for n in p.nodes}
+    assert (nodes["w2"].experts_from, nodes["w2"].experts, nodes["w2"].gpu_seconds) == ("k2", 0, 0.0)
+    assert nodes["k2"].gpu_seconds > 0 and nodes["w2"].output_bytes == nodes["k2"].output_bytes
+    alone = price_recipe(parse_recipe({"format": "fq-cartridge/2", "name": "k2", "nodes": [
+        {"name": "k2", "kind": "base", "K": 2, "codebook": "mcg"}], "products": [{"name": "k2", "chain": ["k2"]}]},
+        "k2.json"), glm5, table)
+    assert p.gpu_seconds == pytest.approx(alone.gpu_seconds + sum(ln.gpu_seconds for ln in p.linears))
+    assert p.published_bytes == alone.published_bytes + w2.bytes and p.recipe["passes"] == 1
     text = price_table(p)
+    assert "(the experts of k2, encoded once)" in text
     assert "bpw experts" in text and "bpw model" in text and "attention-K4-mcg" in text
     # calibrated: each linear encodes alone, its LDLQ paying the table's seconds times the LDLQ factor and a
     # per-input-channel term (fitted on the H200: GLM-5's added jobs measured 0.32 GPU-h; docs/benchmarks.md)

@@ -249,9 +249,10 @@ def test_skeleton_bits_parse_and_16_is_as_published():
     assert w.skeleton == (("attention", 4), ("head", 6))  # LINEAR_CLASSES order; 16 dropped
     assert (w.skeleton_bits("attention"), w.skeleton_bits("dense"), w.skeleton_bits("shared")) == (4, 16, 16)
     assert a.skeleton == () and r.base_linears("a") == {}
-    # the skeleton is not part of the experts' node: the same K and codebook encode the same expert fragments
-    plain = parse_recipe(doc([base("w"), base("a")]), "r.json")
-    assert r.node_digest("w") == plain.node_digest("w")
+    # the skeleton is not part of the experts' node: the same K and codebook encode the same expert fragments (here
+    # a's: w takes the experts-only base's encoding, Node.experts_from)
+    other = parse_recipe(doc([{**base("w"), "skeleton": {"attention": 3}}, base("a")]), "r.json")
+    assert r.node_digest("w") == other.node_digest("w") and w.experts_from == "a"
 
 
 def test_bases_with_the_same_skeleton_bits_share_one_linear_node():
@@ -275,3 +276,50 @@ def test_skeleton_refusals_name_the_field():
     refuse(doc([{**base("w"), "skeleton": {"attention": 0}}]), "nodes[0].skeleton.attention")
     refuse(doc([{**base("w"), "skeleton": {"embeddings": 4}}]), "nodes[0].skeleton", "embeddings")
     refuse(doc([base("a"), {**stage("a.r1", "a"), "skeleton": {"attention": 4}}]), "nodes[1]", "skeleton")
+
+
+# -- bases sharing one expert encoding (Node.experts_from) ---------------------------------------------------------
+
+
+def whole(name, K=2, cb="mul1", **skel):
+    return dict(base(name, K, cb), skeleton=skel or {"attention": 4})
+
+
+def test_bases_of_one_K_and_codebook_share_one_expert_encoding():
+    demo = load_recipe(RECIPES / "demo.json")
+    assert {n.name: n.experts_from for n in demo.bases} == {"k2": None, "k3": None, "k2.w4": "k2", "k3.w4": "k3"}
+    assert demo.expert_owner("k2.w4") == "k2" and demo.expert_owner("k2.r1") == "k2.r1"
+    assert [n.name for n in demo.encoding_nodes] == ["k2", "k3", "k2.r1", "k2.r1.h2"]
+    # passes and encoded bits count the shared encode once (6 nodes, 4 passes; 2+3+1+2 bits)
+    assert (demo.passes, demo.encoded_bpw, demo.nominal_bpw) == (4, 8, 18)
+    assert "experts encoded once, as k2's" in __import__("fq.planning.recipe", fromlist=["x"]).recipe_table(demo)
+    # the owner is the first experts-only base of that (K, codebook), wherever the whole-model base is listed; with
+    # none, the first; another K or codebook is its own encoding
+    r = parse_recipe(doc([whole("w"), whole("v"), base("e"), base("m", cb="mcg"), base("k3", 3)]))
+    assert {n.name: n.experts_from for n in r.bases} == {"w": "e", "v": "e", "e": None, "m": None, "k3": None}
+    r = parse_recipe(doc([whole("w"), whole("v", head=6)]))
+    assert {n.name: n.experts_from for n in r.bases} == {"w": None, "v": "w"}
+
+
+def test_sharing_leaves_other_recipes_as_they_were_and_binds_the_owner_into_the_digest():
+    import hashlib
+
+    lean = load_recipe(RECIPES / "glm52-k2k3-lean.json")
+    assert all(n.experts_from is None for n in lean.nodes) and lean.passes == len(lean.nodes)
+    # the digest of a node that shares nothing is the one it always was: its chain's definitions, nothing added
+    for n in lean.nodes:
+        chain = [{"name": m.name, "kind": m.kind, "K": m.K, "codebook": m.codebook,
+                  **({"parent": m.parent, "experts": m.experts.to_json()} if m.parent else {})}
+                 for m in map(lean.node, lean.chain(n.name))]
+        want = hashlib.sha256(json.dumps({"format": "fq-cartridge/2", "chain": chain}, sort_keys=True,
+                                         separators=(",", ":")).encode()).hexdigest()
+        assert lean.node_digest(n.name) == want
+    # a sharing base's definition names its owner: renaming the owner changes it and every stage on it
+    d = doc([base("e"), whole("w"), stage("w.r1", "w")])
+    r = parse_recipe(d)
+    assert r.node("w").to_json()["experts_from"] == "e" and "experts_from" not in r.node("e").to_json()
+    renamed = parse_recipe(json.loads(json.dumps(d).replace('"e"', '"e2"')))
+    assert renamed.node_digest("w") != r.node_digest("w") and renamed.node_digest("w.r1") != r.node_digest("w.r1")
+    # the skeleton stays outside the digest: the whole-model base's experts do not change with its linear bits
+    more = parse_recipe(doc([base("e"), whole("w", attention=3), stage("w.r1", "w")]))
+    assert more.node_digest("w") == r.node_digest("w")

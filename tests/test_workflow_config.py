@@ -26,6 +26,11 @@ def test_demo_campaign_plan_and_native_jobs():
     assert c.source.moe_layers == (1, 2) or list(c.source.moe_layers) == [1, 2]
     # k2, k3, k2.w4, k3.w4, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts
     assert len(c.fragments) == 5 * 4 + 2
+    # the whole-model bases publish the experts of the experts-only bases of their K (Node.experts_from): copied
+    # by share jobs, never encoded again
+    assert {f.node for f in c.shared_fragments} == {"k2.w4", "k3.w4"} and len(c.shared_fragments) == 2 * 4
+    assert len(c.encoded_fragments) == 3 * 4 + 2 and c.share_spec("k2.w4", 1, 0)["owner"] == "k2"
+    assert c.shard_consumers_window(0) == [p for p in c.shard_consumers_window(0) if "/k2.w4/" not in p]
     assert len(c.linear_jobs) == 3 + 2 + 1 + 1  # attention, shared, dense, head: shared by k2.w4 and k3.w4
     # k2.r1 (3 bits) is compared with the k3 base; k2.r1.h2 (5 bits) needs a native K5 encode of its experts
     assert list(c.native_jobs) == [(5, "mul1")]
@@ -46,10 +51,11 @@ def test_layer_rules_cover_every_node_and_layer_once_with_its_blocks():
     c = load_campaign(_cfg())
     rules = c.layer_rules
     assert [r.name for r in rules] == ["encode_layer", "encode_layer_2", "encode_layer_3"]
-    assert rules[0].nodes == ("k2", "k3", "k2.w4", "k3.w4", "k2.r1") and rules[0].layers == (1, 2) and rules[0].blocks == (0, 1)
+    # the whole-model bases encode no layer: they publish the experts of k2 and k3 (share jobs, one per block)
+    assert rules[0].nodes == ("k2", "k3", "k2.r1") and rules[0].layers == (1, 2) and rules[0].blocks == (0, 1)
     served = [(n, l, r.blocks) for r in rules for n in r.nodes for l in r.layers]
     want = {(n, l): tuple(c.block_index(f.block) for f in c.layer_fragments(n, l))
-            for n, l in {(f.node, f.block.layer) for f in c.fragments}}
+            for n, l in {(f.node, f.block.layer) for f in c.encoded_fragments}}
     assert len(served) == len(want) and {(n, l): b for n, l, b in served} == want
     assert c.per_job == "block" and load_campaign(_cfg(encode={"device": "cpu", "per_job": "layer"})).per_job == "layer"
 

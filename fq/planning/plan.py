@@ -107,6 +107,10 @@ class Plan:
                 return n
         raise FqError(f"plan: no linear node {name!r} (linear nodes: {', '.join(n['name'] for n in self.linears) or 'none'})")
 
+    def experts_from(self, node: str) -> str | None:
+        """The base whose expert encoding base ``node`` publishes (recipe ``Node.experts_from``), or None."""
+        return next(n for n in self.nodes if n["name"] == node).get("experts_from")
+
     def experts_of(self, node: str, layer: int) -> tuple[int, ...]:
         sel = self.selections[node]
         if sel is None:
@@ -420,6 +424,11 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"{w.index:>6}  {format_layers(w.layers):<9} {nblocks:>6} {len(w.stage):>5} {fmt_bytes(w.stage_bytes):>12} "
                      f"{len(w.keep):>4} {len(w.retire):>6} {len(w.skeleton_only):>9} {fmt_bytes(w.source_bytes):>14} "
                      f"{fmt_bytes(w.local_bytes):>12}")
+    shared = [n for n in plan.nodes if n.get("experts_from")]
+    if shared:
+        n_copied = sum(1 for f in frags if plan.experts_from(f.node))
+        lines += ["", f"{len(frags) - n_copied} fragments encoded; {n_copied} copied from another base's encoding of the "
+                      "same experts: " + ", ".join(f"{n['name']} takes {n['experts_from']}'s" for n in shared)]
     lines += ["", f"source {fmt_bytes(b['source_total'])} (skeleton {fmt_bytes(b['skeleton'])}); encoded outputs "
                   f"{fmt_bytes(b['outputs_total'])}; peak source on disk {fmt_bytes(b['peak_source'])}; "
                   f"peak local {fmt_bytes(b['peak_local'])}"]

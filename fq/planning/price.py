@@ -2,7 +2,8 @@
 
 A cost table (fq-cost-table/1, fq/data/cost_table.json by default) gives seconds per matrix
 pass by codebook, K and shape on one GPU model. A node costs its experts x the seconds of its
-three projections at its K; a recipe costs the sum of its nodes. Wall time for n GPUs follows
+three projections at its K (nothing for a base that publishes another base's expert encoding:
+``Node.experts_from``); a recipe costs the sum of its nodes. Wall time for n GPUs follows
 the plan's windows: window w's shards download once window w-W has retired, and encoding of
 window w waits for its shards and for window w-1 (ideal load balance inside a window). Staging
 of the first window and the final verification overlap nothing. GPUs are billed from the start
@@ -119,6 +120,7 @@ class NodePrice:
     gpu_seconds: float
     output_bytes: int
     scaled: bool  # a shape the cost table lacks was priced per tile
+    experts_from: str | None = None  # a base publishing another base's expert encoding (experts 0, no GPU time)
 
 
 @dataclass(frozen=True)
@@ -206,10 +208,13 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         for proj in PROJECTIONS:
             s, sc = table.seconds(node.codebook, node.K, source.stored_shape(proj))  # the encoder codes the padded matrix
             secs, scaled = secs + s * ldlq, scaled or sc
-        per_expert[node.name] = secs
         n_exp = sum(counts[node.name].values())
-        nodes.append(NodePrice(node.name, node.K, node.codebook, n_exp, secs, n_exp * secs,
-                               n_exp * encoded_expert_bytes(source, node.K), scaled))
+        out_b = n_exp * encoded_expert_bytes(source, node.K)
+        if node.experts_from is not None:  # another base's encoding, copied: no encode, the same bytes published
+            secs, n_exp, scaled = 0.0, 0, False
+        per_expert[node.name] = secs
+        nodes.append(NodePrice(node.name, node.K, node.codebook, n_exp, secs, n_exp * secs, out_b, scaled,
+                               node.experts_from))
     node_bytes = {n.name: n.output_bytes for n in nodes}
     skeleton = source.skeleton_bytes
     linears, weights = _price_linears(recipe, source, table, ldlq, calibration is not None)
@@ -391,7 +396,8 @@ def price_table(price: Price) -> str:
     for n in price.nodes:
         mark = "*" if n.scaled else ""
         lines.append(f"{n.name:<14} {n.K:>2} {n.codebook:<8} {n.experts:>8} {3 * n.experts:>9} "
-                     f"{n.seconds_per_expert / 3:>8.4f}{mark or ' '} {n.gpu_seconds / 3600:>8.2f} {fmt_bytes(n.output_bytes):>11}")
+                     f"{n.seconds_per_expert / 3:>8.4f}{mark or ' '} {n.gpu_seconds / 3600:>8.2f} {fmt_bytes(n.output_bytes):>11}"
+                     + (f"  (the experts of {n.experts_from}, encoded once)" if n.experts_from else ""))
     total_m = sum(3 * n.experts for n in price.nodes)
     if price.calibration is not None:
         from fq.planning.calibration_cost import calibration_lines

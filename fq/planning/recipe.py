@@ -16,7 +16,7 @@ loader reads one file, the rest takes data.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from fq.core import canonical
 from fq.core.layer_ranges import format_layers
@@ -74,6 +74,9 @@ class Node:
     # Not part of to_json (so not of node_digest): the expert fragments do not depend on it; each (class, K,
     # codebook[, the linear nodes it corrects]) is its own linear node (Recipe.linear_nodes) with its own digest.
     skeleton: tuple[tuple[str, int], ...] = ()
+    # a base whose routed experts are another base's encoding (same K and codebook: the same expert bytes), set by
+    # parse_recipe (expert_owners); part of to_json, so of node_digest: a changed owner changes this base's digest
+    experts_from: str | None = None
 
     @property
     def is_base(self) -> bool:
@@ -87,6 +90,8 @@ class Node:
         if not self.is_base:
             out["parent"] = self.parent
             out["experts"] = self.experts.to_json()
+        if self.experts_from is not None:
+            out["experts_from"] = self.experts_from
         return out
 
 
@@ -235,6 +240,16 @@ class Recipe:
         raise FqError(f"recipe {self.source}: no node quantizes a non-expert class as {name!r} "
                       f"(linear nodes: {', '.join(n.name for n in self.linear_nodes) or 'none'})")
 
+    def expert_owner(self, name: str) -> str:
+        """The node whose expert encoding ``name`` publishes: itself, or for a base sharing another's experts
+        (``Node.experts_from``) that base."""
+        return self.node(name).experts_from or name
+
+    @property
+    def encoding_nodes(self) -> tuple[Node, ...]:
+        """The nodes whose routed experts are encoded (every node but the bases that take another base's)."""
+        return tuple(n for n in self.nodes if n.experts_from is None)
+
     @property
     def uses_hot(self) -> bool:
         return any(n.experts.mode == "hot" for n in self.nodes)
@@ -242,13 +257,13 @@ class Recipe:
     # -- derived numbers -------------------------------------------------------------------
     @property
     def passes(self) -> int:
-        """Quantization passes: one per node."""
-        return len(self.nodes)
+        """Quantization passes over the routed experts: one per node, a base sharing another's experts none."""
+        return len(self.encoding_nodes)
 
     @property
     def encoded_bpw(self) -> int:
-        """Trellis bits per weight emitted, summing every node's K (a partial stage counts fully)."""
-        return sum(n.K for n in self.nodes)
+        """Trellis bits per weight emitted, summing the K of every node that encodes (a partial stage counts fully)."""
+        return sum(n.K for n in self.encoding_nodes)
 
     def product_bpw(self, product: Product) -> int:
         return sum(self.node(n).K for n in product.chain)
@@ -317,14 +332,32 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
             _check_stage_skeleton(node, nodes, file_index[node.name], err)
 
     products = _products(doc["products"], nodes, err)
+    owners = expert_owners(order)
     return Recipe(
         name=doc["name"],
         description=doc.get("description", ""),
-        nodes=tuple(order),
+        nodes=tuple(replace(n, experts_from=owners.get(n.name)) for n in order),
         products=products,
         sha256=canonical.sha256_hex(canonical.dumps(doc)),
         source=source,
     )
+
+
+def expert_owners(nodes) -> dict[str, str]:
+    """base -> the base whose expert encoding it takes, for every base that shares one (``nodes`` in file order
+    among bases). A base's routed experts are a function of K, the codebook and the campaign (source, calibration,
+    seed) alone, so bases of one (K, codebook) are encoded once: by the first experts-only base of the recipe of that
+    (K, codebook) (else the first), whose name seeds the encode; the others publish its bytes. Preferring an
+    experts-only owner keeps that base's encoding where it was when a whole-model base is added beside it."""
+    groups: dict[tuple[int, str], list[Node]] = {}
+    for n in nodes:
+        if n.is_base:
+            groups.setdefault((n.K, n.codebook), []).append(n)
+    out = {}
+    for group in groups.values():
+        owner = next((n for n in group if not n.skeleton), group[0])
+        out.update({n.name: owner.name for n in group if n is not owner})
+    return out
 
 
 def _describe(doc, path: tuple) -> str:
@@ -530,6 +563,7 @@ def recipe_table(recipe: Recipe) -> str:
              f"{'node':<16} {'kind':<6} {'parent':<14} {'K':>2} {'codebook':<8} experts"]
     for n in recipe.nodes:
         skel = ("; " + ", ".join(f"{c} K{k}" for c, k in n.skeleton)) if n.skeleton else ""
+        skel += f"; experts encoded once, as {n.experts_from}'s" if n.experts_from else ""
         lines.append(f"{n.name:<16} {n.kind:<6} {n.parent or '-':<14} {n.K:>2} {n.codebook:<8} {n.experts.describe()}{skel}")
     lines += ["", f"{'product':<16} {'bpw':>3}  chain"]
     for p in recipe.products:

@@ -572,11 +572,19 @@ def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
 
 
 def _check_edges(report: Report, root: Path, verified: dict[str, Attested]) -> None:
-    """A stage's recorded parent digest must be the parent fragment's, wherever that is in the tree."""
+    """A stage's recorded parent digest must be the parent fragment's, wherever that is in the tree; a base fragment
+    holding another base's encoding (``experts_from``) must hold that fragment's expert bytes."""
     by_base = {}
     for rel, att in verified.items():
         by_base.setdefault(rel.rsplit("/", 1)[-1], []).append(att)
     for rel, att in sorted(verified.items()):
+        src = att.predicate.get("experts_from")  # a base publishing another base's encoding: the same expert bytes
+        for cand in by_base.get(src["name"], []) if src else ():
+            ranges = [(e["expert"], e["sha256"]) for e in att.predicate["experts"]]
+            if cand.sha256 != src["sha256"] or [(e["expert"], e["sha256"]) for e in cand.predicate["experts"]] != ranges:
+                report.add(f"{root / rel}: holds the experts of {src['name']} sha256 {src['sha256'][:16]}…, but "
+                           f"{cand.name} is {cand.sha256[:16]}…{'' if cand.sha256 != src['sha256'] else ' with other expert bytes'} "
+                           f"(shared encoding broken)", rel)
         parent = att.predicate.get("parent")
         if not parent:
             continue

@@ -125,7 +125,8 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
              text: str | os.PathLike, out_json: str | os.PathLike, native_dir: str | os.PathLike | None = None,
              weight_only_dir: str | os.PathLike | None = None,
              source_sha256: dict | None = None, tokens: int = 4096, seq_len: int = 256,
-             out_tsv: str | os.PathLike | None = None, progress=None, state=None) -> dict:
+             out_tsv: str | os.PathLike | None = None, progress=None, state=None,
+             twin_aliases: dict | None = None) -> dict:
     import torch
     import transformers
 
@@ -153,6 +154,9 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
             if len(p["chain"]) == 1}
     natives = native_sets(Path(native_dir) if native_dir is not None else None)
     twins = weight_only_sets(Path(weight_only_dir) if weight_only_dir is not None else None)
+    for alias, owner in (twin_aliases or {}).items():  # a base publishing another base's experts: that base's twins
+        if owner in twins:
+            twins.setdefault(alias, twins[owner])
 
     raw = Path(text).read_bytes()
     ids, tokenizer_sha256 = tokenize(Path(source), raw.decode("utf-8"))

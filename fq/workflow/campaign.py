@@ -130,14 +130,24 @@ class Campaign:
         """The fragments that get a weight-only twin: every one, in a calibrated campaign with
         calibration.compare_weight_only (comparison material for fq eval, like the natives: unsigned, never
         published); none otherwise."""
-        return self.fragments if self.calibration and self.calibration["compare_weight_only"] else ()
+        if not (self.calibration and self.calibration["compare_weight_only"]):
+            return ()
+        return self.encoded_fragments  # a base sharing another's experts has that base's twin (twin_aliases)
+
+    @property
+    def twin_aliases(self) -> dict[str, str]:
+        """base -> the base whose weight-only twins are its own (it publishes that base's expert encoding)."""
+        return {n.name: n.experts_from for n in self.recipe.nodes if n.experts_from}
 
     def weight_only_tensors(self, node: str, block: Block) -> str:
-        """The twin's tensor sets: an unsigned fragment of node ``node`` (same layout and metadata as the real one)."""
+        """The twin's tensor sets: an unsigned fragment of node ``node`` (same layout and metadata as the real one);
+        a base sharing another base's experts has that base's twin."""
+        node = self.recipe.expert_owner(node)
         return self.p("weight-only", node, fragment_filename(node, block.layer, self.block_index(block)))
 
     def weight_only_metrics(self, node: str, block: Block) -> str:
         """The twin's metrics (written last: the job is done)."""
+        node = self.recipe.expert_owner(node)
         return self.p("weight-only", node, f"{node}-layer{block.layer:03d}-block{self.block_index(block):03d}.json")
 
     def weight_only_needs_source(self, node: str, block: Block, _memo=None) -> bool:
@@ -152,7 +162,8 @@ class Campaign:
         if not path.is_file() or not metrics.is_file():
             return True
         try:
-            return json.loads(metrics.read_bytes()).get("node_digest") != self.recipe.node_digest(node)
+            return json.loads(metrics.read_bytes()).get("node_digest") != \
+                self.recipe.node_digest(self.recipe.expert_owner(node))
         except (OSError, ValueError, AttributeError):
             return True
 
@@ -346,6 +357,40 @@ class Campaign:
     def fragments(self) -> tuple[Fragment, ...]:
         return self.plan.fragments()
 
+    # -- bases sharing another base's expert encoding (recipe Node.experts_from) --------------------------------
+    @cached_property
+    def encoded_fragments(self) -> tuple[Fragment, ...]:
+        """The fragments an encode job writes: all but those of bases that publish another base's encoding."""
+        return tuple(f for f in self.fragments if not self.recipe.node(f.node).experts_from)
+
+    @cached_property
+    def shared_fragments(self) -> tuple[Fragment, ...]:
+        """The fragments a share job writes (fq.workflow.share): a copy of the owner base's fragment of the block."""
+        return tuple(f for f in self.fragments if self.recipe.node(f.node).experts_from)
+
+    @property
+    def shared_nodes(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.recipe.nodes if n.experts_from)
+
+    @property
+    def encoding_nodes(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.recipe.encoding_nodes)
+
+    def share_spec(self, node: str, layer: int, index: int) -> dict:
+        """A share job's params: the base, the owner base whose committed fragment it copies, and the paths."""
+        block = self.block(layer, index)
+        owner = self.recipe.expert_owner(node)
+        return {"node": node, "node_digest": self.recipe.node_digest(node), "owner": owner,
+                "owner_digest": self.recipe.node_digest(owner), "layer": layer, "block": index,
+                "owner_fragment": self.fragment(owner, block), "owner_metrics": self.metrics(owner, block),
+                "layout": self.layout.to_json()}
+
+    def expert_inputs(self, node: str) -> tuple[str, ...]:
+        """The nodes whose committed fragments ``node``'s fragment of a block is made from: its chain up to its
+        parent, or the base whose encoding it publishes."""
+        owner = self.recipe.node(node).experts_from
+        return (owner,) if owner else self.ancestors(node)
+
     def fragment_of(self, node: str, layer: int, index: int) -> Fragment:
         for f in self.fragments:
             if f.node == node and f.block.layer == layer and self.block_index(f.block) == index:
@@ -364,7 +409,7 @@ class Campaign:
     @cached_property
     def _layer_fragments(self) -> dict[tuple[str, int], tuple[Fragment, ...]]:
         out: dict[tuple[str, int], list[Fragment]] = {}
-        for f in self.fragments:
+        for f in self.encoded_fragments:
             out.setdefault((f.node, f.block.layer), []).append(f)
         return {k: tuple(sorted(v, key=lambda f: f.block.first_expert)) for k, v in out.items()}
 
@@ -422,7 +467,7 @@ class Campaign:
         """Every output that reads a shard staged or kept in ``window``: what its retirement waits for."""
         w = self.plan.windows[window]
         outs = [self.skeleton(s) for s in w.stage if s in self.skeleton_shards]
-        outs += [self.fragment(f.node, f.block) for f in self.fragments if f.block.window == window]
+        outs += [self.fragment(f.node, f.block) for f in self.encoded_fragments if f.block.window == window]
         outs += [self.native_metrics(K, cb, b) for (K, cb), blocks in self.native_jobs.items() for b in blocks
                  if b.window == window]
         outs += [self.weight_only_metrics(f.node, f.block) for f in self.weight_only_jobs if f.block.window == window]
@@ -606,7 +651,7 @@ class Campaign:
         if not needs:
             mtime = Path(tensors(node, block)).stat().st_mtime
             needs = any(self._chain_needs(anc, block, stale, tensors, memo)
-                        or Path(tensors(anc, block)).stat().st_mtime > mtime for anc in self.ancestors(node))
+                        or Path(tensors(anc, block)).stat().st_mtime > mtime for anc in self.expert_inputs(node))
         memo[key] = needs
         return needs
 

@@ -184,6 +184,19 @@ def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
         if parent is not None and (want["name"], want["sha256"]) != (parent.name, parent.sha256):
             problems.append(f"{c.fragment(f.node, f.block)}: encoded against parent {want['name']} sha256 "
                             f"{want['sha256'][:16]}…, the committed parent is {parent.sha256[:16]}…; re-encode it")
+    for f in c.shared_fragments:  # a base publishing another base's encoding holds that committed fragment's experts
+        att = done.get((f.node, f.block.layer, f.block.first_expert))
+        owner = c.recipe.expert_owner(f.node)
+        src = done.get((owner, f.block.layer, f.block.first_expert))
+        if att is None or src is None:
+            continue
+        got = att.predicate.get("experts_from") or {"node": None, "name": None, "sha256": "-"}
+        if (got["node"], got["name"], got["sha256"]) != (owner, src.name.rsplit("/", 1)[-1], src.sha256) or \
+                [(e["expert"], e["sha256"]) for e in att.predicate["experts"]] != \
+                [(e["expert"], e["sha256"]) for e in src.predicate["experts"]]:
+            problems.append(f"{c.fragment(f.node, f.block)}: should hold the experts of {owner}'s committed "
+                            f"{src.name.rsplit('/', 1)[-1]} sha256 {src.sha256[:16]}…, it names {got['name']} sha256 "
+                            f"{got['sha256'][:16]}…; share it again")
     for s in [c.skeleton(s) for s in c.skeleton_shards] + c.variant_files()[::2]:
         p = Path(s)
         try:

@@ -131,14 +131,33 @@ def _described(path, info: ShardInfo | None, node_digest, digest_of: str) -> tup
     return p, info
 
 
+def check_experts_from(pred: dict, where: str) -> None:
+    """A base fragment publishing another base's encoding of its experts (``experts_from``: {node, name, sha256} of
+    that base's committed fragment of the same block) names a fragment of another base, of the same layer and block."""
+    src = pred.get("experts_from")
+    if src is None:
+        return
+    if pred["role"] != "base":
+        raise FqError(f"{where}: a stage fragment names experts_from; only a base takes another base's experts")
+    if src["node"] == pred["node"]:
+        raise FqError(f"{where}: experts_from names its own node {src['node']}")
+    want = fragment_filename(src["node"], pred["layer"], pred["block"])
+    if src["name"] != want:
+        raise FqError(f"{where}: experts_from names {src['name']!r}, not node {src['node']}'s fragment of layer "
+                      f"{pred['layer']} block {pred['block']} ({want})")
+
+
 def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign: dict, source: dict,
                     encoder: dict, quant_args: dict, node_digest: str, parent: dict | None = None,
-                    determinism: dict | None = None, info: ShardInfo | None = None) -> Attested:
+                    determinism: dict | None = None, info: ShardInfo | None = None,
+                    experts_from: dict | None = None) -> Attested:
     """Sign the expert fragment at ``path``; ``node_digest`` = the recipe's digest of the fragment's node
     (``Recipe.node_digest``: its definition and its ancestors'), which a plan's chain entry must name;
     ``parent`` = {name, sha256} of the parent's committed fragment, required for a stage and refused
     for a base. ``info``: what write_fragment returned for this file (it read the committed file back and
-    digested it), so the writer does not read and hash the same bytes twice; None: digest the file here."""
+    digested it), so the writer does not read and hash the same bytes twice; None: digest the file here.
+    ``experts_from``: a base publishing another base's encoding of the same experts, {node, name, sha256} of the
+    fragment whose expert bytes this one holds (its quant_args and source are that encode's)."""
     p, info = _described(path, info, node_digest, "Recipe.node_digest")
     if info.kind != "expert":
         raise FqError(f"{p}: is a {info.kind} shard; use attest_skeleton")
@@ -157,7 +176,10 @@ def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
                       "layer": m["layer"], "block": m["block"], "K": m["K"], "codebook": m["codebook"],
                       "layout": m["layout"].to_json(), "quant_args": quant_args, "parent": parent,
                       "experts": [e.to_json() for e in info.experts]})
+    if experts_from is not None:  # absent otherwise: an encoded fragment's attestation is as it always was
+        predicate["experts_from"] = experts_from
     check_quant_args(predicate, str(p))  # never sign what a consumer would refuse
+    check_experts_from(predicate, str(p))
     return _sign_and_write(p, info, predicate, key)
 
 
@@ -274,6 +296,8 @@ def _check_line(data: bytes, att: str, name: str, public_key: Ed25519PublicKey, 
     check_location(name, pred, att)
     if pred["kind"] in ("expert", "linear"):
         check_quant_args(pred, att)
+    if pred["kind"] == "expert":
+        check_experts_from(pred, att)
     if pred["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{att}: campaign identity names signer {pred['campaign']['signer'][:16]}…, "
                       f"not the pinned key {fingerprint(public_key)[:16]}…")
