@@ -25,6 +25,9 @@ install)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl >"$OUT/pip.log" 2>&1
     echo "pip rc=$?"
+    # a prebuilt exllamav3 extension (what an earlier machine's JIT build gave): skips the ~5 min build
+    [ -f .devpack/exllamav3_ext.so.xz ] && xz -dc .devpack/exllamav3_ext.so.xz >/tmp/site/exllamav3_ext.so \
+        && echo "prebuilt exllamav3_ext"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
     step build fq C extension
     python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1

@@ -127,7 +127,7 @@ def per_layer(p, tap) -> dict:
             continue
         r = tap.layer(layer)
         x = r["x"].half().contiguous()
-        with torch.no_grad():
+        with torch.inference_mode():  # exllamav3 adds into its buffers in place
             got = m.forward(x.view(1, *x.shape), {}).float().view(x.shape)
             sel, w = m.routing_fn(x.shape[0], m.routing_cfg, x, {})
             flipped = (sel.sort(-1).values != r["sel"].sort(-1).values).any(-1)
@@ -184,7 +184,8 @@ def per_stage(p, tap, vc) -> dict:
         xh = x[:256].half().contiguous()
         for i, part in enumerate(lin.parts):
             want = xh.float() @ _dense(part).T
-            got = part.bc.run_alloc(xh, lin.out_features, True).float()
+            with torch.inference_mode():
+                got = part.bc.run_alloc(xh, lin.out_features, True).float()
             err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
             key = "base" if i == 0 else f"stage{i}"
             worst[key] = max(worst.get(key, 0.0), err)

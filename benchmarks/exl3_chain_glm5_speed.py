@@ -130,7 +130,7 @@ def time_blocks(model, seed: int = 0) -> dict:
         for m in blocks:
             m.forward(x, {})
 
-    with torch.no_grad():
+    with torch.inference_mode():  # exllamav3 adds into its buffers in place, as its own model.forward does
         return {"decode_ms": round(_median_ms(lambda: run(x1), 50), 4),
                 "prefill_ms": round(_median_ms(lambda: run(xp), 10), 3), "moe_layers": len(blocks)}
 
