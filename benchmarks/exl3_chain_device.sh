@@ -8,7 +8,8 @@
 #
 #   STEP="install exact speed" bash benchmarks/exl3_chain_device.sh CAMPAIGN_DIR
 # from the repository root, with .whl/ and CAMPAIGN_DIR carried (a published demo campaign: published/, signer.pub,
-# demo-model/). Everything lands in $OUT.
+# demo-model/), or, where they exceed the 64 MiB carry, .devpack/ with site.tar.xz (the wheels unzipped),
+# campaign.tar.xz and exllamav3_ext.so.xz (an earlier machine's build). Everything lands in $OUT.
 set -u
 CAMPAIGN=${1:?usage: exl3_chain_device.sh CAMPAIGN_DIR}
 OUT=${OUT:-$PWD/device-out}
@@ -21,10 +22,18 @@ for s in ${STEP:?set STEP}; do
 {
 case "$s" in
 install)
-    step install carried wheels
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl >"$OUT/pip.log" 2>&1
-    echo "pip rc=$?"
+    if [ -f .devpack/site.tar.xz ]; then  # the wheels unzipped and xz-packed: they and a campaign fit the carry
+        step unpack .devpack
+        mkdir -p /tmp/site && tar -C /tmp/site -xJf .devpack/site.tar.xz && echo "site ok"
+    else
+        step install carried wheels
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl >"$OUT/pip.log" 2>&1
+        echo "pip rc=$?"
+    fi
+    if [ -f .devpack/campaign.tar.xz ] && [ ! -d "$CAMPAIGN/published" ]; then
+        mkdir -p "$CAMPAIGN" && tar -C "$CAMPAIGN" -xJf .devpack/campaign.tar.xz && echo "campaign ok"
+    fi
     # a prebuilt exllamav3 extension (what an earlier machine's JIT build gave): skips the ~5 min build
     [ -f .devpack/exllamav3_ext.so.xz ] && xz -dc .devpack/exllamav3_ext.so.xz >/tmp/site/exllamav3_ext.so \
         && echo "prebuilt exllamav3_ext"

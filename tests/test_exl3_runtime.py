@@ -154,7 +154,8 @@ NEAR_TIE = 0.05  # logits: the reference's own margin under which fp16 arithmeti
 
 def _prompts(campaign: Path) -> list[list[int]]:
     ids = _windows(campaign).flatten().tolist()
-    return [ids[i * 97:i * 97 + PROMPT_LEN] for i in range(PROMPTS)]
+    stride = (len(ids) - PROMPT_LEN) // PROMPTS
+    return [ids[i * stride:i * stride + PROMPT_LEN] for i in range(PROMPTS)]
 
 
 def _greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], list]:
