@@ -43,7 +43,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from fq.codec.codebook import CODEBOOKS, values_torch  # noqa: E402
-from fq.codec.encoder import GAUSSIAN_BEST_SCALE, encode, encode_batch  # noqa: E402
+from fq.codec.encoder import encode, encode_batch  # noqa: E402
+from fq.codec.scale_search import GAUSSIAN_BEST_SCALE  # noqa: E402
 from fq.codec.viterbi import viterbi_cpu  # noqa: E402
 
 REF_SOURCE = Path(__file__).with_name("ref_quantize_tiles.cu")

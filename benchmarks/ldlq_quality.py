@@ -19,7 +19,7 @@ Per K (mul1 codebook): the proxy error tr(E H E^T) / tr(W H W^T) (fq.codec.proxy
   MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0; set TORCH_EXTENSIONS_DIR to keep it): its tensors are decoded with fq's
   bit-compatible ``reconstruct`` and measured with the same proxy_error; its own reported figure is listed too.
   ``--ref-scaled`` adds its ``scaled_hessian`` variant (fq's default metric), and ``--fq-signs`` fq's LDLQ with
-  the reference's default metric (fq.codec.ldlq.HESSIAN_SCALES = False: signs only).
+  the reference's default metric (fq.codec.ldlq_parts.HESSIAN_SCALES = False: signs only).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fq.codec import encode, encode_ldlq, encode_ldlq_batch, proxy_error, reconstruct  # noqa: E402
-from fq.codec import ldlq as ldlq_mod  # noqa: E402
+from fq.codec import ldlq_parts  # noqa: E402
 
 FULL = dict(out_f=2048, in_f=6144, rows=8192, rank=64, outliers=16)
 SMALL = dict(out_f=256, in_f=512, rows=1024, rank=16, outliers=4)
@@ -158,12 +158,12 @@ def main(argv=None) -> int:
         row["fq_ldlq_s"] = t_ldlq
         row["fq_ldlq_stages_s"] = {k: round(v, 3) for k, v in stages.items()}
         if args.fq_signs:
-            ldlq_mod.HESSIAN_SCALES = False
+            ldlq_parts.HESSIAN_SCALES = False
             try:
                 e_s, t_s = timed(lambda: (encode_ldlq(Wd, H, K, "mul1", seed=args.seed, device=device),
                                           sync(device))[0])
             finally:
-                ldlq_mod.HESSIAN_SCALES = True
+                ldlq_parts.HESSIAN_SCALES = True
             row["fq_ldlq_signs"] = e_s.proxy_err
             row["fq_ldlq_signs_s"] = t_s
         if args.batch:

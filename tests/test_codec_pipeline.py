@@ -8,9 +8,11 @@ import torch
 from conftest import cuda
 from fq.codec import encode, encode_residual, quantize
 from fq.codec import encoder as enc_mod
-from fq.codec.encoder import encode_batch, sample_tiles, search_scales
+from fq.codec import scale_search
+from fq.codec.encoder import encode_batch
 from fq.codec.exact import div, sqrt, tree_sum
 from fq.codec.regularize import CODEBOOK_SCALE, regularize
+from fq.codec.scale_search import sample_tiles, search_scales
 from fq.errors import FqError
 
 STAGES = {"check", "regularize", "search", "viterbi", "pack", "reconstruct"}
@@ -127,7 +129,8 @@ def test_encode_batch_equals_encode_per_matrix(monkeypatch):
     singles = _singles(Ws, seeds, parents, 2, "mcg")
     calls = []
     real = enc_mod._viterbi
-    monkeypatch.setattr(enc_mod, "_viterbi", lambda t, *a: calls.append(t.shape[0]) or real(t, *a))
+    for mod in (scale_search, enc_mod):  # the search's calls and the main ones
+        monkeypatch.setattr(mod, "_viterbi", lambda t, *a: calls.append(t.shape[0]) or real(t, *a))
     batch = encode_batch(Ws, 2, "mcg", seeds, parents=parents)
     assert len(batch) == len(Ws)
     for one, b in zip(singles, batch):
@@ -152,11 +155,11 @@ def test_search_rounds_are_batched_and_independent(monkeypatch):
     xs = [x, x * 2, torch.zeros_like(x)]
     alone = [search_scales([v], 2, "mul1", None)[0] for v in xs]
     calls = []
-    real = enc_mod._viterbi
-    monkeypatch.setattr(enc_mod, "_viterbi", lambda t, *a: calls.append(t.shape[0]) or real(t, *a))
+    real = scale_search._viterbi
+    monkeypatch.setattr(scale_search, "_viterbi", lambda t, *a: calls.append(t.shape[0]) or real(t, *a))
     assert search_scales(xs, 2, "mul1", None) == alone
     m = sample_tiles(x).shape[0]
-    assert calls == [6 * m] + [m] * (enc_mod.SEARCH_MAX_EVALS - 3)
+    assert calls == [6 * m] + [m] * (scale_search.SEARCH_MAX_EVALS - 3)
 
 
 def test_encode_batch_argument_errors():

@@ -21,7 +21,7 @@ from fq.codec.shape import padded, padded_shape
 
 # The torch-backed parts load on first use (PEP 562): tensor names, markers and header checks need only the
 # codebook constants, and importing torch is most of the start-up time of `fq verify` or a Snakemake job.
-_LAZY = {"Encoded": "encoder", "encode": "encoder", "encode_batch": "encoder", "encode_residual": "encoder",
+_LAZY = {"Encoded": "scale_search", "encode": "encoder", "encode_batch": "encoder", "encode_residual": "encoder",
          "quantize": "encoder", "quantize_residual": "encoder",
          "encode_ldlq": "ldlq", "encode_ldlq_batch": "ldlq", "proxy_error": "ldlq",
          "Geometry": "tensors", "reconstruct": "tensors", "reconstruct_chain": "tensors", "validate_tensors": "tensors"}

@@ -1,5 +1,6 @@
 """One large matrix encoded by chunks of output channels, in bounded memory, to the same bytes as the whole-matrix
-encoders (fq.codec.encoder weight-only, fq.codec.ldlq calibrated).
+encoders (fq.codec.encoder weight-only, fq.codec.ldlq calibrated). Those encoders call it; it builds on the pieces
+they share (fq.codec.scale_search, fq.codec.ldlq_parts), never on the encoders themselves.
 
 The whole-matrix encoders hold a dozen (out, in) float64 copies at once (the target, its rotation, the search's
 scaled copy and tile views, the LDLQ targets, feedback and errors, the refit's Q, Qt, HQ, HW, and every grid product's
@@ -34,10 +35,14 @@ import torch.nn.functional as F
 
 from fq.codec.codebook import marker_value, values_torch
 from fq.codec.exact import div, sqrt, tree_sum
-from fq.codec.gridmm import budget, grid_mm, split
+from fq.codec.gridmm import budget, grid_mm, pow2, split
 from fq.codec.hadamard import HAD, had_cols, had_rows
+from fq.codec.ldl import BLOCK, PANEL
+from fq.codec.ldlq_parts import (REFIT_ROUNDS, SIGMA_REG, _cg, _factor, _feedback, _Metric, _rows_to_tiles,
+                                 _tiles_to_rows, ldlq_drift)
 from fq.codec.packing import TILE_LEN, matrix_to_tiles, pack, tiles_to_matrix, unpack
 from fq.codec.regularize import CODEBOOK_SCALE, ZERO, signs
+from fq.codec.scale_search import Encoded, _fp16, _viterbi, check_scales, search_scales
 from fq.codec.tensors import unrotate
 from fq.errors import FqError
 
@@ -171,7 +176,7 @@ class Regularized:
 
 
 def sample_tiles(cols, k: int, n: int, C: int, width: int = 3):
-    """fq.codec.encoder.sample_tiles of the matrix x (k, n) given by columns (``cols(c0, c1)``), or None when x is
+    """fq.codec.scale_search.sample_tiles of the matrix x (k, n) given by columns (``cols(c0, c1)``), or None when x is
     all zero (search_scales leaves such a matrix out)."""
     dev = None
     tk, tn = k // 16, n // 16
@@ -236,7 +241,7 @@ def flat_sums(fns, out_f: int, in_f: int, block: int) -> list[float]:
 
 
 def quads(metric, fns, out_f: int, in_f: int, C: int, block: int) -> list[float]:
-    """[metric.quad(E)] (fq.codec.ldlq._Metric: tr(E H E^T)) for (out_f, in_f) matrices E given by rows."""
+    """[metric.quad(E)] (fq.codec.ldlq_parts._Metric: tr(E H E^T)) for (out_f, in_f) matrices E given by rows."""
     inv = metric.inv[None, :]
     bits = budget(metric.k) - metric.bits
     peaks = [None] * len(fns)
@@ -262,8 +267,6 @@ def flat_block(C: int, in_p: int) -> int:
 
 def encode_weight_only(W64: torch.Tensor, shape, K: int, codebook: str, seed: int, name: str, device, C: int, clock):
     """fq.codec.encoder's encode of one matrix (W64 the padded float64 target, ``shape`` W's own), by chunks."""
-    from fq.codec.encoder import Encoded, _fp16, _viterbi, check_scales, search_scales
-
     n, k = W64.shape
     reg = Regularized(W64, seed, C)
     clock("regularize")
@@ -311,11 +314,6 @@ def _host_rows(dec: Decoded, out_f: int, in_f: int, C: int) -> torch.Tensor:
 def ldlq_walk(reg: Regularized, g: float, L: torch.Tensor, Fx: torch.Tensor, K: int, codebook: str, device,
               C: int) -> torch.Tensor:
     """fq.codec.ldlq.ldlq for one matrix (targets reg.rows * g), panel by panel; returns the packed trellis."""
-    from fq.codec.encoder import _viterbi
-    from fq.codec.gridmm import pow2
-    from fq.codec.ldl import BLOCK, PANEL
-    from fq.codec.ldlq import _feedback, _rows_to_tiles, _tiles_to_rows
-
     k, n = reg.k, reg.n
     values = values_torch(codebook, device)
     ds, inv = pow2(-Fx)[:, :, None], pow2(Fx)[:, :, None]
@@ -355,8 +353,6 @@ def ldlq_walk(reg: Regularized, g: float, L: torch.Tensor, Fx: torch.Tensor, K: 
 def refit(W64: torch.Tensor, dec: Decoded, Hd: torch.Tensor, C: int):
     """fq.codec.ldlq.refit_scales for one matrix (Wt = W64.t(), the decoded trellis, its fp16 scales), by chunks.
     Returns (a, b) float64, (in,) and (out,)."""
-    from fq.codec.ldlq import REFIT_ROUNDS, _cg, _Metric
-
     n, k = W64.shape
     metric = _Metric(Hd)
     inv = metric.inv[:, None]
@@ -424,9 +420,6 @@ def refit(W64: torch.Tensor, dec: Decoded, Hd: torch.Tensor, C: int):
 def encode_ldlq(W64, shape, H_own, Hc, K: int, codebook: str, seed: int, name: str, device, C: int, clock):
     """fq.codec.ldlq's encode of one matrix (W64 the padded float64 target, ``shape`` W's own; H_own the checked
     Hessian at W's width, Hc zero-padded), by chunks."""
-    from fq.codec.encoder import Encoded, _fp16, check_scales, search_scales
-    from fq.codec.ldlq import SIGMA_REG, _factor, _Metric, ldlq_drift
-
     n, k = W64.shape
     out_f, in_f = shape
     metric = _Metric(H_own)

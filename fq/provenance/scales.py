@@ -5,7 +5,7 @@ that scale the decoded rows and columns. The trellis cannot hold a NaN; the scal
 fragment with an Inf or NaN scale poisons every weight it touches. ``check_scale`` is the one check:
 ``fq.provenance.fragments.describe`` applies it while streaming a shard (``fq verify``, ``--base`` verification,
 the producer's read-back) and ``fq combine`` applies it to the byte ranges it copies into an adapter.
-The encoder refuses to produce such scales in the first place (``fq.codec.encoder.check_scales``).
+The encoder refuses to produce such scales in the first place (``fq.codec.scale_search.check_scales``).
 
     nonfinite_f16(data, offset=0) -> index of the first NaN/Inf float16 in a (piece of a) tensor, or None
     check_scale(data, where, offset=0)   # raises FqError naming ``where`` and the element
