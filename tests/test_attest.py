@@ -205,3 +205,40 @@ def test_identity_refuses_an_absent_cuda_device():
         pytest.skip("CUDA present")
     with pytest.raises(FqError, match="CUDA is not available"):
         encoder_identity("cuda:0")
+
+
+# --- experts_from: a base fragment holding another base's encoding of the same block ---
+@pytest.mark.parametrize("bad, message", [
+    (lambda p: {"node": p["node"], "name": "x", "sha256": "0" * 64}, "names its own node"),
+    (lambda p: {"node": "k9", "name": "k9-layer009-block000.safetensors", "sha256": "0" * 64},
+     "not node k9's fragment of layer"),
+])
+def test_an_insider_signed_experts_from_that_names_no_fragment_of_the_block_is_refused(campaign_copy, bad, message):
+    """An attestation re-signed with the campaign key (a compromised pipeline) whose experts_from names the
+    fragment's own node, or another block's fragment, is refused when read, before any byte is used."""
+    import provkit
+    from fq.provenance.attest.fragment import verify_shard
+
+    c = campaign_copy
+    rel = c.frag("k2", 1, 0)
+    verify_shard(c.root, rel, c.pub, c.campaign)  # as published: accepted
+    p = c.root / rel
+    st = provkit._attested(p)
+    st["predicate"]["experts_from"] = bad(st["predicate"])
+    p.with_name(p.name + ".intoto.jsonl").write_bytes(provkit._statement_line(st, c.priv))
+    with pytest.raises(FqError, match=message):
+        verify_shard(c.root, rel, c.pub, c.campaign)
+
+
+def test_a_stage_fragment_naming_experts_from_is_refused(campaign_copy):
+    import provkit
+    from fq.provenance.attest.fragment import verify_shard
+
+    c = campaign_copy
+    rel = c.frag("r1", 1, 0)
+    p = c.root / rel
+    st = provkit._attested(p)
+    st["predicate"]["experts_from"] = {"node": "k2", "name": "k2-layer001-block000.safetensors", "sha256": "0" * 64}
+    p.with_name(p.name + ".intoto.jsonl").write_bytes(provkit._statement_line(st, c.priv))
+    with pytest.raises(FqError, match="only a base takes another base's experts"):
+        verify_shard(c.root, rel, c.pub, c.campaign)
