@@ -9,25 +9,9 @@
 # the same warm machine reuses it.
 set -u
 CAMPAIGN=${1:?usage: exl3_device.sh CAMPAIGN_DIR}
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-step() { echo; echo "=== [$(($(date +%s) - T0)) s] $*"; }
+. "$(dirname "$0")/device_setup.sh"
 {
-    step install carried wheels
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        >"$OUT/pip.log" 2>&1
-    echo "pip rc=$?"
-    export PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.exl3-ext MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
-    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-
-    step build fq C extension
-    python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1
-    echo "build_ext rc=$?"
-
-    step "exllamav3 extension (JIT build, or reuse)"
-    timeout 480 python3 -c "import exllamav3, exllamav3.ext; print('exllamav3', exllamav3.__version__ if hasattr(exllamav3, '__version__') else '')" 2>&1 | tail -3
-
+    install_step "$CAMPAIGN"
     step "exllamav3 loads each base and each chain product (sums of EXL3 GEMMs); logits against fq's CPU path"
     FQ_EXL3_CAMPAIGN=$CAMPAIGN FQ_EXL3_JSON=$OUT/exl3_agreement.json FQ_EXL3_CHAIN_JSON=$OUT/exl3_chain_agreement.json \
         timeout 300 \

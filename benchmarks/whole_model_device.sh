@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 25 on one H200. STEP names one or more steps, run in order in one device call:
-#   install      carried wheels (or .devpack/), fq's C extension, exllamav3's extension (a carried prebuilt
-#                exllamav3_ext.so, else its JIT build into .exl3-ext/, ~320 s)
+#   install      benchmarks/device_setup.sh's install_step: carried wheels (or .devpack/), fq's C extension,
+#                exllamav3's extension (a carried prebuilt exllamav3_ext.so, else its JIT build into .exl3-ext/, ~320 s)
 #   load         exllamav3 loading each published base of CAMPAIGN against fq's CPU path (tests/test_exl3_runtime.py,
 #                bases only)
 #   compare      benchmarks/exl3_whole_model.py: fq's bases against exllamav3's converter (REFERENCE: recipe default hq)
@@ -12,36 +12,12 @@
 # .devpack/ with site.tar.xz (the wheels unzipped), campaign.tar.xz and optionally exllamav3_ext.so.xz.
 set -u
 CAMPAIGN=${1:?usage: whole_model_device.sh CAMPAIGN_DIR}
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-step() { echo; echo "=== [$(($(date +%s) - T0)) s] $*"; }
-export PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.exl3-ext MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_setup.sh"
 for s in ${STEP:?set STEP}; do
 {
 case "$s" in
 install)
-    if [ -f .devpack/site.tar.xz ]; then
-        step unpack .devpack
-        mkdir -p /tmp/site && tar -C /tmp/site -xJf .devpack/site.tar.xz && echo "site ok"
-        [ -f .devpack/exllamav3_ext.so.xz ] && xz -dc .devpack/exllamav3_ext.so.xz >/tmp/site/exllamav3_ext.so \
-            && echo "prebuilt exllamav3_ext ok"
-    else
-        step install carried wheels
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl >"$OUT/pip.log" 2>&1
-        echo "pip rc=$?"
-    fi
-    if [ -f .devpack/campaign.tar.xz ] && [ ! -d "$CAMPAIGN" ]; then
-        mkdir -p "$CAMPAIGN" && tar -C "$CAMPAIGN" -xJf .devpack/campaign.tar.xz && echo "campaign ok"
-    fi
-    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-    step build fq C extension
-    python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1
-    echo "build_ext rc=$?"
-    step "exllamav3 extension (prebuilt, JIT build, or reuse)"
-    timeout 450 python3 -c "import exllamav3, exllamav3.ext; print('exllamav3 ext ok')" 2>&1 | tail -3
+    install_step "$CAMPAIGN"
     ;;
 load)
     step "exllamav3 loads each published base; logits against fq's CPU path"
