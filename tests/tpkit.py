@@ -140,3 +140,9 @@ def build_whole(tmp: Path) -> provkit.Campaign:
 def whole_plan(source, tp: int = 1, ep: int = 1, pp: int = 1, epoch: int = 0, assign: str = "contiguous"):
     """A whole-model base's plan: its manifest is declared for the mesh's tp."""
     return plan(moe_manifest(source.spec(), assign, tp), DeviceMesh(tp=tp, ep=ep, pp=pp, epoch=epoch))
+
+
+def unit_bytes(units) -> list:
+    """What a source's admit handed the store, comparable across sources: (rank, key, bytes, views) per unit, in
+    (rank, key) order."""
+    return [(u.rank, u.key, bytes(u.data), u.views) for u in sorted(units, key=lambda u: (u.rank, u.key))]
