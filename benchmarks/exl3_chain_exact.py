@@ -157,13 +157,11 @@ def _forced_routing(m, x, sel, w):
         m.routing_fn = saved
 
 
-def per_stage(p, tap, vc) -> dict:
+def per_stage(p, tap) -> dict:
     """Every chained expert linear's parts on the layer's real inputs: EXL3 GEMM against the float32 reconstruction of
     that part, relative to the part's output; suh/svh magnitudes."""
     import torch
     import torch.nn.functional as F
-
-    from fq.codec import reconstruct
 
     worst: dict = {}
     scales: dict = {}
@@ -197,7 +195,6 @@ def per_stage(p, tap, vc) -> dict:
                 s[f"{t}_max"] = max(s[f"{t}_max"], v.max().item())
                 s[f"subnormal_{t}"] += int(((v < 6.1e-5) & (v > 0)).sum())
             s["out_rms_min"] = min(s["out_rms_min"], want.pow(2).mean().sqrt().item())
-    del reconstruct
     return {"gemm_rel_err_max": worst, "scales": scales}
 
 
@@ -225,7 +222,7 @@ def main(argv=None) -> int:
     from fq.provenance.attest import keys
     from fq.provenance.publication import read_publication
     from fq.runtime.exl3 import load_exl3_product
-    from fq.runtime.load import load_product, verify_product
+    from fq.runtime.load import load_product
 
     ap = argparse.ArgumentParser()
     ap.add_argument("campaign", type=Path)
@@ -262,7 +259,7 @@ def main(argv=None) -> int:
                     r["layers" + tag] = per_layer(p, tap)
                     if per_expert:
                         _DENSE.clear()
-                        r["stages"] = per_stage(p, tap, verify_product)
+                        r["stages"] = per_stage(p, tap)
                         _DENSE.clear()
             except Exception as e:  # noqa: BLE001  a product this runtime refuses: say so, go on
                 import traceback

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from fq.cli_args import add_state_args, positive_int, state_from_args
 from fq.commands.verify import load_pinned
@@ -66,8 +67,6 @@ def run(args) -> int:
     if args.product not in products:
         raise FqError(f"{args.published}: no product {args.product!r} in the publication (it lists "
                       f"{', '.join(sorted(products))})")
-    from pathlib import Path
-
     plan = Path(args.published) / products[args.product]["file"]
     with load_exl3_product(plan, key, device=args.device, state=state, cache_tokens=args.cache_tokens) as p:
         ids = [p.encode(t) for t in prompts]

@@ -121,6 +121,7 @@ class Exl3Product:
     cache: object = None
     tokenizer: object = None
     _generator: object = None
+    _text_tok: object = None
 
     def forward(self, ids, params: dict | None = None):
         """Float32 logits of one sequence ``ids`` [1, T] (no cache)."""
@@ -144,7 +145,7 @@ class Exl3Product:
                        sampler=ex.ArgmaxSampler(), stop_conditions=[], return_logits=logits, identifier=i)
                 for i, p in enumerate(prompts)]
         gen.enqueue(jobs)
-        out = [{"tokens": [], "logits": []} for _ in prompts]
+        out = [{"tokens": [], "logits": []} if logits else {"tokens": []} for _ in prompts]
         while gen.num_remaining_jobs():
             for r in gen.iterate():
                 if r.get("stage") != "streaming":
@@ -154,10 +155,9 @@ class Exl3Product:
                     o["tokens"].extend(int(t) for t in r["token_ids"].flatten().tolist())
                 if logits and r.get("logits") is not None:
                     o["logits"].append(r["logits"].float().reshape(-1, r["logits"].shape[-1]).cpu())
-        for o in out:
-            o["logits"] = torch.cat(o["logits"]) if o["logits"] else None
-            if not logits:
-                del o["logits"]
+        if logits:
+            for o in out:
+                o["logits"] = torch.cat(o["logits"]) if o["logits"] else None
         return out
 
     def encode(self, text: str) -> list[int]:
@@ -168,12 +168,15 @@ class Exl3Product:
         return self._text_tokenizer().decode(ids)
 
     def _text_tokenizer(self):
-        from tokenizers import Tokenizer
+        """The verified base's tokenizer.json, read once."""
+        if self._text_tok is None:
+            from tokenizers import Tokenizer
 
-        path = Path(self._tmp.name) / "tokenizer.json" if self._tmp is not None else None
-        if path is None or not path.is_file():
-            raise FqError(f"{self.product}: the base has no tokenizer.json (token ids only)")
-        return Tokenizer.from_file(str(path))
+            path = Path(self._tmp.name) / "tokenizer.json" if self._tmp is not None else None
+            if path is None or not path.is_file():
+                raise FqError(f"{self.product}: the base has no tokenizer.json (token ids only)")
+            self._text_tok = Tokenizer.from_file(str(path))
+        return self._text_tok
 
     def close(self) -> None:
         self._generator = None
@@ -204,18 +207,16 @@ def _unbundle(module) -> None:
         module.multi_gu = [None] * len(module.multi_gu)
 
 
-def _chain_linears(model, config, vc: VerifiedChain, device: str, linears: dict) -> int:
+def _chain_linears(model, config, vc: VerifiedChain, device: str, linears: dict) -> None:
     """Every non-expert linear a stage corrects (``vc.stage_linears``) becomes a ChainLinear of the base's EXL3 linear
-    and the stages' residuals; returns how many. A residual whose linear exllamav3 did not build as its own EXL3
+    and the stages' residuals. A residual whose linear exllamav3 did not build as its own EXL3
     linear is refused, never dropped."""
     if not vc.stage_linears:
-        return 0
-    owners = {}
+        return
+    owners, found = {}, {}
     for m in model:
         for child in getattr(m, "modules", ()):
             owners[id(child)] = m
-    found = {}
-    for m in model:
         key = getattr(m, "key", None)
         if key is not None and f"{key}.weight" in vc.stage_linears and hasattr(m, "inner"):
             found[f"{key}.weight"] = m
@@ -235,7 +236,6 @@ def _chain_linears(model, config, vc: VerifiedChain, device: str, linears: dict)
             if hasattr(owner, "fused_mode_buffers"):
                 _per_expert_path(owner)
             owner = owners.get(id(owner))
-    return len(found)
 
 
 def _runtime():
