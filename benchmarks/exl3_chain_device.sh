@@ -5,6 +5,7 @@
 #   exact    benchmarks/exl3_chain_exact.py CAMPAIGN: where each chain product departs from its exact reconstruction
 #   test     tests/test_exl3_runtime.py on CAMPAIGN (bases, chains, generation)
 #   speed    benchmarks/exl3_chain_glm5_speed.py: a K2 + K1 chain against native K3 on GLM-5-shaped MoE layers
+#   repeat   benchmarks/exl3_generate_repeat.py CAMPAIGN: whether greedy generation gives the same logits run to run
 #
 #   STEP="install exact speed" bash benchmarks/exl3_chain_device.sh CAMPAIGN_DIR
 # from the repository root, with .whl/ and CAMPAIGN_DIR carried (a published demo campaign: published/, signer.pub,
@@ -36,6 +37,11 @@ speed)
     step "GLM-5-shaped MoE layer: chain K2 + K1 against native K3"
     timeout 420 python3 benchmarks/exl3_chain_glm5_speed.py /tmp/glm5speed --json "$OUT/chain_glm5_speed.json" \
         ${SPEED_ARGS:-} 2>&1 | tail -40
+    ;;
+repeat)
+    step "is greedy generation repeatable (fresh Generator per repeat)"
+    timeout 300 python3 benchmarks/exl3_generate_repeat.py "$CAMPAIGN" --json "$OUT/generate_repeat.json" \
+        ${REPEAT_ARGS:-} 2>&1 | tail -20
     ;;
 *)
     echo "unknown step $s"

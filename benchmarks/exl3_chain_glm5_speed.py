@@ -2,18 +2,22 @@
 
     python benchmarks/exl3_chain_glm5_speed.py WORKDIR [--layers 1] [--json OUT] [--modes ...]
 
-Writes two one-layer Glm4MoeForCausalLM directories with GLM-5's MoE shapes (hidden 6144, moe_intermediate 2048,
-256 routed experts, top-8, one shared expert; attention, router, embeddings and head bf16/float32): one whose routed
-experts are random EXL3 K3 tensors (the native base) and one at K2, plus random K1 stage tensors for every expert
-linear. Random trellis words decode to codebook values like any encoding's; the timing of a trellis GEMM does not
+Writes one-layer Glm4MoeForCausalLM directories with GLM-5's MoE shapes (hidden 6144, moe_intermediate 2048,
+256 routed experts, top-8, one shared expert; attention, router, embeddings and head bf16/float32) whose routed
+experts are random EXL3 tensors at K3 (the native base), K2 and K1, plus random K1 stage tensors for every expert
+linear of the K2 one. Random trellis words decode to codebook values like any encoding's; the timing of a trellis GEMM does not
 depend on which values they hold. Then, in one process on one GPU, the MoE block's forward (exllamav3's
-BlockSparseMLP, routing included) at batch 1 (decode) and over 2048 tokens (prefill), CUDA-event medians:
+BlockSparseMLP, routing and shared expert included) on 1 and 8 tokens (decode) and 2048 tokens (prefill), CUDA-event
+medians:
 
 - native-k3 / native-k2: exllamav3's own fast paths;
 - per-expert-k2: the K2 base on exllamav3's per-expert path (every expert linear a chain of one);
-- chain-per-expert: fq.runtime.exl3's current chain (every expert linear a ChainLinear summing its stages' EXL3
-  GEMMs; the layer on exllamav3's per-expert path);
-- any other mode named in CHAIN_MODES (fq.runtime.exl3).
+- native-k1: a K1 base (one stage's own cost on exllamav3's fast paths);
+- chain-per-expert: every expert linear a ChainLinear summing its stages' EXL3 GEMMs, the layer on exllamav3's
+  per-expert path (fq.runtime.exl3's path before the grouped one; still its fallback);
+- chain-grouped: fq.runtime.exl3_chain_moe (the default): one multi-expert EXL3 launch per (projection, stage) at
+  decode, and at prefill per group of experts of similar row counts. Its routed sum is also compared with the
+  per-expert ChainLinear sum on the same routing (decode at 1 and 8 tokens, prefill): routed_rel_diff_vs_per_expert.
 """
 from __future__ import annotations
 
@@ -118,21 +122,28 @@ def moe_blocks(model) -> list:
     return [m for m in model if hasattr(m, "ups") and hasattr(m, "downs") and hasattr(m, "routing_fn")]
 
 
-def time_blocks(model, seed: int = 0) -> dict:
+def inputs(seed: int = 0) -> dict:
     import torch
 
     g = torch.Generator(device="cuda:0").manual_seed(seed)
-    blocks = moe_blocks(model)
-    x1 = torch.randn(1, 1, HIDDEN, generator=g, device="cuda:0").half()
-    xp = torch.randn(1, PREFILL, HIDDEN, generator=g, device="cuda:0").half()
+    return {n: torch.randn(1, t, HIDDEN, generator=g, device="cuda:0").half()
+            for n, t in (("decode1", 1), ("decode8", 8), ("prefill", PREFILL))}
 
-    def run(x):
+
+def time_blocks(model) -> dict:
+    import torch
+
+    blocks = moe_blocks(model)
+    x = inputs()
+
+    def run(v):
         for m in blocks:
-            m.forward(x, {})
+            m.forward(v, {})
 
     with torch.inference_mode():  # exllamav3 adds into its buffers in place, as its own model.forward does
-        return {"decode_ms": round(_median_ms(lambda: run(x1), 50), 4),
-                "prefill_ms": round(_median_ms(lambda: run(xp), 10), 3), "moe_layers": len(blocks)}
+        return {"decode_ms": round(_median_ms(lambda: run(x["decode1"]), 50), 4),
+                "decode8_ms": round(_median_ms(lambda: run(x["decode8"]), 50), 4),
+                "prefill_ms": round(_median_ms(lambda: run(x["prefill"]), 10), 3), "moe_layers": len(blocks)}
 
 
 def load(d: Path):
@@ -158,6 +169,58 @@ def chain_per_expert(config, model, stages: dict) -> None:
         _per_expert_path(m)
 
 
+def chain_grouped(config, model, stages: dict) -> dict:
+    """fq.runtime.exl3_chain_moe on every MoE block (what fq.runtime.exl3 loads by default). Returns {block key:
+    {(expert, role): ChainLinear}}: the same chains for per-expert reference sums (check_routed)."""
+    from fq.runtime.exl3 import ChainLinear, _stage_linear
+    from fq.runtime.exl3_chain_moe import attach
+
+    chains = {}
+    for m in moe_blocks(model):
+        layer = int(m.key.split(".")[2])
+        base, staged = {"gate": [], "up": [], "down": []}, {}
+        for role, projs, proj in (("gate", m.gates, "gate_proj"), ("up", m.ups, "up_proj"),
+                                  ("down", m.downs, "down_proj")):
+            for e, lin in enumerate(projs):
+                base[role].append(lin.inner)
+                staged[(e, role)] = [(1, _stage_linear(config, stages[(layer, e, proj)], lin.in_features,
+                                                       lin.out_features, "cuda:0", f"{lin.key}.stage1"))]
+        why = attach(m, base, staged)
+        if why:
+            raise SystemExit(f"{m.key}: grouped chain refused: {why}")
+        chains[m.key] = {er: ChainLinear(base[er[1]][er[0]], [s for _, s in st]) for er, st in staged.items()}
+    return chains
+
+
+def check_routed(model, chains: dict) -> dict:
+    """The grouped routed sum against the per-expert one on the same routing (max abs difference relative to the
+    reference's max abs): Σ_j w_j down_e(silu(gate_e(y)) up_e(y)) with every expert linear a ChainLinear (one EXL3
+    GEMM per stage, float32 sums), for the decode (1, 8 tokens) and prefill inputs."""
+    import torch
+
+    out = {}
+    with torch.inference_mode():
+        for name, v in inputs(seed=1).items():
+            errs = []
+            for m in moe_blocks(model):
+                y = v.view(-1, HIDDEN)
+                sel, w = m.routing_fn(y.shape[0], m.routing_cfg, y, {})
+                sel, w = sel.clone(), w.clone()
+                got = m.chain_moe.routed(y, sel, w).float()
+                ref = torch.zeros_like(got)
+                cl = chains[m.key]
+                for e in sel.unique().tolist():
+                    t, j = (sel == e).nonzero(as_tuple=True)
+                    x = y[t].half()
+                    g = cl[(e, "gate")].forward(x, {}, torch.float)
+                    u = cl[(e, "up")].forward(x, {}, torch.float)
+                    a = (torch.nn.functional.silu(g) * u).half()
+                    ref.index_add_(0, t, cl[(e, "down")].forward(a, {}, torch.float) * w[t, j].float()[:, None])
+                errs.append(float((got - ref).abs().max() / ref.abs().max()))
+            out[name] = max(errs)
+    return out
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -165,27 +228,32 @@ def main(argv=None) -> int:
     ap.add_argument("workdir", type=Path)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--modes", nargs="*", default=["native-k3", "native-k2", "per-expert-k2", "chain-per-expert"])
+    ap.add_argument("--modes", nargs="*", default=["native-k3", "native-k2", "native-k1", "per-expert-k2",
+                                                   "chain-per-expert", "chain-grouped"])
     a = ap.parse_args(argv)
     write_model(a.workdir / "k3", 3, a.layers, seed=3)
     stages = write_model(a.workdir / "k2", 2, a.layers, seed=2)
+    if "native-k1" in a.modes:
+        write_model(a.workdir / "k1", 1, a.layers, seed=1)
     print("models written", flush=True)
     results = {"shape": {"hidden": HIDDEN, "moe_intermediate": MOE_INTER, "experts": EXPERTS, "top_k": TOPK,
                          "prefill_tokens": PREFILL, "layers": a.layers}, "gpu": torch.cuda.get_device_name(0)}
     for mode in a.modes:
-        config, model = load(a.workdir / ("k3" if mode == "native-k3" else "k2"))
+        config, model = load(a.workdir / {"native-k3": "k3", "native-k1": "k1"}.get(mode, "k2"))
         if mode == "chain-per-expert":
             chain_per_expert(config, model, stages)
+        elif mode == "chain-grouped":
+            chains = chain_grouped(config, model, stages)
         elif mode == "per-expert-k2":  # the per-expert path's own cost: every expert a chain of one
             from fq.runtime.exl3 import _per_expert_path
 
             for m in moe_blocks(model):
                 _per_expert_path(m)
-        elif mode not in ("native-k3", "native-k2"):
-            from fq.runtime.exl3 import CHAIN_MODES
-
-            CHAIN_MODES[mode](config, model, stages)
+        elif mode not in ("native-k3", "native-k2", "native-k1"):
+            raise SystemExit(f"unknown mode {mode}")
         results[mode] = time_blocks(model)
+        if mode == "chain-grouped":
+            results[mode]["routed_rel_diff_vs_per_expert"] = check_routed(model, chains)
         print(mode, results[mode], flush=True)
         model.unload()
         del model
@@ -196,6 +264,7 @@ def main(argv=None) -> int:
             if mode != "native-k3":
                 results[mode]["decode_vs_k3"] = round(results[mode]["decode_ms"] / k3["decode_ms"], 3)
                 results[mode]["prefill_vs_k3"] = round(results[mode]["prefill_ms"] / k3["prefill_ms"], 3)
+                results[mode]["decode8_vs_k3"] = round(results[mode]["decode8_ms"] / k3["decode8_ms"], 3)
     print(json.dumps(results, indent=1))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -122,6 +122,7 @@ class Exl3Product:
     tokenizer: object = None
     _generator: object = None
     _text_tok: object = None
+    moe_paths: dict = field(default_factory=dict)  # chained layer -> "grouped", or why it takes the per-expert path
 
     def forward(self, ids, params: dict | None = None):
         """Float32 logits of one sequence ``ids`` [1, T] (no cache)."""
@@ -253,8 +254,12 @@ def _runtime():
 
 
 def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = False,
-           cache_tokens: int | None = None) -> Exl3Product:
+           cache_tokens: int | None = None, moe_path: str = "grouped") -> Exl3Product:
     ex = _runtime()
+    from fq.runtime.exl3_chain_moe import attach as attach_chain_moe
+
+    if moe_path not in ("grouped", "per-expert"):
+        raise FqError(f"moe_path: {moe_path!r}; expected 'grouped' or 'per-expert'")
 
     tmp = tempfile.TemporaryDirectory(prefix="fq-exl3-")
     try:
@@ -273,6 +278,7 @@ def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = Fals
             by_layer.setdefault(layer, {})[(ex_, proj)] = sets
         chained: dict = {}
         linears: dict = {}
+        paths: dict = {}
         for m in model:
             if not (hasattr(m, "ups") and hasattr(m, "downs") and hasattr(m, "fused_mode_buffers")):
                 continue
@@ -288,43 +294,56 @@ def _build(vc: VerifiedChain, device: str, *, per_expert_everywhere: bool = Fals
                 continue
             mine = by_layer.get(layer, {})
             n = 0
-            for lin in own:
-                _, expert, proj, _ = layout.parse(lin.key + ".weight")
-                if getattr(lin, "quant_type", None) != "exl3":
-                    raise FqError(f"{lin.key}: not an EXL3 linear in the base as exllamav3 loaded it")
-                stages = [_stage_linear(config, tset, lin.in_features, lin.out_features, device, f"{lin.key}.stage{i}")
-                          for i, tset in mine.get((expert, proj), [])]
-                lin.inner = linears[lin.key + ".weight"] = ChainLinear(lin.inner, stages)
-                n += bool(stages)
-            _per_expert_path(m)
+            base = {"gate": [], "up": [], "down": []}
+            staged: dict = {}
+            for role, lins in (("gate", m.gates), ("up", m.ups), ("down", m.downs)):
+                for e, lin in enumerate(lins):
+                    _, expert, proj, _ = layout.parse(lin.key + ".weight")
+                    if getattr(lin, "quant_type", None) != "exl3":
+                        raise FqError(f"{lin.key}: not an EXL3 linear in the base as exllamav3 loaded it")
+                    stages = [(i, _stage_linear(config, tset, lin.in_features, lin.out_features, device,
+                                                f"{lin.key}.stage{i}"))
+                              for i, tset in mine.get((expert, proj), [])]
+                    base[role].append(lin.inner)
+                    if stages:
+                        staged[(e, role)] = stages
+                    lin.inner = linears[lin.key + ".weight"] = ChainLinear(lin.inner, [s for _, s in stages])
+                    n += bool(stages)
+            why = "per-expert path asked for" if per_expert_everywhere or moe_path == "per-expert" else \
+                attach_chain_moe(m, base, staged)
+            if why:
+                _per_expert_path(m)
             chained[layer] = n
+            paths[layer] = why or "grouped"
         missing = sorted(set(by_layer) - set(chained))
         if missing:
             raise FqError(f"{vc.product.plan.path}: stages for layers {missing} whose MoE block exllamav3 did not build")
         _chain_linears(model, config, vc, device, linears)
         return Exl3Product(plan["product"], [n["node"] for n in plan["chain"]], model, config, chained, linears,
-                            tmp, cache, tokenizer)
+                            tmp, cache, tokenizer, moe_paths=paths)
     except BaseException:
         tmp.cleanup()
         raise
 
 
 def load_exl3_product(plan_path, public_key, *, device: str = "cuda:0", state=None,
-                      per_expert_everywhere: bool = False, cache_tokens: int | None = None, **kw) -> Exl3Product:
+                      per_expert_everywhere: bool = False, cache_tokens: int | None = None,
+                      moe_path: str = "grouped", **kw) -> Exl3Product:
     """(a): a published tree's product. ``per_expert_everywhere``: every MoE layer takes the per-expert path (a
     chain of one where there are no stages): the path's own cost, measured apart from the stages'. ``cache_tokens``:
     a KV cache of that many tokens (a multiple of 256) for ``generate``."""
     vc = verify_product(plan_path, public_key, state=state, **kw)
-    out = _build(vc, device, per_expert_everywhere=per_expert_everywhere, cache_tokens=cache_tokens)
+    out = _build(vc, device, per_expert_everywhere=per_expert_everywhere, cache_tokens=cache_tokens,
+                 moe_path=moe_path)
     vc.product.record(state)
     return out
 
 
 def load_exl3_adapter(base_dir, adapter, plan_path, public_key, *, device: str = "cuda:0", state=None,
-                      cache_tokens: int | None = None, **kw) -> Exl3Product:
+                      cache_tokens: int | None = None, moe_path: str = "grouped", **kw) -> Exl3Product:
     """(b): a base checkpoint plus the adapter ``fq combine`` wrote (all experts or narrowed)."""
     vc = verify_adapter_product(base_dir, adapter, plan_path, public_key, state=state, **kw)
-    out = _build(vc, device, cache_tokens=cache_tokens)
+    out = _build(vc, device, cache_tokens=cache_tokens, moe_path=moe_path)
     vc.product.record(state)
     return out
 

@@ -1,0 +1,280 @@
+"""The routed experts of a chained MoE layer in exllamav3, grouped over experts: one multi-expert EXL3 GEMM launch
+per (projection, stage), stages summed in float32 before the activation (gate, up) and after (down).
+
+exllamav3's own fast MoE kernels read one trellis per expert at one bit width per launch, so they cannot sum a chain's
+stages; its per-expert path can (fq.runtime.exl3.ChainLinear) but costs a Python round trip per expert (7.5x a
+native layer at batch-1 decode on GLM-5 shapes). Here the chain runs on exllamav3's kernels, batched:
+
+- decode (up to 8 tokens): ``exl3_mgemm`` with pointer tables over the experts, one per stage and projection group
+  (gate and up share one launch), indexed by the routing's selection; the down projection's launch also applies the
+  routing weights and sums each token's experts. A stage that covers only some experts (a narrowed adapter) has a
+  selection map that sends the others to -1, which the kernel skips.
+- prefill: experts grouped by row count (exllamav3's ``plan_groups``, under 10% padding); a group is one slab of its
+  experts' rows and the same launches, each slot an expert with all its rows. The down outputs land unweighted in a
+  slot scratch; each token's k slots are weighted and summed in k order (deterministic).
+
+Measured on the H200 (docs/benchmarks.md, GLM-5 shapes): 1.84x a native K3 layer at batch-1 decode and 2.5x at a
+2048-token prefill, against 7.0x / 5.2x on the per-expert path. exllamav3's kernels cost the same at K1, K2 and K3
+(their time is not in the trellis bytes), so a chain of two stages pays about two passes over the routed experts. A
+CUDA graph around the decode launches gained nothing (the time is in the kernels), and exllamav3's batched-reconstruct
+tier with the stages added was 1.9x slower than this at prefill; neither is kept.
+
+The layer is reached through exllamav3's own seam for a routed sum computed elsewhere (``cpu_offload_issue``, used
+by its CPU expert offload): routing, the shared expert, post norms and TP reduction stay exllamav3's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fq.errors import FqError
+
+MAX_DECODE_ROWS = 8  # exllamav3's MAX_BSZN: up to this many tokens the routed sum is one GEMV per (token, expert)
+
+
+@dataclass
+class StageTables:
+    """One stage of every chained expert of a layer at one (K, codebook): pointer tables over the experts that carry
+    it, and for each expert id its row in those tables (-1: no stage here)."""
+    K: float
+    mcg: bool
+    mul1: bool
+    gu: tuple  # (trellis, suh, svh) int64 tables over [gates..., ups...] of the covered experts
+    d: tuple   # the same for the down projections
+    gu_map: object  # (2E,) long: expert slot of [gate e..., up e...] -> row in gu, or -1
+    d_map: object   # (E,) long
+    linears: list   # keeps the LinearEXL3 tensors the tables point into alive
+    full: bool      # covers every expert: its rows are the expert ids, no map and no skipped slot
+
+
+def _tables(linears: list, device) -> tuple:
+    import torch
+
+    return tuple(torch.tensor([getattr(lin, a).data_ptr() for lin in linears], dtype=torch.long, device=device)
+                 for a in ("trellis", "suh", "svh"))
+
+
+def stage_rows(experts: list[int], E: int):
+    """For a stage covering ``experts`` (sorted ids) of E: (gu_map (2E,), d_map (E,)) long CPU tensors. Its gate/up
+    table is [gates of experts..., ups of experts...]; gu_map sends slot e (gate e) and E + e (up e) to their rows,
+    d_map sends e to its down row; experts without the stage go to -1 (the kernel skips those slots)."""
+    import torch
+
+    d_map = torch.full((E,), -1, dtype=torch.long)
+    gu_map = torch.full((2 * E,), -1, dtype=torch.long)
+    for i, e in enumerate(experts):
+        d_map[e] = i
+        gu_map[e], gu_map[E + e] = i, len(experts) + i
+    return gu_map, d_map
+
+
+def slot_layout(counts: list[int], groups: list[list[int]]):
+    """Where each routed assignment's down output lands in the prefill slot scratch. Assignments are taken in
+    expert-sorted order (expert e's rows at starts[e] .. starts[e] + counts[e]); a group of B experts with at most
+    cmax rows writes a (B * cmax)-row slab, expert b of the group at rows b * cmax .. of it, groups one after the
+    other. Returns (slot of each sorted assignment (int64 array), starts, total scratch rows)."""
+    import numpy as np
+
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    slot = np.full(int(sum(counts)), -1, dtype=np.int64)
+    base = 0
+    for grp in groups:
+        cmax = max(counts[e] for e in grp)
+        for b, e in enumerate(grp):
+            slot[starts[e]:starts[e] + counts[e]] = base + b * cmax + np.arange(counts[e])
+        base += len(grp) * cmax
+    return slot, starts, base
+
+
+def _unsupported(mlp) -> str | None:
+    """Why this BlockSparseMLP cannot take the grouped chain (then the caller keeps the per-expert path), or None."""
+    if not getattr(mlp, "gated", False) or mlp.multi_gate is None or mlp.multi_up is None or mlp.multi_down is None:
+        return "not a gated MLP with exllamav3's multi-expert pointer tables"
+    if getattr(mlp, "interm_div", 1.0) != 1.0:
+        return "interm_div scales the up projections at load"
+    if (mlp.num_local_experts or mlp.num_experts) != mlp.num_experts or getattr(mlp, "routing_first", 0):
+        return "an expert shard (TP or CPU split)"
+    if getattr(mlp, "cpu_split_first", None) is not None or getattr(mlp, "cpu_offload", False):
+        return "CPU expert offload"
+    if mlp.multi_up.out_features % 128 or mlp.multi_down.out_features % 128:
+        return "output widths not a multiple of 128 (exl3_mgemm's limit)"
+    return None
+
+
+class ChainMoE:
+    """Computes the routed sum of ``mlp`` (an exllamav3 BlockSparseMLP) with every expert's stages.
+
+    ``base``: per projection ("gate", "up", "down") the base LinearEXL3 of each expert (index = expert id).
+    ``stages``: {(expert, proj): [(chain position, LinearEXL3), ...]}."""
+
+    def __init__(self, mlp, base: dict, stages: dict):
+        import torch
+
+        self.mlp = mlp
+        self.device = mlp.device
+        E = mlp.num_experts
+        self.E = E
+        self.H, self.I = mlp.multi_up.in_features, mlp.multi_up.out_features
+        self.Ho = mlp.multi_down.out_features
+        self.act = mlp.activation_fn_call
+        self.act_limit = mlp.act_limit
+        lin0 = base["up"][0]
+        self.base_cb = (bool(lin0.mcg), bool(lin0.mul1))
+        self.base_K = lin0.K
+        self.base_gu = _tables(list(base["gate"]) + list(base["up"]), self.device)
+        self.base_d = _tables(list(base["down"]), self.device)
+        groups: dict = {}
+        for (e, proj), parts in stages.items():
+            for pos, lin in parts:
+                groups.setdefault((pos, lin.K, bool(lin.mcg), bool(lin.mul1)), {})[(e, proj)] = lin
+        self.stages = []
+        for (pos, K, mcg, mul1), lins in sorted(groups.items(), key=lambda kv: kv[0][0]):
+            experts = sorted({e for e, _ in lins})
+            for e in experts:
+                if not all((e, p) in lins for p in ("gate", "up", "down")):
+                    raise FqError(f"{mlp.key}: expert {e} has a stage at chain position {pos} on some of gate/up/"
+                                  f"down only")
+            gu_map, d_map = stage_rows(experts, E)
+            gu_lins = [lins[(e, "gate")] for e in experts] + [lins[(e, "up")] for e in experts]
+            d_lins = [lins[(e, "down")] for e in experts]
+            self.stages.append(StageTables(K, mcg, mul1, _tables(gu_lins, self.device), _tables(d_lins, self.device),
+                                           gu_map.to(self.device), d_map.to(self.device), gu_lins + d_lins,
+                                           len(experts) == E))
+
+    def _mgemm(self, A, tables, C, idx, weights, K, cb, num_tokens=1):
+        import torch
+        from exllamav3.ext import exllamav3_ext as ext
+
+        trellis, suh, svh = tables
+        a_had = torch.empty((max(A.shape[0], C.shape[0]), A.shape[1], A.shape[2]), dtype=torch.half, device=A.device)
+        ext.exl3_mgemm(A, trellis, C, suh, a_had, svh, idx, weights, K, -1, cb[0], cb[1], -1, -1, 0, num_tokens,
+                       None, None)
+
+    def _gate_up(self, A, idx, rows: int):
+        """float32 (slots, rows, I): slot j is row idx[0, j] of the [gates..., ups...] tables (gate e: e, up e: E + e)
+        applied to A[j] (or to A[0], broadcast), every stage summed."""
+        import torch
+
+        gu = torch.empty((idx.shape[1], rows, self.I), dtype=torch.float, device=A.device)
+        self._mgemm(A, self.base_gu, gu, idx, None, self.base_K, self.base_cb)
+        for st in self.stages:
+            # slots of experts without this stage are skipped by the kernel, not written: zeros there
+            part = torch.empty_like(gu) if st.full else torch.zeros_like(gu)
+            self._mgemm(A, st.gu, part, idx if st.full else st.gu_map[idx], None, st.K, (st.mcg, st.mul1))
+            gu += part
+        return gu
+
+    def _down(self, a, idx, weights, num_tokens: int, out):
+        """Down projections of every slot, stages summed into ``out`` (weighted and reduced per token when ``weights``
+        is given: the kernel overwrites row t with token t's sum and skips -1 slots)."""
+        import torch
+
+        self._mgemm(a, self.base_d, out, idx, weights, self.base_K, self.base_cb, num_tokens)
+        if not self.stages:
+            return out
+        part = torch.empty_like(out)
+        n = num_tokens if weights is not None else out.shape[0]
+        for st in self.stages:
+            if not st.full and weights is None:
+                part.zero_()
+            self._mgemm(a, st.d, part, idx if st.full else st.d_map[idx], weights, st.K, (st.mcg, st.mul1), num_tokens)
+            out[:n] += part[:n]
+        return out
+
+    def decode(self, y, sel, w):
+        """y (T, H) half, sel (T, k) long, w (T, k) half, T <= 8 -> (T, Ho) float32 routed sum: one GEMV per
+        (token, expert) slot, as exllamav3's own decode kernels (no dedup of experts shared by tokens)."""
+        import torch
+
+        T, k = sel.shape
+        slots = T * k
+        flat = sel.reshape(1, slots)
+        idx_gu = torch.cat([flat, flat + self.E], 1)  # gate slots, then up slots
+        # One input broadcast to every slot (one token) or one input row per slot (several)
+        A = y.view(1, 1, self.H) if T == 1 else y.repeat_interleave(k, 0).repeat(2, 1).view(2 * slots, 1, self.H)
+        gu = self._gate_up(A, idx_gu, 1)
+        a = torch.empty((slots, self.I), dtype=torch.half, device=y.device)
+        self.act(gu[:slots].view(slots, self.I), gu[slots:].view(slots, self.I), a, self.act_limit)
+        out = torch.empty((slots, 1, self.Ho), dtype=torch.float, device=y.device)
+        self._down(a.view(slots, 1, self.I), flat, w.reshape(1, slots).half(), T, out)
+        return out[:T].view(T, self.Ho)
+
+    def prefill(self, y, sel, w):
+        """y (T, H), sel (T, k), w (T, k) -> (T, Ho) float32. Experts are grouped by row count (exllamav3's
+        plan_groups: padding under 10%); a group of B experts is one [B, cmax, H] slab of their rows and one
+        multi-expert GEMM launch per (projection, stage), each slot its expert's rows. The down outputs land
+        unweighted in one slot scratch; each token's k slots are then weighted and summed in k order."""
+        import torch
+        from exllamav3.modules.moe_batch_recon import plan_groups
+
+        T, k = sel.shape
+        flat = sel.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.E).tolist()
+        groups = plan_groups([e for e in range(self.E) if counts[e]], lambda e: counts[e], self.E)
+        slot_sorted, starts, n_slots = slot_layout(counts, groups)
+        tok_sorted = order // k
+        y_ext = torch.cat([y, y.new_zeros((1, y.shape[1]))])
+        scratch = torch.empty((n_slots, self.Ho), dtype=torch.float, device=y.device)
+        # every group's (expert ids, source row of each padded slab row) in one host->device copy
+        meta, base = [], 0
+        for grp in groups:
+            cmax = max(counts[e] for e in grp)
+            src = torch.full((len(grp), cmax), T * k, dtype=torch.long)
+            for b, e in enumerate(grp):
+                src[b, :counts[e]] = torch.arange(int(starts[e]), int(starts[e]) + counts[e])
+            meta.append((grp, cmax, src.view(-1)))
+        dev_src = torch.cat([m[2] for m in meta]).to(y.device) if meta else None
+        dev_ids = torch.tensor([e for m in meta for e in m[0]], dtype=torch.long).to(y.device) if meta else None
+        tok_ext = torch.cat([tok_sorted, tok_sorted.new_full((1,), T)])
+        at_src = at_id = 0
+        for grp, cmax, _ in meta:
+            B = len(grp)
+            tok = tok_ext.index_select(0, dev_src[at_src:at_src + B * cmax])
+            x = y_ext.index_select(0, tok).view(B, cmax, self.H)
+            ids = dev_ids[at_id:at_id + B].view(1, B)
+            gate = self._gate_up(x, ids, cmax)
+            up = self._gate_up(x, ids + self.E, cmax)
+            a = torch.empty((B, cmax, self.I), dtype=torch.half, device=y.device)
+            self.act(gate.view(-1, self.I), up.view(-1, self.I), a.view(-1, self.I), self.act_limit)
+            self._down(a, ids, None, 1, scratch[base:base + B * cmax].view(B, cmax, self.Ho))
+            base += B * cmax
+            at_src += B * cmax
+            at_id += B
+        slot = torch.empty(T * k, dtype=torch.long, device=y.device)
+        slot[order] = torch.from_numpy(slot_sorted).to(y.device)
+        parts = scratch.index_select(0, slot).view(T, k, self.Ho)
+        return (parts * w.float().view(T, k, 1)).sum(1)
+
+    def routed(self, y, sel, w):
+        y = y.half().contiguous()
+        return self.decode(y, sel, w) if sel.shape[0] <= MAX_DECODE_ROWS else self.prefill(y, sel, w)
+
+
+def attach(mlp, base: dict, stages: dict) -> str | None:
+    """Route ``mlp``'s routed sum through a ChainMoE; returns why not (the caller keeps the per-expert path), or None.
+    Uses the seam exllamav3's forward has for a routed sum computed outside its GPU tiers (whole-layer CPU offload:
+    ``cpu_offload_issue`` returning the sum and nothing pending)."""
+    why = _unsupported(mlp)
+    if why:
+        return why
+    chain = ChainMoE(mlp, base, stages)
+
+    def issue(shape, y, selected_experts, routing_weights, params):
+        return chain.routed(y, selected_experts, routing_weights).reshape(shape), None
+
+    unload = mlp.unload
+
+    def unload_chain():  # the stage tensors and pointer tables go with the layer
+        mlp.chain_moe = None
+        mlp.cpu_offload = False
+        unload()
+
+    mlp.chain_moe = chain
+    mlp.unload = unload_chain
+    mlp.cpu_offload_issue = issue
+    mlp.cpu_offload = True
+    mlp.cpu_host = None
+    mlp.bc = None  # its fused decode kernel reads the base's pointers and runs the shared expert inside
+    mlp.bc_sh_exp = False
+    mlp.fused_mode_buffers = None
+    return None
