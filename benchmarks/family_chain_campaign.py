@@ -31,9 +31,9 @@ On the GPU box (carrying .devpack/ as for the demo campaign): benchmarks/device_
     STEP="install test" bash benchmarks/exl3_chain_device.sh /tmp/qwen      # another (unpack again on a fresh one)
 
 (/tmp/qwen then holds published/, so install_step leaves it alone and never unpacks the demo's campaign.tar.xz
-there.) ``FQ_EXL3_CAMPAIGN=/tmp/qwen`` for tests/test_exl3_runtime.py directly. The weights are random (the kit's init, logit std about 0.3): the
-source-relative KLs say little about quantization quality; what this campaign is for is a second family through the
-chained EXL3 runtime (agreement with the exact reconstruction, generation, routing).
+there.) ``FQ_EXL3_CAMPAIGN=/tmp/qwen`` for tests/test_exl3_runtime.py directly. The weights are random (the kit's
+init, logit std about 0.3): the source-relative KLs say little about quantization quality; what this campaign is for
+is a second family through the chained EXL3 runtime (agreement with the exact reconstruction, generation, routing).
 """
 from __future__ import annotations
 
