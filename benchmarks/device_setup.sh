@@ -2,7 +2,7 @@
 # the environment exllamav3 and fq need there, and install_step CAMPAIGN_DIR:
 #   - the carried packages: .devpack/site.tar.xz (the wheels unzipped and xz-packed, so they and a campaign fit the
 #     64 MiB carry) when present, else pip from .whl/;
-#   - .devpack/campaign.tar.xz into CAMPAIGN_DIR when it holds no published/ yet;
+#   - .devpack/campaign.tar.xz (or $CAMPAIGN_TAR) into CAMPAIGN_DIR when it holds no published/ yet;
 #   - .devpack/exllamav3_ext.so.xz (an earlier machine's JIT build), which skips the ~5 min build;
 #   - fq's C extension, then exllamav3's extension (prebuilt, a JIT build into .exl3-ext/, or the warm machine's).
 OUT=${OUT:-$PWD/device-out}
@@ -23,8 +23,9 @@ install_step() {
             .whl/*.whl >"$OUT/pip.log" 2>&1
         echo "pip rc=$?"
     fi
-    if [ -f .devpack/campaign.tar.xz ] && [ ! -d "$campaign/published" ]; then
-        mkdir -p "$campaign" && tar -C "$campaign" -xJf .devpack/campaign.tar.xz && echo "campaign ok"
+    local tarball=${CAMPAIGN_TAR:-.devpack/campaign.tar.xz}
+    if [ -f "$tarball" ] && [ ! -d "$campaign/published" ]; then
+        mkdir -p "$campaign" && tar -C "$campaign" -xJf "$tarball" && echo "campaign ok ($tarball)"
     fi
     [ -f .devpack/exllamav3_ext.so.xz ] && xz -dc .devpack/exllamav3_ext.so.xz >/tmp/site/exllamav3_ext.so \
         && echo "prebuilt exllamav3_ext"

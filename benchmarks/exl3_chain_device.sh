@@ -5,7 +5,7 @@
 #   exact    benchmarks/exl3_chain_exact.py CAMPAIGN: where each chain product departs from its exact reconstruction
 #   test     tests/test_exl3_runtime.py on CAMPAIGN (bases, chains, generation)
 #   speed    benchmarks/exl3_chain_glm5_speed.py: a K2 + K1 chain against native K3 on GLM-5-shaped MoE layers
-#   repeat   benchmarks/exl3_generate_repeat.py CAMPAIGN: whether greedy generation gives the same logits run to run
+#   repeat   benchmarks/exl3_generate_repeat.py CAMPAIGN, in three processes: is greedy generation repeatable
 #
 #   STEP="install exact speed" bash benchmarks/exl3_chain_device.sh CAMPAIGN_DIR
 # from the repository root, with .whl/ and CAMPAIGN_DIR carried (a published demo campaign: published/, signer.pub,
@@ -40,8 +40,18 @@ speed)
     ;;
 repeat)
     step "is greedy generation repeatable (fresh Generator per repeat)"
-    timeout 300 python3 benchmarks/exl3_generate_repeat.py "$CAMPAIGN" --json "$OUT/generate_repeat.json" \
-        ${REPEAT_ARGS:-} 2>&1 | tail -20
+    for i in 1 2 3; do  # three processes: exllamav3 picks its GEMM kernels per process
+        timeout 200 python3 benchmarks/exl3_generate_repeat.py "$CAMPAIGN" --json "$OUT/generate_repeat_$i.json" \
+            ${REPEAT_ARGS:-} 2>&1 | tail -5
+    done
+    python3 -c "
+import json, sys
+runs = [json.load(open(f'$OUT/generate_repeat_{i}.json')) for i in (1, 2, 3)]
+for name in runs[0]:
+    toks = [r[name]['tokens'] for r in runs]
+    print(name, 'prompts whose tokens differ between processes:',
+          sum(any(t[i] != toks[0][i] for t in toks) for i in range(len(toks[0]))))
+"
     ;;
 *)
     echo "unknown step $s"

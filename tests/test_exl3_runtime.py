@@ -118,6 +118,7 @@ def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaig
         ref = _reference_logits(ref_loaded, ids)
         with exl3_loader() as p:
             assert p.chained and any(p.chained.values()), (label, p.chained)  # stages really ran
+            assert set(p.moe_paths.values()) == {"grouped"}, (label, p.moe_paths)
             got = torch.cat([p.forward(w[None]).to("cuda:0") for w in ids])
             chained = dict(p.chained)
             linear_err = _linear_errors(p, ref_loaded.state.tensors)
@@ -178,15 +179,19 @@ ROUTER_TIE = 2e-3  # router score gap (sigmoid + correction bias) at the top-k b
 
 def _router_gaps(model, ids: list[int]) -> list[float]:
     """The reference's routing margin at every position of ``ids``: over the MoE layers, the smallest gap between the
-    k-th and (k+1)-th expert's selection score (GLM's router: sigmoid of the router logits plus the correction
-    bias). A gap under ROUTER_TIE is a routing near-tie: fp16 arithmetic upstream may pick the other expert."""
-    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    k-th and (k+1)-th expert's selection score (GLM: sigmoid of the router logits plus the correction bias; Qwen3-MoE
+    and other softmax routers: the softmax of the logits). A gap under ROUTER_TIE is a routing near-tie: fp16
+    arithmetic upstream may pick the other expert."""
+    routers = [m for m in model.modules()
+               if hasattr(m, "e_score_correction_bias") or type(m).__name__.endswith("TopKRouter")]
     k = model.config.num_experts_per_tok
     gaps = []
 
     def hook(mod, args, out):
-        logits = out[0] if isinstance(out, tuple) else out
-        s = torch.sigmoid(logits.float().view(-1, logits.shape[-1])) + mod.e_score_correction_bias.float()
+        logits = (out[0] if isinstance(out, tuple) else out).float()
+        logits = logits.view(-1, logits.shape[-1])
+        bias = getattr(mod, "e_score_correction_bias", None)
+        s = torch.sigmoid(logits) + bias.float() if bias is not None else torch.softmax(logits, -1)
         top = s.topk(k + 1, -1).values
         gaps.append((top[:, k - 1] - top[:, k]).cpu())
 
@@ -197,7 +202,9 @@ def _router_gaps(model, ids: list[int]) -> list[float]:
     finally:
         for h in handles:
             h.remove()
-    return torch.stack(gaps).amin(0).tolist() if gaps else []
+    if not gaps:
+        raise AssertionError(f"{type(model).__name__}: no router found to measure routing margins on")
+    return torch.stack(gaps).amin(0).tolist()
 
 
 def _compare_generation(ref: list[int], ref_steps: list, got: list[int], prompt: list[int] | None = None,
@@ -221,41 +228,57 @@ def _compare_generation(ref: list[int], ref_steps: list, got: list[int], prompt:
 
 
 @cuda
-def test_products_generate_through_exllamav3s_generator_as_their_exact_reconstruction(published_campaign):
-    """Every published product (bases and chains) through exllamav3's own Generator and paged KV cache, greedy, at
-    batch 1 (one prompt at a time) and batch 8 (all enqueued together): token for token the greedy output of the
-    exact reconstruction (fq.runtime.load's float32 model), or the first divergence is a near-tie of the reference:
-    of its logits there, or of its routing over the prefix the step was decoded from (shown per divergence)."""
+def test_products_generate_through_exllamav3s_generator_as_their_exact_reconstruction(published_campaign, tmp_path):
+    """Every published product (bases and chains), and the longest chain's adapter narrowed to two experts per layer
+    on its base, through exllamav3's own Generator and paged KV cache, greedy, at batch 1 (one prompt at a time) and
+    batch 8 (all enqueued together): token for token the greedy output of the exact reconstruction (fq.runtime.load's
+    float32 model), or the first divergence is a near-tie of the reference: of its logits there, or of its routing over
+    the prefix the step was decoded from (shown per divergence)."""
     exllamav3_or_skip()
     from fq.provenance.attest import keys
+    from fq.provenance.combine import combine
     from fq.provenance.publication import read_publication
-    from fq.runtime.exl3 import load_exl3_product
-    from fq.runtime.load import load_product
+    from fq.runtime.exl3 import load_exl3_adapter, load_exl3_product
+    from fq.runtime.load import load_adapter, load_product
 
     root = published_campaign / "published"
     key = keys.load_public(published_campaign / "signer.pub")
     products = read_publication(root, key).predicate["products"]
     prompts = _prompts(published_campaign)
     results = {}
-    for name in sorted(products):
-        plan = root / products[name]["file"]
-        model = load_product(plan, key, state=None).model.to("cuda:0").eval()
+
+    def run(label, ref_loaded, exl3_loader):
+        model = ref_loaded.model.to("cuda:0").eval()
         refs = [_greedy_reference(model, p, NEW_TOKENS) for p in prompts]
-        with load_exl3_product(plan, key, state=None, cache_tokens=4096) as p:
+        with exl3_loader() as p:
+            assert set(p.moe_paths.values()) <= {"grouped"}, p.moe_paths  # chained layers on the grouped path
             one = [p.generate([q], NEW_TOKENS)[0]["tokens"] for q in prompts]
             eight = [o["tokens"] for o in p.generate(prompts, NEW_TOKENS)]
             r = {f"batch{n}": [_compare_generation(ref, steps, g, q, model)
                                for (ref, steps), g, q in zip(refs, got, prompts)] for n, got in ((1, one), (8, eight))}
             for c, q, (ref, _) in [(c, q, rs) for n in (1, 8) for c, q, rs in zip(r[f"batch{n}"], prompts, refs)]:
-                if c.get("routing_near_tie") is False:  # neither tie: what exllamav3's cache-free forward picks there
+                if c.get("near_tie") is False:  # no logit near-tie: what exllamav3's cache-free forward picks there
                     logits = p.forward(torch.tensor([q + ref[:c["first_divergence"]]]))[0, -1].float().cpu()
                     c["exl3_forward_picks_ref"] = int(logits.argmax()) == ref[c["first_divergence"]]
         del model
         r["equal_batch1"] = sum(c["equal"] for c in r["batch1"])
         r["equal_batch8"] = sum(c["equal"] for c in r["batch8"])
-        results[name] = r
-        print(name, "equal b1", r["equal_batch1"], "b8", r["equal_batch8"], "of", len(prompts),
+        results[label] = r
+        print(label, "equal b1", r["equal_batch1"], "b8", r["equal_batch8"], "of", len(prompts),
               [c for c in r["batch1"] + r["batch8"] if not c["equal"]])
+
+    for name in sorted(products):
+        plan = root / products[name]["file"]
+        run(name, load_product(plan, key, state=None),
+            lambda: load_exl3_product(plan, key, state=None, cache_tokens=4096))
+    chains = [n for n, e in products.items() if len(e["chain"]) > 1]
+    name = max(chains, key=lambda n: len(products[n]["chain"]))
+    plan = root / products[name]["file"]
+    base_dir = root / "base" / products[name]["chain"][0]
+    adapter = tmp_path / "narrow.safetensors"
+    combine(plan, key, adapter, experts="0-1", base_dir=base_dir, state=None)
+    run(f"{name} adapter experts 0-1", load_adapter(base_dir, adapter, plan, key, state=None),
+        lambda: load_exl3_adapter(base_dir, adapter, plan, key, state=None, cache_tokens=4096))
     if os.environ.get("FQ_EXL3_GEN_JSON"):
         Path(os.environ["FQ_EXL3_GEN_JSON"]).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     for name, r in results.items():
