@@ -247,17 +247,20 @@ def main(argv=None) -> int:
         tap.close()
         model.to("cpu")
         r = {"source_vs_exact": agreement(src, ref)}
-        # every MoE layer on the per-expert path (what a chain runs), and a bare base on exllamav3's fast paths too
-        paths = [True] + ([False] if len(products[name]["chain"]) == 1 else [])
-        for per_expert in paths:
-            tag = "" if per_expert else "_fastpath"
+        # a chain as fq.runtime.exl3 loads it (its chained layers grouped); a bare base with every MoE layer on the
+        # per-expert path (a chain of one each) and on exllamav3's fast paths
+        chain = len(products[name]["chain"]) > 1
+        for per_expert in [not chain] + ([] if chain else [False]):
+            tag = "" if per_expert or chain else "_fastpath"
             try:
                 with load_exl3_product(plan, key, state=None, per_expert_everywhere=per_expert) as p:
+                    if chain:
+                        r["moe_paths"] = {str(k): v for k, v in p.moe_paths.items()}
                     got = torch.cat([p.forward(w[None]).to("cuda:0") for w in ids])
                     r["exact_vs_exl3" + tag] = agreement(ref, got)
                     r["source_vs_exl3" + tag] = agreement(src, got)
                     r["layers" + tag] = per_layer(p, tap)
-                    if per_expert:
+                    if per_expert or chain:
                         _DENSE.clear()
                         r["stages"] = per_stage(p, tap)
                         _DENSE.clear()

@@ -10,10 +10,11 @@ under the pinned key, the whole base against its manifest, every stage byte agai
   whatever bytes sit there at load time, not the ones verified. The copy costs one base's worth of disk.
 - Every stage's tensor set becomes one ``LinearEXL3`` (the runtime's own object: trellis int16, suh/svh fp16,
   the codebook marker), on the model's device.
-- In each MoE layer that holds a chained expert, every expert linear is replaced by a ``ChainLinear`` whose forward
-  is Σ_stage exl3_gemm(x, stage) in float32 (experts without stages: a chain of one, their base), and the layer is
-  switched to exllamav3's per-expert path: its fused multi-expert kernels read one trellis per expert through
-  pointer tables and cannot sum stages. Layers without chained experts keep every fast path.
+- In each MoE layer that holds a chained expert, the routed experts run grouped on exllamav3's multi-expert EXL3 GEMM,
+  one launch per projection and stage, stages summed in float32 (fq.runtime.exl3_chain_moe). Where that path does not
+  apply (``moe_paths`` says why), every expert linear is replaced by a ``ChainLinear`` whose forward is
+  Σ_stage exl3_gemm(x, stage) in float32 (experts without stages: a chain of one) and the layer takes exllamav3's
+  per-expert path. Layers without chained experts keep every fast path.
 - A stage's residuals on non-expert linears (plan ``stage_linears``: attention, shared experts, dense MLPs, the head)
   are summed the same way: the linear's inner becomes a ``ChainLinear``, and the module that owns it drops the bundles
   that read its trellis through pointers (attention's sliced/pairwise q/k/v bundles, an MLP's bound class and
