@@ -5,8 +5,8 @@
 Writes one-layer Glm4MoeForCausalLM directories with GLM-5's MoE shapes (hidden 6144, moe_intermediate 2048,
 256 routed experts, top-8, one shared expert; attention, router, embeddings and head bf16/float32) whose routed
 experts are random EXL3 tensors at K3 (the native base), K2 and K1, plus random K1 stage tensors for every expert
-linear of the K2 one. Random trellis words decode to codebook values like any encoding's; the timing of a trellis GEMM does not
-depend on which values they hold. Then, in one process on one GPU, the MoE block's forward (exllamav3's
+linear of the K2 one. Random trellis words decode to codebook values like any encoding's; the timing of a trellis
+GEMM does not depend on which values they hold. Then, in one process on one GPU, the MoE block's forward (exllamav3's
 BlockSparseMLP, routing and shared expert included) on 1 and 8 tokens (decode) and 2048 tokens (prefill), CUDA-event
 medians:
 

@@ -9,7 +9,7 @@ native layer at batch-1 decode on GLM-5 shapes). Here the chain runs on exllamav
   (gate and up share one launch), indexed by the routing's selection; the down projection's launch also applies the
   routing weights and sums each token's experts. A stage that covers only some experts (a narrowed adapter) has a
   selection map that sends the others to -1, which the kernel skips.
-- prefill: experts grouped by row count (exllamav3's ``plan_groups``, under 10% padding); a group is one slab of its
+- prefill: experts grouped by row count (``group_experts``, under 10% padding); a group is one slab of its
   experts' rows and the same launches, each slot an expert with all its rows. The down outputs land unweighted in a
   slot scratch; each token's k slots are weighted and summed in k order (deterministic).
 
@@ -21,6 +21,12 @@ tier with the stages added was 1.9x slower than this at prefill; neither is kept
 
 The layer is reached through exllamav3's own seam for a routed sum computed elsewhere (``cpu_offload_issue``, used
 by its CPU expert offload): routing, the shared expert, post norms and TP reduction stay exllamav3's.
+
+The orchestration (which table row each slot reads, stage maps, weighting, grouping, the slot scratch) is one class,
+``ChainMoE``, over a kernel backend: ``Exl3Kernels`` (exllamav3's ``exl3_mgemm`` and activation, CUDA) or
+``ReferenceKernels``, the CPU twin that computes what ``exl3_mgemm`` is documented to compute (slot j: A[j] or the
+broadcast A[0] times the float32 reconstruction of matrix idx[j]; -1 skipped; with weights, each token's slots
+weighted and summed into row t), so CI tests the whole routed sum against fq's own reconstruction without a GPU.
 """
 from __future__ import annotations
 
@@ -38,19 +44,103 @@ class StageTables:
     K: float
     mcg: bool
     mul1: bool
-    gu: tuple  # (trellis, suh, svh) int64 tables over [gates..., ups...] of the covered experts
-    d: tuple   # the same for the down projections
+    gu: object  # the backend's table over [gates..., ups...] of the covered experts
+    d: object   # the same for the down projections
     gu_map: object  # (2E,) long: expert slot of [gate e..., up e...] -> row in gu, or -1
     d_map: object   # (E,) long
-    linears: list   # keeps the LinearEXL3 tensors the tables point into alive
+    linears: list   # keeps the tensors the tables point into alive
     full: bool      # covers every expert: its rows are the expert ids, no map and no skipped slot
 
 
-def _tables(linears: list, device) -> tuple:
-    import torch
+class Exl3Kernels:
+    """exllamav3's kernels on CUDA: a table is three int64 device tensors of addresses (trellis, suh, svh)."""
 
-    return tuple(torch.tensor([getattr(lin, a).data_ptr() for lin in linears], dtype=torch.long, device=device)
-                 for a in ("trellis", "suh", "svh"))
+    def __init__(self, device, act, act_limit):
+        self.device, self.act_fn, self.act_limit = device, act, act_limit
+
+    @staticmethod
+    def meta(lin) -> tuple:
+        return lin.K, bool(lin.mcg), bool(lin.mul1)
+
+    def tables(self, linears: list):
+        import torch
+
+        return tuple(torch.tensor([getattr(lin, a).data_ptr() for lin in linears], dtype=torch.long,
+                                  device=self.device) for a in ("trellis", "suh", "svh"))
+
+    def mgemm(self, A, tables, C, idx, weights, K, cb, num_tokens=1):
+        import torch
+        from exllamav3.ext import exllamav3_ext as ext
+
+        trellis, suh, svh = tables
+        a_had = torch.empty((max(A.shape[0], C.shape[0]), A.shape[1], A.shape[2]), dtype=torch.half,
+                            device=A.device)
+        ext.exl3_mgemm(A, trellis, C, suh, a_had, svh, idx, weights, K, -1, cb[0], cb[1], -1, -1, 0, num_tokens,
+                       None, None)
+
+    def act(self, g, u, a):
+        self.act_fn(g, u, a, self.act_limit)
+
+
+class ReferenceKernels:
+    """The CPU twin: a table is the list of its matrices' float32 (out, in) reconstructions (fq.codec), and mgemm
+    computes exl3_mgemm's documented result in float32; the activation is SiLU(gate) * up rounded to fp16, as
+    exllamav3's silu_mul writes it."""
+
+    device = "cpu"
+
+    @staticmethod
+    def meta(tensors: dict) -> tuple:
+        return tensors["trellis"].shape[-1] // 16, "mcg" in tensors, "mul1" in tensors
+
+    def tables(self, sets: list):
+        from fq.codec.tensors import reconstruct
+
+        return [reconstruct(t) for t in sets]
+
+    def mgemm(self, A, tables, C, idx, weights, K, cb, num_tokens=1):
+        import torch
+
+        slots = idx.shape[1]
+        out = torch.zeros((slots,) + tuple(C.shape[1:]), dtype=torch.float32)
+        for j, q in enumerate(idx[0].tolist()):
+            if q < 0:
+                continue
+            x = (A[j] if A.shape[0] > 1 else A[0]).float()
+            out[j] = x @ tables[q].T
+            if weights is None:
+                C[j] = out[j].to(C.dtype)
+            else:
+                out[j] *= float(weights[0, j])
+        if weights is not None:
+            per = slots // num_tokens
+            for t in range(num_tokens):
+                C[t] = out[t * per:(t + 1) * per].sum(0).to(C.dtype)
+
+    def act(self, g, u, a):
+        import torch
+
+        a.copy_((torch.nn.functional.silu(g.float()) * u.float()).half())
+
+
+def group_experts(counts: list[int], max_rows: int = 16384, pad: float = 1.1) -> list[list[int]]:
+    """Experts with rows, largest first, cut into groups whose padded rows (size x the group's largest count) stay
+    within ``pad`` times their real rows and within ``max_rows``: one slab per group, little of it padding."""
+    order = sorted((e for e, c in enumerate(counts) if c), key=lambda e: (-counts[e], e))
+    groups, cur, real = [], [], 0
+    for e in order:
+        c = counts[e]
+        if cur:
+            n = len(cur) + 1
+            cmax = counts[cur[0]]
+            if n * cmax > max_rows or n * cmax > pad * (real + c):
+                groups.append(cur)
+                cur, real = [], 0
+        cur.append(e)
+        real += c
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def stage_rows(experts: list[int], E: int):
@@ -101,53 +191,37 @@ def _unsupported(mlp) -> str | None:
 
 
 class ChainMoE:
-    """Computes the routed sum of ``mlp`` (an exllamav3 BlockSparseMLP) with every expert's stages.
+    """The routed sum of a gated MoE layer whose experts carry stages, on ``kernels`` (Exl3Kernels or
+    ReferenceKernels).
 
-    ``base``: per projection ("gate", "up", "down") the base LinearEXL3 of each expert (index = expert id).
-    ``stages``: {(expert, proj): [(chain position, LinearEXL3), ...]}."""
+    ``base``: per role ("gate", "up", "down") the base part of each expert (index = expert id): a LinearEXL3 for
+    Exl3Kernels, an EXL3 tensor set for ReferenceKernels. ``stages``: {(expert, role): [(chain position, part), ...]}.
+    E experts of H inputs, I intermediate and Ho outputs."""
 
-    def __init__(self, mlp, base: dict, stages: dict):
-        import torch
-
-        self.mlp = mlp
-        self.device = mlp.device
-        E = mlp.num_experts
-        self.E = E
-        self.H, self.I = mlp.multi_up.in_features, mlp.multi_up.out_features
-        self.Ho = mlp.multi_down.out_features
-        self.act = mlp.activation_fn_call
-        self.act_limit = mlp.act_limit
-        lin0 = base["up"][0]
-        self.base_cb = (bool(lin0.mcg), bool(lin0.mul1))
-        self.base_K = lin0.K
-        self.base_gu = _tables(list(base["gate"]) + list(base["up"]), self.device)
-        self.base_d = _tables(list(base["down"]), self.device)
+    def __init__(self, kernels, base: dict, stages: dict, *, E: int, H: int, I: int, Ho: int, key: str = "moe"):
+        self.kernels = kernels
+        self.E, self.H, self.I, self.Ho = E, H, I, Ho
+        self.base_K, mcg, mul1 = kernels.meta(base["up"][0])
+        self.base_cb = (mcg, mul1)
+        self.base_gu = kernels.tables(list(base["gate"]) + list(base["up"]))
+        self.base_d = kernels.tables(list(base["down"]))
         groups: dict = {}
         for (e, proj), parts in stages.items():
-            for pos, lin in parts:
-                groups.setdefault((pos, lin.K, bool(lin.mcg), bool(lin.mul1)), {})[(e, proj)] = lin
+            for pos, part in parts:
+                groups.setdefault((pos,) + tuple(kernels.meta(part)), {})[(e, proj)] = part
         self.stages = []
-        for (pos, K, mcg, mul1), lins in sorted(groups.items(), key=lambda kv: kv[0][0]):
-            experts = sorted({e for e, _ in lins})
+        for (pos, K, mcg, mul1), parts in sorted(groups.items(), key=lambda kv: kv[0][0]):
+            experts = sorted({e for e, _ in parts})
             for e in experts:
-                if not all((e, p) in lins for p in ("gate", "up", "down")):
-                    raise FqError(f"{mlp.key}: expert {e} has a stage at chain position {pos} on some of gate/up/"
+                if not all((e, p) in parts for p in ("gate", "up", "down")):
+                    raise FqError(f"{key}: expert {e} has a stage at chain position {pos} on some of gate/up/"
                                   f"down only")
             gu_map, d_map = stage_rows(experts, E)
-            gu_lins = [lins[(e, "gate")] for e in experts] + [lins[(e, "up")] for e in experts]
-            d_lins = [lins[(e, "down")] for e in experts]
-            self.stages.append(StageTables(K, mcg, mul1, _tables(gu_lins, self.device), _tables(d_lins, self.device),
-                                           gu_map.to(self.device), d_map.to(self.device), gu_lins + d_lins,
+            gu_parts = [parts[(e, "gate")] for e in experts] + [parts[(e, "up")] for e in experts]
+            d_parts = [parts[(e, "down")] for e in experts]
+            self.stages.append(StageTables(K, mcg, mul1, kernels.tables(gu_parts), kernels.tables(d_parts),
+                                           gu_map.to(kernels.device), d_map.to(kernels.device), gu_parts + d_parts,
                                            len(experts) == E))
-
-    def _mgemm(self, A, tables, C, idx, weights, K, cb, num_tokens=1):
-        import torch
-        from exllamav3.ext import exllamav3_ext as ext
-
-        trellis, suh, svh = tables
-        a_had = torch.empty((max(A.shape[0], C.shape[0]), A.shape[1], A.shape[2]), dtype=torch.half, device=A.device)
-        ext.exl3_mgemm(A, trellis, C, suh, a_had, svh, idx, weights, K, -1, cb[0], cb[1], -1, -1, 0, num_tokens,
-                       None, None)
 
     def _gate_up(self, A, idx, rows: int):
         """float32 (slots, rows, I): slot j is row idx[0, j] of the [gates..., ups...] tables (gate e: e, up e: E + e)
@@ -155,11 +229,11 @@ class ChainMoE:
         import torch
 
         gu = torch.empty((idx.shape[1], rows, self.I), dtype=torch.float, device=A.device)
-        self._mgemm(A, self.base_gu, gu, idx, None, self.base_K, self.base_cb)
+        self.kernels.mgemm(A, self.base_gu, gu, idx, None, self.base_K, self.base_cb)
         for st in self.stages:
             # slots of experts without this stage are skipped by the kernel, not written: zeros there
             part = torch.empty_like(gu) if st.full else torch.zeros_like(gu)
-            self._mgemm(A, st.gu, part, idx if st.full else st.gu_map[idx], None, st.K, (st.mcg, st.mul1))
+            self.kernels.mgemm(A, st.gu, part, idx if st.full else st.gu_map[idx], None, st.K, (st.mcg, st.mul1))
             gu += part
         return gu
 
@@ -168,7 +242,7 @@ class ChainMoE:
         is given: the kernel overwrites row t with token t's sum and skips -1 slots)."""
         import torch
 
-        self._mgemm(a, self.base_d, out, idx, weights, self.base_K, self.base_cb, num_tokens)
+        self.kernels.mgemm(a, self.base_d, out, idx, weights, self.base_K, self.base_cb, num_tokens)
         if not self.stages:
             return out
         part = torch.empty_like(out)
@@ -176,7 +250,8 @@ class ChainMoE:
         for st in self.stages:
             if not st.full and weights is None:
                 part.zero_()
-            self._mgemm(a, st.d, part, idx if st.full else st.d_map[idx], weights, st.K, (st.mcg, st.mul1), num_tokens)
+            rows = idx if st.full else st.d_map[idx]
+            self.kernels.mgemm(a, st.d, part, rows, weights, st.K, (st.mcg, st.mul1), num_tokens)
             out[:n] += part[:n]
         return out
 
@@ -193,24 +268,23 @@ class ChainMoE:
         A = y.view(1, 1, self.H) if T == 1 else y.repeat_interleave(k, 0).repeat(2, 1).view(2 * slots, 1, self.H)
         gu = self._gate_up(A, idx_gu, 1)
         a = torch.empty((slots, self.I), dtype=torch.half, device=y.device)
-        self.act(gu[:slots].view(slots, self.I), gu[slots:].view(slots, self.I), a, self.act_limit)
+        self.kernels.act(gu[:slots].view(slots, self.I), gu[slots:].view(slots, self.I), a)
         out = torch.empty((slots, 1, self.Ho), dtype=torch.float, device=y.device)
         self._down(a.view(slots, 1, self.I), flat, w.reshape(1, slots).half(), T, out)
         return out[:T].view(T, self.Ho)
 
     def prefill(self, y, sel, w):
-        """y (T, H), sel (T, k), w (T, k) -> (T, Ho) float32. Experts are grouped by row count (exllamav3's
-        plan_groups: padding under 10%); a group of B experts is one [B, cmax, H] slab of their rows and one
+        """y (T, H), sel (T, k), w (T, k) -> (T, Ho) float32. Experts are grouped by row count (group_experts:
+        padding under 10%); a group of B experts is one [B, cmax, H] slab of their rows and one
         multi-expert GEMM launch per (projection, stage), each slot its expert's rows. The down outputs land
         unweighted in one slot scratch; each token's k slots are then weighted and summed in k order."""
         import torch
-        from exllamav3.modules.moe_batch_recon import plan_groups
 
         T, k = sel.shape
         flat = sel.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.E).tolist()
-        groups = plan_groups([e for e in range(self.E) if counts[e]], lambda e: counts[e], self.E)
+        groups = group_experts(counts)
         slot_sorted, starts, n_slots = slot_layout(counts, groups)
         tok_sorted = order // k
         y_ext = torch.cat([y, y.new_zeros((1, y.shape[1]))])
@@ -235,7 +309,7 @@ class ChainMoE:
             gate = self._gate_up(x, ids, cmax)
             up = self._gate_up(x, ids + self.E, cmax)
             a = torch.empty((B, cmax, self.I), dtype=torch.half, device=y.device)
-            self.act(gate.view(-1, self.I), up.view(-1, self.I), a.view(-1, self.I), self.act_limit)
+            self.kernels.act(gate.view(-1, self.I), up.view(-1, self.I), a.view(-1, self.I))
             self._down(a, ids, None, 1, scratch[base:base + B * cmax].view(B, cmax, self.Ho))
             base += B * cmax
             at_src += B * cmax
@@ -257,7 +331,9 @@ def attach(mlp, base: dict, stages: dict) -> str | None:
     why = _unsupported(mlp)
     if why:
         return why
-    chain = ChainMoE(mlp, base, stages)
+    chain = ChainMoE(Exl3Kernels(mlp.device, mlp.activation_fn_call, mlp.act_limit), base, stages,
+                     E=mlp.num_experts, H=mlp.multi_up.in_features, I=mlp.multi_up.out_features,
+                     Ho=mlp.multi_down.out_features, key=mlp.key)
 
     def issue(shape, y, selected_experts, routing_weights, params):
         return chain.routed(y, selected_experts, routing_weights).reshape(shape), None
