@@ -285,34 +285,26 @@ class ChainMoE:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.E).tolist()
         groups = group_experts(counts)
-        slot_sorted, starts, n_slots = slot_layout(counts, groups)
-        tok_sorted = order // k
+        slot_sorted, _, n_slots = slot_layout(counts, groups)
+        tok_ext = torch.cat([order // k, order.new_full((1,), T)])  # token of each sorted assignment; T: padding
         y_ext = torch.cat([y, y.new_zeros((1, y.shape[1]))])
+        # the sorted assignment each slab row reads (T * k: the padding sentinel), and every group's experts
+        src = torch.full((n_slots,), T * k, dtype=torch.long)
+        src[torch.from_numpy(slot_sorted)] = torch.arange(T * k)
+        src = src.to(y.device)
+        ids_all = torch.tensor([e for grp in groups for e in grp], dtype=torch.long).to(y.device)
         scratch = torch.empty((n_slots, self.Ho), dtype=torch.float, device=y.device)
-        # every group's (expert ids, source row of each padded slab row) in one host->device copy
-        meta, base = [], 0
+        base = at_id = 0
         for grp in groups:
-            cmax = max(counts[e] for e in grp)
-            src = torch.full((len(grp), cmax), T * k, dtype=torch.long)
-            for b, e in enumerate(grp):
-                src[b, :counts[e]] = torch.arange(int(starts[e]), int(starts[e]) + counts[e])
-            meta.append((grp, cmax, src.view(-1)))
-        dev_src = torch.cat([m[2] for m in meta]).to(y.device) if meta else None
-        dev_ids = torch.tensor([e for m in meta for e in m[0]], dtype=torch.long).to(y.device) if meta else None
-        tok_ext = torch.cat([tok_sorted, tok_sorted.new_full((1,), T)])
-        at_src = at_id = 0
-        for grp, cmax, _ in meta:
-            B = len(grp)
-            tok = tok_ext.index_select(0, dev_src[at_src:at_src + B * cmax])
-            x = y_ext.index_select(0, tok).view(B, cmax, self.H)
-            ids = dev_ids[at_id:at_id + B].view(1, B)
+            B, cmax = len(grp), max(counts[e] for e in grp)
+            x = y_ext.index_select(0, tok_ext.index_select(0, src[base:base + B * cmax])).view(B, cmax, self.H)
+            ids = ids_all[at_id:at_id + B].view(1, B)
             gate = self._gate_up(x, ids, cmax)
             up = self._gate_up(x, ids + self.E, cmax)
             a = torch.empty((B, cmax, self.I), dtype=torch.half, device=y.device)
             self.kernels.act(gate.view(-1, self.I), up.view(-1, self.I), a.view(-1, self.I))
             self._down(a, ids, None, 1, scratch[base:base + B * cmax].view(B, cmax, self.Ho))
             base += B * cmax
-            at_src += B * cmax
             at_id += B
         slot = torch.empty(T * k, dtype=torch.long, device=y.device)
         slot[order] = torch.from_numpy(slot_sorted).to(y.device)
