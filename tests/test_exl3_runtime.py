@@ -95,13 +95,25 @@ def _reference_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _narrowed_adapter(root: Path, products: dict, key, tmp_path: Path):
+    """The longest chain's ``fq combine`` adapter narrowed to experts 0-1 of each MoE layer, written under tmp_path:
+    (label, plan, its published base directory, the adapter file)."""
+    from fq.provenance.combine import combine
+
+    name = max(sorted(n for n, e in products.items() if len(e["chain"]) > 1), key=lambda n: len(products[n]["chain"]))
+    plan = root / products[name]["file"]
+    base_dir = root / "base" / products[name]["chain"][0]
+    adapter = tmp_path / "narrow.safetensors"
+    combine(plan, key, adapter, experts="0-1", base_dir=base_dir, state=None)
+    return f"{name} adapter experts 0-1", plan, base_dir, adapter
+
+
 @cuda
 def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaign, tmp_path):
     """Every published chain product (base + stages), and one expert-narrowed ``fq combine`` adapter on its base:
     fq.runtime.exl3 in exllamav3 against the CPU path (fq.runtime.load) on held-out tokens."""
     exllamav3_or_skip()
     from fq.provenance.attest import keys
-    from fq.provenance.combine import combine
     from fq.provenance.publication import read_publication
     from fq.runtime.exl3 import load_exl3_adapter, load_exl3_product
     from fq.runtime.load import load_adapter, load_product
@@ -134,12 +146,8 @@ def test_chain_products_run_in_exllamav3_as_sums_of_exl3_gemms(published_campaig
         measure(name, load_product(plan, key, state=None), lambda: load_exl3_product(plan, key, state=None))
 
     # (b): the longest chain's adapter, narrowed to two experts of each MoE layer, on the published base
-    name = max(chains, key=lambda n: len(products[n]["chain"]))
-    plan = root / products[name]["file"]
-    base_dir = root / "base" / products[name]["chain"][0]
-    adapter = tmp_path / "narrow.safetensors"
-    combine(plan, key, adapter, experts="0-1", base_dir=base_dir, state=None)
-    measure(f"{name} adapter experts 0-1", load_adapter(base_dir, adapter, plan, key, state=None),
+    label, plan, base_dir, adapter = _narrowed_adapter(root, products, key, tmp_path)
+    measure(label, load_adapter(base_dir, adapter, plan, key, state=None),
             lambda: load_exl3_adapter(base_dir, adapter, plan, key, state=None))
 
     if os.environ.get("FQ_EXL3_CHAIN_JSON"):
@@ -236,7 +244,6 @@ def test_products_generate_through_exllamav3s_generator_as_their_exact_reconstru
     the prefix the step was decoded from (shown per divergence)."""
     exllamav3_or_skip()
     from fq.provenance.attest import keys
-    from fq.provenance.combine import combine
     from fq.provenance.publication import read_publication
     from fq.runtime.exl3 import load_exl3_adapter, load_exl3_product
     from fq.runtime.load import load_adapter, load_product
@@ -271,13 +278,8 @@ def test_products_generate_through_exllamav3s_generator_as_their_exact_reconstru
         plan = root / products[name]["file"]
         run(name, load_product(plan, key, state=None),
             lambda: load_exl3_product(plan, key, state=None, cache_tokens=4096))
-    chains = [n for n, e in products.items() if len(e["chain"]) > 1]
-    name = max(chains, key=lambda n: len(products[n]["chain"]))
-    plan = root / products[name]["file"]
-    base_dir = root / "base" / products[name]["chain"][0]
-    adapter = tmp_path / "narrow.safetensors"
-    combine(plan, key, adapter, experts="0-1", base_dir=base_dir, state=None)
-    run(f"{name} adapter experts 0-1", load_adapter(base_dir, adapter, plan, key, state=None),
+    label, plan, base_dir, adapter = _narrowed_adapter(root, products, key, tmp_path)
+    run(label, load_adapter(base_dir, adapter, plan, key, state=None),
         lambda: load_exl3_adapter(base_dir, adapter, plan, key, state=None, cache_tokens=4096))
     if os.environ.get("FQ_EXL3_GEN_JSON"):
         Path(os.environ["FQ_EXL3_GEN_JSON"]).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
