@@ -11,6 +11,7 @@ For every product of the publication (bases and chains) on held-out windows of 1
 - per MoE layer, on identical inputs (the exact model's own input to the layer's MLP, cast to fp16): the relative
   error of exllamav3's MoE block output, the share of tokens whose top-k expert set differs, and the same with the
   exact model's own routing forced on exllamav3 (so routing flips and arithmetic are told apart);
+- end to end again with every MoE block's routing forced to the exact model's (exact_vs_exl3_routing_forced);
 - per chained expert linear, on the layer's real inputs: each stage's EXL3 GEMM against x @ (that stage's float32
   reconstruction)ᵀ, relative to the stage's own output norm; and the stage's suh/svh magnitudes (fp16 subnormals
   below 6.1e-5 lose precision).
@@ -24,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from exl3kit import MoeTap, forward_routing_forced, moe_modules  # noqa: E402
 
 SEQ = 128
 
@@ -70,59 +73,12 @@ def source_logits(campaign: Path, ids):
     return out
 
 
-class MoeTap:
-    """Forward hooks on the exact model's MoE blocks: each block's input, output and routing (top-k indices and
-    weights from the router), per window."""
-
-    def __init__(self, model):
-        self.records: dict = {}
-        self.handles = []
-        for i, layer in enumerate(model.model.layers):
-            mlp = layer.mlp
-            if not hasattr(mlp, "gate") or not hasattr(mlp, "experts"):
-                continue
-            self.handles.append(mlp.register_forward_hook(self._mlp_hook(i)))
-            self.handles.append(mlp.gate.register_forward_hook(self._gate_hook(i)))
-
-    def _mlp_hook(self, i):
-        def hook(mod, args, out):
-            r = self.records.setdefault(i, {"x": [], "y": [], "sel": [], "w": []})
-            r["x"].append(args[0].detach().reshape(-1, args[0].shape[-1]))
-            r["y"].append((out[0] if isinstance(out, tuple) else out).detach().reshape(-1, args[0].shape[-1]))
-        return hook
-
-    def _gate_hook(self, i):
-        def hook(mod, args, out):
-            r = self.records.setdefault(i, {"x": [], "y": [], "sel": [], "w": []})
-            _, w, sel = out
-            r["sel"].append(sel.detach().reshape(-1, sel.shape[-1]))
-            r["w"].append(w.detach().reshape(-1, w.shape[-1]).float())
-        return hook
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-
-    def layer(self, i) -> dict:
-        import torch
-
-        return {k: torch.cat(v) for k, v in self.records[i].items()}
-
-
-def _moe_modules(model) -> dict:
-    out = {}
-    for m in model:
-        if hasattr(m, "ups") and hasattr(m, "downs") and hasattr(m, "routing_fn"):
-            out[int(m.key.split(".")[2])] = m
-    return out
-
-
 def per_layer(p, tap) -> dict:
     """exllamav3's MoE blocks on the exact model's own inputs (fp16), its own routing and the exact routing forced."""
     import torch
 
     res = {}
-    for layer, m in sorted(_moe_modules(p.model).items()):
+    for layer, m in sorted(moe_modules(p.model).items()):
         if layer not in tap.records:
             continue
         r = tap.layer(layer)
@@ -258,6 +214,7 @@ def main(argv=None) -> int:
                         r["moe_paths"] = {str(k): v for k, v in p.moe_paths.items()}
                     got = torch.cat([p.forward(w[None]).to("cuda:0") for w in ids])
                     r["exact_vs_exl3" + tag] = agreement(ref, got)
+                    r["exact_vs_exl3_routing_forced" + tag] = agreement(ref, forward_routing_forced(p, tap, ids))
                     r["source_vs_exl3" + tag] = agreement(src, got)
                     r["layers" + tag] = per_layer(p, tap)
                     if per_expert or chain:

@@ -8,6 +8,9 @@
 ``product``: the publication's entry of a bare base; the reference is fq's own forward (the verified product loaded by
 fq.runtime into transformers, float32, routed experts = fq's reconstruction) and exllamav3 loads
 ``root/base/<node>/`` and runs ``attn_mode: flash_attn_nc`` per row of ``ids``, on the same GPU.
+
+    MoeTap(model), forward_routing_forced(p, tap, ids): the reference's routing recorded, then forced on exllamav3's
+    MoE blocks, so a routing flip at a near-tie and the arithmetic are told apart
 """
 from __future__ import annotations
 
@@ -51,3 +54,77 @@ def logit_agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
             "positions": ref.shape[:-1].numel(),
             # a handful of positions far off (a near-tie routed the other way in fp16) or all of them (a misread)
             "positions_over_0.05": int(((got - ref).abs().amax(-1) > 0.05).sum().item())}
+
+
+class MoeTap:
+    """Forward hooks on a transformers model's MoE blocks: each block's input, output and routing (top-k indices and
+    weights from its router), as rows in call order (a batch [B, T] gives B*T rows, window after window)."""
+
+    def __init__(self, model):
+        self.records: dict = {}
+        self.handles = []
+        for i, layer in enumerate(model.model.layers):
+            mlp = layer.mlp
+            if not hasattr(mlp, "gate") or not hasattr(mlp, "experts"):
+                continue
+            self.handles.append(mlp.register_forward_hook(self._mlp_hook(i)))
+            self.handles.append(mlp.gate.register_forward_hook(self._gate_hook(i)))
+
+    def _record(self, i) -> dict:
+        return self.records.setdefault(i, {"x": [], "y": [], "sel": [], "w": []})
+
+    def _mlp_hook(self, i):
+        def hook(mod, args, out):
+            r = self._record(i)
+            r["x"].append(args[0].detach().reshape(-1, args[0].shape[-1]))
+            r["y"].append((out[0] if isinstance(out, tuple) else out).detach().reshape(-1, args[0].shape[-1]))
+        return hook
+
+    def _gate_hook(self, i):
+        def hook(mod, args, out):
+            _, w, sel = out  # transformers' MoE routers return (logits, top-k weights, top-k indices)
+            r = self._record(i)
+            r["sel"].append(sel.detach().reshape(-1, sel.shape[-1]))
+            r["w"].append(w.detach().reshape(-1, w.shape[-1]).float())
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+    def layer(self, i) -> dict:
+        return {k: torch.cat(v) for k, v in self.records[i].items()}
+
+
+def moe_modules(model) -> dict:
+    """exllamav3's MoE blocks of a loaded model, by layer index."""
+    out = {}
+    for m in model:
+        if hasattr(m, "ups") and hasattr(m, "downs") and hasattr(m, "routing_fn"):
+            out[int(m.key.split(".")[2])] = m
+    return out
+
+
+def forward_routing_forced(p, tap: MoeTap, ids: torch.Tensor) -> torch.Tensor:
+    """``p.forward`` (an fq.runtime.exl3 product) per row of ``ids`` [W, T] with every MoE block's routing replaced by
+    the one ``tap`` recorded from the reference on the same windows: what departs from the reference once routing
+    flips at near-ties are taken out is the arithmetic alone."""
+    seq = ids.shape[-1]
+    mods = {i: m for i, m in moe_modules(p.model).items() if i in tap.records}
+    routes = {i: tap.layer(i) for i in mods}
+    saved = {i: m.routing_fn for i, m in mods.items()}
+
+    def fixed(sel, w):
+        return lambda bsz, cfg, z, params: (sel.to(torch.long).contiguous(), w.half().contiguous())
+
+    out = []
+    try:
+        for j, w in enumerate(ids):
+            rows = slice(j * seq, (j + 1) * seq)
+            for i, m in mods.items():
+                m.routing_fn = fixed(routes[i]["sel"][rows], routes[i]["w"][rows])
+            out.append(p.forward(w[None]).to("cuda:0"))
+    finally:
+        for i, m in mods.items():
+            m.routing_fn = saved[i]
+    return torch.cat(out)
