@@ -206,8 +206,7 @@ def main(argv=None) -> int:
         # a chain as fq.runtime.exl3 loads it (its chained layers grouped); a bare base with every MoE layer on the
         # per-expert path (a chain of one each) and on exllamav3's fast paths
         chain = len(products[name]["chain"]) > 1
-        for per_expert in [not chain] + ([] if chain else [False]):
-            tag = "" if per_expert or chain else "_fastpath"
+        for per_expert, tag in [(False, "")] if chain else [(True, ""), (False, "_fastpath")]:
             try:
                 with load_exl3_product(plan, key, state=None, per_expert_everywhere=per_expert) as p:
                     if chain:
@@ -217,7 +216,7 @@ def main(argv=None) -> int:
                     r["exact_vs_exl3_routing_forced" + tag] = agreement(ref, forward_routing_forced(p, tap, ids))
                     r["source_vs_exl3" + tag] = agreement(src, got)
                     r["layers" + tag] = per_layer(p, tap)
-                    if per_expert or chain:
+                    if not tag:  # the chain's stages, or a base's as a chain of one
                         _DENSE.clear()
                         r["stages"] = per_stage(p, tap)
                         _DENSE.clear()

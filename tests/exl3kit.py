@@ -57,21 +57,24 @@ def logit_agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
 
 
 class MoeTap:
-    """Forward hooks on a transformers model's MoE blocks: each block's input, output and routing (top-k indices and
-    weights from its router), as rows in call order (a batch [B, T] gives B*T rows, window after window)."""
+    """Forward hooks on a transformers model's MoE blocks: each block's input, output and routing (router logits, top-k
+    indices and weights), as rows in call order (a batch [B, T] gives B*T rows, window after window); ``gates``: each
+    block's router module, by layer."""
 
     def __init__(self, model):
         self.records: dict = {}
         self.handles = []
+        self.gates: dict = {}
         for i, layer in enumerate(model.model.layers):
             mlp = layer.mlp
             if not hasattr(mlp, "gate") or not hasattr(mlp, "experts"):
                 continue
+            self.gates[i] = mlp.gate
             self.handles.append(mlp.register_forward_hook(self._mlp_hook(i)))
             self.handles.append(mlp.gate.register_forward_hook(self._gate_hook(i)))
 
     def _record(self, i) -> dict:
-        return self.records.setdefault(i, {"x": [], "y": [], "sel": [], "w": []})
+        return self.records.setdefault(i, {"x": [], "y": [], "logits": [], "sel": [], "w": []})
 
     def _mlp_hook(self, i):
         def hook(mod, args, out):
@@ -82,8 +85,9 @@ class MoeTap:
 
     def _gate_hook(self, i):
         def hook(mod, args, out):
-            _, w, sel = out  # transformers' MoE routers return (logits, top-k weights, top-k indices)
+            logits, w, sel = out  # transformers' MoE routers return (logits, top-k weights, top-k indices)
             r = self._record(i)
+            r["logits"].append(logits.detach().reshape(-1, logits.shape[-1]).float())
             r["sel"].append(sel.detach().reshape(-1, sel.shape[-1]))
             r["w"].append(w.detach().reshape(-1, w.shape[-1]).float())
         return hook

@@ -200,28 +200,22 @@ def _router_gaps(model, ids: list[int]) -> list[float]:
     k-th and (k+1)-th expert's selection score (GLM: sigmoid of the router logits plus the correction bias; Qwen3-MoE
     and other softmax routers: the softmax of the logits). A gap under ROUTER_TIE is a routing near-tie: fp16
     arithmetic upstream may pick the other expert."""
-    routers = [m for m in model.modules()
-               if hasattr(m, "e_score_correction_bias") or type(m).__name__.endswith("TopKRouter")]
-    k = model.config.num_experts_per_tok
-    gaps = []
-
-    def hook(mod, args, out):
-        logits = (out[0] if isinstance(out, tuple) else out).float()
-        logits = logits.view(-1, logits.shape[-1])
-        bias = getattr(mod, "e_score_correction_bias", None)
-        s = torch.sigmoid(logits) + bias.float() if bias is not None else torch.softmax(logits, -1)
-        top = s.topk(k + 1, -1).values
-        gaps.append((top[:, k - 1] - top[:, k]).cpu())
-
-    handles = [r.register_forward_hook(hook) for r in routers]
+    tap = MoeTap(model)
     try:
         with torch.no_grad():
             model(torch.tensor([ids], device="cuda:0"))
     finally:
-        for h in handles:
-            h.remove()
-    if not gaps:
+        tap.close()
+    if not tap.records:
         raise AssertionError(f"{type(model).__name__}: no router found to measure routing margins on")
+    k = model.config.num_experts_per_tok
+    gaps = []
+    for i in sorted(tap.records):
+        logits = tap.layer(i)["logits"]
+        bias = getattr(tap.gates[i], "e_score_correction_bias", None)
+        s = torch.sigmoid(logits) + bias.float() if bias is not None else torch.softmax(logits, -1)
+        top = s.topk(k + 1, -1).values
+        gaps.append((top[:, k - 1] - top[:, k]).cpu())
     return torch.stack(gaps).amin(0).tolist()
 
 
@@ -273,10 +267,11 @@ def test_products_generate_through_exllamav3s_generator_as_their_exact_reconstru
             eight = [o["tokens"] for o in p.generate(prompts, NEW_TOKENS)]
             r = {f"batch{n}": [_compare_generation(ref, steps, g, q, model)
                                for (ref, steps), g, q in zip(refs, got, prompts)] for n, got in ((1, one), (8, eight))}
-            for c, q, (ref, _) in [(c, q, rs) for n in (1, 8) for c, q, rs in zip(r[f"batch{n}"], prompts, refs)]:
-                if c.get("near_tie") is False:  # no logit near-tie: what exllamav3's cache-free forward picks there
-                    logits = p.forward(torch.tensor([q + ref[:c["first_divergence"]]]))[0, -1].float().cpu()
-                    c["exl3_forward_picks_ref"] = int(logits.argmax()) == ref[c["first_divergence"]]
+            for n in (1, 8):
+                for c, q, (ref, _) in zip(r[f"batch{n}"], prompts, refs):
+                    if c.get("near_tie") is False:  # no logit near-tie: what exllamav3's cache-free forward picks
+                        logits = p.forward(torch.tensor([q + ref[:c["first_divergence"]]]))[0, -1].float().cpu()
+                        c["exl3_forward_picks_ref"] = int(logits.argmax()) == ref[c["first_divergence"]]
         del model
         r["equal_batch1"] = sum(c["equal"] for c in r["batch1"])
         r["equal_batch8"] = sum(c["equal"] for c in r["batch8"])

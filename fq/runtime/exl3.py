@@ -18,7 +18,8 @@ under the pinned key, the whole base against its manifest, every stage byte agai
 - A stage's residuals on non-expert linears (plan ``stage_linears``: attention, shared experts, dense MLPs, the head)
   are summed the same way: the linear's inner becomes a ``ChainLinear``, and the module that owns it drops the bundles
   that read its trellis through pointers (attention's sliced/pairwise q/k/v bundles, an MLP's bound class and
-  gate/up bundle; an MoE block whose shared expert is chained takes the per-expert path).
+  gate/up bundle; an MoE block whose shared expert is chained loses its fused tiers: its routed sum stays grouped
+  where the block has routed stages, else it takes the per-expert path).
 
     load_exl3_product(plan, key, device="cuda:0", cache_tokens=None, ...) -> Exl3Product   # (a) a published tree's
     load_exl3_adapter(base_dir, adapter, plan, key, device=..., ...)        # (b) base + ``fq combine`` adapter
@@ -200,8 +201,9 @@ class Exl3Product:
 def _unbundle(module) -> None:
     """Drop the bundles of ``module`` (an exllamav3 module owning a chained non-expert linear) that read its linears'
     trellises through pointer tables, so every projection runs through its own ``Linear.forward`` (the inner that
-    sums the stages). An MoE block whose shared expert is chained takes the per-expert path (its fused decode kernel
-    reads the shared expert's pointers too)."""
+    sums the stages). An MoE block whose shared expert is chained loses its fused tiers (its fused decode kernel
+    reads the shared expert's pointers too); a block already on the grouped path keeps it (exllamav3 takes the
+    routed-sum seam before any tier)."""
     for attr in ("multi_qkv", "multi_kv", "multi_qg", "bc"):
         if getattr(module, attr, None) is not None:
             setattr(module, attr, None)

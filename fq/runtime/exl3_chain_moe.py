@@ -2,7 +2,7 @@
 per (projection, stage), stages summed in float32 before the activation (gate, up) and after (down).
 
 exllamav3's own fast MoE kernels read one trellis per expert at one bit width per launch, so they cannot sum a chain's
-stages; its per-expert path can (fq.runtime.exl3.ChainLinear) but costs a Python round trip per expert (7.5x a
+stages; its per-expert path can (fq.runtime.exl3.ChainLinear) but costs a Python round trip per expert (7.6-11.4x a
 native layer at batch-1 decode on GLM-5 shapes). Here the chain runs on exllamav3's kernels, batched:
 
 - decode (up to 8 tokens): ``exl3_mgemm`` with pointer tables over the experts, one per stage and projection group
@@ -13,8 +13,8 @@ native layer at batch-1 decode on GLM-5 shapes). Here the chain runs on exllamav
   experts' rows and the same launches, each slot an expert with all its rows. The down outputs land unweighted in a
   slot scratch; each token's k slots are weighted and summed in k order (deterministic).
 
-Measured on the H200 (docs/benchmarks.md, GLM-5 shapes): 1.84x a native K3 layer at batch-1 decode and 2.5x at a
-2048-token prefill, against 7.0x / 5.2x on the per-expert path. exllamav3's kernels cost the same at K1, K2 and K3
+Measured on the H200 (docs/benchmarks.md, GLM-5 shapes, five runs): 1.6-1.9x a native K3 layer at batch-1 decode and
+2.4-2.6x at a 2048-token prefill, against 7.6-11.4x / 5.1-5.2x on the per-expert path. exllamav3's kernels cost the same at K1, K2 and K3
 (their time is not in the trellis bytes), so a chain of two stages pays about two passes over the routed experts. A
 CUDA graph around the decode launches gained nothing (the time is in the kernels), and exllamav3's batched-reconstruct
 tier with the stages added was 1.9x slower than this at prefill; neither is kept.
@@ -161,7 +161,7 @@ def slot_layout(counts: list[int], groups: list[list[int]]):
     """Where each routed assignment's down output lands in the prefill slot scratch. Assignments are taken in
     expert-sorted order (expert e's rows at starts[e] .. starts[e] + counts[e]); a group of B experts with at most
     cmax rows writes a (B * cmax)-row slab, expert b of the group at rows b * cmax .. of it, groups one after the
-    other. Returns (slot of each sorted assignment (int64 array), starts, total scratch rows)."""
+    other. Returns (slot of each sorted assignment (int64 array), total scratch rows)."""
     import numpy as np
 
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -172,7 +172,7 @@ def slot_layout(counts: list[int], groups: list[list[int]]):
         for b, e in enumerate(grp):
             slot[starts[e]:starts[e] + counts[e]] = base + b * cmax + np.arange(counts[e])
         base += len(grp) * cmax
-    return slot, starts, base
+    return slot, base
 
 
 def _unsupported(mlp) -> str | None:
@@ -285,7 +285,7 @@ class ChainMoE:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.E).tolist()
         groups = group_experts(counts)
-        slot_sorted, _, n_slots = slot_layout(counts, groups)
+        slot_sorted, n_slots = slot_layout(counts, groups)
         tok_ext = torch.cat([order // k, order.new_full((1,), T)])  # token of each sorted assignment; T: padding
         y_ext = torch.cat([y, y.new_zeros((1, y.shape[1]))])
         # the sorted assignment each slab row reads (T * k: the padding sentinel), and every group's experts
