@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -51,9 +50,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import familykit as fk  # noqa: E402
+from crashkit import TARGETS, env  # noqa: E402  the campaign's verified targets; PATH with the venv's bin first
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-TARGETS = ("campaign/campaign_summary.json", "campaign/published.verified")  # tests/crashkit.TARGETS
 PACKED = ("published", "signer.pub", "source")
 HOT = 2
 
@@ -72,10 +71,6 @@ RECIPE = {
                  {"name": "k2.r1", "chain": ["k2", "k2.r1"]},
                  {"name": "k2.r1.h2", "chain": ["k2", "k2.r1", "k2.r1.h2"]}],
 }
-
-
-def env() -> dict:
-    return dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
 
 
 def build_source(arch: str, src: Path, seed: int) -> Path:
