@@ -1,0 +1,253 @@
+"""How much each linear's quantization error costs at the model's output: a Fisher-trace measurement on the SOURCE.
+
+The model (transformers, float32) runs calibration windows; at every position a label is sampled from the model's
+own next-token distribution and the sum of those labels' log-probabilities is back-propagated. For each linear W
+(out m, in n), over windows b and samples s:
+
+    F_W = sum_{b,s} ||grad_W L_{b,s}||_F^2          (the trace of W's block of the Fisher of the mean KL, times 2T)
+
+E_y[grad grad^T] is the Fisher of the next-token distributions, so for a small error E on W with i.i.d. entries of
+variance s2, E[KL(source || quantized)] = s2 * F_W / (2 T), T the positions the KL is averaged over. An encode
+reports its proxy error in the metric of the Hessian H it was given, rho = tr(E H E^T) / tr(W H W^T); an error of
+that proxy with i.i.d. entries has s2 = rho * tr(W H W^T) / (m tr(H)). Hence the linear's predicted KL at bits K
+
+    KL_W(K) = rho_W(K) * beta_W,    beta_W = r_W * F_W / (2 T m),    r_W = tr(W H W^T) / tr(H) = sum ||y||^2 / sum ||x||^2
+
+(r over the tokens the linear sees: every position for attention, shared, dense and head, the routed positions for
+an expert), and a set of linears' predicted KL is the sum of theirs: independent errors add to second order.
+
+Why the weight gradient and not per-token output gradients: one error E acts on every token at once, so its effect
+at a position sums coherently over the earlier tokens attention mixes in; grad_W carries exactly that sum. Labels
+sampled per position are independent and of zero mean given the forward, so the estimate is unbiased for any
+grouping into windows; more ``samples`` per window lower its variance.
+
+Routed experts are transformers' fused 3-D parameters (``gate_up_proj`` [E, 2I, n], ``down_proj`` [E, n, I]); their
+gradients are per expert already. Their energies (r) need the per-expert activations, so the experts module's
+forward is replaced for the measurement by the same computation (transformers' loop over hit experts, GLU) that also
+sums them. Only gated experts of that layout are measured (every family fq calibrates but gpt-oss).
+
+Determinism: labels come from a seeded generator, windows in order, float64 sums; one machine and torch build give
+the same numbers (CPU threads fixed by the caller).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fq.errors import FqError
+
+FORMAT = "fq-sensitivity/1"
+ROUTERS = {"gate", "router", "shared_expert_gate"}  # routing linears stay as published
+
+
+@dataclass
+class LinearStat:
+    """What the measurement found for one linear (one expert's projection counts as one)."""
+
+    out_features: int
+    in_features: int
+    fisher: float = 0.0   # sum over windows and samples of ||grad_W||^2
+    x_energy: float = 0.0  # sum over the tokens it sees of ||x||^2
+    y_energy: float = 0.0  # and of ||W x||^2
+    tokens: int = 0
+    # with error directions given: per direction, sum over windows and samples of <grad_W, E>^2
+    quad: list = field(default_factory=list)
+
+    def beta(self, positions: int) -> float:
+        """Predicted KL per unit of relative proxy error (module docstring)."""
+        if self.x_energy <= 0.0 or positions <= 0:
+            return 0.0
+        return (self.y_energy / self.x_energy) * self.fisher / (2.0 * positions * self.out_features)
+
+    def to_json(self) -> dict:
+        return {"out": self.out_features, "in": self.in_features, "fisher": self.fisher, "x_energy": self.x_energy,
+                "y_energy": self.y_energy, "tokens": self.tokens}
+
+
+@dataclass
+class Sensitivity:
+    positions: int
+    samples: int
+    linears: dict[str, LinearStat] = field(default_factory=dict)
+
+    def beta(self, name: str) -> float:
+        return self.linears[name].beta(self.positions)
+
+
+def _is_fused_experts(module) -> bool:
+    gu, d = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return gu is not None and d is not None and getattr(gu, "dim", lambda: 0)() == 3 and d.dim() == 3
+
+
+def _expert_names(prefix: str, e: int) -> tuple[str, str, str]:
+    return (f"{prefix}.{e}.gate_proj", f"{prefix}.{e}.up_proj", f"{prefix}.{e}.down_proj")
+
+
+class _ExpertsTap:
+    """Replaces a fused GLU experts module's forward by the same computation that also sums per-expert energies."""
+
+    def __init__(self, name: str, module, stats: dict, record: list):
+        import torch
+
+        self.name, self.module, self.stats, self.record = name, module, stats, record
+        E, I2, n = module.gate_up_proj.shape
+        self.E, self.I = E, I2 // 2
+        for e in range(E):
+            g, u, d = _expert_names(name, e)
+            stats[g] = LinearStat(self.I, n)
+            stats[u] = LinearStat(self.I, n)
+            stats[d] = LinearStat(n, self.I)
+        self._orig = module.forward
+        self._torch = torch
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        torch, m = self._torch, self.module
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.E):
+            tok, pos = torch.where(top_k_index == e)
+            if tok.numel() == 0:
+                continue
+            x = hidden_states[tok]
+            gu = torch.nn.functional.linear(x, m.gate_up_proj[e])
+            gate, up = gu[..., :self.I], gu[..., self.I:]
+            a = m.act_fn(gate) * up
+            y = torch.nn.functional.linear(a, m.down_proj[e])
+            if self.record[0]:
+                self._sum(e, int(tok.numel()), x, gate, up, a, y)
+            out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
+        return out
+
+    def _sum(self, e: int, tokens: int, x, gate, up, a, y):
+        torch = self._torch
+        with torch.no_grad():
+            g, u, d = _expert_names(self.name, e)
+            xe = float(x.double().pow(2).sum())
+            for nm, xen, yen in ((g, xe, float(gate.double().pow(2).sum())),
+                                 (u, xe, float(up.double().pow(2).sum())),
+                                 (d, float(a.double().pow(2).sum()), float(y.double().pow(2).sum()))):
+                s = self.stats[nm]
+                s.x_energy += xen
+                s.y_energy += yen
+                s.tokens += tokens
+
+    def __enter__(self):
+        self.module.forward = self.forward
+        return self
+
+    def __exit__(self, *exc):
+        self.module.forward = self._orig
+
+
+def quantizable_linears(model) -> dict[str, object]:
+    """name -> nn.Linear of every 2-D linear fq may quantize: the decoder layers' linears but the routers, and the
+    head. Fused experts are handled apart (``fused_experts``)."""
+    import torch
+
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and (".layers." in f".{name}" or name.endswith("lm_head")) \
+                and name.rsplit(".", 1)[-1] not in ROUTERS:
+            out[name] = mod
+    return out
+
+
+def fused_experts(model) -> dict[str, object]:
+    return {name: mod for name, mod in model.named_modules() if _is_fused_experts(mod)}
+
+
+def _add(stat: LinearStat, grad, dirs) -> None:
+    grad = grad.double()
+    stat.fisher += float(grad.pow(2).sum())
+    if dirs:
+        if not stat.quad:
+            stat.quad = [0.0] * len(dirs)
+        for i, E in enumerate(dirs):
+            stat.quad[i] += float((grad * E.to(grad.device, grad.dtype)).sum()) ** 2
+
+
+def _take_grads(linears: dict, experts: dict, stats: dict, directions: dict) -> None:
+    """Add each linear's (each expert projection's) squared gradient norm to its Fisher sum (and its squared
+    projections on the error directions), and clear the grads."""
+    import torch
+
+    with torch.no_grad():
+        for n, m in linears.items():
+            _add(stats[n], m.weight.grad, directions.get(n))
+            m.weight.grad = None
+        for n, m in experts.items():
+            I = m.gate_up_proj.shape[1] // 2
+            gu, dn = m.gate_up_proj.grad, m.down_proj.grad
+            for e in range(gu.shape[0]):
+                g, u, d = _expert_names(n, e)
+                _add(stats[g], gu[e, :I], directions.get(g))
+                _add(stats[u], gu[e, I:], directions.get(u))
+                _add(stats[d], dn[e], directions.get(d))
+            m.gate_up_proj.grad = None
+            m.down_proj.grad = None
+
+
+def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
+            directions: dict | None = None) -> Sensitivity:
+    """The Fisher traces and energies of every quantizable linear of ``model`` (transformers, float32) on
+    ``windows`` [n, seq] token ids (module docstring). ``progress``: called with (done, total) after each window."""
+    import torch
+
+    if samples < 1:
+        raise FqError(f"sensitivity: samples {samples}: need at least 1 label sample per window")
+    linears = quantizable_linears(model)
+    experts = fused_experts(model)
+    stats: dict[str, LinearStat] = {n: LinearStat(m.out_features, m.in_features) for n, m in linears.items()}
+    record = [True]
+    taps = [_ExpertsTap(n, m, stats, record) for n, m in experts.items()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = {n: m.weight for n, m in linears.items()}
+    for n, m in experts.items():
+        params[f"{n}.gate_up_proj"] = m.gate_up_proj
+        params[f"{n}.down_proj"] = m.down_proj
+    for p in params.values():
+        p.requires_grad_(True)
+
+    def hook(name):
+        def fn(mod, args, out):
+            if not record[0]:
+                return
+            with torch.no_grad():
+                s = stats[name]
+                x = args[0]
+                s.x_energy += float(x.double().pow(2).sum())
+                s.y_energy += float(out.double().pow(2).sum())
+                s.tokens += int(x.numel() // x.shape[-1])
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    gen = torch.Generator().manual_seed(seed)
+    positions = 0
+    try:
+        for t in taps:
+            t.__enter__()
+        model.eval()
+        for i in range(windows.shape[0]):
+            ids = windows[i: i + 1]
+            for s in range(samples):
+                record[0] = s == 0  # energies once per window
+                logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
+                logp = logp.reshape(-1, logp.shape[-1])
+                with torch.no_grad():
+                    y = torch.multinomial(logp.exp(), 1, generator=gen)
+                logp.gather(1, y).sum().backward()
+                _take_grads(linears, experts, stats, directions or {})
+            positions += ids.shape[1] - 1
+            if progress is not None:
+                progress(i + 1, windows.shape[0])
+    finally:
+        for t in taps:
+            t.__exit__()
+        for h in handles:
+            h.remove()
+        for p in params.values():
+            p.requires_grad_(False)
+    for v in stats.values():
+        v.fisher /= samples
+        v.quad = [q / samples for q in v.quad]
+    return Sensitivity(positions=positions, samples=samples, linears=stats)
