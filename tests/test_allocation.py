@@ -1,0 +1,184 @@
+"""Allocation by measured sensitivity (issue 41): units under exllamav3's rules, the LDLQ error model, the Fisher
+measurement on the trained demo model (against the exact second-order KL where that is computable), and the
+knapsack solver against brute force."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from fq.allocation import error_model as em
+from fq.allocation import sensitivity, solve, units
+from fq.errors import FqError
+
+
+# -- units ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,unit", [
+    ("model.layers.0.self_attn.q_proj", "L0.attention"),
+    ("model.layers.3.self_attn.kv_b_proj", "L3.attention"),
+    ("model.layers.0.mlp.down_proj", "L0.dense"),
+    ("model.layers.1.mlp.shared_experts.up_proj", "L1.shared"),
+    ("model.layers.1.mlp.shared_expert.gate_proj", "L1.shared"),
+    ("model.layers.2.mlp.experts.7.gate_proj", "L2.routed_gate_up"),
+    ("model.layers.2.mlp.experts.7.up_proj", "L2.routed_gate_up"),
+    ("model.layers.2.mlp.experts.0.down_proj", "L2.routed_down"),
+    ("lm_head", "head"),
+])
+def test_unit_of(name, unit):
+    assert units.unit_of(name).name == unit
+
+
+def test_units_one_k_per_projection_of_all_experts():
+    names = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    g = units.group_units(names + ["lm_head", "model.layers.1.self_attn.o_proj"])
+    assert list(g) == ["L1.attention", "L1.routed_gate_up", "L1.routed_down", "head"]
+    assert len(g["L1.routed_gate_up"]) == 8 and len(g["L1.routed_down"]) == 4
+    with pytest.raises(ValueError, match="model.embed_tokens"):
+        units.unit_of("model.embed_tokens")
+
+
+# -- solver ----------------------------------------------------------------------------------------------------
+def test_linear_bytes_is_exllamav3_storage():
+    assert solve.linear_bytes(256, 128, 3) == 256 * 128 * 3 // 8 + 2 * (128 + 256) + 4
+    assert solve.linear_bytes(100, 130, 2) == 128 * 256 * 2 // 8 + 2 * (256 + 128) + 4  # padded to 128
+    assert solve.linear_bytes(100, 130, 16) == 100 * 130 * 2
+
+
+def _random_problem(rng, n_units=5, ks=(1, 2, 3, 4, 5, 6)):
+    opts = {}
+    for u in range(n_units):
+        size = rng.choice([1000, 3000, 8000])
+        sens = rng.uniform(0.1, 10.0)
+        opts[f"u{u}"] = {K: (sens * 4.0 ** -K * rng.uniform(0.7, 1.4), size * K // 8 + rng.randint(0, 50)) for K in ks}
+    return opts
+
+
+def _brute(opts, budget):
+    names = list(opts)
+    best = None
+    for combo in itertools.product(*(sorted(opts[u]) for u in names)):
+        b = sum(opts[u][K][1] for u, K in zip(names, combo))
+        if b <= budget:
+            kl = sum(opts[u][K][0] for u, K in zip(names, combo))
+            best = kl if best is None or kl < best else best
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_solver_within_its_certificate_of_brute_force(seed):
+    rng = random.Random(seed)
+    opts = _random_problem(rng)
+    lo = sum(min(b for _, b in o.values()) for o in opts.values())
+    hi = sum(max(b for _, b in o.values()) for o in opts.values())
+    budget = rng.randint(lo, hi)
+    a = solve.solve(opts, budget, weights=1000)
+    opt = _brute(opts, budget)
+    assert a.bytes <= budget
+    assert a.predicted_kl >= opt - 1e-12
+    assert a.predicted_kl <= opt + a.gap_bound + 1e-12
+    assert a.predicted_kl == pytest.approx(sum(opts[u][K][0] for u, K in a.ks.items()))
+    assert solve.solve(opts, budget, weights=1000).ks == a.ks  # deterministic
+
+
+def test_solver_spends_where_it_saves_most():
+    # same sizes; unit b is 100x as sensitive: at a budget for one upgrade, b gets it
+    opts = {u: {K: (s * 4.0 ** -K, 1000 * K) for K in (2, 3, 4)} for u, s in (("a", 1.0), ("b", 100.0))}
+    a = solve.solve(opts, 5000, weights=4000)
+    assert a.ks == {"a": 2, "b": 3} and a.bits == pytest.approx(10.0)
+    assert solve.solve(opts, 10**9, weights=4000).ks == {"a": 4, "b": 4}
+
+
+def test_budget_below_the_smallest_allocation_is_refused():
+    opts = {"a": {2: (1.0, 2000), 3: (0.5, 3000)}, "b": {2: (1.0, 2000)}}
+    with pytest.raises(FqError, match=r"budget .* below the smallest allocation.*every unit at its fewest bits"):
+        solve.solve(opts, 3999, weights=8000)
+    with pytest.raises(FqError, match="bits -1"):
+        solve.budget_from_bits(-1, 100)
+
+
+# -- error model ---------------------------------------------------------------------------------------------
+def test_direction_is_ldlq_shaped_and_seeded():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2048, 256, generator=g, dtype=torch.float64) @ torch.randn(256, 256, generator=g,
+                                                                                dtype=torch.float64)
+    H = X.T @ X / 2048
+    W = torch.randn(64, 256, generator=g, dtype=torch.float64)
+    E = em.direction(W, H, seed=3)
+    assert torch.equal(E, em.direction(W, H, seed=3)) and not torch.equal(E, em.direction(W, H, seed=4))
+    # LDLQ puts the error where H is small: far less proxy error than an i.i.d. error of the same size
+    iid = torch.randn(64, 256, generator=g, dtype=torch.float64) * W.pow(2).mean(1, keepdim=True).sqrt()
+    iid *= E.norm() / iid.norm()
+    assert em.proxy(E, W, H) < 0.5 * em.proxy(iid, W, H)
+    # the same matrix encoded by fq's LDLQ encoder: its proxy error at K is d(K) times the direction's, within 2x
+    from fq.codec.ldlq import encode_ldlq
+
+    for K in (2, 4):
+        rho = encode_ldlq(W.float(), H, K, "mul1", seed=1).proxy_err
+        ratio = rho / (em.distortion(K, "mul1") * em.proxy(E, W, H))
+        assert 0.5 < ratio < 2.0, (K, ratio)
+
+
+def test_distortion_table():
+    assert em.distortion(16, "mul1") == 0.0
+    d = [em.distortion(K, "mcg") for K in range(1, 9)]
+    assert all(3.0 < a / b < 4.5 for a, b in zip(d, d[1:]))  # about 6 dB a bit
+    with pytest.raises(FqError, match="K 9"):
+        em.distortion(9, "mul1")
+
+
+# -- the measurement, on the trained demo model ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from fq.model import demo_model
+    from fq.runtime.evaluate import tokenize
+    from fq.runtime.quality import token_windows
+
+    d = tmp_path_factory.mktemp("demo")
+    demo_model.write(d / "model", d / "text")
+    model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32).eval()
+    ids, _ = tokenize(d / "model", (d / "text" / "calibration.txt").read_text())
+    return model, token_windows(ids, 64, 4 * 64)
+
+
+def test_measure_covers_every_linear_and_is_deterministic(demo):
+    model, windows = demo
+    with torch.random.fork_rng():
+        a = sensitivity.measure(model, windows[:2], samples=1, seed=5)
+        b = sensitivity.measure(model, windows[:2], samples=1, seed=5)
+    assert a.positions == 2 * 63
+    names = set(a.linears)
+    assert "lm_head" in names and "model.layers.1.mlp.experts.7.down_proj" in names
+    assert "model.layers.1.mlp.shared_experts.gate_proj" in names and "model.layers.0.mlp.up_proj" in names
+    assert not any(n.endswith(".gate") for n in names)  # routers stay
+    assert {n: s.to_json() for n, s in a.linears.items()} == {n: s.to_json() for n, s in b.linears.items()}
+    assert all(s.fisher > 0 for n, s in a.linears.items() if s.tokens)
+    # an expert sees its routed tokens only: top-2 of 8, so each layer's experts see 2x the positions together
+    routed = sum(s.tokens for n, s in a.linears.items() if ".layers.1.mlp.experts." in n and n.endswith("down_proj"))
+    assert routed == 2 * 2 * 64
+    assert not any(p.requires_grad for p in model.parameters())  # left as found
+
+
+def test_quadratic_form_predicts_the_heads_kl(demo):
+    """For the head the KL of a small error is exactly quadratic at the output: the Fisher estimate in that error's
+    direction must match the measured KL(source || perturbed) on the same windows."""
+    model, windows = demo
+    head = model.lm_head.weight
+    g = torch.Generator().manual_seed(0)
+    E = torch.randn(head.shape, generator=g) * head.detach().pow(2).mean().sqrt() * 0.02
+    s = sensitivity.measure(model, windows, samples=8, seed=1, directions={"lm_head": [E]})
+    predicted = s.linears["lm_head"].quad[0] / (2 * s.positions)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), -1)
+        head += E
+        try:
+            q = torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), -1)
+        finally:
+            head -= E
+    measured = float((ref.exp() * (ref - q)).sum(-1).mean())
+    assert predicted == pytest.approx(measured, rel=0.35), (predicted, measured)
+    assert math.isfinite(s.beta("lm_head")) and s.beta("lm_head") > 0
