@@ -498,9 +498,27 @@ def test_the_stages_attention_residual_is_ldlq_against_the_committed_base_linear
     assert planned["a.r1"]["model_bpw"] == rows["a.r1"]["model_bpw"] > planned["a"]["model_bpw"] + 2
 
 
+def test_eval_pairs_from_the_signed_plans_as_the_report_from_the_recipe(cal):
+    """fq eval pairs a chain with a base from the signed plans, the report and the native jobs from the recipe: one
+    rule (fq.planning.native) over the same facts, equal product by product (a: its linear nodes, e: none, a.r1:
+    a's and the attention residual, its last node on the hot experts only: no base is its like)."""
+    from fq.planning.native import native_bases, plan_likes, recipe_likes
+    from fq.planning.plan import Plan
+    from fq.planning.recipe import load_recipe
+
+    out = cal / "campaign"
+    plan = Plan.from_json(canonical.load(out / "plan.json"))
+    plans = {p: statement(out / "published" / "assemblies" / f"{p}.assembly")["predicate"] for p in ("a", "a.r1", "e")}
+    likes = plan_likes(plans)
+    assert likes == recipe_likes(load_recipe(cal / "recipe.json"), plan.selections)
+    assert likes["a.r1"][1].linears == likes["a"][1].linears | {plan.linear(RESIDUAL)["digest"]}
+    assert likes["e"][1].linears == frozenset() and native_bases(likes) == {}
+
+
 def test_the_cpu_runtime_sums_the_base_linear_and_the_stages_residual(cal, tmp_path):
     """product a.r1's attention linears are the sum of the base's reconstruction and the stage's residual (exactly
-    reconstruct_chain of the two published tensor sets), closer to the source than the base's alone; consumers that
+    reconstruct_chain of the two published tensor sets), closer to the source than the base's alone, and fq eval's
+    one-pass point for it keeps them (it differs from the product in the last node's experts alone); consumers that
     carry routed-expert stages only (fq combine, tp-export, the exllamav3 runtime) refuse the product by name."""
     from fq.codec import reconstruct_chain
     from fq.provenance.attest import keys
@@ -526,6 +544,14 @@ def test_the_cpu_runtime_sums_the_base_linear_and_the_stages_residual(cal, tmp_p
             assert torch.equal(summed, reconstruct_chain(chain, name, tuple(w.shape)))
             assert torch.equal(base, reconstruct_chain(chain[:1], name, tuple(w.shape)))
             assert (summed - w).norm() < 0.7 * (base - w).norm()
+    from fq.runtime.evaluate import native_tensors, weight_only_sets
+
+    state = states["a.r1"]
+    stand_in = weight_only_sets(out / "weight-only")["a.r1"]  # any tensor sets of the stage's experts will do
+    tensors, experts = native_tensors(state, stand_in, "weight-only twins standing in for a one-pass encode")
+    assert len(experts) == 2 * 2 and set(tensors) == set(state.tensors)
+    changed = {k for k in tensors if not torch.equal(tensors[k], state.tensors[k])}
+    assert changed == {state.expert_key(l, e, p) for l, e in experts for p in state.layout.projections}
     with pytest.raises(FqError, match="a.r1 also correct non-expert linears.*fq combine's adapter"):
         combine(plan("a.r1"), key, tmp_path / "adapter.safetensors")
     from fq.tp.sources import ProductSource

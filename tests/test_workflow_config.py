@@ -32,8 +32,9 @@ def test_demo_campaign_plan_and_native_jobs():
     assert len(c.encoded_fragments) == 3 * 4 + 2 and c.share_spec("k2.w4", 1, 0)["owner"] == "k2"
     assert c.shard_consumers_window(0) == [p for p in c.shard_consumers_window(0) if "/k2.w4/" not in p]
     assert len(c.linear_jobs) == 3 + 2 + 1 + 1  # attention, shared, dense, head: shared by k2.w4 and k3.w4
-    # k2.r1 (3 bits) is compared with the k3 base; k2.r1.h2 (5 bits) needs a native K5 encode of its experts
-    assert list(c.native_jobs) == [(5, "mul1")]
+    # k2.r1 (3 bits) is compared with the k3 base (experts-only, as k2.r1: not k3.w4, whose linears are K4); k2.r1.h2
+    # (5 bits) needs a native K5 encode of its experts
+    assert c.native_bases == {"k2.r1": "k3"} and list(c.native_jobs) == [(5, "mul1")]
     assert c.skeleton_shards == ("model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
                                  "model-00004-of-00004.safetensors")
     assert c.plan.straddling == {"model-00003-of-00004.safetensors": (0, 1)}

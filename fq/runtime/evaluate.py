@@ -5,13 +5,14 @@ encoded, measured at the model's output against the SOURCE model on held-out tex
   ``fq verify`` verifies it (every file against the statement both ways, every plan, fragment and base; the
   version state), and refused before the source or any product is loaded; then each product is loaded by
   ``fq.runtime.load``, which verifies the bytes it loads once more (nothing unverified runs).
-- Native points: for a product of more than one node at B = the chain's K summed (B <= 8), the recipe's base at
-  B bits when one is published (a product of its own, already measured: named in ``native``), else the one-pass
-  K=B encode of the experts the chain's last node covers (``NATIVE_DIR/K{B}-{codebook}/*.safetensors``, written
-  by the campaign's native jobs: comparison material, never published or signed) in place of the chain on
-  exactly those experts, the other experts keeping the product's weights: the same bits per weight on every
-  expert, encoded in one pass instead of a chain. The model is the product's verified state with those experts
-  replaced.
+- Native points: for a product of more than one node at B = the chain's K summed (B <= 8), the published base
+  that differs from it in its routed experts alone (``fq.planning.native``: K = B, the same codebook, the chain's
+  last node on every expert, the same linear nodes on every non-expert class; a product of its own, already
+  measured: named in ``native``), else the one-pass K=B encode of the experts the chain's last node covers
+  (``NATIVE_DIR/K{B}-{codebook}/*.safetensors``, written by the campaign's native jobs: comparison material, never
+  published or signed) in place of the chain on exactly those experts, the other experts keeping the product's
+  weights: the same bits per weight on every expert, encoded in one pass instead of a chain. The model is the
+  product's verified state with those experts replaced (its linears, stage residuals included, the product's own).
 - Weight-only twins (a calibrated campaign with calibration.compare_weight_only): for every product P, "P
   (weight-only)": the same chain encoded without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned
   fragments of the real nodes, a stage's residual taken against its parent's twin; comparison material, never
@@ -130,12 +131,12 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
     import torch
     import transformers
 
-    from fq.codec import reconstruct
+    from fq.planning.native import native_bases, plan_likes
     from fq.provenance.product import open_product
     from fq.provenance.publication import read_publication
     from fq.provenance.verify import verify_path
     from fq.runtime import quality
-    from fq.runtime.load import build_model, expert_shapes, load_checkpoint, product_state
+    from fq.runtime.load import build_model, load_checkpoint, product_state
 
     say = progress or (lambda msg: None)
     root = Path(published)
@@ -150,8 +151,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
     products = stmt.predicate["products"]
     plans = {name: open_product(root / e["file"], public_key, root=root, state=state).predicate
              for name, e in products.items()}
-    bare = {(p["chain"][0]["K"], p["chain"][0]["codebook"]): name for name, p in sorted(plans.items())
-            if len(p["chain"]) == 1}
+    paired = native_bases(plan_likes(plans))  # chain -> the published base it is compared with, like with like
     natives = native_sets(Path(native_dir) if native_dir is not None else None)
     twins = weight_only_sets(Path(weight_only_dir) if weight_only_dir is not None else None)
     for alias, owner in (twin_aliases or {}).items():  # a base publishing another base's experts: that base's twins
@@ -186,24 +186,12 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
             say(f"{tname}: KL {tq.kl:.6g}, perplexity {tq.ppl:.4f}, top-1 {tq.top1:.4f}")
         if len(chain) == 1 or bits > 8:
             continue
-        if (bits, cb) in bare:
-            row["native"] = bare[(bits, cb)]
+        if name in paired:
+            row["native"] = paired[name]
             continue
         if (bits, cb) not in natives:
             continue
-        last = chain[-1]["node"]
-        experts = sorted((f["layer"], e["expert"]) for f in plan["fragments"] if f["node"] == last for e in f["experts"])
-        sets = natives[(bits, cb)]
-        tensors = dict(loaded.tensors)
-        shapes = expert_shapes(loaded.config, loaded.layout, name)
-        for layer, expert in experts:
-            for proj in loaded.layout.projections:
-                tset = sets.get((layer, expert, proj))
-                if tset is None:
-                    raise FqError(f"{native_dir}: K{bits}-{cb} has no one-pass encode of layer {layer} expert {expert} "
-                                  f"{proj}, which {name}'s last node {last} covers")
-                tensors[loaded.expert_key(layer, expert, proj)] = reconstruct(
-                    tset, f"native K{bits} {cb} {proj}", shapes[proj])
+        tensors, experts = native_tensors(loaded, natives[(bits, cb)], native_dir)
         nq = quality.compare(build_model(loaded.config, tensors), ref)
         nname = f"native K{bits} {cb} for {name}"
         native_rows[nname] = _row(nq, product=name, K=bits, codebook=cb, experts=len(experts),
@@ -246,6 +234,30 @@ def table(doc: dict) -> list[dict]:
     out = [{"name": n, "kind": "product", **r} for n, r in sorted(doc["products"].items())]
     out += [{"name": n, "kind": "native", **r} for n, r in sorted(doc["native"].items())]
     return out + [{"name": n, "kind": "weight-only", **r} for n, r in sorted(doc.get("weight_only", {}).items())]
+
+
+def native_tensors(state, sets: dict, where) -> tuple[dict, list]:
+    """A native point's dense state: the product's verified ``state`` (every linear the product's own, stage residuals
+    included) with each expert its chain's last node covers replaced by its one-pass encode (``sets``: (layer,
+    expert, proj) -> tensor set); and those (layer, expert)."""
+    from fq.codec import reconstruct
+    from fq.runtime.load import expert_shapes
+
+    chain = state.plan["chain"]
+    bits, cb, last = sum(n["K"] for n in chain), chain[0]["codebook"], chain[-1]["node"]
+    experts = sorted((f["layer"], e["expert"]) for f in state.plan["fragments"] if f["node"] == last
+                     for e in f["experts"])
+    tensors = dict(state.tensors)
+    shapes = expert_shapes(state.config, state.layout, state.product)
+    for layer, expert in experts:
+        for proj in state.layout.projections:
+            tset = sets.get((layer, expert, proj))
+            if tset is None:
+                raise FqError(f"{where}: K{bits}-{cb} has no one-pass encode of layer {layer} expert {expert} "
+                              f"{proj}, which {state.product}'s last node {last} covers")
+            tensors[state.expert_key(layer, expert, proj)] = reconstruct(tset, f"native K{bits} {cb} {proj}",
+                                                                         shapes[proj])
+    return tensors, experts
 
 
 def _twin_tensors(state, plan: dict, twins: dict, where) -> dict:

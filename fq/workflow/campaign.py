@@ -19,6 +19,7 @@ from fq.model import families
 from fq.model.experts import ExpertLayout
 from fq.model.source import PROJECTIONS, SourceModel, load_source, parse_source
 from fq.model.usage import ExpertUsage, load_usage, parse_usage
+from fq.planning import native
 from fq.planning.plan import Block, Fragment, Plan, make_plan
 from fq.planning.recipe import Recipe, load_recipe
 from fq.provenance.fragments import attestation_name, fragment_filename, linear_filename
@@ -605,18 +606,24 @@ class Campaign:
 
     # -- native comparisons (report) ----------------------------------------------------------------
     @cached_property
+    def native_bases(self) -> dict[str, str]:
+        """product -> the published base it is compared with (``fq.planning.native``: the same bits, codebook and
+        linear nodes, the chain's last node on every expert), for each chain that has one."""
+        return native.native_bases(native.recipe_likes(self.recipe, self.plan.selections))
+
+    @cached_property
     def native_jobs(self) -> dict[tuple[int, str], dict[Block, tuple[int, ...]]]:
         """One-pass encodes at each multi-node product's bits, over the experts its last node encodes,
-        unless the recipe already holds a base at those bits: (K, codebook) -> {block: experts}.
-        Only with compare_native; K above 8 has no one-pass counterpart."""
+        unless the recipe publishes a base it is compared with (``native_bases``: like with like):
+        (K, codebook) -> {block: experts}. Only with compare_native; K above 8 has no one-pass counterpart."""
         if not self.config.get("compare_native"):
             return {}
-        have = {(n.K, n.codebook) for n in self.recipe.bases}
+        paired = self.native_bases
         want: dict[tuple[int, str], dict[Block, set[int]]] = {}
         for prod in self.recipe.products:
             chain = [self.recipe.node(n) for n in prod.chain]
             bits, cb = sum(n.K for n in chain), chain[0].codebook
-            if len(chain) == 1 or bits > 8 or (bits, cb) in have:
+            if len(chain) == 1 or bits > 8 or prod.name in paired:
                 continue
             for f in self.fragments:
                 if f.node == prod.chain[-1]:

@@ -1,5 +1,7 @@
 """Campaign report: relative MSE per product against bits per weight, a per-layer heatmap, each
-product beside a one-pass ("native") encode at the same bits, and a table of products, sizes and digests.
+product beside a one-pass ("native") encode at the same bits, and a table of products, sizes and digests. A chain's
+native comparison is the published base that differs from it in its routed experts alone (``fq.planning.native``:
+the same bits, codebook and linear nodes), else the campaign's one-pass encode of its last node's experts.
 
 Quality comes from the metrics each encode job writes (per expert and projection: sum of squared
 weights, sum of squared errors of the chain reconstruction up to that node). A product's error for an
@@ -77,7 +79,8 @@ def stored_bytes(c: Campaign, chain) -> int:
 
 def build_rows(c: Campaign, summary: dict) -> list[dict]:
     metrics = _load_metrics(c)
-    bases = {(n.K, n.codebook): n.name for n in c.recipe.bases}
+    paired = c.native_bases  # chain -> the published base it is compared with, like with like (fq.planning.native)
+    chains = {p.name: p.chain for p in c.recipe.products}
     # where a base runs: the family's exllamav3 class, or why none loads it (published with allow_unloadable)
     runtime = c.source.family_entry.exl3 if not c.source.exl3_problems else \
         "none: " + "; ".join(c.source.exl3_problems)
@@ -88,11 +91,11 @@ def build_rows(c: Campaign, summary: dict) -> list[dict]:
         last = set(metrics[chain[-1]])
         bits = sum(c.recipe.node(n).K for n in chain)
         cb = c.recipe.node(chain[0]).codebook
-        native_name = bases.get((bits, cb)) if len(chain) > 1 else None
-        native_name = native_name or (f"native K{bits} {cb}" if f"native K{bits} {cb}" in metrics else None)
-        native = None
-        if native_name and len(chain) > 1:
-            native = _rel(metrics[native_name], sorted(last))
+        native_name = paired.get(prod.name)
+        native_node = chains[native_name][0] if native_name else None  # the base's metrics are its node's
+        if native_name is None and len(chain) > 1 and f"native K{bits} {cb}" in metrics:
+            native_name = native_node = f"native K{bits} {cb}"
+        native = _rel(metrics[native_node], sorted(last)) if native_name else None
         info = summary["products"].get(prod.name, {})
         planned = next((p for p in c.plan.products if p["name"] == prod.name), {})
         rows.append({
