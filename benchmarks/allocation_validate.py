@@ -3,15 +3,16 @@
     python benchmarks/allocation_validate.py MODEL_DIR CAL_TEXT HELDOUT_TEXT OUT.json [--ks 2,3,4,5] \
         [--allocations 24] [--device cpu|cuda] [--cal-rows 16 --cal-cols 128] [--eval-tokens 4096]
 
-1. Calibration windows (``--cal-rows`` x ``--cal-cols`` tokens of CAL_TEXT): fq.allocation.sensitivity measures every
-   linear's beta (Fisher trace x energy ratio), and the same windows give each linear's input Hessian (routed
-   experts: gate/up over every token, down over every token's activation of that expert: the campaign's
-   ``all-experts`` capture).
-2. Every linear is LDLQ-encoded at every K of ``--ks`` (fq.codec.ldlq, mul1): its proxy error rho(K) and W_hat.
+1. Calibration windows (``--cal-rows`` x ``--cal-cols`` tokens of CAL_TEXT): fq.allocation.measure.unit_options, as
+   ``fq allocate`` runs it, predicts every unit's KL at every K of ``--ks`` from the Fisher quadratic form in an
+   LDLQ-shaped error direction (no encode).
+2. To measure: every linear is LDLQ-encoded at every K (fq.codec.ldlq, mul1) against its Hessian on the same windows
+   (routed experts: the campaign's ``all-experts`` capture).
 3. Allocations (a K per unit of fq.allocation.units): each uniform K, and ``--allocations`` seeded random ones.
-   Predicted KL = sum over linears of rho(K_unit) * beta; measured KL = KL(source || model with the allocation's
-   W_hat) on HELDOUT_TEXT windows of 256 (mean over positions, as fq eval).
-4. Spearman rank correlation and the table, to OUT.json.
+   Predicted KL = sum of the units' predictions; measured KL = KL(source || model with the allocation's W_hat) on
+   HELDOUT_TEXT windows of 256 (mean over positions, as fq eval).
+4. Spearman rank correlation; and the solver (fq.allocation.solve) at each uniform allocation's bytes against it,
+   measured (paired per window). Everything to OUT.json.
 
 Encodes are cached in OUT's folder (``encodes-*.pt``), keyed by the model's config and the Ks, so a rerun with more
 allocations does not encode again.
@@ -29,82 +30,11 @@ from pathlib import Path
 
 import torch
 
-from fq.allocation import sensitivity, units
+from fq.allocation import solve, units
+from fq.allocation.measure import apply, hessians, unit_options, weights
 from fq.codec.ldlq import encode_ldlq
 from fq.runtime.evaluate import tokenize
 from fq.runtime.quality import token_windows
-
-
-def hessians(model, windows, device) -> dict[str, torch.Tensor]:
-    """name -> (H float64 sum, count) over the calibration windows for every quantizable linear."""
-    sums: dict[str, list] = {}
-
-    def add(name, x):
-        x = x.reshape(-1, x.shape[-1]).double()
-        s = sums.setdefault(name, [torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device), 0])
-        s[0] += x.T @ x
-        s[1] += x.shape[0]
-
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: add(n, args[0]))
-               for n, m in sensitivity.quantizable_linears(model).items()]
-    origs = {}
-    for name, mod in sensitivity.fused_experts(model).items():
-        def fwd(hidden_states, top_k_index, top_k_weights, mod=mod, name=name, orig=mod.forward):
-            I = mod.gate_up_proj.shape[1] // 2
-            for e in range(mod.gate_up_proj.shape[0]):
-                gu = torch.nn.functional.linear(hidden_states, mod.gate_up_proj[e])
-                a = mod.act_fn(gu[..., :I]) * gu[..., I:]
-                add(f"{name}.{e}.gate_proj", hidden_states)
-                add(f"{name}.{e}.down_proj", a)
-            return orig(hidden_states, top_k_index, top_k_weights)
-        origs[name] = (mod, mod.forward)
-        mod.forward = fwd
-    try:
-        with torch.no_grad():
-            for i in range(windows.shape[0]):
-                model(input_ids=windows[i: i + 1].to(device))
-    finally:
-        for h in handles:
-            h.remove()
-        for mod, f in origs.values():
-            mod.forward = f
-    out = {n: (s / c) for n, (s, c) in sums.items()}
-    for n in list(out):
-        if n.endswith(".gate_proj") and ".experts." in n and "shared" not in n:
-            out[n.replace(".gate_proj", ".up_proj")] = out[n]
-    return out
-
-
-def weights(model) -> dict[str, torch.Tensor]:
-    """name -> the float32 weight of every quantizable linear (experts split out of the fused parameters)."""
-    out = {n: m.weight.detach() for n, m in sensitivity.quantizable_linears(model).items()}
-    for name, mod in sensitivity.fused_experts(model).items():
-        I = mod.gate_up_proj.shape[1] // 2
-        for e in range(mod.gate_up_proj.shape[0]):
-            out[f"{name}.{e}.gate_proj"] = mod.gate_up_proj[e, :I].detach()
-            out[f"{name}.{e}.up_proj"] = mod.gate_up_proj[e, I:].detach()
-            out[f"{name}.{e}.down_proj"] = mod.down_proj[e].detach()
-    return out
-
-
-def apply(model, tensors: dict[str, torch.Tensor]) -> None:
-    """Write W_hat tensors (names as ``weights``) into the model in place."""
-    lin = sensitivity.quantizable_linears(model)
-    exp = sensitivity.fused_experts(model)
-    with torch.no_grad():
-        for n, t in tensors.items():
-            if n in lin:
-                lin[n].weight.copy_(t)
-                continue
-            prefix, e, proj = n.rsplit(".", 2)
-            mod, e = exp[prefix], int(e)
-            I = mod.gate_up_proj.shape[1] // 2
-            if proj == "gate_proj":
-                mod.gate_up_proj[e, :I].copy_(t)
-            elif proj == "up_proj":
-                mod.gate_up_proj[e, I:].copy_(t)
-            else:
-                mod.down_proj[e].copy_(t)
 
 
 def log_probs(model, windows, device) -> list[torch.Tensor]:
@@ -150,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cal-rows", type=int, default=16)
     ap.add_argument("--cal-cols", type=int, default=128)
     ap.add_argument("--eval-tokens", type=int, default=4096)
-    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -165,7 +95,7 @@ def main(argv=None) -> int:
     ev = token_windows(ev_ids, 256, a.eval_tokens)
 
     t0 = time.time()
-    sens = sensitivity.measure(model, cal, samples=a.samples)
+    options, n_weights, sens = unit_options(model, cal, ks, "mul1", samples=a.samples)
     t_sens = time.time() - t0
     print(f"sensitivity: {len(sens.linears)} linears, {sens.positions} positions, {t_sens:.1f} s", flush=True)
     W = weights(model)
@@ -186,27 +116,46 @@ def main(argv=None) -> int:
         print(file=sys.stderr)
         torch.save(enc, cache)
     groups = units.group_units(W)
-    beta = {n: sens.beta(n) for n in W}
     rng = random.Random(0)
     allocs = [{u: K for u in groups} for K in ks]
     allocs += [{u: rng.choice(ks) for u in groups} for _ in range(a.allocations)]
     ref = log_probs(model, ev, dev)
     orig = {n: t.clone() for n, t in W.items()}
+
+    def measured(alloc):
+        apply(model, {n: enc[(n, alloc[u])][1].to(dev) for u, ns in groups.items() for n in ns})
+        try:
+            return kl(ref, log_probs(model, ev, dev))
+        finally:
+            apply(model, orig)
+
     rows = []
     for j, alloc in enumerate(allocs):
-        pred = sum(enc[(n, alloc[u])][0] * beta[n] for u, ns in groups.items() for n in ns)
-        apply(model, {n: enc[(n, alloc[u])][1].to(dev) for u, ns in groups.items() for n in ns})
-        meas, per_window = kl(ref, log_probs(model, ev, dev))
-        apply(model, orig)
-        rows.append({"allocation": alloc, "predicted_kl": pred, "measured_kl": meas})
+        pred = sum(options[u][K][0] for u, K in alloc.items())
+        meas, _ = measured(alloc)
+        bts = sum(options[u][K][1] for u, K in alloc.items())
+        rows.append({"allocation": alloc, "predicted_kl": pred, "measured_kl": meas, "bits": 8 * bts / n_weights})
         print(f"allocation {j}: predicted {pred:.5f} measured {meas:.5f}", flush=True)
+    solved = []  # the solver at each uniform allocation's bytes, against it (paired per window)
+    for K in ks[:-1]:
+        uni = {u: K for u in groups}
+        budget = sum(options[u][K][1] for u in groups)
+        s = solve.solve(options, budget, n_weights)
+        (mu, wu), (ms, ws) = measured(uni), measured(s.ks)
+        d = [x - y for x, y in zip(ws, wu)]
+        se = (sum((x - sum(d) / len(d)) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+        solved.append({"uniform_K": K, "bits": 8 * budget / n_weights, "uniform_kl": mu, "solved_bits": s.bits,
+                       "solved_kl": ms, "paired_diff": sum(d) / len(d), "paired_se": se, "ks": s.ks})
+        print(f"K{K} uniform {8 * budget / n_weights:.3f} bits KL {mu:.5f}; solved {s.bits:.3f} bits KL {ms:.5f} "
+              f"({ms / mu:.2f}x)", flush=True)
     rho = spearman([r["predicted_kl"] for r in rows], [r["measured_kl"] for r in rows])
     ratio = [r["measured_kl"] / r["predicted_kl"] for r in rows]
+    doc_solved = solved
     doc = {"model": a.model, "ks": ks, "calibration": [a.cal_rows, a.cal_cols], "eval_windows": int(ev.shape[0]),
            "samples": a.samples, "sensitivity_seconds": round(t_sens, 2), "spearman": rho,
            "measured_over_predicted": [min(ratio), sum(ratio) / len(ratio), max(ratio)],
-           "units": {u: {n: beta[n] for n in ns} for u, ns in groups.items()},
-           "proxy": {f"{n}@K{K}": v[0] for (n, K), v in sorted(enc.items())}, "rows": rows}
+           "options": {u: {str(K): list(v) for K, v in o.items()} for u, o in options.items()},
+           "proxy": {f"{n}@K{K}": v[0] for (n, K), v in sorted(enc.items())}, "rows": rows, "solved": doc_solved}
     out.write_text(json.dumps(doc, indent=1, sort_keys=True))
     print(f"spearman {rho:.3f}; measured/predicted min {min(ratio):.2f} mean {sum(ratio)/len(ratio):.2f} "
           f"max {max(ratio):.2f}")

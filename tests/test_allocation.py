@@ -142,11 +142,11 @@ def demo(tmp_path_factory):
     demo_model.write(d / "model", d / "text")
     model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32).eval()
     ids, _ = tokenize(d / "model", (d / "text" / "calibration.txt").read_text())
-    return model, token_windows(ids, 64, 4 * 64)
+    return model, token_windows(ids, 64, 4 * 64), d
 
 
 def test_measure_covers_every_linear_and_is_deterministic(demo):
-    model, windows = demo
+    model, windows, _ = demo
     with torch.random.fork_rng():
         a = sensitivity.measure(model, windows[:2], samples=1, seed=5)
         b = sensitivity.measure(model, windows[:2], samples=1, seed=5)
@@ -166,7 +166,7 @@ def test_measure_covers_every_linear_and_is_deterministic(demo):
 def test_quadratic_form_predicts_the_heads_kl(demo):
     """For the head the KL of a small error is exactly quadratic at the output: the Fisher estimate in that error's
     direction must match the measured KL(source || perturbed) on the same windows."""
-    model, windows = demo
+    model, windows, _ = demo
     head = model.lm_head.weight
     g = torch.Generator().manual_seed(0)
     E = torch.randn(head.shape, generator=g) * head.detach().pow(2).mean().sqrt() * 0.02
@@ -182,3 +182,41 @@ def test_quadratic_form_predicts_the_heads_kl(demo):
     measured = float((ref.exp() * (ref - q)).sum(-1).mean())
     assert predicted == pytest.approx(measured, rel=0.35), (predicted, measured)
     assert math.isfinite(s.beta("lm_head")) and s.beta("lm_head") > 0
+
+
+# -- fq allocate -----------------------------------------------------------------------------------------------
+def test_fq_allocate_writes_a_deterministic_allocation(demo, tmp_path, capsys):
+    from fq.cli import main
+    from fq.core import canonical
+
+    _, _, d = demo
+    args = ["allocate", "--model", str(d / "model"), "--text", str(d / "text" / "calibration.txt"), "--rows", "2",
+            "--columns", "32", "--samples", "1", "--ks", "2-4,16", "--bits", "2.5", "--bits", "4", "--threads", "1"]
+    assert main(args + ["--out", str(tmp_path / "a.json")]) == 0
+    assert main(args + ["--out", str(tmp_path / "b.json")]) == 0
+    a = (tmp_path / "a.json").read_bytes()
+    assert a == (tmp_path / "b.json").read_bytes()  # byte-identical rerun, no timestamp
+    doc = canonical.loads(a)
+    assert doc["format"] == "fq-allocation/1" and doc["ks"] == [2, 3, 4, 16]
+    assert set(doc["units"]) == {"L0.attention", "L0.dense", "L1.attention", "L1.shared", "L1.routed_gate_up",
+                                 "L1.routed_down", "L2.attention", "L2.shared", "L2.routed_gate_up",
+                                 "L2.routed_down", "head"}
+    assert doc["units"]["head"]["16"] == {"predicted_kl": 0.0, "bytes": 512 * 256 * 2}
+    low, high = doc["allocations"]
+    assert low["bits"] <= 2.5 and high["bits"] <= 4 and low["predicted_kl"] > high["predicted_kl"]
+    assert set(low["ks"].values()) <= {2, 3, 4, 16}
+
+
+def test_fq_allocate_refuses_bad_input_before_measuring(demo, tmp_path, capsys):
+    from fq.cli import main
+
+    _, _, d = demo
+    base = ["allocate", "--model", str(d / "model"), "--text", str(d / "text" / "calibration.txt"),
+            "--out", str(tmp_path / "a.json"), "--rows", "1", "--columns", "16", "--samples", "1"]
+    assert main(base + ["--bits", "3", "--ks", "2-9"]) == 2
+    assert "K must be 1..8 or 16" in capsys.readouterr().err
+    assert main(base + ["--bits", "0"]) == 2
+    assert "bits 0.0" in capsys.readouterr().err
+    assert main(base + ["--bits", "1", "--ks", "2-3"]) == 2
+    assert "below the smallest allocation" in capsys.readouterr().err
+    assert not (tmp_path / "a.json").exists()

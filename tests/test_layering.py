@@ -37,6 +37,7 @@ LAYERS = [
     ("codec",),               # the EXL3 trellis codec
     ("model",),               # source checkpoints, safetensors shards, expert layouts, usage, the demo model
     ("hessian",),             # calibration tokens, the layer-by-layer calibration forward, Hessian artifacts
+    ("allocation",),          # sensitivity measurement and the bits solver
     ("planning",),            # recipes, plans, pricing, cost-table calibration
     ("provenance",),          # fragments, attestations, manifests, plans, publications; verify, combine
     ("runtime", "tp"),        # consumers of verified products: transformers/exllamav3 loading, eval; TP export/load

@@ -1,0 +1,105 @@
+"""``fq allocate``'s measurement on a model that fits in memory: Hessians, LDLQ-shaped error directions, the Fisher
+quadratic forms, and each unit's predicted KL and bytes at every candidate K (docs/allocation.md).
+
+    hessians(model, windows, device) -> {linear: H}            (routed experts: the campaign's all-experts capture)
+    weights(model) -> {linear: W}                              (experts split out of transformers' fused parameters)
+    apply(model, {linear: W_hat})                              (in place; the inverse of weights)
+    unit_options(model, windows, ks, codebook, samples, seed) -> (options, weights count, Sensitivity)
+"""
+from __future__ import annotations
+
+import torch
+
+from fq.allocation import error_model, sensitivity, solve, units
+
+
+def hessians(model, windows, device) -> dict[str, torch.Tensor]:
+    """name -> (H float64 sum, count) over the calibration windows for every quantizable linear."""
+    sums: dict[str, list] = {}
+
+    def add(name, x):
+        x = x.reshape(-1, x.shape[-1]).double()
+        s = sums.setdefault(name, [torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device), 0])
+        s[0] += x.T @ x
+        s[1] += x.shape[0]
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: add(n, args[0]))
+               for n, m in sensitivity.quantizable_linears(model).items()]
+    origs = {}
+    for name, mod in sensitivity.fused_experts(model).items():
+        def fwd(hidden_states, top_k_index, top_k_weights, mod=mod, name=name, orig=mod.forward):
+            I = mod.gate_up_proj.shape[1] // 2
+            for e in range(mod.gate_up_proj.shape[0]):
+                gu = torch.nn.functional.linear(hidden_states, mod.gate_up_proj[e])
+                a = mod.act_fn(gu[..., :I]) * gu[..., I:]
+                add(f"{name}.{e}.gate_proj", hidden_states)
+                add(f"{name}.{e}.down_proj", a)
+            return orig(hidden_states, top_k_index, top_k_weights)
+        origs[name] = (mod, mod.forward)
+        mod.forward = fwd
+    try:
+        with torch.no_grad():
+            for i in range(windows.shape[0]):
+                model(input_ids=windows[i: i + 1].to(device))
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, f in origs.values():
+            mod.forward = f
+    out = {n: (s / c) for n, (s, c) in sums.items()}
+    for n in list(out):
+        if n.endswith(".gate_proj") and ".experts." in n and "shared" not in n:
+            out[n.replace(".gate_proj", ".up_proj")] = out[n]
+    return out
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    """name -> the float32 weight of every quantizable linear (experts split out of the fused parameters)."""
+    out = {n: m.weight.detach() for n, m in sensitivity.quantizable_linears(model).items()}
+    for name, mod in sensitivity.fused_experts(model).items():
+        I = mod.gate_up_proj.shape[1] // 2
+        for e in range(mod.gate_up_proj.shape[0]):
+            out[f"{name}.{e}.gate_proj"] = mod.gate_up_proj[e, :I].detach()
+            out[f"{name}.{e}.up_proj"] = mod.gate_up_proj[e, I:].detach()
+            out[f"{name}.{e}.down_proj"] = mod.down_proj[e].detach()
+    return out
+
+
+def apply(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Write W_hat tensors (names as ``weights``) into the model in place."""
+    lin = sensitivity.quantizable_linears(model)
+    exp = sensitivity.fused_experts(model)
+    with torch.no_grad():
+        for n, t in tensors.items():
+            if n in lin:
+                lin[n].weight.copy_(t)
+                continue
+            prefix, e, proj = n.rsplit(".", 2)
+            mod, e = exp[prefix], int(e)
+            I = mod.gate_up_proj.shape[1] // 2
+            if proj == "gate_proj":
+                mod.gate_up_proj[e, :I].copy_(t)
+            elif proj == "up_proj":
+                mod.gate_up_proj[e, I:].copy_(t)
+            else:
+                mod.down_proj[e].copy_(t)
+
+
+def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4, seed: int = 0, progress=None):
+    """unit -> {K: (predicted KL, bytes)} for every allocation unit of ``model`` measured on calibration ``windows``:
+    predicted KL at K = d(K) * Q / (2T), Q the Fisher quadratic form in the linear's LDLQ-shaped direction
+    (fq.allocation.error_model), summed over the unit's linears. Also the allocated weight count and the
+    measurement itself."""
+    W = weights(model)
+    H = hessians(model, windows, windows.device)
+    names = sorted(W)
+    dirs = {n: [error_model.direction(W[n], H[n], seed=seed * 1_000_003 + i)] for i, n in enumerate(names)}
+    del H
+    sens = sensitivity.measure(model, windows, samples=samples, seed=seed, directions=dirs, progress=progress)
+    T = sens.positions
+    options = {}
+    for u, ns in units.group_units(names).items():
+        q = sum(sens.linears[n].quad[0] for n in ns) / (2 * T)
+        options[u] = {K: (error_model.distortion(K, codebook) * q,
+                          sum(solve.linear_bytes(*W[n].shape, K) for n in ns)) for K in ks}
+    return options, sum(W[n].numel() for n in names), sens

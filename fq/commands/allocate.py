@@ -1,0 +1,100 @@
+"""``fq allocate --model DIR --text FILE --bits B --out FILE``: a K per allocation unit by measured sensitivity."""
+from __future__ import annotations
+
+from fq.cli_args import positive_int
+
+FORMAT = "fq-allocation/1"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("allocate", help="measure every linear's sensitivity on calibration text (Fisher quadratic form "
+                                        "of the source model's output in an LDLQ-shaped error) and choose a K per "
+                                        "unit (exllamav3's rules) that minimizes predicted KL under a bits budget")
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory transformers loads")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 calibration text")
+    p.add_argument("--out", required=True, metavar="FILE", help="where to write the allocation (fq-allocation/1)")
+    p.add_argument("--bits", required=True, type=float, action="append", metavar="B",
+                   help="bits per weight over every allocated linear (stored bytes x 8 / weights); repeat for several")
+    p.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
+    p.add_argument("--ks", default="1-8", metavar="LIST", help="candidate K, e.g. 2-6 or 2,3,4,16 (16: kept as "
+                                                                "published; default %(default)s)")
+    p.add_argument("--rows", type=positive_int, default=16, metavar="N", help="calibration windows (default %(default)s)")
+    p.add_argument("--columns", type=positive_int, default=128, metavar="N", help="tokens per window (%(default)s)")
+    p.add_argument("--samples", type=positive_int, default=4, metavar="N",
+                   help="label samples per window for the Fisher estimate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads")
+    p.set_defaults(func=run)
+
+
+def parse_ks(text: str) -> list[int]:
+    from fq.errors import FqError
+
+    ks: set[int] = set()
+    try:
+        for part in text.replace(" ", "").split(","):
+            lo, _, hi = part.partition("-")
+            ks.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise FqError(f"--ks {text!r}: expected K values or ranges such as 2-6 or 2,3,4,16") from None
+    bad = sorted(k for k in ks if not (1 <= k <= 8 or k == 16))
+    if bad or not ks:
+        raise FqError(f"--ks {text!r}: K must be 1..8 or 16 (kept as published); got {bad or 'none'}")
+    return sorted(ks)
+
+
+def run(args) -> int:
+    import hashlib
+    from pathlib import Path
+
+    import torch
+    from tqdm import tqdm
+
+    from fq.allocation import solve
+    from fq.allocation.measure import unit_options
+    from fq.core import atomic, canonical
+    from fq.core.paths import check_output_file, read_text_arg
+    from fq.model.usage import check_checkpoint_dir
+    from fq.runtime.evaluate import tokenize
+    from fq.runtime.quality import token_windows
+
+    check_checkpoint_dir(args.model, "--model")
+    check_output_file(args.out, "--out")
+    text = read_text_arg(args.text, "--text")
+    ks = parse_ks(args.ks)
+    for b in args.bits:
+        solve.budget_from_bits(b, 1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    ids, tok_sha = tokenize(Path(args.model), text)
+    windows = token_windows(ids, args.columns, args.rows * args.columns)
+    bar = tqdm(total=windows.shape[0], desc="sensitivity", unit="window")
+    options, weights, sens = unit_options(model, windows, ks, args.codebook, samples=args.samples, seed=args.seed,
+                                          progress=lambda done, total: bar.update(1))
+    bar.close()
+    allocations = []
+    for b in args.bits:
+        a = solve.solve(options, solve.budget_from_bits(b, weights), weights)
+        allocations.append({"budget_bits": b, "bits": a.bits, "bytes": a.bytes, "predicted_kl": a.predicted_kl,
+                            "gap_bound": a.gap_bound, "ks": a.ks})
+        print(f"{b} bits: {a.bits:.4f} bits, {a.bytes} bytes, predicted KL {a.predicted_kl:.6g} "
+              f"(within {a.gap_bound:.2g} of the optimum)")
+        print("  " + ", ".join(f"{u} K{k}" for u, k in a.ks.items()))
+    config = Path(args.model, "config.json").read_bytes()
+    doc = {"format": FORMAT, "codebook": args.codebook, "ks": ks,
+           "model": {"config_sha256": hashlib.sha256(config).hexdigest(), "tokenizer_sha256": tok_sha},
+           "calibration": {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "rows": args.rows,
+                           "columns": args.columns, "positions": sens.positions, "samples": args.samples,
+                           "seed": args.seed},
+           "method": "predicted KL = d(K) * Fisher quadratic form in an LDLQ-shaped error direction / (2 positions)",
+           "weights": weights,
+           "units": {u: {str(K): {"predicted_kl": kl, "bytes": by} for K, (kl, by) in o.items()}
+                     for u, o in options.items()},
+           "allocations": allocations,
+           "versions": {"torch": torch.__version__}}
+    atomic.write_text(args.out, canonical.pretty(doc))
+    print(f"{args.out}: {len(options)} units, {len(allocations)} allocation(s)")
+    return 0
