@@ -6,7 +6,8 @@
     experts        routed-expert tensor names (ExpertLayout) and the EXL3 constants a tensor set implies
     usage          expert-usage statistics (fq-expert-usage/1), measured by routing text (fq usage)
     demo_model     the embedded trained demo checkpoint (package data under fq/data/demo/)
-    demo_train     how that demo model was trained (tools/train_demo_model.py)
+    demo_train     how that demo model was trained (tools/train_demo_model.py); its schedule (lr_at) and router
+                   balancing (SelectionBalance) also train benchmarks/train_bench_moe.py
 
 What it may import: fq.core, fq.errors, fq.codec (its codebook constants); torch, transformers and tokenizers only
 inside functions (``import fq.model.source`` loads no torch). Never planning, provenance or anything above.

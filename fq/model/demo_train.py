@@ -129,11 +129,57 @@ def glm_config():
     return Glm4MoeConfig(**MODEL_CONFIG)
 
 
+def lr_at(step: int, *, steps: int, lr: float = LR, min_lr: float = MIN_LR, warmup: int = WARMUP) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps to ``lr``, then cosine
+    decay to ``min_lr`` at step ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * t))
+
+
 def _lr(step: int) -> float:
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    t = (step - WARMUP) / max(1, STEPS - WARMUP)
-    return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * t))
+    return lr_at(step, steps=STEPS)  # the demo's schedule spans STEPS whatever --steps says (as it was trained)
+
+
+class SelectionBalance:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3) of a model's routers that have a selection bias
+    (``e_score_correction_bias``): forward hooks count each router's top-k selections since the last ``reset``;
+    ``update`` raises the bias of the experts picked less than their layer's mean by ``rate`` and lowers the others'.
+    The counts live on the routers' device. Routers without a bias are not hooked (``routers`` is then empty)."""
+
+    def __init__(self, model, rate: float = BIAS_RATE):
+        import torch
+
+        from fq.model.usage import routers
+
+        self.rate = rate
+        self.routers = {L: r for L, r in routers(model).items() if hasattr(r, "e_score_correction_bias")}
+        self.loads = {L: torch.zeros(r.weight.shape[0], dtype=torch.int64, device=r.e_score_correction_bias.device)
+                      for L, r in self.routers.items()}
+        self.handles = [r.register_forward_hook(lambda m, i, o, L=L: self._count(L, o)) for L, r in self.routers.items()]
+
+    def _count(self, L: int, out) -> None:
+        import torch
+
+        self.loads[L] += torch.bincount(out[-1].reshape(-1), minlength=self.loads[L].numel())
+
+    def reset(self) -> None:
+        for c in self.loads.values():
+            c.zero_()
+
+    def update(self) -> None:
+        import torch
+
+        with torch.no_grad():  # nudge the selection bias
+            for L, r in self.routers.items():
+                c = self.loads[L].to(torch.float32)
+                r.e_score_correction_bias += self.rate * torch.sign(c.mean() - c)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 def train_model(train_ids, *, steps: int = STEPS, progress: bool = True, log=print, model=None):
@@ -144,8 +190,6 @@ def train_model(train_ids, *, steps: int = STEPS, progress: bool = True, log=pri
     import torch
     from transformers import Glm4MoeForCausalLM
 
-    from fq.model.usage import routers
-
     torch.manual_seed(SEED)
     if model is None:
         model = Glm4MoeForCausalLM(glm_config())
@@ -154,13 +198,7 @@ def train_model(train_ids, *, steps: int = STEPS, progress: bool = True, log=pri
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    rs = {L: r for L, r in routers(model).items() if hasattr(r, "e_score_correction_bias")}
-    loads = {L: torch.zeros(r.weight.shape[0], dtype=torch.int64) for L, r in rs.items()}
-
-    def hook(_m, _i, out, L):
-        loads[L] += torch.bincount(out[-1].reshape(-1), minlength=loads[L].numel())
-
-    handles = [r.register_forward_hook(lambda m, i, o, L=L: hook(m, i, o, L)) for L, r in rs.items()]
+    balance = SelectionBalance(model, BIAS_RATE)
     gen = torch.Generator().manual_seed(SEED + 1)
     n = len(train_ids)
     losses = []
@@ -175,24 +213,19 @@ def train_model(train_ids, *, steps: int = STEPS, progress: bool = True, log=pri
             x = torch.stack([train_ids[s:s + SEQ] for s in starts.tolist()])
             for g in opt.param_groups:
                 g["lr"] = _lr(step)
-            for c in loads.values():
-                c.zero_()
+            balance.reset()
             loss = model(input_ids=x, labels=x).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
-            with torch.no_grad():  # auxiliary-loss-free balancing (DeepSeek-V3): nudge the selection bias
-                for L, r in rs.items():
-                    c = loads[L].to(torch.float32)
-                    r.e_score_correction_bias += BIAS_RATE * torch.sign(c.mean() - c)
+            balance.update()  # auxiliary-loss-free balancing (DeepSeek-V3): nudge the selection bias
             losses.append(loss.item())
             if bar:
                 bar.update(1)
                 bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     finally:
-        for h in handles:
-            h.remove()
+        balance.remove()
         if bar:
             bar.close()
     wall = time.monotonic() - t0
