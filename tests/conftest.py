@@ -64,6 +64,21 @@ def campaign_copy(pristine_campaign, tmp_path):
 
 
 @pytest.fixture(scope="module")
+def hub_offline():
+    """Offline for the module that asks for it. huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported:
+    import it before the variable is set and patch its constant too, or every later test in this process stays
+    offline (the hub promotion tests did, on the same xdist worker)."""
+    from huggingface_hub import constants
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("TRANSFORMERS_OFFLINE", "1")
+    mp.setattr(constants, "HF_HUB_OFFLINE", True)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
 def glm5():
     """The synthetic GLM-5-shaped source (metadata only) that planning and pricing tests share."""
     from fq.model.source import parse_source

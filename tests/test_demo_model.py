@@ -19,7 +19,7 @@ from fq.model import demo_model
 from fq.model.source import load_source
 from fq.model.usage import load_usage, parse_usage, rankings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hub_offline")]  # offline for this module only
 
 # sha256 over the sha256 of every file `fq demo-model OUT --text T` writes: pinned, so that a change of the
 # writer or of the data is a deliberate one (tools/train_demo_model.py retrains; update this with it)
@@ -43,21 +43,6 @@ def written(tmp_path_factory):
                        capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr
     return d / "model", d / "text"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    """Offline for this module only. huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported: import it
-    before the variable is set and patch its constant too, or every later test in this process stays offline (the
-    hub promotion tests did, on the same xdist worker)."""
-    from huggingface_hub import constants
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("TRANSFORMERS_OFFLINE", "1")
-    mp.setattr(constants, "HF_HUB_OFFLINE", True)
-    yield
-    mp.undo()
 
 
 def test_checkpoint_files_and_shards(written):

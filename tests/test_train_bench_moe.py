@@ -30,19 +30,7 @@ def _module():
 
 
 bench = _module()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    """Offline for this module only (as tests/test_demo_model.py does: the hub's constant is read at import)."""
-    from huggingface_hub import constants
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("TRANSFORMERS_OFFLINE", "1")
-    mp.setattr(constants, "HF_HUB_OFFLINE", True)
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("hub_offline")  # offline for this module only
 
 
 @pytest.fixture(scope="module")

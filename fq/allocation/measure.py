@@ -4,6 +4,7 @@ quadratic forms, and each unit's predicted KL and bytes at every candidate K (do
     hessians(model, windows, device) -> {linear: H}            (routed experts: the campaign's all-experts capture)
     weights(model) -> {linear: W}                              (experts split out of transformers' fused parameters)
     apply(model, {linear: W_hat})                              (in place; the inverse of weights)
+    unit_bytes(W, ks) -> {unit: {K: bytes}}                    (exllamav3's storage; no measurement)
     unit_options(model, windows, ks, codebook, samples, seed) -> (options, weights count, Sensitivity)
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fq.allocation import error_model, sensitivity, solve, units
 
 
 def hessians(model, windows, device) -> dict[str, torch.Tensor]:
-    """name -> (H float64 sum, count) over the calibration windows for every quantizable linear."""
+    """name -> H = sum x x^T / count (float64) over the calibration windows, for every quantizable linear."""
     sums: dict[str, list] = {}
 
     def add(name, x):
@@ -85,6 +86,12 @@ def apply(model, tensors: dict[str, torch.Tensor]) -> None:
                 mod.down_proj[e].copy_(t)
 
 
+def unit_bytes(W: dict, ks) -> dict:
+    """unit -> {K: stored bytes of its linears at K}, for weights ``W`` (as ``weights`` returns them)."""
+    return {u: {K: sum(solve.linear_bytes(*W[n].shape, K) for n in ns) for K in ks}
+            for u, ns in units.group_units(W).items()}
+
+
 def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4, seed: int = 0, progress=None):
     """unit -> {K: (predicted KL, bytes)} for every allocation unit of ``model`` measured on calibration ``windows``:
     predicted KL at K = d(K) * Q / (2T), Q the Fisher quadratic form in the linear's LDLQ-shaped direction
@@ -96,10 +103,9 @@ def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4
     dirs = {n: [error_model.direction(W[n], H[n], seed=seed * 1_000_003 + i)] for i, n in enumerate(names)}
     del H
     sens = sensitivity.measure(model, windows, samples=samples, seed=seed, directions=dirs, progress=progress)
-    T = sens.positions
+    sizes = unit_bytes(W, ks)
     options = {}
     for u, ns in units.group_units(names).items():
-        q = sum(sens.linears[n].quad[0] for n in ns) / (2 * T)
-        options[u] = {K: (error_model.distortion(K, codebook) * q,
-                          sum(solve.linear_bytes(*W[n].shape, K) for n in ns)) for K in ks}
+        q = sum(sens.linears[n].quad[0] for n in ns) / (2 * sens.positions)
+        options[u] = {K: (error_model.distortion(K, codebook) * q, sizes[u][K]) for K in ks}
     return options, sum(W[n].numel() for n in names), sens

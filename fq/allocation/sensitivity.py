@@ -1,30 +1,32 @@
-"""How much each linear's quantization error costs at the model's output: a Fisher-trace measurement on the SOURCE.
+"""How much each linear's quantization error costs at the model's output: the Fisher of the SOURCE model's outputs.
 
 The model (transformers, float32) runs calibration windows; at every position a label is sampled from the model's
-own next-token distribution and the sum of those labels' log-probabilities is back-propagated. For each linear W
-(out m, in n), over windows b and samples s:
+own next-token distribution and the sum of those labels' log-probabilities, L_{b,s} for window b and sample s, is
+back-propagated. E_y[grad grad^T] is the Fisher of the next-token distributions, so for a small error E on a linear
+W, to second order
 
-    F_W = sum_{b,s} ||grad_W L_{b,s}||_F^2          (the trace of W's block of the Fisher of the mean KL, times 2T)
+    E[KL(source || quantized)] = (1/2T) * sum_{b,s} <grad_W L_{b,s}, E>^2 / samples      (T: positions averaged over)
 
-E_y[grad grad^T] is the Fisher of the next-token distributions, so for a small error E on W with i.i.d. entries of
-variance s2, E[KL(source || quantized)] = s2 * F_W / (2 T), T the positions the KL is averaged over. An encode
-reports its proxy error in the metric of the Hessian H it was given, rho = tr(E H E^T) / tr(W H W^T); an error of
-that proxy with i.i.d. entries has s2 = rho * tr(W H W^T) / (m tr(H)). Hence the linear's predicted KL at bits K
-
-    KL_W(K) = rho_W(K) * beta_W,    beta_W = r_W * F_W / (2 T m),    r_W = tr(W H W^T) / tr(H) = sum ||y||^2 / sum ||x||^2
-
-(r over the tokens the linear sees: every position for attention, shared, dense and head, the routed positions for
-an expert), and a set of linears' predicted KL is the sum of theirs: independent errors add to second order.
+``measure(..., directions={linear: [E, ...]})`` accumulates those quadratic forms (``LinearStat.quad``): with E the
+LDLQ-shaped direction of fq.allocation.error_model, this is the prediction ``fq allocate`` uses
+(fq.allocation.measure.unit_options; docs/allocation.md).
 
 Why the weight gradient and not per-token output gradients: one error E acts on every token at once, so its effect
 at a position sums coherently over the earlier tokens attention mixes in; grad_W carries exactly that sum. Labels
 sampled per position are independent and of zero mean given the forward, so the estimate is unbiased for any
 grouping into windows; more ``samples`` per window lower its variance.
 
+Also measured, as the isotropic diagnostic docs/allocation.md compares against (Spearman 0.78 where the quadratic
+form reaches 0.97): the Fisher trace F_W = sum ||grad_W||^2 / samples and the energies sum ||x||^2, sum ||W x||^2
+over the tokens the linear sees (every position, or an expert's routed positions), from which ``LinearStat.beta``
+gives KL per unit of relative proxy error for an error with i.i.d. entries: r * F / (2 T m), r = sum ||Wx||^2 /
+sum ||x||^2, m = out features.
+
 Routed experts are transformers' fused 3-D parameters (``gate_up_proj`` [E, 2I, n], ``down_proj`` [E, n, I]); their
-gradients are per expert already. Their energies (r) need the per-expert activations, so the experts module's
-forward is replaced for the measurement by the same computation (transformers' loop over hit experts, GLU) that also
-sums them. Only gated experts of that layout are measured (every family fq calibrates but gpt-oss).
+gradients are per expert already. Their energies and routed token counts need the per-expert activations, so the
+experts module's forward is replaced for the measurement by the same computation (transformers' loop over hit
+experts, GLU) that also sums them. Only gated experts of that layout are measured (every family fq calibrates but
+gpt-oss).
 
 Determinism: labels come from a seeded generator, windows in order, float64 sums; one machine and torch build give
 the same numbers (CPU threads fixed by the caller).
@@ -54,7 +56,7 @@ class LinearStat:
     quad: list = field(default_factory=list)
 
     def beta(self, positions: int) -> float:
-        """Predicted KL per unit of relative proxy error (module docstring)."""
+        """KL per unit of relative proxy error for an i.i.d. error (the isotropic diagnostic: module docstring)."""
         if self.x_energy <= 0.0 or positions <= 0:
             return 0.0
         return (self.y_energy / self.x_energy) * self.fisher / (2.0 * positions * self.out_features)
@@ -188,8 +190,9 @@ def _take_grads(linears: dict, experts: dict, stats: dict, directions: dict) -> 
 
 def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
             directions: dict | None = None) -> Sensitivity:
-    """The Fisher traces and energies of every quantizable linear of ``model`` (transformers, float32) on
-    ``windows`` [n, seq] token ids (module docstring). ``progress``: called with (done, total) after each window."""
+    """The Fisher quadratic forms in ``directions`` (linear -> [E, ...]), traces and energies of every quantizable
+    linear of ``model`` (transformers, float32) on ``windows`` [n, seq] token ids (module docstring).
+    ``progress``: called with (done, total) after each window."""
     import torch
 
     if samples < 1:

@@ -16,7 +16,7 @@ weights of every allocated linear (unpadded): 8 * bytes / weights.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fq.codec.shape import padded
 from fq.core.units import fmt_bytes
@@ -41,7 +41,6 @@ class Allocation:
     weights: int
     budget_bytes: int
     gap_bound: float  # predicted KL above the optimum at this budget by at most this
-    options: dict = field(default_factory=dict, compare=False)  # unit -> {K: (kl, bytes)}
 
     @property
     def bits(self) -> float:
@@ -95,7 +94,7 @@ def solve(options: dict, budget_bytes: int, weights: int) -> Allocation:
     gap = 0.0
     skipped = []
     while heap:
-        eff, _, u, db, dk = heapq.heappop(heap)
+        _, _, u, db, dk = heapq.heappop(heap)
         if used + db <= budget_bytes:
             used += db
             at[u] += 1
@@ -119,7 +118,7 @@ def solve(options: dict, budget_bytes: int, weights: int) -> Allocation:
             ks[u] = best[0]
     kl = sum(options[u][K][0] for u, K in ks.items())
     return Allocation(ks=ks, predicted_kl=kl, bytes=used, weights=weights, budget_bytes=budget_bytes,
-                      gap_bound=gap, options=options)
+                      gap_bound=gap)
 
 
 def budget_from_bits(bits: float, weights: int) -> int:

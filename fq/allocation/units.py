@@ -22,9 +22,6 @@ import re
 from dataclasses import dataclass
 
 UNIT_KINDS = ("attention", "dense", "shared", "routed_gate_up", "routed_down", "head")
-# which recipe class (fq.model.linears) or expert projection each unit kind is
-CLASS_OF = {"attention": "attention", "dense": "dense", "shared": "shared", "head": "head",
-            "routed_gate_up": "experts", "routed_down": "experts"}
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")

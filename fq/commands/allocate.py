@@ -51,7 +51,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from fq.allocation import solve
-    from fq.allocation.measure import unit_options
+    from fq.allocation.measure import unit_bytes, unit_options, weights
     from fq.core import atomic, canonical
     from fq.core.paths import check_output_file, read_text_arg
     from fq.model.usage import check_checkpoint_dir
@@ -69,6 +69,12 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    W = weights(model)
+    sizes, n_weights = unit_bytes(W, ks), sum(w.numel() for w in W.values())
+    for b in args.bits:  # an unmeetable budget is refused before the measurement, by the solver's own check
+        solve.solve({u: {K: (0.0, by) for K, by in s.items()} for u, s in sizes.items()},
+                    solve.budget_from_bits(b, n_weights), n_weights)
+    del W
     ids, tok_sha = tokenize(Path(args.model), text)
     windows = token_windows(ids, args.columns, args.rows * args.columns)
     bar = tqdm(total=windows.shape[0], desc="sensitivity", unit="window")
