@@ -1,0 +1,121 @@
+"""K of routed experts: one number, or one per projection and per layer (a budgeted base's allocation).
+
+exllamav3's loader takes one K per projection of a layer for all its experts (gate, up and down may differ, and every
+layer may differ): ``exllamav3/modules/multilinear.py``. fq's expert K therefore has two shapes:
+
+- a **fragment spec**, what one (node, layer, block) fragment holds: an ``int`` (every linear at that K) or a mapping
+  ``{"gate": K, "up": K, "down": K}`` over the canonical projections (``fq.model.source.PROJECTIONS``, whatever the
+  checkpoint calls them);
+- a **node spec**, what a node's experts are across layers: an ``int`` (every layer), or ``{layer: fragment spec}``.
+
+A uniform mapping is normalised to its ``int``, so a budgeted base whose allocation happens to be uniform writes the
+same bytes as a fixed-K base. In JSON (plans, predicates, assemblies) a fragment spec is the int or the mapping; a
+node spec's layers are string keys. In a safetensors header (strings only) a fragment spec is ``"3"`` or the
+canonical JSON of the mapping.
+"""
+from __future__ import annotations
+
+import json
+from typing import Mapping, Union
+
+from fq.errors import FqError
+
+PROJECTIONS = ("gate", "up", "down")  # as fq.model.source.PROJECTIONS (not imported: core sits below model)
+K_RANGE = range(1, 9)
+
+FragmentK = Union[int, Mapping[str, int]]
+NodeK = Union[int, Mapping[int, FragmentK]]
+
+
+def _k(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in K_RANGE:
+        raise FqError(f"{where}: expected an integer K in 1..8, got {value!r}")
+    return value
+
+
+def fragment(spec, where: str = "K") -> FragmentK:
+    """A checked, normalised fragment spec (a uniform mapping becomes its int)."""
+    if isinstance(spec, Mapping):
+        if sorted(spec) != sorted(PROJECTIONS):
+            raise FqError(f"{where}: expected K for exactly the projections {', '.join(PROJECTIONS)}, "
+                          f"got {', '.join(map(str, spec)) or 'none'}")
+        out = {p: _k(spec[p], f"{where}.{p}") for p in PROJECTIONS}
+        return out["gate"] if len(set(out.values())) == 1 else out
+    return _k(spec, where)
+
+
+def proj(spec: FragmentK, projection: str) -> int:
+    """The K of one canonical projection (gate, up, down) under a fragment spec."""
+    return spec if isinstance(spec, int) else spec[projection]
+
+
+def at_layer(spec: NodeK, layer: int, where: str = "K") -> FragmentK:
+    """A node spec's fragment spec at ``layer``."""
+    if isinstance(spec, int):
+        return spec
+    try:
+        return spec[layer]
+    except KeyError:
+        raise FqError(f"{where}: no K for layer {layer} (layers {', '.join(map(str, sorted(spec)))})") from None
+
+
+def node(spec, where: str = "K") -> NodeK:
+    """A checked node spec; a per-layer mapping whose layers all hold one int K becomes that int."""
+    if isinstance(spec, Mapping):
+        out = {int(layer): fragment(s, f"{where}[{layer}]") for layer, s in spec.items()}
+        if not out:
+            raise FqError(f"{where}: expected K per layer, got an empty mapping")
+        values = {json.dumps(v, sort_keys=True) for v in out.values()}
+        return next(iter(out.values())) if len(values) == 1 and isinstance(next(iter(out.values())), int) else out
+    return _k(spec, where)
+
+
+def to_json(spec):
+    """A fragment or node spec as JSON data (layers as string keys, in layer order)."""
+    if isinstance(spec, int):
+        return spec
+    if all(p in spec for p in PROJECTIONS) and len(spec) == len(PROJECTIONS):
+        return {p: spec[p] for p in PROJECTIONS}
+    return {str(layer): to_json(spec[layer]) for layer in sorted(spec)}
+
+
+def node_from_json(data, where: str = "K") -> NodeK:
+    return node(data, where)
+
+
+def to_meta(spec: FragmentK) -> str:
+    """A fragment spec as a safetensors header string."""
+    return str(spec) if isinstance(spec, int) else json.dumps(to_json(spec), sort_keys=True, separators=(",", ":"))
+
+
+def from_meta(text: str, where: str = "K") -> FragmentK:
+    """The inverse of ``to_meta``, refusing anything else."""
+    if isinstance(text, str) and text.isdigit():
+        return fragment(int(text), where)
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError):
+        raise FqError(f"{where}: expected an integer K or a JSON object of K per projection, got {text!r}") from None
+    if not isinstance(data, Mapping) or to_meta(fragment(data, where)) != text:
+        raise FqError(f"{where}: expected an integer K or the canonical JSON of K per projection, got {text!r}")
+    return fragment(data, where)
+
+
+def bits(spec) -> float:
+    """Mean trellis bits per expert weight: gate, up and down hold equally many weights (intermediate x hidden)."""
+    if isinstance(spec, int):
+        return float(spec)
+    if all(p in spec for p in PROJECTIONS) and len(spec) == len(PROJECTIONS):
+        return sum(spec[p] for p in PROJECTIONS) / len(PROJECTIONS)
+    return sum(bits(s) for s in spec.values()) / len(spec)
+
+
+def describe(spec) -> str:
+    """``K3``, ``gate/up K2, down K3``, or per layer ``L1 K2 / L2 gate/up K2, down K3``."""
+    if isinstance(spec, int):
+        return f"K{spec}"
+    if all(p in spec for p in PROJECTIONS) and len(spec) == len(PROJECTIONS):
+        if spec["gate"] == spec["up"]:
+            return f"gate/up K{spec['gate']}, down K{spec['down']}"
+        return ", ".join(f"{p} K{spec[p]}" for p in PROJECTIONS)
+    return " / ".join(f"L{layer} {describe(spec[layer])}" for layer in sorted(spec))
