@@ -17,6 +17,7 @@ validate(normalize_config(config), "config/schemas/config.schema.yaml")
 include: "rules/common.smk"
 include: "rules/source.smk"
 include: "rules/calibrate.smk"
+include: "rules/allocate.smk"
 include: "rules/encode.smk"
 include: "rules/finalize.smk"
 include: "rules/eval.smk"
@@ -27,6 +28,11 @@ include: "rules/report.smk"
 # plus the key/encoder bindings checked before the first job. Dry runs and --lint never get here.
 onstart:
     on_start(C, KEY, config["encode"]["device"], pending_rules())
+
+
+onsuccess:
+    if C.allocation_pending:
+        print(f"fq: allocation measured ({C.allocation_file}); run snakemake again to encode the budgeted bases")
 
 
 rule all:

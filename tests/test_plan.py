@@ -15,6 +15,7 @@ from fq.errors import FqError
 from fq.model.source import parse_source
 from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
 from fq.model.usage import parse_usage
+from fq.planning.budget import resolve_budgets
 from fq.planning.plan import load_plan, make_plan, plan_table, write_plan
 from fq.planning.recipe import load_recipe, parse_recipe
 
@@ -149,6 +150,10 @@ def test_hot_stage_fragments_only_where_hot_experts_are():
                                    vocab=1024, shard_bytes=3_000_000)
     src = parse_source(c, i, s, origin="demo-like")
     demo = hot16_recipe()
+    with pytest.raises(FqError, match="b3 have no K per unit yet"):  # its budgeted base, before resolve_budgets
+        make_plan(demo, src, usage=parse_usage({"format": "fq-expert-usage/1",
+                                                 "layers": {str(l): [1.0] * 64 for l in src.moe_layers}}))
+    demo = resolve_budgets(demo, src, None)  # provisional: every unit at the budget's nearest K
     with pytest.raises(FqError, match="16 hottest.*--usage"):
         make_plan(demo, src)
     # the 16 hottest experts of every layer sit in experts 0..15 except one at 40

@@ -76,7 +76,9 @@ def test_hot_and_demo_recipes():
     assert [(n.name, n.K, n.experts.to_json()) for n in hot.stages] == [("k2.r1", 1, "all"), ("k2.r1.h96", 2, {"hot": 96})]
     assert hot.uses_hot
     demo = load_recipe(RECIPES / "demo.json")
-    assert len(demo.bases) == 4 and {n.codebook for n in demo.nodes} == {"mul1"}
+    assert len(demo.bases) == 5 and {n.codebook for n in demo.nodes} == {"mul1"}
+    # one budgeted base (bits), whose K per unit comes from the campaign's allocation; not resolved here
+    assert [(n.name, n.bits, n.K) for n in demo.budgeted] == [("b3", 3.0, None)] and not demo.resolved
     # the two whole-model bases share one encoding of each non-expert class
     assert [n.name for n in demo.linear_nodes] == ["attention-K4-mul1", "shared-K4-mul1", "dense-K4-mul1",
                                                    "head-K6-mul1"]
@@ -287,10 +289,17 @@ def whole(name, K=2, cb="mul1", **skel):
 
 def test_bases_of_one_K_and_codebook_share_one_expert_encoding():
     demo = load_recipe(RECIPES / "demo.json")
-    assert {n.name: n.experts_from for n in demo.bases} == {"k2": None, "k3": None, "k2.w4": "k2", "k3.w4": "k3"}
+    assert {n.name: n.experts_from for n in demo.bases} == {"k2": None, "k3": None, "k2.w4": "k2", "k3.w4": "k3",
+                                                            "b3": None}
     assert demo.expert_owner("k2.w4") == "k2" and demo.expert_owner("k2.r1") == "k2.r1"
-    assert [n.name for n in demo.encoding_nodes] == ["k2", "k3", "k2.r1", "k2.r1.h2"]
+    assert [n.name for n in demo.encoding_nodes] == ["k2", "k3", "b3", "k2.r1", "k2.r1.h2"]
+    with pytest.raises(FqError, match="not resolved into K per unit"):  # b3's bits need its allocation
+        demo.encoded_bpw
     # passes and encoded bits count the shared encode once (6 nodes, 4 passes; 2+3+1+2 bits)
+    d = json.loads((RECIPES / "demo.json").read_text())
+    d["nodes"] = [n for n in d["nodes"] if n["name"] != "b3"]
+    d["products"] = [p for p in d["products"] if p["name"] != "b3"]
+    demo = parse_recipe(d)
     assert (demo.passes, demo.encoded_bpw, demo.nominal_bpw) == (4, 8, 18)
     assert "experts encoded once, as k2's" in __import__("fq.planning.recipe", fromlist=["x"]).recipe_table(demo)
     # the owner is the first experts-only base of that (K, codebook), wherever the whole-model base is listed; with

@@ -24,14 +24,20 @@ def _cfg(**over):
 def test_demo_campaign_plan_and_native_jobs():
     c = load_campaign(_cfg())
     assert c.source.moe_layers == (1, 2) or list(c.source.moe_layers) == [1, 2]
-    # k2, k3, k2.w4, k3.w4, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts
-    assert len(c.fragments) == 5 * 4 + 2
+    # the budgeted base b3 has no allocation in this campaign yet: the allocation is its only target, and the plan
+    # (parsed for the DAG's measurement phase) resolves b3 provisionally, every unit at K3
+    assert c.allocation_pending and c.measures_allocation and c.allocation_budgets == [3.0]
+    assert c.recipe.node("b3").K == 3 and dict(c.recipe.node("b3").skeleton) == {
+        "attention": 3, "shared": 3, "dense": 3, "head": 3}
+    # k2, k3, k2.w4, k3.w4, b3, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts
+    assert len(c.fragments) == 6 * 4 + 2
     # the whole-model bases publish the experts of the experts-only bases of their K (Node.experts_from): copied
-    # by share jobs, never encoded again
-    assert {f.node for f in c.shared_fragments} == {"k2.w4", "k3.w4"} and len(c.shared_fragments) == 2 * 4
+    # by share jobs, never encoded again (b3 at its provisional K3 too: k3's experts)
+    assert {f.node for f in c.shared_fragments} == {"k2.w4", "k3.w4", "b3"} and len(c.shared_fragments) == 3 * 4
     assert len(c.encoded_fragments) == 3 * 4 + 2 and c.share_spec("k2.w4", 1, 0)["owner"] == "k2"
     assert c.shard_consumers_window(0) == [p for p in c.shard_consumers_window(0) if "/k2.w4/" not in p]
-    assert len(c.linear_jobs) == 3 + 2 + 1 + 1  # attention, shared, dense, head: shared by k2.w4 and k3.w4
+    # attention, shared, dense, head: K4 shared by k2.w4 and k3.w4, K3 b3's
+    assert len(c.linear_jobs) == 2 * (3 + 2 + 1 + 1)
     # k2.r1 (3 bits) is compared with the k3 base (experts-only, as k2.r1: not k3.w4, whose linears are K4); k2.r1.h2
     # (5 bits) needs a native K5 encode of its experts
     assert c.native_bases == {"k2.r1": "k3"} and list(c.native_jobs) == [(5, "mul1")]

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from fq.cli_args import positive_int
 
-FORMAT = "fq-allocation/1"
-
 
 def register(sub) -> None:
     p = sub.add_parser("allocate", help="measure every linear's sensitivity on calibration text (Fisher quadratic form "
@@ -44,19 +42,17 @@ def parse_ks(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    import hashlib
     from pathlib import Path
 
     import torch
     from tqdm import tqdm
 
-    from fq.allocation import solve
-    from fq.allocation.measure import unit_bytes, unit_options, weights
+    from fq.allocation import document, solve
+    from fq.allocation.measure import unit_bytes, weights
     from fq.core import atomic, canonical
     from fq.core.paths import check_output_file, read_text_arg
     from fq.model.usage import check_checkpoint_dir
-    from fq.runtime.evaluate import tokenize
-    from fq.runtime.quality import token_windows
+    from fq.workflow.allocation import measure
 
     check_checkpoint_dir(args.model, "--model")
     check_output_file(args.out, "--out")
@@ -74,33 +70,17 @@ def run(args) -> int:
     for b in args.bits:  # an unmeetable budget is refused before the measurement, by the solver's own check
         solve.solve({u: {K: (0.0, by) for K, by in s.items()} for u, s in sizes.items()},
                     solve.budget_from_bits(b, n_weights), n_weights)
-    del W
-    ids, tok_sha = tokenize(Path(args.model), text)
-    windows = token_windows(ids, args.columns, args.rows * args.columns)
-    bar = tqdm(total=windows.shape[0], desc="sensitivity", unit="window")
-    options, weights, sens = unit_options(model, windows, ks, args.codebook, samples=args.samples, seed=args.seed,
-                                          progress=lambda done, total: bar.update(1))
+    del W, model
+    bar = tqdm(total=args.rows, desc="sensitivity", unit="window")
+    doc = measure(Path(args.model), text, codebook=args.codebook, ks=ks, rows=args.rows,
+                           columns=args.columns, samples=args.samples, seed=args.seed,
+                           progress=lambda done, total: bar.update(1))
     bar.close()
-    allocations = []
-    for b in args.bits:
-        a = solve.solve(options, solve.budget_from_bits(b, weights), weights)
-        allocations.append({"budget_bits": b, "bits": a.bits, "bytes": a.bytes, "predicted_kl": a.predicted_kl,
-                            "gap_bound": a.gap_bound, "ks": a.ks})
-        print(f"{b} bits: {a.bits:.4f} bits, {a.bytes} bytes, predicted KL {a.predicted_kl:.6g} "
-              f"(within {a.gap_bound:.2g} of the optimum)")
-        print("  " + ", ".join(f"{u} K{k}" for u, k in a.ks.items()))
-    config = Path(args.model, "config.json").read_bytes()
-    doc = {"format": FORMAT, "codebook": args.codebook, "ks": ks,
-           "model": {"config_sha256": hashlib.sha256(config).hexdigest(), "tokenizer_sha256": tok_sha},
-           "calibration": {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "rows": args.rows,
-                           "columns": args.columns, "positions": sens.positions, "samples": args.samples,
-                           "seed": args.seed},
-           "method": "predicted KL = d(K) * Fisher quadratic form in an LDLQ-shaped error direction / (2 positions)",
-           "weights": weights,
-           "units": {u: {str(K): {"predicted_kl": kl, "bytes": by} for K, (kl, by) in o.items()}
-                     for u, o in options.items()},
-           "allocations": allocations,
-           "versions": {"torch": torch.__version__}}
+    doc = document.with_allocations(doc, args.bits)
+    for a in doc["allocations"]:
+        print(f"{a['budget_bits']:g} bits: {a['bits']:.4f} bits, {a['bytes']} bytes, predicted KL "
+              f"{a['predicted_kl']:.6g} (within {a['gap_bound']:.2g} of the optimum)")
+        print("  " + ", ".join(f"{u} K{k}" for u, k in a["ks"].items()))
     atomic.write_text(args.out, canonical.pretty(doc))
-    print(f"{args.out}: {len(options)} units, {len(allocations)} allocation(s)")
+    print(f"{args.out}: {len(doc['units'])} units, {len(doc['allocations'])} allocation(s)")
     return 0

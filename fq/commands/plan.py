@@ -7,6 +7,8 @@ from fq.core.paths import check_output_file
 from fq.model.usage import load_usage
 from fq.planning.calibration_cost import windows_budget
 from fq.planning.plan import DEFAULT_BLOCK_SIZE, make_plan, plan_table, write_plan
+from fq.allocation import document
+from fq.planning.budget import allocation_table, resolve_args
 from fq.planning.recipe import load_recipe
 
 
@@ -16,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("recipe", help="fq-cartridge/2 recipe JSON")
     add_source_args(p)
     p.add_argument("--usage", metavar="FILE", help="expert-usage statistics (fq-expert-usage/1) for hot stages")
+    p.add_argument("--allocation", metavar="FILE", help="fq-allocation/1 (fq allocate) holding an allocation at each "
+                                                        "budgeted base's bits: K per unit, shown per layer; without "
+                                                        "it a budgeted base is planned at its budget's nearest K")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=f"experts per block (default {DEFAULT_BLOCK_SIZE})")
     add_window_args(p)
     add_calibration_args(p)
@@ -33,8 +38,15 @@ def run(args) -> int:
     windows = window_kwargs(args)
     # the Hessians and hidden states share the disk budget (None and weight-only campaigns pass through)
     windows["disk_budget"] = windows_budget(windows["disk_budget"], calibration, "--disk-budget")
-    plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **windows)
+    recipe, allocation = resolve_args(recipe, source, args.allocation)
+    plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **windows,
+                     allocation_sha256=allocation and document.sha256(allocation))
     print(plan_table(plan))
+    if recipe.budgeted:
+        print()
+        print(allocation_table(recipe, source) if allocation is not None else
+              f"budgeted base(s) {', '.join(n.name for n in recipe.budgeted)}: no --allocation, planned at their "
+              "budget's nearest K; the campaign measures the allocation first (docs/allocation.md)")
     if calibration is not None:
         from fq.core.units import fmt_bytes
         from fq.planning.calibration_cost import calibration_lines

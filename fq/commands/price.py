@@ -26,12 +26,16 @@ def register(sub) -> None:
     add_window_args(p)
     p.add_argument("--show-cost-table", action="store_true", help="also print every entry of the cost table used")
     add_calibration_args(p)
+    p.add_argument("--allocation", metavar="FILE", help="fq-allocation/1 (fq allocate) for budgeted bases (recipe "
+                                                        "bits); without it they are priced at their budget's nearest K")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    recipes = [load_recipe(r) for r in args.recipes]
+    from fq.planning.budget import resolve_args
+
     source = source_from_args(args)
+    recipes = [resolve_args(load_recipe(r), source, args.allocation)[0] for r in args.recipes]
     table = load_cost_table(args.cost_table, args.gpu_model)
     calibration = calibration_from_args(args, source)
     prices = [price_recipe(r, source, table, gpus=args.gpus, usd_per_gpu_hour=args.usd_per_gpu_hour,

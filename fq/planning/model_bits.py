@@ -31,16 +31,28 @@ from fq.planning.recipe import UNQUANTIZED
 BODY = ("attention", "shared", "dense")
 
 
-def class_bits(recipe, product) -> dict[str, int]:
+def class_bits(recipe, product, layer_weights: Mapping | None = None) -> dict[str, float]:
     """Nominal bits per weight of each non-expert class in ``product``: the sum of K over its chain's linear nodes
-    of that class (the base's, then every stage residual on it: ``Recipe.chain_linears``), 16 where the base keeps it."""
+    of that class (the base's, then every stage residual on it: ``Recipe.chain_linears``), 16 where the base keeps it.
+    A budgeted base's class whose K varies per layer: the mean over layers weighted by ``layer_weights``
+    ({class: {layer: weights}}, ``linear_layer_weights``)."""
+    base = recipe.node(product.chain[0])
+    if base.is_budgeted:  # its stages correct experts only (fq.planning.recipe refuses a skeleton on them)
+        out = {}
+        for cls in (*BODY, "head"):
+            K = base.skeleton_bits(cls)
+            if not isinstance(K, int):
+                w = layer_weights[cls]
+                K = round(sum(w[layer] * k for layer, k in K) / sum(w[layer] for layer, _ in K), 4)
+            out[cls] = K
+        return out
     chains = recipe.chain_linears(product.chain[-1])
     return {cls: sum(ln.K for ln in chains[cls]) if cls in chains else UNQUANTIZED for cls in (*BODY, "head")}
 
 
-def product_bits(recipe, product, weights: Mapping[str, int]) -> dict:
+def product_bits(recipe, product, weights: Mapping[str, int], layer_weights: Mapping | None = None) -> dict:
     experts = recipe.product_bpw(product)
-    bits = class_bits(recipe, product)
+    bits = class_bits(recipe, product, layer_weights)
     num = weights["experts"] * experts + weights.get("other", 0) * UNQUANTIZED
     den = weights["experts"] + weights.get("other", 0)
     for cls in BODY:
@@ -88,6 +100,17 @@ def linear_shapes(source) -> dict[str, tuple[str, tuple[int, int]]]:
             out[prefix_name] = (by_name.get(prefix_name, "other"), (int(shape[0]), int(shape[1])))
     if not source.tied_embeddings:
         out[HEAD] = ("head", (int(hfc.vocab_size), int(hfc.hidden_size)))
+    return out
+
+
+def linear_layer_weights(source, shapes: dict | None = None) -> dict[str, dict]:
+    """{class: {layer: weights}} of the non-expert classes (head: layer None), for per-layer K."""
+    shapes = linear_shapes(source) if shapes is None else shapes
+    out: dict = {}
+    for cls, layers in source_linears(source).items():
+        for layer, lins in layers.items():
+            out.setdefault(cls, {})[layer] = sum(shapes[lin.name][1][0] * shapes[lin.name][1][1]
+                                                 for lin in lins if lin.name in shapes)
     return out
 
 

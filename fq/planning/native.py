@@ -21,13 +21,14 @@ residuals included), like with like by construction; it exists with ``compare_na
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Mapping
 
 
 @dataclass(frozen=True)
 class Like:
-    bits: int  # K summed over the chain
+    bits: int | str  # K summed over the chain (a chain with a budgeted base's per-unit K: their JSON, its own like)
     codebook: str  # the chain's base's
     linears: frozenset  # digests of every linear node whose reconstruction the product sums (empty: experts-only)
     whole: bool  # its last node covers every routed expert (a base's always does)
@@ -51,8 +52,8 @@ def recipe_likes(recipe, selections: Mapping) -> dict[str, tuple[int, Like]]:
     out = {}
     for prod in recipe.products:
         nodes = [recipe.node(n) for n in prod.chain]
-        linears = frozenset(ln.digest for chain in recipe.chain_linears(prod.chain[-1]).values() for ln in chain)
-        out[prod.name] = (len(nodes), Like(sum(n.K for n in nodes), nodes[0].codebook, linears,
+        linears = frozenset(ln.digest for n in prod.chain for _, ln, _ in recipe.linear_assignments(n))
+        out[prod.name] = (len(nodes), Like(_bits([n.to_json()["K"] for n in nodes]), nodes[0].codebook, linears,
                                            selections[prod.chain[-1]] is None))
     return out
 
@@ -68,5 +69,12 @@ def plan_likes(plans: Mapping[str, Mapping]) -> dict[str, tuple[int, Like]]:
             covered.setdefault(f["node"], set()).update((f["layer"], e["expert"]) for e in f["experts"])
         linears = frozenset(f["digest"] for f in (*plan.get("linears", ()), *plan.get("stage_linears", ())))
         whole = covered.get(chain[-1]["node"], set()) == covered.get(chain[0]["node"])
-        out[name] = (len(chain), Like(sum(n["K"] for n in chain), chain[0]["codebook"], linears, whole))
+        out[name] = (len(chain), Like(_bits([n["K"] for n in chain]), chain[0]["codebook"], linears, whole))
     return out
+
+
+def _bits(Ks: list):
+    """K summed over a chain, or where a node's K is per unit (fq.core.kbits) the chain's K as JSON."""
+    if all(isinstance(k, int) for k in Ks):
+        return sum(Ks)
+    return json.dumps(Ks, sort_keys=True)

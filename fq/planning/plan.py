@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from fq.core import canonical
+from fq.core import canonical, kbits
 from fq.core.atomic import write_bytes
 from fq.core.layer_ranges import check_partition, format_layers, parse_ranges
 from fq.core.units import fmt_bytes
@@ -186,26 +186,33 @@ class Plan:
 # -- planning (pure) -------------------------------------------------------------------------------
 
 
-def encoded_expert_bytes(source: SourceModel, K: int) -> int:
+def encoded_expert_bytes(source: SourceModel, K) -> int:
     """Bytes one node writes per expert: per projection the K-bit trellis (in*out*K/8), fp16 suh
-    and svh, and the int32 codebook marker, at the stored (zero-padded) dims ``SourceModel.stored_shape``."""
+    and svh, and the int32 codebook marker, at the stored (zero-padded) dims ``SourceModel.stored_shape``.
+    ``K``: a fq.core.kbits fragment spec (one K, or K per projection)."""
     total = 0
     for proj in PROJECTIONS:
         out_f, in_f = source.stored_shape(proj)
-        total += out_f * in_f * K // 8 + 2 * (in_f + out_f) + 4
+        total += out_f * in_f * kbits.proj(K, proj) // 8 + 2 * (in_f + out_f) + 4
     return total
 
 
 def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: int = DEFAULT_BLOCK_SIZE,
               windows: str | Sequence | None = None, disk_budget: int | None = None,
-              windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK, allow_unloadable: bool = False) -> Plan:
+              windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK, allow_unloadable: bool = False,
+              allocation_sha256: str | None = None) -> Plan:
     """The whole campaign as data. ``windows``: operator layer ranges ("3-12,13-40"), validated
     strictly; or ``disk_budget`` (bytes): the fewest balanced windows whose peak local bytes fit;
-    neither: one window. A source family no EXL3 runtime loads is refused unless ``allow_unloadable``."""
+    neither: one window. A source family no EXL3 runtime loads is refused unless ``allow_unloadable``.
+    A recipe with budgeted bases must be resolved first (fq.planning.budget.resolve_budgets);
+    ``allocation_sha256`` names the allocation it was resolved with (part of the run identity)."""
     families.check_publishable(source.family_entry, source.exl3_problems, allow_unloadable, f"{source.origin}/config.json")
     block_size = _positive_int(block_size, "block_size")
     windows_on_disk = _positive_int(windows_on_disk, "windows_on_disk")
     selections = resolve_selections(recipe, source.moe_layers, source.n_experts, usage)
+    if not recipe.resolved:
+        raise FqError(f"recipe {recipe.source}: budgeted base(s) {', '.join(n.name for n in recipe.budgeted)} have "
+                      "no K per unit yet: resolve them against an allocation (fq.planning.budget.resolve_budgets)")
     layer_out = layer_output_bytes(recipe, source, {n: {l: len(e) for l, e in s.items()} for n, s in selections.items()})
     partition = choose_windows(source, layer_out, windows=windows, disk_budget=disk_budget,
                                windows_on_disk=windows_on_disk)
@@ -226,6 +233,8 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
         "windows": [list(layers) for layers in partition],
         "usage_sha256": usage.sha256 if (usage is not None and recipe.uses_hot) else None,
     }
+    if recipe.budgeted:
+        identity["allocation_sha256"] = allocation_sha256
     everything = tuple(range(source.n_experts))
     source_summary = {k: v for k, v in source.summary().items() if k != "origin"}
     return Plan(
@@ -236,7 +245,8 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
         block_size=block_size,
         windows_on_disk=windows_on_disk,
         nodes=tuple({**n.to_json(), "parent": n.parent, "digest": recipe.node_digest(n.name),
-                     **({"skeleton": {c: ln.name for c, ln in recipe.node_linears(n.name).items()}} if n.skeleton else {})}
+                     **({"bits": n.bits} if n.is_budgeted else {}),
+                     **({"skeleton": node_skeleton(recipe, n.name)} if n.skeleton else {})}
                     for n in recipe.nodes),
         products=_products(recipe, source),
         selections={name: (None if all(e == everything for e in sel.values()) and len(sel) == len(source.moe_layers)
@@ -253,34 +263,65 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
     )
 
 
+def node_skeleton(recipe: Recipe, name: str) -> dict:
+    """A plan node's ``skeleton``: class -> the linear node it encodes on every layer, or for a budgeted base's class
+    whose K varies per layer {layer ("head" for the head): linear node}."""
+    out: dict = {}
+    for cls, ln, layers in recipe.linear_assignments(name):
+        if layers is None:
+            out[cls] = ln.name
+        else:
+            out.setdefault(cls, {}).update({("head" if l is None else str(l)): ln.name for l in layers})
+    return {cls: (dict(sorted(v.items(), key=lambda kv: -1 if kv[0] == "head" else int(kv[0])))
+                  if isinstance(v, dict) else v) for cls, v in out.items()}
+
+
 def _products(recipe: Recipe, source: SourceModel) -> tuple[dict, ...]:
     """Each product's chain and nominal bits over the experts; with whole-model bases in the recipe, also over the
     whole model and the head (fq.planning.model_bits: the source's linear shapes from its config)."""
-    weights = None
+    weights = layer_weights = None
     if recipe.linear_nodes:
-        from fq.planning.model_bits import linear_weights
+        from fq.planning.model_bits import linear_layer_weights, linear_shapes, linear_weights
 
-        weights = linear_weights(source)
+        shapes = linear_shapes(source)
+        weights = linear_weights(source, shapes)
+        layer_weights = linear_layer_weights(source, shapes) if recipe.budgeted else None
     out = []
     for p in recipe.products:
         entry = {"name": p.name, "chain": list(p.chain), "bpw": recipe.product_bpw(p)}
         if weights is not None:
             from fq.planning.model_bits import product_bits
 
-            bits = product_bits(recipe, p, weights)
+            bits = product_bits(recipe, p, weights, layer_weights)
             entry.update(model_bpw=bits["model"], head_bits=bits["head"])
         out.append(entry)
     return tuple(out)
 
 
+def linear_node_layers(recipe: Recipe) -> dict[str, set | None]:
+    """linear node -> the layers its users need (None: every layer of its class), over every node of the recipe."""
+    out: dict = {}
+    for n in recipe.nodes:
+        for _, ln, layers in recipe.linear_assignments(n.name):
+            if layers is None or out.get(ln.name, set()) is None:
+                out[ln.name] = None
+            else:
+                out.setdefault(ln.name, set()).update(layers)
+    return out
+
+
 def plan_linears(recipe: Recipe, source: SourceModel) -> tuple[dict, ...]:
-    """The recipe's linear nodes against the source's non-expert linears (fq.model.linears): what each encodes."""
+    """The recipe's linear nodes against the source's non-expert linears (fq.model.linears): what each encodes (a
+    budgeted base's per-K node: only the layers its allocation gives that K)."""
     from fq.model.linears import source_linears
 
     found = source_linears(source)
+    needed = linear_node_layers(recipe)
     out = []
     for ln in recipe.linear_nodes:
         layers = found.get(ln.cls, {})
+        if needed[ln.name] is not None:
+            layers = {l: v for l, v in layers.items() if l in needed[ln.name]}
         if not layers:
             users = recipe.linear_users(ln.name)
             why = (" (tie_word_embeddings: the head is the embedding matrix, which stays as published)"
@@ -366,9 +407,8 @@ def stage_schedule(source: SourceModel, partition: Sequence[Sequence[int]], wind
 
 def layer_output_bytes(recipe: Recipe, source: SourceModel, counts: Mapping[str, Mapping[int, int]]) -> dict[int, int]:
     """Fragment bytes each MoE layer adds, from per-node expert counts (fq.planning.recipe.selection_counts)."""
-    per_expert = {n.name: encoded_expert_bytes(source, n.K) for n in recipe.nodes}
-    return {layer: sum(per_expert[name] * counts[name].get(layer, 0) for name in per_expert)
-            for layer in source.moe_layers}
+    return {layer: sum(encoded_expert_bytes(source, n.K_at(layer)) * counts[n.name].get(layer, 0)
+                       for n in recipe.nodes) for layer in source.moe_layers}
 
 
 def _positive_int(value, what: str) -> int:

@@ -12,12 +12,12 @@ released. ``price_recipe`` is pure: it takes a Recipe, a SourceModel and a CostT
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from fq.core import canonical
+from fq.core import canonical, kbits
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
 from fq.planning.calibration_cost import CalibrationPrice, windows_budget
@@ -121,6 +121,8 @@ class NodePrice:
     output_bytes: int
     scaled: bool  # a shape the cost table lacks was priced per tile
     experts_from: str | None = None  # a base publishing another base's expert encoding (experts 0, no GPU time)
+    # K above is a fq.core.kbits node spec for a budgeted base (K per layer and projection); seconds_per_expert its
+    # mean over the encoded experts
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,21 @@ class LinearPrice:
     replaced_bytes: int  # the source bytes of those linears, which leave the skeleton of each base using the node
     hessian_bytes: int  # their input Hessians (calibrated campaigns; packed fp32 triangles, one per input group)
     scaled: bool
+    # layer ("head" for the head) -> (output bytes, replaced bytes): what a budgeted base taking the node on some
+    # layers only publishes and replaces
+    layer_bytes: Mapping = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SensitivityPrice:
+    """The sensitivity job of a recipe with budgeted bases (fq.workflow.allocation): a forward of the source over
+    the calibration windows, a backward per label sample, and each linear's LDLQ-shaped error direction (one
+    Cholesky of its Hessian and a triangular solve), counted in FLOPs at the calibration's TFLOP/s."""
+    tokens: int
+    samples: int
+    model_flops: float  # forward + backward per sample, active parameters per token
+    direction_flops: float  # every allocated linear: in^3/3 + out*in^2
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -173,6 +190,7 @@ class Price:
     assumptions: Mapping
     calibration: "CalibrationPrice | None" = None  # calibrated: its chain's GPU time and disk are in the totals
     linears: tuple[LinearPrice, ...] = ()  # whole-model bases: the non-expert encodes (in gpu_seconds and bytes)
+    sensitivity: SensitivityPrice | None = None  # budgeted bases: the allocation's measurement (in gpu_seconds)
 
     @property
     def gpu_hours(self) -> float:
@@ -201,28 +219,40 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     verify_bytes_per_s = _positive(verify_bytes_per_s, "verify rate")
     counts = selection_counts(recipe, source.moe_layers, source.n_experts)
 
-    per_expert: dict[str, float] = {}
+    per_expert: dict[str, dict[int, float]] = {}  # node -> layer -> seconds per expert
     nodes = []
     for node in recipe.nodes:
-        secs, scaled = 0.0, False
-        for proj in PROJECTIONS:
-            s, sc = table.seconds(node.codebook, node.K, source.stored_shape(proj))  # the encoder codes the padded matrix
-            secs, scaled = secs + s * ldlq, scaled or sc
+        layer_s, scaled, out_b = {}, False, 0
+        for layer in source.moe_layers:
+            K, secs = node.K_at(layer), 0.0
+            for proj in PROJECTIONS:  # the encoder codes the padded matrix
+                s, sc = table.seconds(node.codebook, kbits.proj(K, proj), source.stored_shape(proj))
+                secs, scaled = secs + s * ldlq, scaled or sc
+            layer_s[layer] = secs
+            out_b += counts[node.name].get(layer, 0) * encoded_expert_bytes(source, K)
         n_exp = sum(counts[node.name].values())
-        out_b = n_exp * encoded_expert_bytes(source, node.K)
+        total = sum(layer_s[l] * counts[node.name].get(l, 0) for l in source.moe_layers)
         if node.experts_from is not None:  # another base's encoding, copied: no encode, the same bytes published
-            secs, n_exp, scaled = 0.0, 0, False
-        per_expert[node.name] = secs
-        nodes.append(NodePrice(node.name, node.K, node.codebook, n_exp, secs, n_exp * secs, out_b, scaled,
-                               node.experts_from))
+            layer_s, n_exp, total, scaled = {l: 0.0 for l in layer_s}, 0, 0.0, False
+        per_expert[node.name] = layer_s
+        nodes.append(NodePrice(node.name, node.K, node.codebook, n_exp, total / n_exp if n_exp else 0.0, total, out_b,
+                               scaled, node.experts_from))
     node_bytes = {n.name: n.output_bytes for n in nodes}
     skeleton = source.skeleton_bytes
-    linears, weights = _price_linears(recipe, source, table, ldlq, calibration is not None)
+    linears, weights, layer_weights = _price_linears(recipe, source, table, ldlq, calibration is not None)
     lin = {ln.name: ln for ln in linears}
 
     def base_bytes(base: str) -> int:
-        used = [lin[ln.name] for ln in recipe.base_linears(base).values()]
-        return skeleton - sum(u.replaced_bytes for u in used) + sum(u.output_bytes for u in used)
+        out = skeleton
+        for _, ln, layers in recipe.linear_assignments(base):
+            u = lin[ln.name]
+            if layers is None:
+                out += u.output_bytes - u.replaced_bytes
+            else:  # a budgeted base takes this node on some layers only
+                for layer in layers:
+                    o, r = u.layer_bytes["head" if layer is None else str(layer)]
+                    out += o - r
+        return out
 
     def stage_linear_bytes(stage: str) -> int:  # a stage's residuals on non-expert linears, published with it
         return sum(lin[ln.name].output_bytes for ln in recipe.node_linears(stage).values())
@@ -233,7 +263,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         if weights is not None:
             from fq.planning.model_bits import product_bits
 
-            bits = product_bits(recipe, p, weights)
+            bits = product_bits(recipe, p, weights, layer_weights)
             extra = {"model_bpw": bits["model"], "head_bits": bits["head"]}
         products.append(ProductPrice(p.name, p.chain, recipe.product_bpw(p),
                                      base_bytes(p.chain[0]) + sum(node_bytes[n] for n in p.chain)
@@ -249,7 +279,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     partition = choose_windows(source, layer_out, windows=windows, disk_budget=budget,
                                windows_on_disk=windows_on_disk)
     sched = stage_schedule(source, partition, windows_on_disk, layer_out)
-    layer_secs = {l: sum(per_expert[n] * counts[n][l] for n in per_expert) for l in source.moe_layers}
+    layer_secs = {l: sum(per_expert[n][l] * counts[n][l] for n in per_expert) for l in source.moe_layers}
     chain = {l: 0.0 for l in source.moe_layers}  # the calibration chain's seconds per layer (serial, one GPU)
     calib_s = 0.0
     if calibration is not None:
@@ -262,14 +292,18 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     per_window[-1][0].extend(ln.gpu_seconds for ln in linears)
     stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
     verify_s = published / verify_bytes_per_s
+    sens = price_sensitivity(source, recipe, calibration) if recipe.budgeted else None
+    ahead = sens.seconds if sens is not None else 0.0  # the allocation is measured before the plan is encoded
     options = []
     for n in range(1, gpus + 1):
         first, done = _timeline(stage_s, per_window, n, windows_on_disk)
+        first, done = first + ahead, done + ahead
         billed = n * done / 3600
         options.append(GpuOption(n, first, done, verify_s, done + verify_s, billed, billed * usd_per_gpu_hour))
     return Price(
         recipe=recipe.summary(), nodes=tuple(nodes), products=products,
-        gpu_seconds=sum(n.gpu_seconds for n in nodes) + calib_s + sum(ln.gpu_seconds for ln in linears),
+        gpu_seconds=sum(n.gpu_seconds for n in nodes) + calib_s + sum(ln.gpu_seconds for ln in linears)
+        + (sens.seconds if sens is not None else 0.0),
         published_bytes=published, skeleton_bytes=skeleton,
         windows=partition, peak_local_bytes=max(w.local_bytes for w in sched["windows"])
         + (calibration.disk_bytes if calibration is not None else 0)
@@ -277,32 +311,68 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         assumptions={"download_bytes_per_s": download_bytes_per_s, "verify_bytes_per_s": verify_bytes_per_s,
                      "usd_per_gpu_hour": usd_per_gpu_hour, "windows_on_disk": windows_on_disk,
                      "disk_budget": disk_budget, "windows": windows},
-        calibration=calibration, linears=linears,
+        calibration=calibration, linears=linears, sensitivity=sens,
     )
 
 
+SENSITIVITY_ROWS, SENSITIVITY_COLUMNS, SENSITIVITY_SAMPLES = 16, 128, 4  # fq.workflow.campaign's defaults
+
+
+def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "CalibrationPrice | None" = None, *,
+                      rows: int = SENSITIVITY_ROWS, cols: int = SENSITIVITY_COLUMNS,
+                      samples: int = SENSITIVITY_SAMPLES) -> SensitivityPrice:
+    """The allocation's measurement (``SensitivityPrice``): FLOPs at the calibration's TFLOP/s (the default without)."""
+    from fq.planning.calibration_cost import DEFAULT_TFLOPS
+    from fq.planning.model_bits import linear_shapes
+
+    shapes = linear_shapes(source)
+    top_k = int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
+    expert = 3 * source.hidden_size * source.moe_intermediate_size
+    dense = sum(o * i for cls, (o, i) in shapes.values())
+    active = dense + len(source.moe_layers) * top_k * expert
+    tokens = rows * cols
+    model = 2.0 * active * tokens * (1 + 2 * samples)  # forward, then per label sample a backward (twice a forward)
+    h, m = source.hidden_size, source.moe_intermediate_size
+    per_expert = 2 * (h ** 3 / 3 + m * h * h) + (m ** 3 / 3 + h * m * m)  # gate, up (in h) and down (in m)
+    directions = sum(i ** 3 / 3 + o * i * i for _, (o, i) in shapes.values()) \
+        + len(source.moe_layers) * source.n_experts * per_expert
+    tflops = calibration.tflops if calibration is not None else DEFAULT_TFLOPS
+    return SensitivityPrice(tokens, samples, model, directions, (model + directions) / (tflops * 1e12))
+
+
 def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq: float, calibrated: bool):
-    """(LinearPrice per linear node, the source's weights per class) of a recipe's whole-model bases; ((), None)
-    without any. The linears' shapes come from the config (fq.planning.model_bits.linear_shapes); each encodes at the cost
-    table's seconds for its padded shape; its Hessian is shared by the linears reading one input."""
+    """(LinearPrice per linear node, the source's weights per class, per class and layer) of a recipe's whole-model
+    bases; ((), None, None) without any. The linears' shapes come from the config (fq.planning.model_bits.linear_shapes);
+    each encodes at the cost table's seconds for its padded shape; its Hessian is shared by the linears reading one
+    input. A budgeted base's per-K node counts only the layers its allocation gives that K."""
     if not recipe.linear_nodes:
-        return (), None
+        return (), None, None
     from fq.codec.shape import padded_shape
     from fq.hessian.store import packed_len
-    from fq.planning.model_bits import hessian_groups, linear_shapes, linear_weights
+    from fq.model.linears import source_linears
+    from fq.planning.model_bits import hessian_groups, linear_layer_weights, linear_shapes, linear_weights
+    from fq.planning.plan import linear_node_layers
 
     shapes = linear_shapes(source)
     weights = linear_weights(source, shapes)
+    layer_of = {lin.name: lin.layer for d in source_linears(source).values() for v in d.values() for lin in v}
+    needed = linear_node_layers(recipe)
     dtype_bytes = source.dtype_bytes
     out = []
     for ln in recipe.linear_nodes:
-        mine = {n: shape for n, (cls, shape) in shapes.items() if cls == ln.cls}
+        mine = {n: shape for n, (cls, shape) in shapes.items() if cls == ln.cls
+                and (needed[ln.name] is None or layer_of.get(n) in needed[ln.name])}
         secs, scaled, out_b, hess_b = 0.0, False, 0, 0
+        per_layer: dict = {}
         for n, shape in mine.items():
             s, sc = table.seconds(ln.codebook, ln.K, padded_shape(shape))
             secs, scaled = secs + s * ldlq + (LINEAR_LDLQ_S_PER_INPUT * shape[1] if calibrated else 0.0), scaled or sc
             o, i = padded_shape(shape)
             out_b += o * i * ln.K // 8 + 2 * (i + o) + 4
+            key = "head" if layer_of.get(n) is None else str(layer_of[n])
+            lo, lr = per_layer.get(key, (0, 0))
+            per_layer[key] = (lo + o * i * ln.K // 8 + 2 * (i + o) + 4,
+                              lr + (int(shape[0] * shape[1] * dtype_bytes) if ln.parent is None else 0))
         if calibrated:
             by_layer: dict = {}
             for n in mine:
@@ -311,8 +381,8 @@ def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq
                 hess_b += sum(4 * packed_len(mine[g[0]][1]) for g in hessian_groups(names))
         # a base's linear node replaces the bf16 weights in its directory; a stage's residual replaces nothing
         replaced = sum(int(o * i * dtype_bytes) for o, i in mine.values()) if ln.parent is None else 0
-        out.append(LinearPrice(ln.name, ln.K, ln.codebook, len(mine), secs, out_b, replaced, hess_b, scaled))
-    return tuple(out), weights
+        out.append(LinearPrice(ln.name, ln.K, ln.codebook, len(mine), secs, out_b, replaced, hess_b, scaled, per_layer))
+    return tuple(out), weights, (linear_layer_weights(source, shapes) if recipe.budgeted else None)
 
 
 def _timeline(stage_s: Sequence[float], windows: Sequence[tuple[Sequence[float], Sequence[float]]], gpus: int,
@@ -395,7 +465,8 @@ def price_table(price: Price) -> str:
              f"{'node':<14} {'K':>2} {'codebook':<8} {'experts':>8} {'matrices':>9} {'s/matrix':>9} {'GPU-h':>8} {'output':>11}"]
     for n in price.nodes:
         mark = "*" if n.scaled else ""
-        lines.append(f"{n.name:<14} {n.K:>2} {n.codebook:<8} {n.experts:>8} {3 * n.experts:>9} "
+        K = n.K if isinstance(n.K, int) else "b"  # a budgeted base: K per layer and projection (fq plan shows them)
+        lines.append(f"{n.name:<14} {K:>2} {n.codebook:<8} {n.experts:>8} {3 * n.experts:>9} "
                      f"{n.seconds_per_expert / 3:>8.4f}{mark or ' '} {n.gpu_seconds / 3600:>8.2f} {fmt_bytes(n.output_bytes):>11}"
                      + (f"  (the experts of {n.experts_from}, encoded once)" if n.experts_from else ""))
     total_m = sum(3 * n.experts for n in price.nodes)
@@ -405,12 +476,20 @@ def price_table(price: Price) -> str:
         c = price.calibration
         lines.append(f"{'calibration':<14} {'':>2} {'':<8} {'':>8} {'':>9} {'':>9} {c.gpu_seconds / 3600:>8.2f} "
                      f"{fmt_bytes(c.hessian_bytes):>11}")
+    if price.sensitivity is not None:
+        lines.append(f"{'sensitivity':<14} {'':>2} {'':<8} {'':>8} {'':>9} {'':>9} "
+                     f"{price.sensitivity.seconds / 3600:>8.2f} {'':>11}")
     lines.append(f"{'total':<14} {'':>2} {'':<8} {'':>8} {total_m:>9} {'':>9} {price.gpu_hours:>8.2f} "
                  f"{fmt_bytes(sum(n.output_bytes for n in price.nodes)):>11}")
     if any(n.scaled for n in price.nodes):
         lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq calibrate --shape)")
     if price.calibration is not None:
         lines += calibration_lines(price.calibration)
+    if price.sensitivity is not None:
+        sv = price.sensitivity
+        lines.append(f"sensitivity (budgeted bases' allocation, measured before encoding): {sv.tokens} tokens x "
+                     f"{sv.samples} label samples, {sv.model_flops:.3g} model FLOPs + {sv.direction_flops:.3g} for the "
+                     f"error directions: {sv.seconds / 3600:.2f} GPU-h (held in one machine's memory today)")
     if price.linears:
         lines += ["", f"{'linear node':<20} {'matrices':>8} {'GPU-h':>8} {'output':>11} {'replaces':>11} {'Hessians':>11}"]
         for ln in price.linears:

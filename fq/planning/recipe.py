@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, replace
 from pathlib import Path
-from fq.core import canonical
+from fq.core import canonical, kbits
 from fq.core.layer_ranges import format_layers
 from fq.core.schema_check import validate
 from fq.errors import FqError
@@ -64,7 +64,9 @@ ALL = Selection("all")
 class Node:
     name: str
     kind: str  # "base" | "stage"
-    K: int
+    # routed experts' K: an int, or for a budgeted base resolved against its allocation a fq.core.kbits node spec
+    # ({layer: K or {gate, up, down: K}}); None for a budgeted base not resolved yet (resolve_budgets)
+    K: "int | dict | None"
     codebook: str
     parent: str | None  # None for a base
     experts: Selection  # ALL for a base
@@ -77,16 +79,36 @@ class Node:
     # a base whose routed experts are another base's encoding (same K and codebook: the same expert bytes), set by
     # parse_recipe (expert_owners); part of to_json, so of node_digest: a changed owner changes this base's digest
     experts_from: str | None = None
+    # a budgeted base's bits budget (recipe ``bits``): every class quantized, K per allocation unit; its ``skeleton``
+    # then maps a class to an int (every layer at that K) or to ((layer, K), ...) (the head's layer is None)
+    bits: float | None = None
 
     @property
     def is_base(self) -> bool:
         return self.kind == "base"
 
-    def skeleton_bits(self, cls: str) -> int:
+    @property
+    def is_budgeted(self) -> bool:
+        return self.bits is not None
+
+    def skeleton_bits(self, cls: str):
         return dict(self.skeleton).get(cls, UNQUANTIZED)
 
+    def expert_bits(self) -> float:
+        """Mean trellis bits per routed-expert weight (an int's float for a fixed-K node)."""
+        if self.K is None:
+            raise FqError(f"node {self.name!r}: its bits budget is not resolved into K per unit yet (no allocation)")
+        return kbits.bits(self.K)
+
+    def K_at(self, layer: int):
+        """The fragment K spec of this node's experts in ``layer`` (fq.core.kbits)."""
+        if self.K is None:
+            raise FqError(f"node {self.name!r}: its bits budget is not resolved into K per unit yet (no allocation)")
+        return kbits.at_layer(self.K, layer, f"node {self.name!r} K")
+
     def to_json(self) -> dict:
-        out = {"name": self.name, "kind": self.kind, "K": self.K, "codebook": self.codebook}
+        out = {"name": self.name, "kind": self.kind, "K": kbits.to_json(self.K) if self.K is not None else None,
+               "codebook": self.codebook}
         if not self.is_base:
             out["parent"] = self.parent
             out["experts"] = self.experts.to_json()
@@ -202,24 +224,43 @@ class Recipe:
     def linear_nodes(self) -> tuple[LinearNode, ...]:
         """Every distinct linear node a base or a stage encodes, in LINEAR_CLASSES order, then depth (a residual
         after the nodes it corrects), then K, codebook and name."""
-        found = {ln for n in self.nodes for ln in self.node_linears(n.name).values()}
+        found = {ln for n in self.nodes for _, ln, _ in self.linear_assignments(n.name)}
         return tuple(sorted(found, key=lambda n: (LINEAR_CLASSES.index(n.cls), n.depth, n.K, n.codebook, n.name)))
 
+    def linear_assignments(self, name: str) -> tuple[tuple[str, LinearNode, tuple | None], ...]:
+        """(class, linear node, layers) for every class node ``name`` encodes: a fixed base's or a stage's one linear
+        node per class on every layer of the class (layers None); a budgeted base's one linear node per K its
+        allocation gives the class, on the layers it gives that K (the head's layer is None)."""
+        n = self.node(name)
+        if not n.is_base:
+            below = self.chain_linears(n.parent)
+            return tuple((cls, LinearNode(cls, K, n.codebook, below[cls][-1]), None) for cls, K in n.skeleton)
+        out = []
+        for cls, K in n.skeleton:
+            if isinstance(K, int):
+                out.append((cls, LinearNode(cls, K, n.codebook), None))
+                continue
+            for k in sorted({k for _, k in K}):
+                out.append((cls, LinearNode(cls, k, n.codebook), tuple(layer for layer, kk in K if kk == k)))
+        return tuple(out)
+
     def base_linears(self, base: str) -> dict[str, LinearNode]:
-        """class -> the linear node a base's published directory takes that class from (quantized classes only)."""
+        """class -> the linear node a fixed base's published directory takes that class from (quantized classes
+        only); a budgeted base takes a class from several (``linear_assignments``)."""
         b = self.node(base)
         if not b.is_base:
             raise FqError(f"recipe {self.source}: {base!r} is a stage, not a base")
-        return {cls: LinearNode(cls, K, b.codebook) for cls, K in b.skeleton}
+        return self.node_linears(base)
 
     def node_linears(self, name: str) -> dict[str, LinearNode]:
-        """class -> the linear node ``name`` itself encodes: a base's quantized classes, or the classes a stage adds
-        a residual to (its parent being the chain's last linear node of that class)."""
-        n = self.node(name)
-        if n.is_base:
-            return self.base_linears(name)
-        below = self.chain_linears(n.parent)
-        return {cls: LinearNode(cls, K, n.codebook, below[cls][-1]) for cls, K in n.skeleton}
+        """class -> the linear node ``name`` itself encodes on every layer: a fixed base's quantized classes, or the
+        classes a stage adds a residual to (its parent being the chain's last linear node of that class). A
+        budgeted base's classes have one linear node per K: see ``linear_assignments``."""
+        found = self.linear_assignments(name)
+        if any(layers is not None for _, _, layers in found):
+            raise FqError(f"recipe {self.source}: budgeted base {name!r} takes a class from one linear node per K of "
+                          "its allocation, not one (linear_assignments)")
+        return {cls: ln for cls, ln, _ in found}
 
     def chain_linears(self, name: str) -> dict[str, tuple[LinearNode, ...]]:
         """class -> the linear nodes whose reconstructions a product ending at ``name`` sums, base first."""
@@ -231,7 +272,7 @@ class Recipe:
 
     def linear_users(self, name: str) -> tuple[str, ...]:
         """The nodes (bases or stages) whose own linears include linear node ``name``: who publishes it."""
-        return tuple(n.name for n in self.nodes if any(ln.name == name for ln in self.node_linears(n.name).values()))
+        return tuple(n.name for n in self.nodes if any(ln.name == name for _, ln, _ in self.linear_assignments(n.name)))
 
     def linear_node(self, name: str) -> LinearNode:
         for n in self.linear_nodes:
@@ -261,17 +302,29 @@ class Recipe:
         return len(self.encoding_nodes)
 
     @property
-    def encoded_bpw(self) -> int:
-        """Trellis bits per weight emitted, summing the K of every node that encodes (a partial stage counts fully)."""
-        return sum(n.K for n in self.encoding_nodes)
+    def encoded_bpw(self):
+        """Trellis bits per expert weight emitted, summing the K of every node that encodes (a partial stage counts
+        fully; a budgeted base its mean over layers and projections): an int unless a budgeted base is in it."""
+        return _bits_sum(self.node(n.name) for n in self.encoding_nodes)
 
-    def product_bpw(self, product: Product) -> int:
-        return sum(self.node(n).K for n in product.chain)
+    def product_bpw(self, product: Product):
+        return _bits_sum(self.node(n) for n in product.chain)
 
     @property
-    def nominal_bpw(self) -> int:
-        """Sum over products of the bits per weight a consumer of that product loads."""
-        return sum(self.product_bpw(p) for p in self.products)
+    def nominal_bpw(self):
+        """Sum over products of the bits per expert weight a consumer of that product loads."""
+        total = sum(self.product_bpw(p) for p in self.products)
+        return round(total, 4) if isinstance(total, float) else total
+
+    @property
+    def budgeted(self) -> tuple[Node, ...]:
+        """The budgeted bases (recipe ``bits``)."""
+        return tuple(n for n in self.nodes if n.is_budgeted)
+
+    @property
+    def resolved(self) -> bool:
+        """Every budgeted base has its K per unit (resolve_budgets)."""
+        return all(n.K is not None for n in self.nodes)
 
     def node_digest(self, name: str) -> str:
         """sha256 of the node's definition and its ancestors': changes exactly when this node's
@@ -310,7 +363,10 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
         name = raw["name"]
         if name in nodes:
             raise FqError(f"{err}: node name {name!r} is used twice (nodes[{file_index[name]}] and nodes[{i}])")
-        if raw["kind"] == "base":
+        if raw["kind"] == "base" and "bits" in raw:  # K per unit once resolve_budgets has its allocation
+            node = Node(name, "base", None, raw["codebook"], None, ALL, raw.get("description", ""), (),
+                        bits=float(raw["bits"]))
+        elif raw["kind"] == "base":
             skel = tuple((c, raw.get("skeleton", {})[c]) for c in LINEAR_CLASSES
                          if raw.get("skeleton", {}).get(c, UNQUANTIZED) != UNQUANTIZED)
             node = Node(name, "base", raw["K"], raw["codebook"], None, ALL, raw.get("description", ""), skel)
@@ -349,10 +405,10 @@ def expert_owners(nodes) -> dict[str, str]:
     seed) alone, so bases of one (K, codebook) are encoded once: by the first experts-only base of the recipe of that
     (K, codebook) (else the first), whose name seeds the encode; the others publish its bytes. Preferring an
     experts-only owner keeps that base's encoding where it was when a whole-model base is added beside it."""
-    groups: dict[tuple[int, str], list[Node]] = {}
+    groups: dict[tuple[str, str], list[Node]] = {}
     for n in nodes:
-        if n.is_base:
-            groups.setdefault((n.K, n.codebook), []).append(n)
+        if n.is_base and n.K is not None:  # a budgeted base's experts are known once resolved
+            groups.setdefault((canonical.dumps(kbits.to_json(n.K)).decode(), n.codebook), []).append(n)
     out = {}
     for group in groups.values():
         owner = next((n for n in group if not n.skeleton), group[0])
@@ -413,6 +469,10 @@ def _check_stage_skeleton(node: Node, nodes: dict[str, Node], index: int, err: s
     base = node
     while base.parent is not None:
         base = nodes[base.parent]
+    if node.skeleton and base.is_budgeted:
+        raise FqError(f"{err}: stage {node.name!r} (nodes[{index}]) corrects non-expert linears (skeleton), but its "
+                      f"chain's base {base.name!r} is budgeted (bits): a residual on linears whose K varies per layer "
+                      "is not supported; drop the stage's skeleton (its experts may still take a residual)")
     for cls, _ in node.skeleton:
         if base.skeleton_bits(cls) == UNQUANTIZED:
             raise FqError(f"{err}: stage {node.name!r} (nodes[{index}]) skeleton.{cls}: its chain's base {base.name!r} "
@@ -562,13 +622,27 @@ def recipe_table(recipe: Recipe) -> str:
     lines = [f"recipe {recipe.name}  sha256 {recipe.sha256[:16]}", "",
              f"{'node':<16} {'kind':<6} {'parent':<14} {'K':>2} {'codebook':<8} experts"]
     for n in recipe.nodes:
-        skel = ("; " + ", ".join(f"{c} K{k}" for c, k in n.skeleton)) if n.skeleton else ""
+        skel = ("; " + ", ".join(f"{c} K{k}" for c, k in n.skeleton if isinstance(k, int))) if n.skeleton else ""
         skel += f"; experts encoded once, as {n.experts_from}'s" if n.experts_from else ""
-        lines.append(f"{n.name:<16} {n.kind:<6} {n.parent or '-':<14} {n.K:>2} {n.codebook:<8} {n.experts.describe()}{skel}")
+        if n.is_budgeted:
+            skel += f"; budget {n.bits:g} bits, " + ("K per unit from the allocation" if n.K is not None
+                                                      else "allocation not measured yet")
+        K = "b" if n.is_budgeted else n.K
+        lines.append(f"{n.name:<16} {n.kind:<6} {n.parent or '-':<14} {K:>2} {n.codebook:<8} {n.experts.describe()}{skel}")
     lines += ["", f"{'product':<16} {'bpw':>3}  chain"]
     for p in recipe.products:
-        lines.append(f"{p.name:<16} {recipe.product_bpw(p):>3}  {' -> '.join(p.chain)}")
-    s = recipe.summary()
-    lines += ["", f"{s['passes']} passes emitting {s['encoded_bpw']} bpw; {s['products']} products spanning "
-                  f"{s['nominal_bpw']} nominal bpw"]
+        bpw = recipe.product_bpw(p) if recipe.resolved else "?"
+        lines.append(f"{p.name:<16} {bpw:>3}  {' -> '.join(p.chain)}")
+    if recipe.resolved:
+        s = recipe.summary()
+        lines += ["", f"{s['passes']} passes emitting {s['encoded_bpw']} bpw; {s['products']} products spanning "
+                      f"{s['nominal_bpw']} nominal bpw"]
     return "\n".join(lines)
+
+
+def _bits_sum(nodes):
+    """Sum of nodes' expert bits: an int when every node has one K, else rounded to 4 decimals."""
+    nodes = list(nodes)
+    if all(isinstance(n.K, int) for n in nodes):
+        return sum(n.K for n in nodes)
+    return round(sum(n.expert_bits() for n in nodes), 4)

@@ -101,7 +101,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fq.codec.codebook import CODEBOOKS, MARKERS
-from fq.core import atomic, canonical
+from fq.core import atomic, canonical, kbits
 from fq.core.safepath import open_regular
 from fq.errors import FqError
 from fq.model import families
@@ -157,7 +157,8 @@ def quantization_block(bits: int, codebook: str, calibration: dict | None = None
     if model_bits is not None:
         block.update(bits=model_bits, expert_bits=bits)
     if linears:
-        block.update(head_bits=linears.get("head", HEAD_BITS), linear_bits=dict(linears))
+        head = linears.get("head", HEAD_BITS)
+        block.update(head_bits=head["head"] if isinstance(head, dict) else head, linear_bits=dict(linears))
     return block
 
 
@@ -173,6 +174,31 @@ def _class_of(module: str) -> str:
     if ".shared_expert" in module:
         return "shared"
     return "dense"
+
+
+# a routed expert module's projection name -> fq.core.kbits' canonical projection (fq.model.experts: the layouts)
+_PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _want_K(key: str, cls: str, bits, linears: dict | None, where: str):
+    """The K a base's params give EXL3 module ``key`` of class ``cls``: ``bits`` (a fq.core.kbits node spec as JSON:
+    K, or per layer K or {gate, up, down: K}) for a routed expert, its class's entry of ``linears`` (K, or per layer
+    {"<layer>"|"head": K}) otherwise; None where the params quantize no such module."""
+    m = _LAYER.search(key)
+    layer = int(m.group(1)) if m else None
+    if cls == "expert":
+        spec = kbits.node(bits, "bits")
+        if isinstance(spec, int):
+            return spec
+        proj = _PROJECTION.get(key.rsplit(".", 1)[-1])
+        if layer is None or proj is None:
+            raise FqError(f"{where}: a routed-expert module fq cannot place in a layer and projection")
+        return kbits.proj(kbits.at_layer(spec, layer, "bits"), proj)
+    want = (linears or {}).get(cls)
+    if isinstance(want, dict):
+        return want.get("head" if layer is None else str(layer))
+    return want
 
 
 def storage_bits(modules: dict) -> float:
@@ -199,7 +225,12 @@ def storage_bits(modules: dict) -> float:
 
 def _check_params(params: dict, where: str) -> None:
     bits, codebook = params.get("bits"), params.get("codebook")
-    if type(bits) is not int or not 1 <= bits <= 8:
+    if isinstance(bits, dict):  # a budgeted base: K per layer (and projection) of its routed experts
+        if not bits or not all(isinstance(k, str) and k.isdigit() for k in bits):
+            raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8, or K per layer "
+                          "{\"<layer>\": K or {gate, up, down: K}}")
+        kbits.node(bits, f"{where}: bits")
+    elif type(bits) is not int or not 1 <= bits <= 8:
         raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8")
     if codebook not in CODEBOOKS:
         raise FqError(f"{where}: codebook {codebook!r}: expected one of {', '.join(CODEBOOKS)}")
@@ -212,10 +243,19 @@ def _check_params(params: dict, where: str) -> None:
     if "linears" in params:
         lin = params["linears"]
         classes = ("attention", "shared", "dense", "head")
+        def ok(k):
+            return type(k) is int and 1 <= k <= 8
+
+        def ok_class(cls, v):  # K, or (a budgeted base) K per layer: {"<layer>": K}, the head's {"head": K}
+            if isinstance(v, dict):
+                keys_ok = all((k == "head") if cls == "head" else (isinstance(k, str) and k.isdigit()) for k in v)
+                return bool(v) and keys_ok and all(ok(k) for k in v.values())
+            return ok(v)
+
         if not isinstance(lin, dict) or not lin or not set(lin) <= set(classes) or not all(
-                type(k) is int and 1 <= k <= 8 for k in lin.values()):
-            raise FqError(f"{where}: linears {lin!r}: expected {{class: K}}, classes among {', '.join(classes)}, "
-                          "K in 1..8")
+                ok_class(c, v) for c, v in lin.items()):
+            raise FqError(f"{where}: linears {lin!r}: expected {{class: K}} (a budgeted base: K per layer "
+                          f"{{\"<layer>\": K}}), classes among {', '.join(classes)}, K in 1..8")
     if "model_bits" in params:
         mb = params["model_bits"]
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb <= 32:
@@ -293,7 +333,7 @@ def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, co
             raise FqError(f"{where}.trellis: {trellis['dtype']} {shape}, an EXL3 trellis is int16 (in/16, out/16, 16*K)")
         K = shape[-1] // 16
         cls = _class_of(key)
-        want = bits if cls == "expert" else (linears or {}).get(cls)
+        want = _want_K(key, cls, bits, linears, where)
         if want is None:
             raise FqError(f"{where}: an EXL3 {cls} module; this base's quantization_config quantizes routed experts "
                           f"only{' and ' + ', '.join(linears) if linears else ''}")

@@ -50,6 +50,11 @@ class Campaign:
     recipe: Recipe
     usage: ExpertUsage | None
     plan: Plan
+    # budgeted bases (recipe ``bits``): the fq-allocation/1 document they were resolved with; None with
+    # ``allocation_pending`` while the campaign's own sensitivity/allocate jobs have not written it (the DAG's
+    # targets are then the allocation alone: fq.planning.budget.resolve_budgets' provisional plan is never encoded)
+    allocation: dict | None = None
+    allocation_pending: bool = False
 
     # -- identity -----------------------------------------------------------------------------------
     @property
@@ -213,6 +218,35 @@ class Campaign:
         return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", CALIB_ROWS)),
                 "columns": int(cfg.get("columns", CALIB_COLUMNS)), "capture": cfg.get("capture", "all-experts"),
                 "compare_weight_only": bool(cfg.get("compare_weight_only", False))}
+
+    # -- budgeted bases: the sensitivity and allocate jobs -------------------------------------------------------
+    @property
+    def allocation_config(self) -> dict:
+        cfg = self.config.get("allocation") or {}
+        return {"file": cfg.get("file"), "rows": int(cfg.get("rows", 16)), "columns": int(cfg.get("columns", 128)),
+                "samples": int(cfg.get("samples", 4)), "seed": int(cfg.get("seed", 0))}
+
+    @property
+    def measures_allocation(self) -> bool:
+        """Whether this campaign measures its own allocation (budgeted bases and no allocation.file)."""
+        return bool(self.recipe.budgeted) and not self.allocation_config["file"]
+
+    @property
+    def sensitivity_file(self) -> str:
+        return self.p(SENSITIVITY_FILE)
+
+    @property
+    def allocation_file(self) -> str:
+        return self.allocation_config["file"] or self.p(ALLOCATION_FILE)
+
+    @property
+    def sensitivity_text(self) -> str:
+        """The text the sensitivity job measures on: the calibration text (the demo's split in a weight-only demo)."""
+        return self.calibration_text if self.calibration else self.p("demo-text", "calibration.txt")
+
+    @property
+    def allocation_budgets(self) -> list[float]:
+        return sorted({n.bits for n in self.recipe.budgeted})
 
     @property
     def calibration_text(self) -> str:
@@ -557,10 +591,11 @@ class Campaign:
             if v is None or v in out:
                 continue
             gone, have = set(), set(self.source.skeleton_tensors)
-            for ln in self.recipe.base_linears(base.name).values():
-                for names in self.plan.linear(ln.name)["layers"].values():
-                    for name in names:
-                        gone.update(removed_tensors(name, have))
+            for _, ln, layers in self.recipe.linear_assignments(base.name):
+                for layer, names in self.plan.linear(ln.name)["layers"].items():
+                    if layers is None or (None if layer == "head" else int(layer)) in layers:
+                        for name in names:
+                            gone.update(removed_tensors(name, have))
             out[v] = {s: kept for s, ts in self.skeleton_tensors.items() if (kept := tuple(t for t in ts if t not in gone))}
         return out
 
@@ -582,8 +617,11 @@ class Campaign:
     def node_linear_fragments(self, node: str) -> list[str]:
         """The linear fragments a node publishes: a whole-model base's quantized linears, or a stage's residuals on
         non-expert classes (recipe ``skeleton`` on a stage: published in its stage directory)."""
-        return [self.linear_fragment(ln.name, layer) for ln in self.recipe.node_linears(node).values()
-                for n, layer in self.linear_jobs if n == ln.name]
+        out = []
+        for _, ln, layers in self.recipe.linear_assignments(node):
+            out += [self.linear_fragment(ln.name, layer) for n, layer in self.linear_jobs
+                    if n == ln.name and (layers is None or layer in layers)]
+        return out
 
     def linear_ancestors(self, node: str, layer: int | None) -> list[dict]:
         """The committed linear fragments a stage's residual on a class corrects, as its job reads them (base first):
@@ -622,8 +660,10 @@ class Campaign:
         want: dict[tuple[int, str], dict[Block, set[int]]] = {}
         for prod in self.recipe.products:
             chain = [self.recipe.node(n) for n in prod.chain]
+            if len(chain) == 1 or prod.name in paired or any(not isinstance(n.K, int) for n in chain):
+                continue  # a budgeted chain's K varies per unit: no one-pass counterpart
             bits, cb = sum(n.K for n in chain), chain[0].codebook
-            if len(chain) == 1 or bits > 8 or prod.name in paired:
+            if bits > 8:
                 continue
             for f in self.fragments:
                 if f.node == prod.chain[-1]:
@@ -698,6 +738,8 @@ def attested_node_digest(att_path: Path) -> str | None:
 
 
 USAGE_FILE = "usage/expert_usage.json"  # the demo campaign's measured expert usage, under OUT (rule usage)
+SENSITIVITY_FILE = "allocation/sensitivity.json"  # the units measured (rule sensitivity), under OUT
+ALLOCATION_FILE = "allocation/allocation.json"  # the allocations solved from it (rule allocate): what plans read
 
 
 def _demo_source(out: Path) -> tuple[SourceModel, ExpertUsage]:
@@ -770,10 +812,44 @@ def load_campaign(config: dict) -> Campaign:
     if config.get("calibration"):  # refused when the config is read, not at the calib_embed job
         families.check_calibration(source.family_entry, f"config calibration ({source.origin}/config.json)")
     recipe = load_recipe(config["recipe"])
-    return Campaign(config, Path(config["out"]), source, recipe, usage, campaign_plan(config, recipe, source, usage))
+    recipe, allocation, pending = _budgets(config, recipe, source)
+    plan = campaign_plan(config, recipe, source, usage, allocation)
+    return Campaign(config, Path(config["out"]), source, recipe, usage, plan, allocation, pending)
 
 
-def campaign_plan(config: dict, recipe, source, usage=None):
+def _budgets(config: dict, recipe, source):
+    """(recipe resolved, the allocation document or None, whether it is pending): a budgeted base takes its K per unit
+    from allocation.file, or from the campaign's own allocate job's output once it exists (until then: pending, a
+    provisional resolution that plans the DAG's measurement phase)."""
+    if not recipe.budgeted:
+        return recipe, None, False
+    from fq.allocation import document
+    from fq.planning.budget import check_source, resolve_budgets
+
+    given = (config.get("allocation") or {}).get("file")
+    cal = config.get("calibration") or {}
+    if not given and not cal.get("text") and config["source"]["kind"] != "demo":
+        raise FqError(f"config calibration.text: recipe {recipe.source} has budgeted bases (bits), whose allocation the "
+                      "campaign measures on the calibration text: name it (or an allocation.file made by fq allocate)")
+    path = Path(given or Path(config["out"]) / ALLOCATION_FILE)
+    if not path.is_file():
+        if given:
+            raise FqError(f"config allocation.file: {path} not found (an fq-allocation/1 file made by fq allocate)")
+        if cal.get("tokens"):
+            raise FqError("config allocation.file: the campaign's sensitivity job reads calibration text, and this "
+                          "campaign names calibration.tokens: measure the allocation with fq allocate on the text "
+                          "and name the file")
+        if config["source"]["kind"] == "hub":
+            raise FqError(f"config allocation.file: recipe {recipe.source} has budgeted bases; a hub source is not "
+                          "on local disk for the campaign's sensitivity job: measure it with fq allocate where the "
+                          "model is, and name the file")
+        return resolve_budgets(recipe, source, None), None, True
+    doc = document.load(path)
+    check_source(doc, source, str(path))
+    return resolve_budgets(recipe, source, doc, str(path)), doc, False
+
+
+def campaign_plan(config: dict, recipe, source, usage=None, allocation: dict | None = None):
     """The plan of a config's campaign. A ``disk_budget`` is shared, in a calibrated campaign, with the Hessians
     and the hidden states (fq.planning.calibration_cost.windows_budget, as fq plan and fq price count it)."""
     budget, cal = config.get("disk_budget"), config.get("calibration")
@@ -782,9 +858,12 @@ def campaign_plan(config: dict, recipe, source, usage=None):
 
         need = price_calibration(source, int(cal.get("rows", CALIB_ROWS)), int(cal.get("columns", CALIB_COLUMNS)))
         budget = windows_budget(budget, need, "config disk_budget")
+    from fq.allocation import document
+
     return make_plan(recipe, source, usage=usage, block_size=config["block_size"], windows=config.get("windows"),
                      disk_budget=budget, windows_on_disk=config["windows_on_disk"],
-                     allow_unloadable=bool(config.get("allow_unloadable", False)))
+                     allow_unloadable=bool(config.get("allow_unloadable", False)),
+                     allocation_sha256=document.sha256(allocation) if allocation is not None else None)
 
 
 def load_campaign_json(path: str | os.PathLike) -> dict:

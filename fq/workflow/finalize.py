@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from fq.core import atomic, canonical
+from fq.core import atomic, canonical, kbits
 from fq.core.safepath import sha256_file
 from fq.errors import FqError
 from fq.provenance.assembly import Plan, build_assembly, write_assembly
@@ -294,6 +294,13 @@ def _base_index(c: Campaign, base: str, root: Path) -> bytes:
     return canonical.pretty({"metadata": {"format": "fq-exl3-base/1", "node": base}, "weight_map": weight_map}).encode()
 
 
+def _linear_bits(base) -> dict:
+    """A base's quantized non-expert classes as its derived files' ``linears`` param: {class: K}, a budgeted base's
+    class whose K varies per layer {"<layer>"|"head": K}."""
+    return {cls: K if isinstance(K, int) else {("head" if layer is None else str(layer)): k for layer, k in K}
+            for cls, K in base.skeleton}
+
+
 def _calibration_block(c: Campaign) -> dict | None:
     """The bases' ``quantization_config.calibration`` (exllamav3's rows and cols): the token rows and columns the
     Hessians were captured from, None for a weight-only campaign."""
@@ -340,8 +347,9 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     for base in c.recipe.bases:
         d = root / "base" / base.name
         with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # config.json (and the tensor files): derived, declared below
-            derived = write_derived(d, bits=base.K, codebook=base.codebook, calibration=_calibration_block(c),
-                                    linears=dict(base.skeleton) or None, whole_model_bits=True)
+            derived = write_derived(d, bits=kbits.to_json(base.K), codebook=base.codebook,
+                                    calibration=_calibration_block(c), linears=_linear_bits(base) or None,
+                                    whole_model_bits=True)
         with disk_full_is_one_line(d / INDEX):  # after the derived shards, which it indexes too
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
         with disk_full_is_one_line(d / MANIFEST_NAME):
@@ -352,7 +360,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         chain, names = [], []
         for n in prod.chain:
             node = c.recipe.node(n)
-            chain.append({"node": n, "role": "base" if node.is_base else "stage", "K": node.K,
+            chain.append({"node": n, "role": "base" if node.is_base else "stage", "K": kbits.to_json(node.K),
                           "codebook": node.codebook, "parent": node.parent, "digest": c.recipe.node_digest(n)})
             rel_dir = f"base/{n}" if node.is_base else f"stages/{n}"
             names += [f"{rel_dir}/{Path(c.fragment(f.node, f.block)).name}" for f in c.fragments if f.node == n]

@@ -1,0 +1,90 @@
+"""fq-allocation/1: a model's measured allocation units and the allocations solved from them.
+
+One document serves ``fq allocate``, the campaign's ``sensitivity`` and ``allocate`` jobs and the planner
+(the measurement that makes one: fq.workflow.allocation.measure):
+
+    with_allocations(doc, bits)   -> doc with one allocation per budget   (the solver: pure, milliseconds)
+    load(path) / parse(doc, where)                                    (checked: a clear error names file and field)
+    allocation_at(doc, bits, where) -> {unit: K}                     (what a budgeted base is resolved with)
+
+Canonical JSON, no timestamp: the same model, text and settings give the same bytes on the same torch build.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fq.allocation import solve
+from fq.core import canonical
+from fq.errors import FqError
+
+FORMAT = "fq-allocation/1"
+METHOD = "predicted KL = d(K) * Fisher quadratic form in an LDLQ-shaped error direction / (2 positions)"
+
+
+def options(doc: dict) -> dict:
+    """unit -> {K: (predicted KL, bytes)}, as fq.allocation.solve takes them."""
+    return {u: {int(K): (v["predicted_kl"], v["bytes"]) for K, v in o.items()} for u, o in doc["units"].items()}
+
+
+def with_allocations(doc: dict, bits) -> dict:
+    """``doc`` with one solved allocation per budget in ``bits`` (sorted, duplicates once)."""
+    opts, weights = options(doc), doc["weights"]
+    out = []
+    for b in sorted(set(float(x) for x in bits)):
+        a = solve.solve(opts, solve.budget_from_bits(b, weights), weights)
+        out.append({"budget_bits": b, "bits": a.bits, "bytes": a.bytes, "predicted_kl": a.predicted_kl,
+                    "gap_bound": a.gap_bound, "ks": a.ks})
+    return {**doc, "allocations": out}
+
+
+def parse(doc, where: str) -> dict:
+    """Check an fq-allocation/1 document's shape (the fields the planner reads), naming the field that is wrong."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise FqError(f"{where}: format: expected {FORMAT!r}, got {got!r}")
+    for key, kind in (("units", dict), ("allocations", list), ("weights", int), ("model", dict), ("codebook", str)):
+        if not isinstance(doc.get(key), kind):
+            raise FqError(f"{where}: {key}: expected {'an object' if kind is dict else 'a ' + kind.__name__}, "
+                          f"got {type(doc.get(key)).__name__}")
+    for u, opts in doc["units"].items():
+        if not isinstance(opts, dict) or not opts:
+            raise FqError(f"{where}: units.{u}: expected an object of K -> {{predicted_kl, bytes}}")
+        for K, v in opts.items():
+            if not (isinstance(v, dict) and isinstance(v.get("bytes"), int)
+                    and isinstance(v.get("predicted_kl"), (int, float))):
+                raise FqError(f"{where}: units.{u}.{K}: expected {{predicted_kl: number, bytes: integer}}")
+    for i, a in enumerate(doc["allocations"]):
+        if not (isinstance(a, dict) and isinstance(a.get("budget_bits"), (int, float)) and isinstance(a.get("ks"), dict)):
+            raise FqError(f"{where}: allocations[{i}]: expected {{budget_bits: number, ks: {{unit: K}}, ...}}")
+        missing = sorted(set(doc["units"]) - set(a["ks"]))
+        if missing or set(a["ks"]) - set(doc["units"]):
+            raise FqError(f"{where}: allocations[{i}].ks: expected a K for every unit of units "
+                          f"({'missing ' + ', '.join(missing) if missing else 'unknown units'})")
+        for u, K in a["ks"].items():
+            if str(K) not in doc["units"][u]:
+                raise FqError(f"{where}: allocations[{i}].ks.{u}: K {K!r} is not one of that unit's measured options "
+                              f"({', '.join(doc['units'][u])})")
+    return doc
+
+
+def load(path) -> dict:
+    path = Path(path)
+    try:
+        doc = canonical.load(path)
+    except FileNotFoundError:
+        raise FqError(f"{path}: allocation file not found") from None
+    return parse(doc, str(path))
+
+
+def allocation_at(doc: dict, bits: float, where: str) -> dict:
+    """{unit: K} of the document's allocation at budget ``bits``."""
+    for a in doc["allocations"]:
+        if abs(a["budget_bits"] - bits) < 1e-9:
+            return {u: int(K) for u, K in a["ks"].items()}
+    have = ", ".join(f"{a['budget_bits']:g}" for a in doc["allocations"]) or "none"
+    raise FqError(f"{where}: no allocation at {bits:g} bits (it holds: {have}); solve it from the same measurement "
+                  f"with `fq allocate ... --bits {bits:g}`")
+
+
+def sha256(doc: dict) -> str:
+    return canonical.sha256_hex(canonical.dumps(doc))

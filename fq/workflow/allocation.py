@@ -1,0 +1,74 @@
+"""The campaign's allocation jobs (budgeted bases, recipe ``bits``): sensitivity, then allocate.
+
+- ``sensitivity_job``: every allocation unit of the source measured on the calibration text (``measure``, as
+  ``fq allocate`` runs it: the Fisher quadratic form of the source's output in each linear's LDLQ-shaped error direction, at every
+  candidate K), written as fq-allocation/1 without allocations. The expensive part: one forward and backward of the
+  source per calibration window and label sample (transformers, in memory: a source that fits this machine).
+- ``allocate_job``: the allocation at every budget the recipe names, solved from it (fq.allocation.solve: pure, the
+  optimality certificate with each). Its output is the file the campaign's plan reads on the next run.
+
+Both write canonical JSON atomically; the same inputs give the same bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+from fq.allocation.document import FORMAT, METHOD
+from fq.core import atomic, canonical
+
+
+def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9)), rows: int = 16,
+            columns: int = 128, samples: int = 4, seed: int = 0, progress=None) -> dict:
+    """Measure every allocation unit of the checkpoint at ``model_dir`` on ``text`` (rows x columns tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fq.allocation.measure import unit_options
+    from fq.runtime.evaluate import tokenize
+    from fq.runtime.quality import token_windows
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, tok_sha = tokenize(Path(model_dir), text)
+    windows = token_windows(ids, columns, rows * columns)
+    options, weights, sens = unit_options(model, windows, list(ks), codebook, samples=samples, seed=seed,
+                                          progress=progress)
+    config = Path(model_dir, "config.json").read_bytes()
+    return {"format": FORMAT, "codebook": codebook, "ks": sorted(ks),
+            "model": {"config_sha256": hashlib.sha256(config).hexdigest(), "tokenizer_sha256": tok_sha},
+            "calibration": {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "rows": rows,
+                            "columns": columns, "positions": sens.positions, "samples": samples, "seed": seed},
+            "method": METHOD,
+            "weights": weights,
+            "units": {u: {str(K): {"predicted_kl": kl, "bytes": by} for K, (kl, by) in o.items()}
+                      for u, o in options.items()},
+            "allocations": [],
+            "versions": {"torch": torch.__version__}}
+
+
+def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, rows: int, columns: int,
+                    samples: int, seed: int, threads: int = 1) -> None:
+    import torch
+    from tqdm import tqdm
+
+    torch.set_num_threads(max(1, threads))
+    text = Path(text_path).read_text(encoding="utf-8")
+    bar = tqdm(total=rows, desc="sensitivity", unit="window", file=sys.stderr)
+    doc = measure(Path(model_dir), text, codebook=codebook, rows=rows, columns=columns, samples=samples, seed=seed,
+                  progress=lambda done, total: bar.update(1))
+    bar.close()
+    atomic.write_text(out, canonical.pretty(doc))
+    print(f"{out}: {len(doc['units'])} units measured on {doc['calibration']['positions']} positions",
+          file=sys.stderr)
+
+
+def allocate_job(sensitivity: str, budgets, out: str) -> None:
+    from fq.allocation import document
+
+    doc = document.with_allocations(document.load(sensitivity), budgets)
+    atomic.write_text(out, canonical.pretty(doc))
+    for a in doc["allocations"]:
+        print(f"{a['budget_bits']:g} bits: {a['bits']:.4f} bits stored, predicted KL {a['predicted_kl']:.6g} "
+              f"(within {a['gap_bound']:.2g} of the optimum): "
+              + ", ".join(f"{u} K{k}" for u, k in a["ks"].items()), file=sys.stderr)

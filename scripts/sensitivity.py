@@ -1,0 +1,7 @@
+from _log import to_log
+from fq.workflow.allocation import sensitivity_job
+
+to_log(snakemake)
+p = snakemake.params
+sensitivity_job(p.model, snakemake.input.text, snakemake.output.sensitivity, codebook=p.codebook, rows=p.rows,
+                columns=p.columns, samples=p.samples, seed=p.seed, threads=snakemake.threads)
