@@ -19,7 +19,7 @@ if C.measures_allocation:
             f"{OUT}/benchmarks/allocation/sensitivity.tsv"
         params:
             model=str(C.source_dir),
-            codebook=C.recipe.budgeted[0].codebook,
+            codebook=next(n.codebook for n in C.recipe.nodes if n.is_budgeted),
             rows=C.allocation_config["rows"],
             columns=C.allocation_config["columns"],
             samples=C.allocation_config["samples"],

@@ -56,6 +56,12 @@ def unit_of(linear: str) -> Unit:
     return Unit(f"L{layer}.{kind}", kind, layer)
 
 
+def expert_of(linear: str) -> int | None:
+    """The routed expert a linear belongs to (None: not a routed expert's)."""
+    e = _EXPERT.search(linear)
+    return int(e.group(1)) if e is not None and ".shared_expert" not in linear else None
+
+
 def group_units(linears) -> dict[str, list[str]]:
     """unit name -> its linears (sorted), for an iterable of linear names."""
     out: dict[str, list[str]] = {}

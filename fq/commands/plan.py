@@ -42,11 +42,12 @@ def run(args) -> int:
     plan = make_plan(recipe, source, usage=usage, block_size=args.block_size, **windows,
                      allocation_sha256=allocation and document.sha256(allocation))
     print(plan_table(plan))
-    if recipe.budgeted:
+    if recipe.needs_allocation:
         print()
         print(allocation_table(recipe, source) if allocation is not None else
-              f"budgeted base(s) {', '.join(n.name for n in recipe.budgeted)}: no --allocation, planned at their "
-              "budget's nearest K; the campaign measures the allocation first (docs/allocation.md)")
+              f"budgeted node(s) {', '.join(n.name for n in recipe.nodes if n.is_budgeted)}: no --allocation, planned "
+              "at their budget's nearest K (a stage: the first experts of each layer); the campaign measures the "
+              "allocation first (docs/allocation.md)")
     if calibration is not None:
         from fq.core.units import fmt_bytes
         from fq.planning.calibration_cost import calibration_lines

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fq.allocation import document
+from fq.allocation.error_model import distortion
 from fq.core import kbits
 from fq.errors import FqError
-from fq.planning.recipe import LINEAR_CLASSES, Recipe, expert_owners
+from fq.planning.recipe import LINEAR_CLASSES, Recipe, Selection, expert_owners
 
 # allocation unit kind -> recipe linear class (the routed units are the experts')
 UNIT_CLASS = {"attention": "attention", "shared": "shared", "dense": "dense", "head": "head"}
@@ -55,10 +56,62 @@ def _resolved(node, ks: dict, units: dict):
     return replace(node, K=experts, skeleton=tuple(skeleton))
 
 
+def stage_choice(stage, parent_K, allocation: dict, where: str) -> list[tuple[int, int, float, int]]:
+    """The experts a budgeted stage encodes: [(layer, expert, predicted KL saved, bytes)], most saved per byte first,
+    while they fit its budget (``stage.bits`` over the allocated weights). An expert's residual at K on a parent at
+    Kp leaves d(Kp) * d(K) of its error (a trellis code keeps d(K) of the energy it is given: fq.allocation
+    .error_model), so it saves q * d(Kp) * (1 - d(K)) of predicted KL, q its measured quadratic form (gate and up at
+    the parent's gate/up K, down at its down K). Every expert of a layer stores the same bytes at K."""
+    experts = allocation.get("experts")
+    if not experts:
+        raise FqError(f"{where}: no per-expert measurement (experts), which a budgeted stage ranks experts by: "
+                      "measure it again with this fq (fq allocate, or the campaign's sensitivity job)")
+    K, cb = stage.K, stage.codebook
+    budget = stage.bits * allocation["weights"] / 8
+    cands = []
+    for lkey, ex in experts.items():
+        layer = int(lkey[1:])
+        try:
+            per = (allocation["units"][f"{lkey}.routed_gate_up"][str(K)]["bytes"]
+                   + allocation["units"][f"{lkey}.routed_down"][str(K)]["bytes"]) / len(ex)
+        except KeyError:
+            raise FqError(f"{where}: units.{lkey}.routed_*: no option at K{K}, stage {stage.name!r}'s K; measure with "
+                          f"K{K} among the candidates") from None
+        Kp = kbits.at_layer(parent_K, layer)
+        for e, q in ex.items():
+            saved = (q["gate_up"] * distortion(kbits.proj(Kp, "gate"), cb)
+                     + q["down"] * distortion(kbits.proj(Kp, "down"), cb)) * (1 - distortion(K, cb))
+            cands.append((-saved / per, layer, int(e), saved, per))
+    chosen, used = [], 0.0
+    for _, layer, e, saved, per in sorted(cands):
+        if used + per <= budget:
+            chosen.append((layer, e, saved, int(round(per))))
+            used += per
+    return chosen
+
+
+def _stage_selection(stage, parent_K, allocation: dict | None, source, where: str) -> Selection:
+    """A budgeted stage's experts as an explicit per-layer selection (``stage_choice``); without an allocation,
+    provisionally the first experts of every layer, as many as the budget would buy over the experts' weights."""
+    if allocation is not None:
+        chosen = stage_choice(stage, parent_K, allocation, where)
+        if not chosen:
+            raise FqError(f"{where}: stage {stage.name!r}'s budget +{stage.bits:g} bits buys no expert's residual at "
+                          f"K{stage.K}; raise it or drop the stage")
+        layers: dict = {}
+        for layer, e, _, _ in chosen:
+            layers.setdefault(layer, []).append(e)
+    else:
+        n = max(1, min(source.n_experts, round(source.n_experts * stage.bits / stage.K)))
+        layers = {layer: list(range(n)) for layer in source.moe_layers}
+    return Selection("layers", layers=tuple((l, tuple(sorted(e))) for l, e in sorted(layers.items())))
+
+
 def resolve_budgets(recipe: Recipe, source, allocation: dict | None, where: str = "allocation") -> Recipe:
     """``recipe`` with each budgeted base resolved against ``allocation`` (an fq-allocation/1 document, checked with
-    fq.allocation.document.parse), or provisionally (every unit at the budget's nearest K) when it is None."""
-    if not recipe.budgeted:
+    fq.allocation.document.parse), or provisionally (every unit at the budget's nearest K) when it is None; and each
+    budgeted stage's experts chosen (``stage_choice``; provisionally the first of every layer)."""
+    if not recipe.needs_allocation:
         return recipe
     units = source_units(source)
     if allocation is not None:
@@ -69,18 +122,22 @@ def resolve_budgets(recipe: Recipe, source, allocation: dict | None, where: str 
                           + (f"; missing {', '.join(missing[:8])}" if missing else "")
                           + (f"; not in the source {', '.join(extra[:8])}" if extra else "")
                           + ": measure it on this source (fq allocate, or the campaign's sensitivity job)")
-        if allocation["codebook"] != recipe.budgeted[0].codebook or len({n.codebook for n in recipe.budgeted}) > 1:
-            raise FqError(f"{where}: codebook {allocation['codebook']!r} was measured; the budgeted bases of recipe "
-                          f"{recipe.source} use {', '.join(sorted({n.codebook for n in recipe.budgeted}))}")
-    nodes = []
-    for n in recipe.nodes:
-        if n.is_budgeted:
+        used = {n.codebook for n in recipe.nodes if n.is_budgeted}
+        if used != {allocation["codebook"]}:
+            raise FqError(f"{where}: codebook {allocation['codebook']!r} was measured; the budgeted nodes of recipe "
+                          f"{recipe.source} use {', '.join(sorted(used))}")
+    nodes, done = [], {}
+    for n in recipe.nodes:  # topological: a stage's parent is resolved first
+        if n.is_budgeted and n.is_base:
             if allocation is not None:
                 ks = document.allocation_at(allocation, n.bits, where)
             else:
                 k = min(8, max(1, round(n.bits)))
                 ks = {u: k for u in units}
             n = _resolved(n, ks, units)
+        elif n.is_budgeted:
+            n = replace(n, experts=_stage_selection(n, done[n.parent].K, allocation, source, where))
+        done[n.name] = n
         nodes.append(n)
     owners = expert_owners(nodes)
     nodes = tuple(replace(n, experts_from=owners.get(n.name)) for n in nodes)
@@ -91,7 +148,7 @@ def resolve_budgets(recipe: Recipe, source, allocation: dict | None, where: str 
 def resolve_args(recipe: Recipe, source, path: str | None):
     """(recipe resolved, the allocation document or None) for a command's ``--allocation FILE``: checked against the
     source; without a file a budgeted base is resolved provisionally (``resolve_budgets``)."""
-    if path is None or not recipe.budgeted:
+    if path is None or not recipe.needs_allocation:
         return resolve_budgets(recipe, source, None), None
     doc = document.load(path)
     check_source(doc, source, str(path))
@@ -107,7 +164,8 @@ def check_source(doc: dict, source, where: str) -> None:
 
 
 def allocation_table(recipe: Recipe, source) -> str:
-    """The per-layer picture of every resolved budgeted base: one row per layer, K per unit."""
+    """The per-layer picture of every resolved budgeted base (K per unit, one row per layer) and of the experts each
+    budgeted stage on it chose."""
     lines = []
     units = source_units(source)
     layers = sorted({layer for _, layer in units.values() if layer is not None})
@@ -120,23 +178,25 @@ def allocation_table(recipe: Recipe, source) -> str:
             v = skel.get(cls)
             if v is None:
                 return "-"
-            if isinstance(v, int):
-                return str(v)
-            return str(dict(v).get(layer, "-"))
+            return str(v) if isinstance(v, int) else str(dict(v).get(layer, "-"))
 
-        lines += [f"budgeted base {n.name}: {n.bits:g} bits; K per unit (experts: gate/up, down)",
-                  f"  {'layer':>5} {'attention':>9} {'dense':>5} {'shared':>6} {'experts':>9}  {'':<24}"]
+        stages = [s for s in recipe.budgeted_stages if s.parent == n.name and s.experts.mode == "layers"]
+        head = f"  {'layer':>5} {'attention':>9} {'dense':>5} {'shared':>6} {'gate/up':>7} {'down':>4}"
+        head += "".join(f"  {s.name + ' (K' + str(s.K) + ' on experts)':<28}" for s in stages)
+        lines += [f"budgeted base {n.name}: {n.bits:g} bits; K per unit", head.rstrip()]
         for layer in layers:
-            if layer in source.moe_layers:
-                spec = n.K_at(layer)
-                gu, d = kbits.proj(spec, "gate"), kbits.proj(spec, "down")
-                ex = f"{gu}/{d}"
-            else:
-                gu = d = 0
-                ex = "-"
-            bar = "#" * gu + "+" * d
-            lines.append(f"  {layer:>5} {k_of('attention', layer):>9} {k_of('dense', layer):>5} "
-                         f"{k_of('shared', layer):>6} {ex:>9}  {bar}")
+            moe = layer in source.moe_layers
+            spec = n.K_at(layer) if moe else None
+            row = (f"  {layer:>5} {k_of('attention', layer):>9} {k_of('dense', layer):>5} {k_of('shared', layer):>6} "
+                   f"{kbits.proj(spec, 'gate') if moe else '-':>7} {kbits.proj(spec, 'down') if moe else '-':>4}")
+            for s in stages:
+                chosen = s.experts.layer_map().get(layer, ())
+                row += f"  {(', '.join(map(str, chosen)) or '-') if moe else '':<28}"
+            lines.append(row.rstrip())
         if "head" in skel:
             lines.append(f"  {'head':>5} K{k_of('head', None)}")
+        for s in stages:
+            count = sum(len(e) for _, e in s.experts.layers)
+            lines.append(f"  stage {s.name}: +{s.bits:g} bits buy a K{s.K} residual on {count} of "
+                         f"{len(source.moe_layers) * source.n_experts} experts (most predicted KL saved per byte)")
     return "\n".join(lines)

@@ -211,8 +211,9 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
     windows_on_disk = _positive_int(windows_on_disk, "windows_on_disk")
     selections = resolve_selections(recipe, source.moe_layers, source.n_experts, usage)
     if not recipe.resolved:
-        raise FqError(f"recipe {recipe.source}: budgeted base(s) {', '.join(n.name for n in recipe.budgeted)} have "
-                      "no K per unit yet: resolve them against an allocation (fq.planning.budget.resolve_budgets)")
+        names = ", ".join(n.name for n in recipe.nodes if n.is_budgeted)
+        raise FqError(f"recipe {recipe.source}: budgeted node(s) {names} have no K per unit or experts yet: resolve "
+                      "them against an allocation (fq.planning.budget.resolve_budgets)")
     layer_out = layer_output_bytes(recipe, source, {n: {l: len(e) for l, e in s.items()} for n, s in selections.items()})
     partition = choose_windows(source, layer_out, windows=windows, disk_budget=disk_budget,
                                windows_on_disk=windows_on_disk)
@@ -233,7 +234,7 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
         "windows": [list(layers) for layers in partition],
         "usage_sha256": usage.sha256 if (usage is not None and recipe.uses_hot) else None,
     }
-    if recipe.budgeted:
+    if recipe.needs_allocation:
         identity["allocation_sha256"] = allocation_sha256
     everything = tuple(range(source.n_experts))
     source_summary = {k: v for k, v in source.summary().items() if k != "origin"}
@@ -245,7 +246,7 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
         block_size=block_size,
         windows_on_disk=windows_on_disk,
         nodes=tuple({**n.to_json(), "parent": n.parent, "digest": recipe.node_digest(n.name),
-                     **({"bits": n.bits} if n.is_budgeted else {}),
+                     **({"bits": n.bits} if n.is_budgeted and n.is_base else {}),
                      **({"skeleton": node_skeleton(recipe, n.name)} if n.skeleton else {})}
                     for n in recipe.nodes),
         products=_products(recipe, source),

@@ -292,7 +292,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     per_window[-1][0].extend(ln.gpu_seconds for ln in linears)
     stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
     verify_s = published / verify_bytes_per_s
-    sens = price_sensitivity(source, recipe, calibration) if recipe.budgeted else None
+    sens = price_sensitivity(source, recipe, calibration) if recipe.needs_allocation else None
     ahead = sens.seconds if sens is not None else 0.0  # the allocation is measured before the plan is encoded
     options = []
     for n in range(1, gpus + 1):

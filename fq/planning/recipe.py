@@ -34,7 +34,7 @@ UNQUANTIZED = 16
 class Selection:
     """The experts a node encodes: ``all``, the ``hot`` N most used per layer, or explicit ``layers``."""
 
-    mode: str  # "all" | "hot" | "layers"
+    mode: str  # "all" | "hot" | "layers" | "budget" (a budgeted stage's, before resolve_budgets makes it "layers")
     hot: int | None = None
     layers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # ((layer, sorted experts), ...) sorted by layer
 
@@ -46,6 +46,8 @@ class Selection:
             return "all"
         if self.mode == "hot":
             return {"hot": self.hot}
+        if self.mode == "budget":
+            return "budget"
         return {"layers": {str(layer): list(experts) for layer, experts in self.layers}}
 
     def describe(self) -> str:
@@ -53,11 +55,14 @@ class Selection:
             return "all experts"
         if self.mode == "hot":
             return f"{self.hot} hottest per layer"
+        if self.mode == "budget":
+            return "experts chosen by measured gain per byte"
         n = sum(len(e) for _, e in self.layers)
         return f"{n} listed experts in {len(self.layers)} layers"
 
 
 ALL = Selection("all")
+BUDGET = Selection("budget")
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,8 @@ class Node:
     # parse_recipe (expert_owners); part of to_json, so of node_digest: a changed owner changes this base's digest
     experts_from: str | None = None
     # a budgeted base's bits budget (recipe ``bits``): every class quantized, K per allocation unit; its ``skeleton``
-    # then maps a class to an int (every layer at that K) or to ((layer, K), ...) (the head's layer is None)
+    # then maps a class to an int (every layer at that K) or to ((layer, K), ...) (the head's layer is None).
+    # A budgeted stage's: the bits it adds over its parent ("+B"), its experts those of most measured gain per byte
     bits: float | None = None
 
     @property
@@ -109,6 +115,8 @@ class Node:
     def to_json(self) -> dict:
         out = {"name": self.name, "kind": self.kind, "K": kbits.to_json(self.K) if self.K is not None else None,
                "codebook": self.codebook}
+        if not self.is_base and self.is_budgeted:
+            out["bits"] = f"+{self.bits:g}"  # its selection (to_json below) is what the budget chose
         if not self.is_base:
             out["parent"] = self.parent
             out["experts"] = self.experts.to_json()
@@ -233,6 +241,8 @@ class Recipe:
         allocation gives the class, on the layers it gives that K (the head's layer is None)."""
         n = self.node(name)
         if not n.is_base:
+            if not n.skeleton:
+                return ()
             below = self.chain_linears(n.parent)
             return tuple((cls, LinearNode(cls, K, n.codebook, below[cls][-1]), None) for cls, K in n.skeleton)
         out = []
@@ -319,12 +329,22 @@ class Recipe:
     @property
     def budgeted(self) -> tuple[Node, ...]:
         """The budgeted bases (recipe ``bits``)."""
-        return tuple(n for n in self.nodes if n.is_budgeted)
+        return tuple(n for n in self.nodes if n.is_budgeted and n.is_base)
+
+    @property
+    def budgeted_stages(self) -> tuple[Node, ...]:
+        """The stages whose experts a bits budget over their parent chooses (recipe ``bits`` on a stage)."""
+        return tuple(n for n in self.nodes if n.is_budgeted and not n.is_base)
+
+    @property
+    def needs_allocation(self) -> bool:
+        """Whether planning needs a measured allocation (a budgeted base or stage)."""
+        return any(n.is_budgeted for n in self.nodes)
 
     @property
     def resolved(self) -> bool:
-        """Every budgeted base has its K per unit (resolve_budgets)."""
-        return all(n.K is not None for n in self.nodes)
+        """Every budgeted base has its K per unit and every budgeted stage its experts (resolve_budgets)."""
+        return all(n.K is not None and n.experts.mode != "budget" for n in self.nodes)
 
     def node_digest(self, name: str) -> str:
         """sha256 of the node's definition and its ancestors': changes exactly when this node's
@@ -370,6 +390,12 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
             skel = tuple((c, raw.get("skeleton", {})[c]) for c in LINEAR_CLASSES
                          if raw.get("skeleton", {}).get(c, UNQUANTIZED) != UNQUANTIZED)
             node = Node(name, "base", raw["K"], raw["codebook"], None, ALL, raw.get("description", ""), skel)
+        elif "bits" in raw:  # experts chosen by resolve_budgets from the measured allocation
+            node = Node(name, "stage", raw["K"], raw["codebook"], raw["parent"], BUDGET, raw.get("description", ""),
+                        bits=float(raw["bits"][1:]))
+            if not node.bits > 0:
+                raise FqError(f"{err}: stage {name!r} (nodes[{i}]) bits {raw['bits']!r}: expected a positive number of "
+                              "bits over its parent, such as \"+0.5\"")
         else:
             skel = tuple((c, raw["skeleton"][c]) for c in LINEAR_CLASSES if c in raw.get("skeleton", {}))
             node = Node(name, "stage", raw["K"], raw["codebook"], raw["parent"],
@@ -383,6 +409,12 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
                           f"(nodes: {', '.join(nodes)})")
     order = _topological(nodes, file_index, err)
     for node in order:
+        if node.experts.mode == "budget" and not nodes[node.parent].is_base:
+            raise FqError(f"{err}: stage {node.name!r} (nodes[{file_index[node.name]}]) chooses its experts under a "
+                          f"bits budget over its parent, which must be a base; {node.parent!r} is a stage")
+        if node.parent is not None and nodes[node.parent].experts.mode == "budget":
+            raise FqError(f"{err}: stage {node.name!r} (nodes[{file_index[node.name]}]) has parent {node.parent!r}, "
+                          "whose experts a budget chooses: a stage on it is not supported yet")
         if node.parent is not None:
             _check_subset_static(node, nodes[node.parent], err)
             _check_stage_skeleton(node, nodes, file_index[node.name], err)

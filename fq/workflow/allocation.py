@@ -25,6 +25,7 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
     import torch
     from transformers import AutoModelForCausalLM
 
+    from fq.allocation import units
     from fq.allocation.measure import unit_options
     from fq.runtime.evaluate import tokenize
     from fq.runtime.quality import token_windows
@@ -35,6 +36,14 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
     options, weights, sens = unit_options(model, windows, list(ks), codebook, samples=samples, seed=seed,
                                           progress=progress)
     config = Path(model_dir, "config.json").read_bytes()
+    # each routed expert's own quadratic forms (gate+up, down), per layer: what a budgeted stage ranks experts by
+    experts: dict = {}
+    for name, stat in sens.linears.items():
+        unit = units.unit_of(name)
+        if unit.kind in ("routed_gate_up", "routed_down"):
+            e = units.expert_of(name)
+            q = experts.setdefault(f"L{unit.layer}", {}).setdefault(str(e), {"gate_up": 0.0, "down": 0.0})
+            q["gate_up" if unit.kind == "routed_gate_up" else "down"] += stat.quad[0] / (2 * sens.positions)
     return {"format": FORMAT, "codebook": codebook, "ks": sorted(ks),
             "model": {"config_sha256": hashlib.sha256(config).hexdigest(), "tokenizer_sha256": tok_sha},
             "calibration": {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "rows": rows,
@@ -43,6 +52,8 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
             "weights": weights,
             "units": {u: {str(K): {"predicted_kl": kl, "bytes": by} for K, (kl, by) in o.items()}
                       for u, o in options.items()},
+            "experts": {L: dict(sorted(ex.items(), key=lambda kv: int(kv[0]))) for L, ex in
+                        sorted(experts.items(), key=lambda kv: int(kv[0][1:]))},
             "allocations": [],
             "versions": {"torch": torch.__version__}}
 

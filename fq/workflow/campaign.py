@@ -229,7 +229,7 @@ class Campaign:
     @property
     def measures_allocation(self) -> bool:
         """Whether this campaign measures its own allocation (budgeted bases and no allocation.file)."""
-        return bool(self.recipe.budgeted) and not self.allocation_config["file"]
+        return self.recipe.needs_allocation and not self.allocation_config["file"]
 
     @property
     def sensitivity_file(self) -> str:
@@ -821,7 +821,7 @@ def _budgets(config: dict, recipe, source):
     """(recipe resolved, the allocation document or None, whether it is pending): a budgeted base takes its K per unit
     from allocation.file, or from the campaign's own allocate job's output once it exists (until then: pending, a
     provisional resolution that plans the DAG's measurement phase)."""
-    if not recipe.budgeted:
+    if not recipe.needs_allocation:
         return recipe, None, False
     from fq.allocation import document
     from fq.planning.budget import check_source, resolve_budgets
