@@ -370,6 +370,7 @@ def assembly_files():
 def report_files():
     names = ("products.tsv", "quality.png", "layers.png", "products.json") + (("kl.png",) if C.eval_config else ())
     names += ("proxy.png",) if C.calibration else ()
+    names += ("allocation.png",) if C.recipe.budgeted else ()
     return [f"{OUT}/report/{name}" for name in names]
 
 

@@ -15,6 +15,8 @@ rule report:
         **({"kl": report(f"{OUT}/report/kl.png", caption="../report/kl.rst", category="Quality")} if C.eval_config else {}),
         **({"proxy": report(f"{OUT}/report/proxy.png", caption="../report/proxy.rst", category="Quality")}
            if C.calibration else {}),
+        **({"allocation": report(f"{OUT}/report/allocation.png", caption="../report/allocation.rst",
+                                 category="Allocation")} if C.recipe.budgeted else {}),
     conda:
         "../envs/fq.yaml"
     log:

@@ -237,3 +237,21 @@ def test_campaign_takes_an_allocation_file_and_refuses_a_missing_one(tmp_path, s
 
         _budgets(_cfg(tmp_path, source=local), load_recipe(DEMO), source)
     assert json.loads(path.read_text())["format"] == "fq-allocation/1"
+
+
+def test_glm5_budgeted_recipe_is_priced_with_its_sensitivity_job(glm5):
+    """recipes/glm52-budget.json on the GLM-5-shaped source: priced before any measurement (provisional K), the
+    sensitivity job on the timeline and in the GPU-hours."""
+    from fq.planning.calibration_cost import price_calibration
+    from fq.planning.price import load_cost_table, price_recipe, price_table
+
+    recipe = resolve_budgets(load_recipe(REPO / "recipes" / "glm52-budget.json"), glm5, None)
+    cal = price_calibration(glm5, 250, 2048)
+    p = price_recipe(recipe, glm5, load_cost_table(None, None), gpus=8, calibration=cal)
+    sv = p.sensitivity
+    assert sv is not None and sv.tokens == 16 * 128 and sv.samples == 4 and 0 < sv.seconds < 3600
+    assert p.gpu_seconds > sv.seconds + cal.gpu_seconds
+    assert p.options[0].first_window_s >= sv.seconds  # measured before the first window is encoded
+    assert "sensitivity (budgeted bases' allocation" in price_table(p)
+    up = recipe.node("b2.5.up")
+    assert up.experts.mode == "layers" and all(len(e) == 64 for _, e in up.experts.layers)  # +0.5 bits / K2 of 256

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from fq.core import atomic, canonical
+from fq.core import atomic, canonical, kbits
 from fq.workflow.campaign import Campaign
 
 
@@ -58,12 +58,13 @@ def _rel(errs: dict, keys=None) -> float:
 
 
 def effective_bpw(c: Campaign, chain) -> float:
-    """Bits per weight averaged over all experts: a node adds K for the share of experts it encodes."""
+    """Bits per weight averaged over all experts: a node adds K for the share of experts it encodes (a budgeted base
+    its K per layer and projection)."""
     total = len(c.plan.blocks) and sum(len(c.plan.experts_of(chain[0], l)) for l in c.source.moe_layers)
     bits = 0.0
     for n in chain:
-        covered = sum(len(c.plan.experts_of(n, l)) for l in c.source.moe_layers)
-        bits += c.recipe.node(n).K * covered / total
+        node = c.recipe.node(n)
+        bits += sum(kbits.bits(node.K_at(l)) * len(c.plan.experts_of(n, l)) for l in c.source.moe_layers) / total
     return bits
 
 
@@ -89,7 +90,7 @@ def build_rows(c: Campaign, summary: dict) -> list[dict]:
         chain = list(prod.chain)
         errs = product_errors(c, metrics, chain)
         last = set(metrics[chain[-1]])
-        bits = sum(c.recipe.node(n).K for n in chain)
+        bits = c.recipe.product_bpw(prod)  # a float where a budgeted base's K varies per unit
         cb = c.recipe.node(chain[0]).codebook
         native_name = paired.get(prod.name)
         native_node = chains[native_name][0] if native_name else None  # the base's metrics are its node's
@@ -254,6 +255,59 @@ def plot_layers(rows: list[dict], layers, path: str) -> None:
     plt.close(fig)
 
 
+def plot_allocation(c: Campaign, path: str) -> None:
+    """Each budgeted base's K per unit and layer (attention, dense MLP, shared expert, routed gate/up, routed down;
+    the head in the title), and the experts each budgeted stage on it bought per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from fq.planning.budget import source_units
+
+    bases = [n for n in c.recipe.budgeted if n.K is not None]
+    layers = sorted({l for _, l in source_units(c.source).values() if l is not None})
+    rows = ("attention", "dense", "shared", "gate/up", "down")
+    fig, axes = plt.subplots(len(bases), 1, figsize=(max(5, 0.6 * len(layers) + 3), 2.6 * len(bases) + 0.6),
+                             dpi=120, squeeze=False)
+    for ax, n in zip(axes[:, 0], bases):
+        skel = dict(n.skeleton)
+        grid = np.full((len(rows), len(layers)), np.nan)
+        for j, layer in enumerate(layers):
+            for i, cls in enumerate(rows[:3]):
+                v = skel.get(cls)
+                k = v if isinstance(v, int) else dict(v or ()).get(layer)
+                if k is not None and f"L{layer}.{cls}" in source_units(c.source):
+                    grid[i, j] = k
+            if layer in c.source.moe_layers:
+                spec = n.K_at(layer)
+                grid[3, j], grid[4, j] = kbits.proj(spec, "gate"), kbits.proj(spec, "down")
+        ax.imshow(grid, aspect="auto", cmap="viridis", vmin=1, vmax=8)
+        for i in range(len(rows)):
+            for j in range(len(layers)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"K{int(grid[i, j])}", ha="center", va="center", fontsize=8, color="white")
+        ax.set_xticks(range(len(layers)), [str(l) for l in layers])
+        ax.set_yticks(range(len(rows)), rows)
+        stages = [s for s in c.recipe.budgeted_stages if s.parent == n.name and s.experts.mode == "layers"]
+        for s in stages:
+            picked = s.experts.layer_map()
+            for j, layer in enumerate(layers):
+                if picked.get(layer):
+                    ax.text(j, len(rows) - 0.35, f"{s.name}: {len(picked[layer])}", ha="center", va="top",
+                            fontsize=7, color="black")
+        head = skel.get("head")
+        ax.set_title(f"{n.name}: {n.bits:g} bits; head K{head if isinstance(head, int) else dict(head or ())[None]}"
+                     + "".join(f"; {s.name}: K{s.K} residual on {sum(len(e) for _, e in s.experts.layers)} experts"
+                               for s in stages), fontsize=9)
+        ax.set_xlabel("decoder layer")
+    fig.tight_layout()
+    with atomic.atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
 def load_proxy(c: Campaign) -> dict:
     """node -> proj -> layer -> [proxy error of each matrix] (calibrated fragments' metrics: tr(E H Eᵀ)/tr(W H Wᵀ))."""
     out: dict = {}
@@ -305,7 +359,8 @@ def plot_proxy(proxy: dict, path: str) -> None:
 
 
 def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, layers_png: str, rows_json: str,
-                eval_json: str | None = None, kl_png: str | None = None, proxy_png: str | None = None) -> list[dict]:
+                eval_json: str | None = None, kl_png: str | None = None, proxy_png: str | None = None,
+                allocation_png: str | None = None) -> list[dict]:
     summary = canonical.load(summary_path)
     doc = canonical.load(eval_json) if eval_json else None
     rows = add_eval(build_rows(c, summary), doc)
@@ -317,6 +372,8 @@ def make_report(c: Campaign, summary_path: str, table: str, quality_png: str, la
     plot_layers(rows, list(c.source.moe_layers), layers_png)
     if proxy_png:
         plot_proxy(load_proxy(c), proxy_png)
+    if allocation_png:
+        plot_allocation(c, allocation_png)
     atomic.write_text(rows_json, canonical.pretty([{**r, "per_layer": {str(k): v for k, v in r["per_layer"].items()}}
                                                    for r in rows]))
     return rows
