@@ -8,6 +8,9 @@ linears would cost a minute), and the SOURCE checkpoint's routed experts are set
 (``reconstruct_chain``), so the product ``k2.r1.h2`` is the source exactly and every shorter chain is an
 approximation of it whose error shrinks with each stage.
 
+``build(tmp, K={node: node spec})`` gives nodes other K (``fq.core.kbits`` node specs as JSON: K per layer and
+projection, a budgeted base's or a stage's); the nodes' digests follow.
+
     ROOT/base/k2/{model.safetensors (skeleton), config.json, k2-layer00L-block00B.safetensors, fq-manifest...}
     ROOT/stages/{r1,h2}/..., ROOT/assemblies/*.assembly.intoto.jsonl, ROOT/publication.intoto.jsonl
     SOURCE/{config.json, model.safetensors (float32), tokenizer.json (byte-level BPE, 512 ids)}
@@ -24,6 +27,7 @@ import torch
 
 from fq.codec import reconstruct_chain
 from fq.codec.codebook import marker_value
+from fq.core import kbits
 from fq.core.canonical import dumps, sha256_hex
 from fq.model.experts import STANDARD
 from fq.provenance.assembly import build_assembly, write_assembly
@@ -58,18 +62,24 @@ RECIPE_SHA256 = sha256_hex(dumps({"format": "runtimekit-recipe/1", "nodes": NODE
 SKELETON = "model.safetensors"
 
 
-def node_digest(node: str) -> str:
+def node_digest(node: str, nodes: dict | None = None) -> str:
+    nodes = nodes or NODES
     chain = []
     while node is not None:
-        chain.insert(0, {k: v for k, v in NODES[node].items() if k != "scale"})
-        node = NODES[node]["parent"]
+        chain.insert(0, {k: v for k, v in nodes[node].items() if k != "scale"})
+        node = nodes[node]["parent"]
     return sha256_hex(dumps({"format": "runtimekit-node/1", "chain": chain}))
 
 
-def chain_entry(node: str) -> dict:
-    n = NODES[node]
+def chain_entry(node: str, nodes: dict | None = None) -> dict:
+    n = (nodes or NODES)[node]
     return {"node": node, "role": n["role"], "K": n["K"], "codebook": n["codebook"], "parent": n["parent"],
-            "digest": node_digest(node)}
+            "digest": node_digest(node, nodes)}
+
+
+def k_at(K, layer: int, proj: str) -> int:
+    """The K a node spec (JSON) gives one linear: its layer's, for its projection (STANDARD's names)."""
+    return kbits.proj(kbits.node_at(K, layer), dict(zip(STANDARD.projections, kbits.PROJECTIONS))[proj])
 
 
 def experts_of(node: str, block: int) -> list[int]:
@@ -161,9 +171,11 @@ def _source_tensors(seed: int) -> dict:
         return {k: v.detach().clone().contiguous() for k, v in revert_weight_conversion(model, model.state_dict()).items()}
 
 
-def build(tmp: Path, seed: int = 0) -> Kit:
+def build(tmp: Path, seed: int = 0, K: dict | None = None) -> Kit:
+    """``K``: {node: node spec as JSON} in place of NODES' K (the base's derived config takes its spec as bits)."""
     from safetensors.torch import save_file
 
+    nodes = {n: {**d, "K": (K or {}).get(n, d["K"])} for n, d in NODES.items()}
     tmp = Path(tmp)
     key_path, pub_path, fp = keys.generate(tmp / "signer")
     priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
@@ -180,8 +192,9 @@ def build(tmp: Path, seed: int = 0) -> Kit:
                 if e not in experts_of(node, e // BLOCK):
                     continue
                 for proj, (o, i) in DIMS.items():
-                    n = NODES[node]
-                    kit.sets[(node, layer, e, proj)] = random_set(o, i, n["K"], n["codebook"], n["scale"], gen)
+                    n = nodes[node]
+                    kit.sets[(node, layer, e, proj)] = random_set(o, i, k_at(n["K"], layer, proj), n["codebook"],
+                                                                  n["scale"], gen)
     # the source: the transformers model's own tensors, its routed experts replaced by the full chain's sum
     tensors = _source_tensors(seed)
     for layer in LAYERS:
@@ -216,26 +229,27 @@ def build(tmp: Path, seed: int = 0) -> Kit:
     attest_skeleton(base / SKELETON, key=priv, campaign=camp, source=source_meta, encoder=enc)
     # config.json is derived from it (fq.provenance.exl3config)
     (base / SOURCE_CONFIG).write_text(json.dumps(config, indent=2))
-    for node, spec in NODES.items():
+    for node, spec in nodes.items():
         for layer in LAYERS:
             for b in range(N_EXPERTS // BLOCK):
                 experts = {e: {proj: kit.sets[(node, layer, e, proj)] for proj in DIMS} for e in experts_of(node, b)}
                 path = kit.root / kit.frag(node, layer, b)
+                frag_K = kbits.node_at(spec["K"], layer)
                 write_fragment(path, layout=STANDARD, node=node, role=spec["role"], layer=layer, block=b,
-                               K=spec["K"], codebook=spec["codebook"], experts=experts)
+                               K=frag_K, codebook=spec["codebook"], experts=experts)
                 parent = None
                 if spec["parent"]:
                     pp = kit.root / kit.frag(spec["parent"], layer, b)
                     parent = {"name": pp.name, "sha256": sha256_hex(pp.read_bytes())}
                 attest_fragment(path, key=priv, campaign=camp, source=source_meta, encoder=enc,
-                                quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
-                                node_digest=node_digest(node), parent=parent)
-    write_derived(base, bits=2, codebook="mul1")
-    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived_specs(2, "mul1"))
+                                quant_args={"seed": 0, "K": kbits.to_json(frag_K), "codebook": spec["codebook"]},
+                                node_digest=node_digest(node, nodes), parent=parent)
+    write_derived(base, bits=nodes["k2"]["K"], codebook="mul1")
+    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived_specs(nodes["k2"]["K"], "mul1"))
     plans = []
     for product, chain in PRODUCTS.items():
         names = [kit.frag(n, layer, b) for n in chain for layer in LAYERS for b in range(N_EXPERTS // BLOCK)]
-        plan = build_assembly(kit.root, product=product, chain=[chain_entry(n) for n in chain], fragments=names,
+        plan = build_assembly(kit.root, product=product, chain=[chain_entry(n, nodes) for n in chain], fragments=names,
                               base_dir="base/k2", campaign=camp, recipe_sha256=RECIPE_SHA256, version=1,
                               expires=EXPIRES, public_key=pub)
         write_assembly(kit.root, plan, priv)

@@ -16,7 +16,8 @@ canonical JSON of the mapping.
 from __future__ import annotations
 
 import json
-from typing import Mapping, Union
+import re
+from typing import Iterable, Mapping, Union
 
 from fq.errors import FqError
 
@@ -59,10 +60,24 @@ def at_layer(spec: NodeK, layer: int, where: str = "K") -> FragmentK:
         raise FqError(f"{where}: no K for layer {layer} (layers {', '.join(map(str, sorted(spec)))})") from None
 
 
+_LAYER = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
+def _layer(layer, where: str) -> int:
+    """A node spec's layer key: a non-negative int, or its decimal string (JSON keys)."""
+    if isinstance(layer, str) and _LAYER.fullmatch(layer):
+        return int(layer)
+    if type(layer) is int and layer >= 0:
+        return layer
+    raise FqError(f"{where}: layer {layer!r} is not a decimal layer number")
+
+
 def node(spec, where: str = "K") -> NodeK:
     """A checked node spec; a per-layer mapping whose layers all hold one int K becomes that int."""
     if isinstance(spec, Mapping):
-        out = {int(layer): fragment(s, f"{where}[{layer}]") for layer, s in spec.items()}
+        out = {_layer(layer, where): fragment(s, f"{where}[{layer}]") for layer, s in spec.items()}
+        if len(out) != len(spec):
+            raise FqError(f"{where}: a layer is named twice ({', '.join(map(repr, spec))})")
         if not out:
             raise FqError(f"{where}: expected K per layer, got an empty mapping")
         values = {json.dumps(v, sort_keys=True) for v in out.values()}
@@ -90,7 +105,9 @@ def to_meta(spec: FragmentK) -> str:
 
 def from_meta(text: str, where: str = "K") -> FragmentK:
     """The inverse of ``to_meta``, refusing anything else."""
-    if isinstance(text, str) and text.isdigit():
+    if isinstance(text, str) and re.fullmatch(r"[0-9]+", text):
+        if text != str(int(text)):
+            raise FqError(f"{where}: expected an integer K or the canonical JSON of K per projection, got {text!r}")
         return fragment(int(text), where)
     try:
         data = json.loads(text)
@@ -119,3 +136,27 @@ def describe(spec) -> str:
             return f"gate/up K{spec['gate']}, down K{spec['down']}"
         return ", ".join(f"{p} K{spec[p]}" for p in PROJECTIONS)
     return " / ".join(f"L{layer} {describe(spec[layer])}" for layer in sorted(spec))
+
+
+def of_layout(spec: FragmentK, projections: Iterable[str]) -> dict:
+    """``{name: K}`` for a checkpoint's own projection names, given in canonical order (``ExpertLayout.projections``:
+    gate, up, down, whatever the checkpoint calls them)."""
+    names = tuple(projections)
+    if len(names) != len(PROJECTIONS):
+        raise FqError(f"expected the names of the projections {', '.join(PROJECTIONS)}, got {', '.join(names)}")
+    return {name: proj(spec, p) for name, p in zip(names, PROJECTIONS)}
+
+
+def node_at(data, layer: int, where: str = "K") -> FragmentK:
+    """The fragment spec a node spec (as JSON, or already checked) gives ``layer``: what every fragment of that
+    node at that layer must hold."""
+    return at_layer(node(data, where), layer, where)
+
+
+def chain_bits(specs: Iterable) -> Union[int, float]:
+    """The bits per weight of a chain of nodes (node specs, as JSON or checked): the sum of each node's ``bits``; an
+    int when every node is one int K (a fixed-K chain's sum of K, as before)."""
+    nodes = [node(s) for s in specs]
+    if all(isinstance(n, int) for n in nodes):
+        return sum(nodes)
+    return sum(bits(n) for n in nodes)

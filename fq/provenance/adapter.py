@@ -5,7 +5,8 @@ Keys: ``{expert prefix}.{projection}.stage{i}.{trellis|suh|svh|mul1|mcg}``, ``i`
 the product chain (the base is 0 and is not in the adapter). Layout: by layer, expert, stage,
 projection, suffix, so each (layer, expert) is one contiguous byte range. Header metadata (strings):
 ``format=fq-adapter/1, product, version, plan_sha256, stages`` (JSON: index, node, K, codebook —
-re-derived from the fragments' tensors), ``layout`` (JSON).
+re-derived from the fragments' tensors; K the chain node's ``fq.core.kbits`` node spec as JSON, one K or K per layer
+and projection), ``layout`` (JSON).
 
     write_adapter(path, tensors=[RawTensor], meta=) -> (sha256, [(layer, expert, offset, length, sha256)])
     read_adapter(path) -> Adapter   # .linears[(layer, expert, proj)] = [(stage index, {suffix: tensor})]
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from fq.codec import validate_tensors
+from fq.core import kbits
 from fq.core.canonical import loads
 from fq.core.safepath import open_regular, sha256_stream, split_path
 from fq.errors import FqError
@@ -87,6 +89,8 @@ def read_adapter(path: str | os.PathLike) -> Adapter:
                                                for s in stages):
         raise FqError(f"{path}: header metadata 'stages' must be a list of {{index, node, K, codebook}}")
     by_index = {s["index"]: s for s in stages}
+    node_K = {i: kbits.node(s["K"], f"{path}: header metadata stages[{i}] K") for i, s in by_index.items()}
+    canonical = dict(zip(layout.projections, kbits.PROJECTIONS))
     rx = _adapter_re(layout)
     tensors = tensors_in_range(header, [e.name for e in header.entries], 0, data)
     grouped: dict[tuple[int, int, str, int], dict[str, torch.Tensor]] = {}
@@ -103,7 +107,8 @@ def read_adapter(path: str | os.PathLike) -> Adapter:
                  for s, t in tset.items()}
         marker = next((t for s, t in tset.items() if s in ("mul1", "mcg")), None)
         lin = derive_linear(specs, where, int(marker.item()) if marker is not None else None)
-        if (lin.K, lin.codebook) != (by_index[stage]["K"], by_index[stage]["codebook"]):
+        K = kbits.proj(kbits.at_layer(node_K[stage], layer, f"{where}: header metadata K"), canonical[proj])
+        if (lin.K, lin.codebook) != (K, by_index[stage]["codebook"]):
             raise FqError(f"{where}: tensors are K={lin.K} {lin.codebook}, metadata says otherwise")
         validate_tensors(tset, where, K=lin.K, codebook=lin.codebook)
         linears.setdefault((layer, expert, proj), []).append((stage, tset))

@@ -3,7 +3,8 @@
 A product is a chain base -> stage -> ...; its plan (predicate ``fq-assembly/1``, schema
 ``fq/schemas/fq-assembly.schema.json``) names the campaign identity, the recipe it was built from
 (``recipe_sha256``), the base (node, directory, manifest name + digest), the runtime constants and the
-recipe's node digest of every chain node (K, codebook, digest: every fragment of the node must attest
+recipe's node digest of every chain node (K: a ``fq.core.kbits`` node spec as JSON, one K or K per layer and
+projection; codebook; digest: every fragment of the node must attest
 that ``node_digest``, so a fragment encoded for an older definition of its node is refused), and
 every fragment with its sha256, attestation digest, header digest, parent edge and per-expert byte ranges — so a
 consumer can narrow to chosen experts before reading any payload. ``version`` is monotonic per
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fq.core import atomic
+from fq.core import atomic, kbits
 from fq.core.canonical import dumps, load, loads as load_bytes, pretty, sha256_hex
 from fq.core.safepath import check_name, read_regular, split_path
 from fq.errors import FqError
@@ -68,11 +69,13 @@ def parse_time(text: str, where: str) -> dt.datetime:
 
 
 def check_chain(chain: list[dict], where: str) -> None:
-    """A chain is one base then stages, each stage's parent the node before it; node names unique."""
+    """A chain is one base then stages, each stage's parent the node before it; node names unique; every node's K a
+    node spec (``fq.core.kbits.node``)."""
     if not chain or chain[0]["role"] != "base" or chain[0]["parent"] is not None:
         raise FqError(f"{where}: chain must start with a base node that has no parent")
     seen = set()
     for i, n in enumerate(chain):
+        kbits.node(n["K"], f"{where}: chain[{i}] {n['node']!r} K")
         if n["node"] in seen:
             raise FqError(f"{where}: node {n['node']!r} appears twice in the chain")
         seen.add(n["node"])
@@ -265,9 +268,13 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
         if node is None:
             raise FqError(f"{name}: fragment of node {p['node']!r}, which is not in {product}'s chain")
         check_node_digest(att, node["digest"], f"plan {product}")
-        derived = {(lin.K, lin.codebook) for lin in att.info.linears.values()}
-        if derived != {(node["K"], node["codebook"])}:
-            raise FqError(f"{name}: tensors are {sorted(derived)}, the chain says K={node['K']} {node['codebook']}")
+        want = kbits.of_layout(kbits.node_at(node["K"], p["layer"], f"plan {product}: chain node {p['node']} K"),
+                               att.info.meta["layout"].projections)
+        for proj, K in want.items():  # exllamav3: one K per projection of a layer, for all its experts
+            derived = {(lin.K, lin.codebook) for (_, pr), lin in att.info.linears.items() if pr == proj}
+            if derived != {(K, node["codebook"])}:
+                at = "" if isinstance(kbits.node(node["K"]), int) else f" {proj} at layer {p['layer']}"
+                raise FqError(f"{name}: tensors are {sorted(derived)}, the chain says{at} K={K} {node['codebook']}")
         if p["role"] != node["role"]:
             raise FqError(f"{name}: fragment role {p['role']}, the chain says {node['role']}")
         entries.append({"name": name, "sha256": att.sha256, "attestation_sha256": att.attestation_sha256,

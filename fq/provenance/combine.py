@@ -11,7 +11,8 @@ Order of trust (nothing is read before what vouches for it has been verified):
    same node/layer/block/parent/ranges as the plan, node_digest equal to its chain entry's digest),
    then its safetensors header (digest attested, exact key set, geometry), then only the chosen
    experts' byte ranges, each hashed against the plan;
-4. runtime constants (K, codebook) re-derived from the tensors (shapes, marker values), never copied;
+4. runtime constants (K, codebook) re-derived from the tensors (shapes, marker values), never copied, each linear's
+   K its chain node's at that layer for its projection (``fq.core.kbits``);
    per (layer, expert, projection) every chain node has the same (in, out);
 5. with ``base_dir`` (the checkpoint that will be loaded): its manifest digest must be the one the plan
    pins, and all of it is verified against that manifest (``fq.provenance.manifest.verify_base``: every file
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fq.core import atomic
+from fq.core import atomic, kbits
 from fq.core.canonical import loads, sha256_hex
 from fq.core.safepath import open_regular, split_path
 from fq.errors import FqError
@@ -135,6 +136,7 @@ def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[
                            option=base_option)
         result.base, manifest = base, base.manifest
     geometry, residual = result.geometry, result.residual
+    canonical = dict(zip(layout.projections, kbits.PROJECTIONS))
     for f, ranges in work:
         i = index[f["node"]]
         node = chain[i]
@@ -183,20 +185,21 @@ def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[
                         lo = ent.start - e["offset"]
                         raws[s] = RawTensor(adapter_key(layout, f["layer"], ex, proj, i, s), ent.dtype, ent.shape,
                                             data[lo: lo + ent.length])
-                    check_stage_linear(raws, node, f"{where}: expert {ex} {proj}")
+                    check_stage_linear(raws, node, f["layer"], canonical[proj], f"{where}: expert {ex} {proj}")
                     for s, r in raws.items():
                         residual[(f["layer"], ex, i, proj, s)] = r
     return result
 
 
-def check_stage_linear(raws: dict[str, RawTensor], node: dict, where: str) -> None:
+def check_stage_linear(raws: dict[str, RawTensor], node: dict, layer: int, projection: str, where: str) -> None:
     """One stage linear's tensors: K and codebook re-derived from them (shapes, marker value) must be the chain
-    node's, and every scale finite."""
+    node's (its K at ``layer`` for the canonical ``projection``: gate, up or down), and every scale finite."""
+    K = kbits.proj(kbits.node_at(node["K"], layer, f"{where}: chain node {node['node']} K"), projection)
     m = raws.get(node["codebook"])
     value = int.from_bytes(m.data, "little", signed=True) if m is not None else None
     lin = derive_linear({s: (r.dtype, r.shape) for s, r in raws.items()}, where, value)
-    if (lin.K, lin.codebook) != (node["K"], node["codebook"]):
-        raise FqError(f"{where} tensors are K={lin.K} {lin.codebook}, the plan says K={node['K']} {node['codebook']}")
+    if (lin.K, lin.codebook) != (K, node["codebook"]):
+        raise FqError(f"{where} tensors are K={lin.K} {lin.codebook}, the plan says K={K} {node['codebook']}")
     for s in SCALE_SUFFIXES:
         check_scale(raws[s].data, f"{where} {s}")
 
@@ -246,6 +249,7 @@ def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) ->
     ranges = {(f["layer"], e["expert"], index[f["node"]]): e for f in plan["fragments"] if index[f["node"]] > 0
               for e in f["experts"]}
     rx = _adapter_re(layout)
+    canonical = dict(zip(layout.projections, kbits.PROJECTIONS))
     groups: dict[tuple[int, int], list] = {}
     for e in header.entries:
         m = rx.fullmatch(e.name)
@@ -281,7 +285,7 @@ def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) ->
                     ent = header.entry(adapter_key(layout, layer, ex, proj, i, s))
                     raws[s] = RawTensor(ent.name, ent.dtype, ent.shape, data[ent.start: ent.end])
                 lw = f"{label} {proj} stage {i}"
-                check_stage_linear(raws, chain[i], lw)
+                check_stage_linear(raws, chain[i], layer, canonical[proj], lw)
                 lin = derive_linear({s: (r.dtype, r.shape) for s, r in raws.items()}, lw)
                 g = geometry.get((layer, ex, proj))
                 if g != (lin.in_features, lin.out_features):

@@ -4,7 +4,11 @@ Expert fragment: for each expert in ascending order, for each projection (gate, 
 EXL3 tensors ``trellis, suh, svh[, mul1|mcg]`` — so every expert is one contiguous byte range and
 ``expert sha256`` means what it says. Base and stage fragments have the same per-expert key set;
 a stage holds only the experts its selection names within the block. Header metadata (strings):
-``format=fq-fragment/1, kind=expert, node, role, layer, block, K, codebook, layout`` (JSON).
+``format=fq-fragment/1, kind=expert, node, role, layer, block, K, codebook, layout`` (JSON). ``K`` is a fragment spec
+(``fq.core.kbits``) in its header form: ``"3"`` (every linear at K=3, as every fixed-K base and stage writes it), or
+the canonical JSON of K per projection, ``{"down":3,"gate":2,"up":2}`` (a budgeted base: exllamav3 takes one K per
+projection of a layer); ``kbits.PROJECTIONS`` names the layout's projections in order (gate, up, down, whatever the
+checkpoint calls them). Every linear's K derived from its tensors is its projection's.
 
 Skeleton shard: the non-expert tensors of one source shard, byte-verbatim, sorted by name;
 metadata ``format=fq-fragment/1, kind=skeleton, source_shard``.
@@ -15,6 +19,7 @@ prefix (``model.layers.3.self_attn.q_proj``), each linear one contiguous range; 
 ``format=fq-fragment/1, kind=linear, node, class, layer`` (decimal, or ``head``) ``, K, codebook``.
 
     write_fragment(path, layout=, node=, role=, layer=, block=, K=, codebook=, experts={E: {proj: {suffix: tensor}}})
+        # K: a fragment spec, int or {"gate", "up", "down": K} (as JSON too); ShardInfo.meta["K"] is it, checked
     write_skeleton(path, tensors=[RawTensor|(name, tensor)], source_shard=)
     write_linears(path, node=, cls=, layer=, K=, codebook=, linears={name: {suffix: tensor}})
     describe(fh, name) -> ShardInfo   # validated header + digests, one read of the file
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Iterable, Mapping
 
+from fq.core import kbits
 from fq.core.canonical import loads
 from fq.core.safepath import sha256_stream
 from fq.errors import FqError
@@ -150,8 +156,8 @@ def fragment_meta(header: Header) -> dict:
     where = f"{src}: header metadata layout"
     layout = ExpertLayout.from_json(loads(m["layout"], where), where)
     return {"kind": kind, "node": check_node(m["node"], f"{src}: node"), "role": m["role"],
-            "layer": _int(m, "layer", src), "block": _int(m, "block", src), "K": _int(m, "K", src),
-            "codebook": m["codebook"], "layout": layout}
+            "layer": _int(m, "layer", src), "block": _int(m, "block", src),
+            "K": kbits.from_meta(m["K"], f"{src}: header metadata K"), "codebook": m["codebook"], "layout": layout}
 
 
 def expert_structure(header: Header, meta: dict) -> tuple[list[int], dict]:
@@ -170,15 +176,16 @@ def expert_structure(header: Header, meta: dict) -> tuple[list[int], dict]:
     if not specs:
         raise FqError(f"{src}: fragment holds no experts")
     linears = {}
+    want_K = kbits.of_layout(meta["K"], layout.projections)
     for expert, projs in specs.items():
         for proj in layout.projections:
             where = f"{src}: expert {expert} {proj}"
             if proj not in projs:
                 raise FqError(f"{where}: missing (every expert carries {', '.join(layout.projections)})")
             lin = derive_linear(projs[proj], where)
-            if (lin.K, lin.codebook) != (meta["K"], meta["codebook"]):
+            if (lin.K, lin.codebook) != (want_K[proj], meta["codebook"]):
                 raise FqError(f"{where}: tensors imply K={lin.K} codebook={lin.codebook}, header metadata says "
-                              f"K={meta['K']} codebook={meta['codebook']}")
+                              f"K={_k_of(meta['K'], proj, want_K)} codebook={meta['codebook']}")
             linears[(expert, proj)] = lin
     order = sorted(specs)
     # The exact order fq writes, so that each expert is one range and the file is reproducible.
@@ -191,6 +198,11 @@ def expert_structure(header: Header, meta: dict) -> tuple[list[int], dict]:
         raise FqError(f"{src}: tensor #{i} in file order is {g[i]!r}, fq's layout puts {w[i]!r} there "
                       "(keys wrong or an expert not contiguous)")
     return order, linears
+
+
+def _k_of(spec, proj: str, want_K: dict) -> str:
+    """How messages state a projection's K under a fragment spec: ``2``, or ``2 for gate_proj (gate/up K2, down K3)``."""
+    return str(want_K[proj]) if isinstance(spec, int) else f"{want_K[proj]} for {proj} ({kbits.describe(spec)})"
 
 
 def linear_structure(header: Header, meta: dict) -> tuple[list[str], dict]:
@@ -261,18 +273,23 @@ def _as_raw(name: str, t) -> RawTensor:
 
 
 def write_fragment(path: str | os.PathLike, *, layout: ExpertLayout, node: str, role: str, layer: int, block: int,
-                   K: int, codebook: str, experts: Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]]) -> ShardInfo:
+                   K: kbits.FragmentK, codebook: str,
+                   experts: Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]]) -> ShardInfo:
     """Write one node's fragment of one block, atomically; returns its digests.
 
-    ``experts[E][projection]`` is the codec's tensor set (``trellis, suh, svh[, mul1|mcg]``). Every set is
-    checked against ``K``/``codebook`` before a byte is written; a set missing ``suh``/``svh`` is refused.
+    ``experts[E][projection]`` is the codec's tensor set (``trellis, suh, svh[, mul1|mcg]``). ``K``: a fragment spec
+    (``fq.core.kbits``: an int, or K per canonical projection gate/up/down; its JSON form too; a uniform mapping is
+    its int, so the bytes are a fixed-K fragment's). Every set is checked against its projection's K and
+    ``codebook`` before a byte is written; a set missing ``suh``/``svh`` is refused.
     """
     check_node(node)
     if role not in ROLES:
         raise FqError(f"fragment {node}: role {role!r}, expected base or stage")
-    for label, v in (("layer", layer), ("block", block), ("K", K)):
+    for label, v in (("layer", layer), ("block", block)):
         if type(v) is not int or v < 0:
             raise FqError(f"fragment {node}: {label} must be a non-negative integer, got {v!r}")
+    K = kbits.fragment(K, f"fragment {node} layer {layer} block {block}: K")
+    want_K = kbits.of_layout(K, layout.projections)
     if not experts:
         raise FqError(f"fragment {node} layer {layer} block {block}: no experts to write")
     raws: list[RawTensor] = []
@@ -286,9 +303,9 @@ def write_fragment(path: str | os.PathLike, *, layout: ExpertLayout, node: str, 
             tset = projs[proj]
             where = f"fragment {node} layer {layer} expert {ex} {proj}"
             raws.extend(_coded_set({s: _as_raw(layout.key(layer, ex, proj, s), t) for s, t in tset.items()},
-                                   K, codebook, where))
+                                   want_K[proj], codebook, where))
     meta = {"format": FORMAT, "kind": "expert", "node": node, "role": role, "layer": str(layer), "block": str(block),
-            "K": str(K), "codebook": codebook, "layout": json.dumps(layout.to_json(), separators=(",", ":"))}
+            "K": kbits.to_meta(K), "codebook": codebook, "layout": json.dumps(layout.to_json(), separators=(",", ":"))}
     write_shard(path, raws, meta)
     return _describe_path(path)
 

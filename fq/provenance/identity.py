@@ -30,7 +30,8 @@ PACKAGE_ROOT = Path(fq.__file__).resolve().parent
 
 # Every file whose content can change a fragment's bytes (globs relative to the package).
 ENCODER_FILES = ("codec/*.py", "codec/*.c", "codec/*.cu", "codec/_trellis*.so", "model/shards.py",
-                 "provenance/fragments.py", "model/experts.py", "workflow/encode.py")
+                 "provenance/fragments.py", "model/experts.py", "workflow/encode.py",
+                 "core/kbits.py")  # a fragment's K per projection: which K each matrix is encoded at, its header form
 
 
 def bundle_files(root: Path = PACKAGE_ROOT) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from fq.core import kbits
 from fq.errors import FqError
 from fq.provenance.assembly import Plan, PlanState, campaign_root, check_product_name, read_assembly
 from fq.provenance.attest.fragment import Attested, check_header, check_node_digest
@@ -71,9 +72,12 @@ class Product:
         _check_shard(p, f, where)
         node = self.node(f["node"])
         check_node_digest(att, node["digest"], plan_where or where)
-        if (p["role"], p["K"], p["codebook"]) != (node["role"], node["K"], node["codebook"]):
-            raise FqError(f"{where}: attested {p['role']} K={p['K']} {p['codebook']}, the plan's chain says "
-                          f"{node['role']} K={node['K']} {node['codebook']}")
+        got_K = kbits.fragment(p["K"], f"{where}: attested K")
+        want_K = kbits.node_at(node["K"], p["layer"], f"{where}: the plan's chain node {node['node']} K")
+        if (p["role"], got_K, p["codebook"]) != (node["role"], want_K, node["codebook"]):
+            raise FqError(f"{where}: attested {p['role']} {k_text(got_K)} {p['codebook']}, the plan's chain "
+                          f"says {node['role']} {k_text(want_K)} {node['codebook']}"
+                          + (f" at layer {p['layer']}" if not isinstance(kbits.node(node["K"]), int) else ""))
         got = objective(p)
         first = self.objectives.setdefault(p["layer"], (got, att.name))
         if first[0] != got:
@@ -122,6 +126,11 @@ class Product:
             state.record(self.plan)
             if self.publication is not None:
                 state.record_publication(self.publication)
+
+
+def k_text(spec) -> str:
+    """A fragment spec in messages: ``K=3``, or per projection ``gate/up K2, down K3``."""
+    return f"K={spec}" if isinstance(spec, int) else kbits.describe(spec)
 
 
 # (plan entry field, attested predicate field) of a linear fragment

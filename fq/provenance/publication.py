@@ -15,7 +15,8 @@ contains, so that nothing can be withheld or added unnoticed, with a version tha
   signer: consumers with a state file refuse a lower one (``fq.provenance.assembly.PlanState``) and ``fq promote``
   refuses to publish one that is not above what the destination holds. ``products`` names each plan
   (``assemblies/PRODUCT.assembly.intoto.jsonl``) with its line's sha256, its version, chain, payload
-  bytes, bits per weight (the chain's K summed) and recipe digest; ``bases`` each base manifest.
+  bytes, bits per weight (the chain's K summed, ``fq.core.kbits.chain_bits``: an integer when every node is one K, else
+  each node's mean K over its layers and projections) and recipe digest; ``bases`` each base manifest.
 
 ``fq verify`` of a published tree requires the statement and checks the tree against it both ways
 (nothing listed missing, nothing present unlisted, every digest the one the signed documents covering the
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fq.core import atomic
+from fq.core import atomic, kbits
 from fq.core.canonical import sha256_hex
 from fq.core.safepath import check_name, open_regular, read_regular, sha256_stream
 from fq.errors import FqError
@@ -110,7 +111,7 @@ def product_entry(plan: Plan, file: str) -> dict:
     """What a publication states about one product, derived from its verified plan."""
     p = plan.predicate
     return {"file": file, "sha256": plan.sha256, "version": p["version"], "chain": [n["node"] for n in p["chain"]],
-            "bytes": payload_bytes(p), "bpw": sum(n["K"] for n in p["chain"]),
+            "bytes": payload_bytes(p), "bpw": kbits.chain_bits(n["K"] for n in p["chain"]),
             "recipe_sha256": p["recipe_sha256"]}
 
 

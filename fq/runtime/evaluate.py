@@ -8,11 +8,12 @@ encoded, measured at the model's output against the SOURCE model on held-out tex
 - Native points: for a product of more than one node at B = the chain's K summed (B <= 8), the published base
   that differs from it in its routed experts alone (``fq.planning.native``: K = B, the same codebook, the chain's
   last node on every expert, the same linear nodes on every non-expert class; a product of its own, already
-  measured: named in ``native``), else the one-pass K=B encode of the experts the chain's last node covers
-  (``NATIVE_DIR/K{B}-{codebook}/*.safetensors``, written by the campaign's native jobs: comparison material, never
-  published or signed) in place of the chain on exactly those experts, the other experts keeping the product's
-  weights: the same bits per weight on every expert, encoded in one pass instead of a chain. The model is the
-  product's verified state with those experts replaced (its linears, stage residuals included, the product's own).
+  measured: named in ``native``), else (B an integer: every node one K, ``fq.core.kbits.chain_bits``) the one-pass
+  K=B encode of the experts the chain's last node covers (``NATIVE_DIR/K{B}-{codebook}/*.safetensors``, written by
+  the campaign's native jobs: comparison material, never published or signed) in place of the chain on exactly
+  those experts, the other experts keeping the product's weights: the same bits per weight on every expert, encoded
+  in one pass instead of a chain. The model is the product's verified state with those experts replaced (its
+  linears, stage residuals included, the product's own).
 - Weight-only twins (a calibrated campaign with calibration.compare_weight_only): for every product P, "P
   (weight-only)": the same chain encoded without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned
   fragments of the real nodes, a stage's residual taken against its parent's twin; comparison material, never
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fq.core import atomic, canonical
+from fq.core import atomic, canonical, kbits
 from fq.core.canonical import sha256_hex
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout
@@ -64,12 +65,20 @@ def tokenize(source: Path, text: str) -> tuple[list[int], str]:
 
 
 def effective_bpw(plan: dict) -> float:
-    """Bits per weight over all routed experts: each chain node's K times the share of the base's experts it covers."""
+    """Bits per weight over all routed experts: each chain node's K times the share of the base's experts it covers
+    (a node with K per layer and projection: each covered expert at its layer's mean K, ``fq.core.kbits.bits``)."""
     covered: dict[str, set] = {}
     for f in plan["fragments"]:
         covered.setdefault(f["node"], set()).update((f["layer"], e["expert"]) for e in f["experts"])
     total = len(covered[plan["chain"][0]["node"]])
-    return sum(n["K"] * len(covered.get(n["node"], ())) / total for n in plan["chain"])
+    out = 0
+    for n in plan["chain"]:
+        spec, cov = kbits.node(n["K"]), covered.get(n["node"], ())
+        if isinstance(spec, int):
+            out += spec * len(cov) / total
+        else:
+            out += sum(kbits.bits(kbits.at_layer(spec, layer)) for layer, _ in sorted(cov)) / total
+    return out
 
 
 def _unsigned_sets(directory: Path | None, pattern: str, key) -> dict:
@@ -172,7 +181,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
         plan = loaded.plan
         chain = plan["chain"]
         q = quality.compare(build_model(loaded.config, loaded.tensors), ref)
-        bits, cb = sum(n["K"] for n in chain), chain[0]["codebook"]
+        bits, cb = kbits.chain_bits(n["K"] for n in chain), chain[0]["codebook"]
         row = rows[name] = _row(q, chain=[n["node"] for n in chain], nominal_bpw=bits,
                                 effective_bpw=effective_bpw(plan), plan_sha256=loaded.plan_sha256, native=None)
         say(f"{name}: KL {q.kl:.6g}, perplexity {q.ppl:.4f}, top-1 {q.top1:.4f}")
@@ -189,7 +198,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
         if name in paired:
             row["native"] = paired[name]
             continue
-        if (bits, cb) not in natives:
+        if not isinstance(bits, int) or (bits, cb) not in natives:  # one-pass encodes are at one K
             continue
         tensors, experts = native_tensors(loaded, natives[(bits, cb)], native_dir)
         nq = quality.compare(build_model(loaded.config, tensors), ref)
@@ -244,7 +253,7 @@ def native_tensors(state, sets: dict, where) -> tuple[dict, list]:
     from fq.runtime.load import expert_shapes
 
     chain = state.plan["chain"]
-    bits, cb, last = sum(n["K"] for n in chain), chain[0]["codebook"], chain[-1]["node"]
+    bits, cb, last = kbits.chain_bits(n["K"] for n in chain), chain[0]["codebook"], chain[-1]["node"]
     experts = sorted((f["layer"], e["expert"]) for f in state.plan["fragments"] if f["node"] == last
                      for e in f["experts"])
     tensors = dict(state.tensors)

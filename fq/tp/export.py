@@ -35,7 +35,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fq.core import atomic
+from fq.core import atomic, kbits
 from fq.core.canonical import sha256_hex
 from fq.errors import FqError
 from fq.model.experts import expert_keys
@@ -143,7 +143,8 @@ def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> lis
             name = f"{rank_dir(g, t)}/{f['name'].rsplit('/', 1)[-1]}"
             p = att.predicate
             meta = {"format": records.SHARD_FORMAT, "kind": "expert", "product": pred["product"], "node": p["node"],
-                    "layer": str(p["layer"]), "block": str(p["block"]), "K": str(p["K"]), "codebook": p["codebook"],
+                    "layer": str(p["layer"]), "block": str(p["block"]),
+                    "K": kbits.to_meta(kbits.fragment(p["K"])), "codebook": p["codebook"],
                     "layout": json.dumps(layout.to_json(), separators=(",", ":")), "tp": str(cut.mesh.tp),
                     "ep": str(cut.mesh.ep), "coords": json.dumps({"ep": g, "tp": t}, separators=(",", ":"))}
             write_shard(tmp / name, [r for _, raws, _, _, _ in experts for r in raws], meta)

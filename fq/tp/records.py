@@ -59,7 +59,7 @@ _COMMON_FIELDS = {"format": {"const": SHARD_FORMAT}, "product": _ref("node"), "p
 
 SHARD_SCHEMAS = {  # by kind (selecting first is much cheaper than a oneOf over both)
     "expert": _obj({**_COMMON_FIELDS, "kind": {"const": "expert"}, "mesh": _MESH, "coords": _COORDS, "node": _ref("node"),
-          "chain_index": _INT, "layer": _INT, "block": _INT, "K": _ref("K"), "codebook": _ref("codebook"),
+          "chain_index": _INT, "layer": _INT, "block": _INT, "K": _ref("fragment_K"), "codebook": _ref("codebook"),
           "layout": _ref("layout"), "source": _SOURCE,
           "experts": {"type": "array", "minItems": 1, "items": _obj({
               "expert": _INT, "offset": _INT, "length": _POS, "sha256": _ref("sha256"),
@@ -74,7 +74,7 @@ SHARD_SCHEMAS = {  # by kind (selecting first is much cheaper than a oneOf over 
 EXPORT_SCHEMA = _obj({
     "format": {"const": EXPORT_FORMAT}, "product": _ref("node"), "version": _POS, "plan_sha256": _ref("sha256"),
     "campaign": _ref("campaign"), "base_manifest_sha256": _ref("sha256"),
-    "chain": {"type": "array", "minItems": 1, "items": _obj({"node": _ref("node"), "K": _ref("K"),
+    "chain": {"type": "array", "minItems": 1, "items": _obj({"node": _ref("node"), "K": _ref("node_K"),
                                                              "codebook": _ref("codebook")})},
     "spec": {"type": "object"}, "assign": {"enum": ["contiguous", "strided"]}, "mesh": _MESH,
     "manifest_sha256": _ref("sha256"),

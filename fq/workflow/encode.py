@@ -37,7 +37,7 @@ from fq.codec import encode as codec_encode
 from fq.codec import encode_residual
 from fq.codec.ldlq import encode_ldlq
 from fq.codec.exact import tree_sum
-from fq.core import atomic, canonical
+from fq.core import atomic, canonical, kbits
 from fq.errors import FqError
 from fq.hessian import store
 from fq.model.experts import ExpertLayout, suffixes
@@ -127,12 +127,14 @@ def source_tensors(refs) -> list[dict]:
 @dataclass
 class BlockJob:
     """One (node, layer, block) of an encode job: what to encode and where its outputs go.
+    ``K``: the node's fragment spec at this layer (``fq.core.kbits``: an int, or K per projection gate/up/down, as
+    JSON too; checked and normalised here), each matrix encoded at its projection's K;
     ``ancestors``: [{node, codebook, digest, path}] from the base to the parent, in chain order;
     ``sources``: {expert: {proj: [staged shard path, tensor name]}}."""
 
     node: str
     role: str
-    K: int
+    K: kbits.FragmentK
     codebook: str
     node_digest: str
     layer: int
@@ -143,6 +145,9 @@ class BlockJob:
     out_fragment: str
     out_metrics: str
     hessian: dict | None = None  # {path, binding} of the layer's Hessian (calibrated campaigns), else weight-only
+
+    def __post_init__(self):
+        self.K = kbits.fragment(self.K, f"encode {self.node} layer {self.layer} block {self.block}: K")
 
     @property
     def out_attestation(self) -> str:
@@ -215,10 +220,12 @@ def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout):
         handles.clear()
 
 
-def quant_args_for(K: int, codebook: str, seed: int, bound: dict | None) -> dict:
-    """The attested quant args: the objective, and for a calibrated encode the Hessian's file, sha256, token digest
-    and capture mode (a re-encode is byte-identical given those bytes: fq.provenance.identity.determinism_scope)."""
-    args = {"K": K, "codebook": codebook, "seed": seed, "seed_rule": SEED_RULE, "scale_search": "gaussian-prior/3"}
+def quant_args_for(K: kbits.FragmentK, codebook: str, seed: int, bound: dict | None) -> dict:
+    """The attested quant args: K (``kbits.to_json`` of the fragment spec: the int of a fixed-K encode), the objective,
+    and for a calibrated encode the Hessian's file, sha256, token digest and capture mode (a re-encode is
+    byte-identical given those bytes: fq.provenance.identity.determinism_scope)."""
+    args = {"K": kbits.to_json(kbits.fragment(K)), "codebook": codebook, "seed": seed, "seed_rule": SEED_RULE,
+            "scale_search": "gaussian-prior/3"}
     if bound is None:
         return dict(args, objective=store.OBJECTIVE_WEIGHT)
     return dict(args, objective=store.OBJECTIVE_LDLQ, hessian=calibration.quant_hessian(bound))
@@ -271,7 +278,7 @@ def _commit(b: BlockJob, tensors: dict, metrics: dict, parent: dict | None, *, d
     att = attest_fragment(b.out_fragment, key=priv, campaign=doc["identity"], source=source, encoder=doc["encoder"],
                           quant_args=quant_args, node_digest=b.node_digest, parent=parent, info=info)
     t_att = time.perf_counter()
-    summary = {"node": b.node, "layer": b.layer, "block": b.block, "K": b.K, "codebook": b.codebook,
+    summary = {"node": b.node, "layer": b.layer, "block": b.block, "K": kbits.to_json(b.K), "codebook": b.codebook,
                "fragment": Path(b.out_fragment).name, "sha256": att.sha256, "objective": quant_args["objective"],
                "experts": metrics}
     atomic.write_text(b.out_metrics, canonical.pretty(summary))
@@ -354,8 +361,8 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 t = time.perf_counter()
                 if stats is not None:
                     _gap(timeline, stats[i], t)
-                enc, sum_sq_w = encode_matrix(w, chains[p], b.K, b.codebook, s, dev, hess.for_matrix(e, p),
-                                               f"{b.node} layer {b.layer} expert {e} {p}")
+                enc, sum_sq_w = encode_matrix(w, chains[p], kbits.proj(b.K, p), b.codebook, s, dev,
+                                               hess.for_matrix(e, p), f"{b.node} layer {b.layer} expert {e} {p}")
                 sum_sq_w = enc.sum_sq_w if sum_sq_w is None else sum_sq_w
                 if stats is not None:
                     timeline["last_call_end"] = time.perf_counter()
@@ -405,11 +412,12 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
     return summaries
 
 
-def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: int, codebook: str, node_digest: str,
+def encode_block(*, campaign_json: str, key_path: str, node: str, role: str, K: kbits.FragmentK, codebook: str,
+                 node_digest: str,
                  layer: int, block: int, experts: list[int], sources: dict, ancestors: list[dict], out_fragment: str,
                  out_metrics: str, device: str, devices_list: list[int], lock_dir: str, seed: int, threads: int = 0,
                  layout: ExpertLayout, hessian: dict | None = None) -> dict:
-    """One block as its own job (encode_blocks with one BlockJob)."""
+    """One block as its own job (encode_blocks with one BlockJob); ``K`` a fragment spec (BlockJob.K)."""
     job = BlockJob(node=node, role=role, K=K, codebook=codebook, node_digest=node_digest, layer=layer, block=block,
                    experts=experts, sources=sources, ancestors=ancestors, out_fragment=out_fragment,
                    out_metrics=out_metrics, hessian=hessian)
@@ -459,7 +467,8 @@ def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sour
     return summary
 
 
-def encode_weight_only(*, node: str, role: str, K: int, codebook: str, node_digest: str, layer: int, block: int,
+def encode_weight_only(*, node: str, role: str, K: kbits.FragmentK, codebook: str, node_digest: str, layer: int,
+                       block: int,
                        experts: list[int], sources: dict, ancestors: list[dict], out_tensors: str, out_metrics: str,
                        device: str, devices_list: list[int], lock_dir: str, seed: int, layout: dict,
                        threads: int = 0) -> dict:
@@ -468,7 +477,8 @@ def encode_weight_only(*, node: str, role: str, K: int, codebook: str, node_dige
     no Hessian, and a stage's residual taken against its ancestors' *twins* (``ancestors``: [{node, codebook,
     path}] of the twin fragments, base first), so the whole chain is weight-only. Writes an unsigned fragment of
     node ``node`` (same layout and metadata as the real one; nothing publishes or attests it), then the metrics
-    (written last: the job is done)."""
+    (written last: the job is done). ``K``: the node's fragment spec at ``layer`` (BlockJob.K)."""
+    K = kbits.fragment(K, f"weight-only {node} layer {layer} block {block}: K")
     name = f"weight-only-{Path(out_tensors).stem}"
     outs = [out_tensors, out_metrics]
     take_block(lock_dir, name, outs, f"block {name} (weight-only twin of {node}, layer {layer}, block {block})")
@@ -483,7 +493,7 @@ def encode_weight_only(*, node: str, role: str, K: int, codebook: str, node_dige
     metrics, tensors = {}, {}
     for e in experts:
         for p in PROJECTIONS:
-            enc, sum_sq_w = encode_matrix(W[e][p], [sets[e][p] for sets in parents], K, codebook,
+            enc, sum_sq_w = encode_matrix(W[e][p], [sets[e][p] for sets in parents], kbits.proj(K, p), codebook,
                                            matrix_seed(seed, node, layer, e, p), dev, None,
                                            f"weight-only {node} layer {layer} expert {e} {p}")
             metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w if sum_sq_w is None else sum_sq_w,
@@ -492,7 +502,8 @@ def encode_weight_only(*, node: str, role: str, K: int, codebook: str, node_dige
             del enc
     write_fragment(out_tensors, layout=lay, node=node, role=role, layer=layer, block=block, K=K, codebook=codebook,
                    experts=tensors)
-    summary = {"weight_only": True, "node": node, "node_digest": node_digest, "layer": layer, "block": block, "K": K,
+    summary = {"weight_only": True, "node": node, "node_digest": node_digest, "layer": layer, "block": block,
+               "K": kbits.to_json(K),
                "codebook": codebook, "fragment": Path(out_tensors).name,
                "objective": quant_args_for(K, codebook, seed, None)["objective"], "experts": metrics}
     atomic.write_text(out_metrics, canonical.pretty(summary))

@@ -2,7 +2,8 @@
 
 The line is a DSSE envelope (Ed25519) around an in-toto Statement whose one subject is the shard's
 file name and sha256, predicateType ``https://fq.dev/attestation/v1``, predicate per profile:
-``expert`` (per expert: offset, length, sha256 of its contiguous byte range), ``linear`` (a whole-model base's
+``expert`` (per expert: offset, length, sha256 of its contiguous byte range; ``K`` the fragment spec as
+``fq.core.kbits.to_json`` writes it: an integer, or ``{"gate", "up", "down": K}``), ``linear`` (a whole-model base's
 non-expert linears of one class and layer: per linear its range) or ``skeleton`` (per tensor). The attestation digest named by plans is the sha256 of the line's bytes.
 
 Producer side (reads the committed file back, never trusts the caller's digests)::
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fq.core import atomic
+from fq.core import atomic, kbits
 from fq.core.canonical import sha256_hex
 from fq.core.safepath import open_regular, read_regular
 from fq.errors import FqError
@@ -173,7 +174,7 @@ def attest_fragment(path: str | os.PathLike, *, key: Ed25519PrivateKey, campaign
                       f"of the same block (NODE{suffix})")
     predicate = _common(info, key=key, campaign=campaign, source=source, encoder=encoder, determinism=determinism)
     predicate.update({"kind": "expert", "node": m["node"], "node_digest": node_digest, "role": m["role"],
-                      "layer": m["layer"], "block": m["block"], "K": m["K"], "codebook": m["codebook"],
+                      "layer": m["layer"], "block": m["block"], "K": kbits.to_json(m["K"]), "codebook": m["codebook"],
                       "layout": m["layout"].to_json(), "quant_args": quant_args, "parent": parent,
                       "experts": [e.to_json() for e in info.experts]})
     if experts_from is not None:  # absent otherwise: an encoded fragment's attestation is as it always was
@@ -294,6 +295,8 @@ def _check_line(data: bytes, att: str, name: str, public_key: Ed25519PublicKey, 
     if subj_name != base:
         raise FqError(f"{att}: attests {subj_name!r}, not {base!r} (attestation replayed from another shard?)")
     check_location(name, pred, att)
+    if pred["kind"] == "expert" and kbits.to_json(kbits.fragment(pred["K"], f"{att}: K")) != pred["K"]:
+        raise FqError(f"{att}: K {pred['K']!r} is not in its one form (a uniform K is an integer)")
     if pred["kind"] in ("expert", "linear"):
         check_quant_args(pred, att)
     if pred["kind"] == "expert":
@@ -342,7 +345,7 @@ def compare(att: Attested, info: ShardInfo, source: str) -> None:
     if info.size != pred["shard"]["size"]:
         raise FqError(f"{source}: {info.size} bytes, attested {pred['shard']['size']}")
     if info.kind == "expert":
-        m = info.meta
+        m = dict(info.meta, K=kbits.to_json(info.meta["K"]))
         for f in ("node", "role", "layer", "block", "K", "codebook"):
             if m[f] != pred[f]:
                 raise FqError(f"{source}: header says {f}={m[f]!r}, attestation says {pred[f]!r}")
