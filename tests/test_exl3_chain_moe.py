@@ -148,3 +148,58 @@ def test_group_experts_bounds_padding_and_keeps_every_expert_once():
         assert len(g) == 1 or len(g) * cmax <= 1.1 * sum(counts[e] for e in g)
     assert group_experts(counts, max_rows=100) and all(len(g) * max(counts[e] for e in g) <= 120
                                                        for g in group_experts(counts, max_rows=100))
+
+
+def _mixed_layer():
+    """A budgeted base (exllamav3's one K per projection of a layer: gate K1, up K2, down K3), a K1 stage on every
+    expert and a stage on experts 1 and 4 whose gate/up are K2 and down K1: gate and up in launches of their own
+    where their K differ."""
+    g = torch.Generator().manual_seed(11)
+    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    base_k = {"gate": 1, "up": 2, "down": 3}
+    base = {r: [_exl3_set(*shapes[r], base_k[r], g) for _ in range(E)] for r in shapes}
+    stages = {(e, r): [(1, _exl3_set(*shapes[r], 1, g))] for e in range(E) for r in shapes}
+    for e in (1, 4):
+        for r, K in (("gate", 2), ("up", 2), ("down", 1)):
+            stages[(e, r)].append((2, _exl3_set(*shapes[r], K, g)))
+    return base, stages
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_the_grouped_routed_sum_takes_one_K_per_projection(tokens):
+    """Gate, up and down at different K (a budgeted base): the base's gate and up get a launch each (the other's slots
+    -1), the stage whose gate and up share K keeps one; decode and prefill equal every expert's reconstructed chain."""
+    from fq.runtime.exl3_chain_moe import ChainMoE, ReferenceKernels
+
+    base, stages = _mixed_layer()
+    moe = ChainMoE(ReferenceKernels(), base, stages, E=E, H=H, I=I, Ho=H)
+    assert [[(L.K, L.serves) for L in st.gu] + [(st.d.K, "down")] for st in moe.base] == \
+        [[(1, "gate"), (2, "up"), (3, "down")]]
+    assert [([(L.K, L.serves) for L in st.gu], st.d.K, st.full) for st in moe.stages] == \
+        [([(1, "gu")], 1, True), ([(2, "gu")], 1, False)]
+    g = torch.Generator().manual_seed(100 + tokens)
+    y = torch.randn(tokens, H, generator=g)
+    sel = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, TOPK, generator=g), -1).half()
+    got = moe.routed(y, sel, w)
+    want = _direct(base, stages, y, sel, w)
+    assert got.shape == want.shape and float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+
+
+def test_experts_of_one_stage_at_different_K_get_tables_of_their_own():
+    """Not what fq's products hold (a layer's projection has one K), but the tables do not assume it: a base whose
+    experts differ in down's K is two groups, each writing its own slots."""
+    from fq.runtime.exl3_chain_moe import ChainMoE, ReferenceKernels
+
+    base, stages = _layer(narrow=[2])
+    g = torch.Generator().manual_seed(5)
+    for e in (0, 3):
+        base["down"][e] = _exl3_set(H, I, 3, g)
+    moe = ChainMoE(ReferenceKernels(), base, stages, E=E, H=H, I=I, Ho=H)
+    assert sorted(st.d.K for st in moe.base) == [2, 3] and not any(st.full for st in moe.base)
+    for tokens in (3, 40):
+        y = torch.randn(tokens, H, generator=g)
+        sel = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, TOPK, generator=g), -1).half()
+        got, want = moe.routed(y, sel, w), _direct(base, stages, y, sel, w)
+        assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())

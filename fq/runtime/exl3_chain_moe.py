@@ -6,9 +6,12 @@ stages; its per-expert path can (fq.runtime.exl3.ChainLinear) but costs a Python
 native layer at batch-1 decode on GLM-5 shapes). Here the chain runs on exllamav3's kernels, batched:
 
 - decode (up to 8 tokens): ``exl3_mgemm`` with pointer tables over the experts, one per stage and projection group
-  (gate and up share one launch), indexed by the routing's selection; the down projection's launch also applies the
-  routing weights and sums each token's experts. A stage that covers only some experts (a narrowed adapter) has a
-  selection map that sends the others to -1, which the kernel skips.
+  (gate and up share one launch where they share K and codebook; a budgeted base may hold gate and up at different
+  K, exllamav3's one K per projection of a layer, and then each has its own launch, the other's slots mapped to -1),
+  indexed by the routing's selection; the down projection's launch also applies the routing weights and sums each
+  token's experts. A stage that covers only some experts (a narrowed adapter) has a selection map that sends the
+  others to -1, which the kernel skips. One launch reads one (K, codebook): experts of one stage whose projections
+  differ in it (never within a layer of fq's products, but the tables do not assume it) get launches of their own.
 - prefill: experts grouped by row count (``group_experts``, under 10% padding); a group is one slab of its
   experts' rows and the same launches, each slot an expert with all its rows. The down outputs land unweighted in a
   slot scratch; each token's k slots are weighted and summed in k order (deterministic).
@@ -35,21 +38,35 @@ from dataclasses import dataclass
 from fq.errors import FqError
 
 MAX_DECODE_ROWS = 8  # exllamav3's MAX_BSZN: up to this many tokens the routed sum is one GEMV per (token, expert)
+ROLES = ("gate", "up", "down")
+
+
+def _shift_rows(rows, shift: int):
+    """``rows`` with ``shift`` added where it is a row (>= 0), -1 left as is."""
+    import torch
+
+    return torch.where(rows >= 0, rows + shift, rows)
+
+
+@dataclass
+class Launch:
+    """One multi-expert GEMM launch: a pointer table whose matrices share one (K, codebook), and the map from a slot's
+    index to its row in the table (None: the index is the row)."""
+    K: int
+    cb: tuple       # (mcg, mul1)
+    table: object   # the backend's table
+    map: object     # (2E,) long over gate/up slot indices [gate e..., up e...] or (E,) over down's, -> row or -1
+    serves: str     # "gu" (gate and up slots), "gate" or "up" (the other's slots map to -1), "down"
 
 
 @dataclass
 class StageTables:
-    """One stage of every chained expert of a layer at one (K, codebook): pointer tables over the experts that carry
-    it, and for each expert id its row in those tables (-1: no stage here)."""
-    K: float
-    mcg: bool
-    mul1: bool
-    gu: object  # the backend's table over [gates..., ups...] of the covered experts
-    d: object   # the same for the down projections
-    gu_map: object  # (2E,) long: expert slot of [gate e..., up e...] -> row in gu, or -1
-    d_map: object   # (E,) long
+    """One stage (or the base) of a group of a layer's experts whose gate, up and down each have one (K, codebook):
+    the launches of its gate/up slots (one, or one per projection where gate and up differ) and of its down slots."""
+    gu: list        # [Launch]
+    d: Launch
     linears: list   # keeps the tensors the tables point into alive
-    full: bool      # covers every expert: its rows are the expert ids, no map and no skipped slot
+    full: bool      # covers every expert: every slot is written by its launches
 
 
 class Exl3Kernels:
@@ -201,39 +218,68 @@ class ChainMoE:
     def __init__(self, kernels, base: dict, stages: dict, *, E: int, H: int, I: int, Ho: int, key: str = "moe"):
         self.kernels = kernels
         self.E, self.H, self.I, self.Ho = E, H, I, Ho
-        self.base_K, mcg, mul1 = kernels.meta(base["up"][0])
-        self.base_cb = (mcg, mul1)
-        self.base_gu = kernels.tables(list(base["gate"]) + list(base["up"]))
-        self.base_d = kernels.tables(list(base["down"]))
-        groups: dict = {}
+        # the base: its groups (one, unless its experts differ in a projection's K) partition every slot
+        self.base = self._groups({(e, r): base[r][e] for e in range(E) for r in ROLES}, list(range(E)))
+        by_pos: dict = {}
         for (e, proj), parts in stages.items():
             for pos, part in parts:
-                groups.setdefault((pos,) + tuple(kernels.meta(part)), {})[(e, proj)] = part
+                by_pos.setdefault(pos, {})[(e, proj)] = part
         self.stages = []
-        for (pos, K, mcg, mul1), parts in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        for pos, parts in sorted(by_pos.items()):
             experts = sorted({e for e, _ in parts})
             for e in experts:
-                if not all((e, p) in parts for p in ("gate", "up", "down")):
+                if not all((e, p) in parts for p in ROLES):
                     raise FqError(f"{key}: expert {e} has a stage at chain position {pos} on some of gate/up/"
                                   f"down only")
-            gu_map, d_map = stage_rows(experts, E)
-            gu_parts = [parts[(e, "gate")] for e in experts] + [parts[(e, "up")] for e in experts]
-            d_parts = [parts[(e, "down")] for e in experts]
-            self.stages.append(StageTables(K, mcg, mul1, kernels.tables(gu_parts), kernels.tables(d_parts),
-                                           gu_map.to(kernels.device), d_map.to(kernels.device), gu_parts + d_parts,
-                                           len(experts) == E))
+            self.stages += self._groups(parts, experts)
 
-    def _gate_up(self, A, idx, rows: int):
+    def _groups(self, parts: dict, experts: list[int]) -> list[StageTables]:
+        """The tables of one stage over ``experts`` (``parts[(expert, role)]``): one StageTables per group of experts
+        whose (gate, up, down) have the same (K, codebook) each, in the order of those."""
+        by_meta: dict = {}
+        for e in experts:
+            by_meta.setdefault(tuple(tuple(self.kernels.meta(parts[(e, r)])) for r in ROLES), []).append(e)
+        return [self._tables(parts, group, metas) for metas, group in sorted(by_meta.items())]
+
+    def _tables(self, parts: dict, experts: list[int], metas: tuple) -> StageTables:
+        k, E, dev = self.kernels, self.E, self.kernels.device
+        n, full = len(experts), len(experts) == E
+        gates, ups, downs = ([parts[(e, r)] for e in experts] for r in ROLES)
+        gu_map, d_map = stage_rows(experts, E)
+        (kg, *cg), (ku, *cu), (kd, *cd) = metas
+        if (kg, cg) == (ku, cu):  # gate and up in one launch over [gates..., ups...]
+            gu = [Launch(kg, tuple(cg), k.tables(gates + ups), None if full else gu_map.to(dev), "gu")]
+        else:  # one launch each; the other's slots -> -1
+            g_map, u_map = gu_map.clone(), gu_map.clone()
+            g_map[E:] = -1
+            u_map[:E] = -1
+            u_map[E:] = _shift_rows(u_map[E:], -n)
+            gu = [Launch(kg, tuple(cg), k.tables(gates), g_map.to(dev), "gate"),
+                  Launch(ku, tuple(cu), k.tables(ups), u_map.to(dev), "up")]
+        d = Launch(kd, tuple(cd), k.tables(downs), None if full else d_map.to(dev), "down")
+        return StageTables(gu, d, gates + ups + downs, full)
+
+    def _launch(self, L: Launch, A, out, idx, weights=None, num_tokens: int = 1):
+        self.kernels.mgemm(A, L.table, out, idx if L.map is None else L.map[idx], weights, L.K, L.cb, num_tokens)
+
+    def _run_gu(self, st: StageTables, A, idx, out, which: str) -> None:
+        for L in st.gu:
+            if which == "gu" or L.serves in ("gu", which):  # a launch with only -1 slots is not made
+                self._launch(L, A, out, idx)
+
+    def _gate_up(self, A, idx, rows: int, which: str = "gu"):
         """float32 (slots, rows, I): slot j is row idx[0, j] of the [gates..., ups...] tables (gate e: e, up e: E + e)
-        applied to A[j] (or to A[0], broadcast), every stage summed."""
+        applied to A[j] (or to A[0], broadcast), every stage summed. ``which``: "gate" or "up" when every slot is
+        one projection's (prefill), "gu" when they mix (decode)."""
         import torch
 
         gu = torch.empty((idx.shape[1], rows, self.I), dtype=torch.float, device=A.device)
-        self.kernels.mgemm(A, self.base_gu, gu, idx, None, self.base_K, self.base_cb)
+        for st in self.base:  # the base's launches write every slot once
+            self._run_gu(st, A, idx, gu, which)
         for st in self.stages:
             # slots of experts without this stage are skipped by the kernel, not written: zeros there
             part = torch.empty_like(gu) if st.full else torch.zeros_like(gu)
-            self.kernels.mgemm(A, st.gu, part, idx if st.full else st.gu_map[idx], None, st.K, (st.mcg, st.mul1))
+            self._run_gu(st, A, idx, part, which)
             gu += part
         return gu
 
@@ -242,16 +288,24 @@ class ChainMoE:
         is given: the kernel overwrites row t with token t's sum and skips -1 slots)."""
         import torch
 
-        self.kernels.mgemm(a, self.base_d, out, idx, weights, self.base_K, self.base_cb, num_tokens)
+        n = num_tokens if weights is not None else out.shape[0]
+        if len(self.base) == 1:
+            self._launch(self.base[0].d, a, out, idx, weights, num_tokens)
+        else:  # base groups: each writes (weighted: sums) its own slots only; add them up
+            part = torch.empty_like(out)
+            out[:n].zero_()
+            for st in self.base:
+                if weights is None:
+                    part.zero_()
+                self._launch(st.d, a, part, idx, weights, num_tokens)
+                out[:n] += part[:n]
         if not self.stages:
             return out
         part = torch.empty_like(out)
-        n = num_tokens if weights is not None else out.shape[0]
         for st in self.stages:
             if not st.full and weights is None:
                 part.zero_()
-            rows = idx if st.full else st.d_map[idx]
-            self.kernels.mgemm(a, st.d, part, rows, weights, st.K, (st.mcg, st.mul1), num_tokens)
+            self._launch(st.d, a, part, idx, weights, num_tokens)
             out[:n] += part[:n]
         return out
 
@@ -299,8 +353,8 @@ class ChainMoE:
             B, cmax = len(grp), max(counts[e] for e in grp)
             x = y_ext.index_select(0, tok_ext.index_select(0, src[base:base + B * cmax])).view(B, cmax, self.H)
             ids = ids_all[at_id:at_id + B].view(1, B)
-            gate = self._gate_up(x, ids, cmax)
-            up = self._gate_up(x, ids + self.E, cmax)
+            gate = self._gate_up(x, ids, cmax, "gate")
+            up = self._gate_up(x, ids + self.E, cmax, "up")
             a = torch.empty((B, cmax, self.I), dtype=torch.half, device=y.device)
             self.kernels.act(gate.view(-1, self.I), up.view(-1, self.I), a.view(-1, self.I))
             self._down(a, ids, None, 1, scratch[base:base + B * cmax].view(B, cmax, self.Ho))
