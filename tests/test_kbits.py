@@ -261,3 +261,24 @@ def test_a_chain_whose_K_is_not_its_fragments_is_refused(kit, tmp_path):
                        ({"1": {"gate": 1, "up": 1, "down": 2}}, r"chain node r1 K: no K for layer 2")):
         with pytest.raises(FqError, match=message):
             build_assembly(kit.root, chain=[chain[0], dict(chain[1], K=K)], **kw)
+
+
+def test_a_budgeted_base_with_K_per_layer_and_projection_is_published_verified_and_loaded(tmp_path):
+    """The base itself at K per layer and projection: its manifest declares the node spec as its derived params' bits
+    (fq.provenance.exl3config checks every module's trellis against its layer's projection), fq verify accepts the
+    tree, and the CPU runtime loads every chain's weights."""
+    import runtimekit as rk
+    from fq.provenance.verify import verify_path
+    from fq.runtime import load as rt
+
+    base_K = {"1": MIXED, "2": 3}
+    kit = rk.build(tmp_path / "kit", K={"k2": base_K})
+    report = verify_path(kit.root, kit.pub)
+    assert report.ok, report.problems
+    for product in ("k2", "k2.r1.h2"):
+        state = rt.product_state(kit.plan(product), kit.pub)
+        for layer in rk.LAYERS:
+            for e in range(rk.N_EXPERTS):
+                for proj in rk.DIMS:
+                    want = kit.chain_weight(rk.PRODUCTS[product], layer, e, proj)
+                    assert torch.equal(state.tensors[state.expert_key(layer, e, proj)], want), (product, layer, e)
