@@ -282,3 +282,22 @@ def test_a_budgeted_base_with_K_per_layer_and_projection_is_published_verified_a
                 for proj in rk.DIMS:
                     want = kit.chain_weight(rk.PRODUCTS[product], layer, e, proj)
                     assert torch.equal(state.tensors[state.expert_key(layer, e, proj)], want), (product, layer, e)
+
+
+def test_a_tp_export_of_a_stage_at_K_per_layer_and_projection_is_admitted(kit, tmp_path):
+    """fq tp-export cuts (here: by experts, ep=2) a product whose stage has K per layer and projection: each rank
+    shard's record and header carry the fragment's spec, and the export is admitted against the signed plan."""
+    from fq.tp.export import tp_export
+    from fq.tp.mesh import DeviceMesh, plan
+    from fq.tp.moe import moe_manifest
+    from fq.tp.sources import ExportSource, ProductSource
+
+    ex = tp_export(kit.plan("k2.r1"), kit.pub, tmp_path / "x", tp=1, ep=2, sign_key=kit.priv)
+    src = ProductSource(kit.plan("k2.r1"), kit.pub)
+    ExportSource(ex.path, kit.pub, product=src).admit(plan(moe_manifest(src.spec(), "contiguous"),
+                                                          DeviceMesh(tp=1, ep=2)), [0, 1])
+    shards = sorted(ex.path.glob("rank-*/r1-layer00*-block000.safetensors"))
+    assert shards
+    for f in shards:
+        with safe_open(str(f), "pt") as h:
+            assert kbits.from_meta(h.metadata()["K"]) == kbits.node_at(R1, int(f.name[8:11]))
