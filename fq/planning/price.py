@@ -255,7 +255,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         return out
 
     def stage_linear_bytes(stage: str) -> int:  # a stage's residuals on non-expert linears, published with it
-        return sum(lin[ln.name].output_bytes for ln in recipe.node_linears(stage).values())
+        return sum(lin[ln.name].output_bytes for _, ln, _ in recipe.linear_assignments(stage))
 
     products = []
     for p in recipe.products:

@@ -611,7 +611,8 @@ class Campaign:
 
     def base_linear_fragments(self, base: str) -> list[str]:
         """The linear fragments a whole-model base publishes (none for an experts-only base)."""
-        self.recipe.base_linears(base)  # refuses a stage
+        if not self.recipe.node(base).is_base:
+            raise FqError(f"recipe {self.recipe.source}: {base!r} is a stage, not a base")
         return self.node_linear_fragments(base)
 
     def node_linear_fragments(self, node: str) -> list[str]:

@@ -288,15 +288,12 @@ def plot_allocation(c: Campaign, path: str) -> None:
             for j in range(len(layers)):
                 if not np.isnan(grid[i, j]):
                     ax.text(j, i, f"K{int(grid[i, j])}", ha="center", va="center", fontsize=8, color="white")
-        ax.set_xticks(range(len(layers)), [str(l) for l in layers])
-        ax.set_yticks(range(len(rows)), rows)
         stages = [s for s in c.recipe.budgeted_stages if s.parent == n.name and s.experts.mode == "layers"]
-        for s in stages:
-            picked = s.experts.layer_map()
-            for j, layer in enumerate(layers):
-                if picked.get(layer):
-                    ax.text(j, len(rows) - 0.35, f"{s.name}: {len(picked[layer])}", ha="center", va="top",
-                            fontsize=7, color="black")
+        # under each layer: how many of its experts each budgeted stage bought
+        ticks = [str(layer) + "".join(f"\n{s.name}: {len(s.experts.layer_map().get(layer, ()))}" for s in stages)
+                 if layer in c.source.moe_layers else str(layer) for layer in layers]
+        ax.set_xticks(range(len(layers)), ticks, fontsize=8)
+        ax.set_yticks(range(len(rows)), rows)
         head = skel.get("head")
         ax.set_title(f"{n.name}: {n.bits:g} bits; head K{head if isinstance(head, int) else dict(head or ())[None]}"
                      + "".join(f"; {s.name}: K{s.K} residual on {sum(len(e) for _, e in s.experts.layers)} experts"

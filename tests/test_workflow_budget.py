@@ -1,0 +1,103 @@
+"""A campaign with a budgeted base and a budgeted stage, run for real (Snakemake as a subprocess, twice: the first
+run measures the allocation and stops there, the second plans from it and publishes) on the embedded demo model.
+
+Weight-only and a small sensitivity measurement (4 x 64 tokens, one label sample) keep it short; what it checks is
+the DAG's two phases, the allocation's byte-identical rerun, and that what the allocation chose is what is encoded,
+attested, published in quantization_config and verified."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fq.core import canonical, kbits
+from fq.provenance.fragments import describe
+
+from test_workflow import campaign, smk, write_config
+
+pytestmark = pytest.mark.slow
+
+RECIPE = {
+    "format": "fq-cartridge/2", "name": "budget", "description": "a budgeted base and a budgeted stage on it",
+    "nodes": [
+        {"name": "b", "kind": "base", "bits": 2.5, "codebook": "mul1"},
+        {"name": "b.up", "kind": "stage", "parent": "b", "K": 2, "codebook": "mul1", "bits": "+0.4"},
+    ],
+    "products": [{"name": "b", "chain": ["b"]}, {"name": "b.up", "chain": ["b", "b.up"]}],
+}
+SMALL = {"rows": 4, "columns": 64, "samples": 1}
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory):
+    d = tmp_path_factory.mktemp("budget")
+    write_config(d, RECIPE, allocation=SMALL)
+    first = smk(d)
+    out = d / "campaign"
+    snapshot = {name: (out / "allocation" / name).read_bytes() for name in ("sensitivity.json", "allocation.json")}
+    fragments_after_first = sorted((out / "fragments").rglob("*")) if (out / "fragments").exists() else []
+    again = smk(d, "--forcerun", "sensitivity")  # measured again from scratch: the same bytes
+    rerun = {name: (out / "allocation" / name).read_bytes() for name in snapshot}
+    second = smk(d)
+    return d, first.stdout + first.stderr, snapshot, rerun, fragments_after_first, second.stdout + second.stderr
+
+
+def test_the_first_run_measures_the_allocation_and_nothing_else(phases):
+    d, first, snapshot, rerun, fragments, _ = phases
+    assert fragments == [] and "run snakemake again to encode the budgeted bases" in first
+    doc = json.loads(snapshot["allocation.json"])
+    assert doc["format"] == "fq-allocation/1" and [a["budget_bits"] for a in doc["allocations"]] == [2.5]
+    assert doc["calibration"]["rows"] == 4 and doc["experts"]  # each expert's own measurement, for b.up
+    assert rerun == snapshot  # byte-identical on rerun
+
+
+def test_the_second_run_encodes_what_the_allocation_chose_and_publishes_it_verified(phases):
+    d, *_ = phases
+    c = campaign(d)
+    out = d / "campaign"
+    alloc = canonical.load(out / "allocation" / "allocation.json")
+    ks = alloc["allocations"][0]["ks"]
+    b = c.recipe.node("b")
+    assert not c.allocation_pending and c.plan.identity["allocation_sha256"]
+    # every fragment of b holds, per projection, the K the allocation gave its layer's unit; its attestation says so
+    for f in c.fragments:
+        if f.node != "b" or b.experts_from:
+            continue
+        path = Path(c.fragment("b", f.block))
+        with open(path, "rb") as fh:
+            info = describe(fh, path.name, str(path))
+        want = kbits.fragment({"gate": ks[f"L{f.block.layer}.routed_gate_up"], "up": ks[f"L{f.block.layer}.routed_gate_up"],
+                               "down": ks[f"L{f.block.layer}.routed_down"]})
+        assert kbits.fragment(info.meta["K"]) == want
+    # the stage encodes the experts the plan recorded, chosen by measured gain per byte
+    chosen = c.recipe.node("b.up").experts.layer_map()
+    assert chosen and {f.node for f in c.fragments} == {"b", "b.up"}
+    assert {(f.block.layer, e) for f in c.fragments if f.node == "b.up" for e in f.experts} == \
+        {(l, e) for l, es in chosen.items() for e in es}
+    # published: quantization_config states the allocation; fq verify accepts the publication
+    cfg = canonical.load(out / "published" / "base" / "b" / "config.json")["quantization_config"]
+    assert kbits.node(cfg["expert_bits"]) == b.K and cfg["head_bits"] == ks["head"]
+    for layer in c.source.moe_layers:
+        lin = cfg["linear_bits"]["shared"]
+        assert (lin if isinstance(lin, int) else lin[str(layer)]) == ks[f"L{layer}.shared"]
+    p = subprocess.run([sys.executable, "-m", "fq", "verify", str(out / "published"), "--key", str(out / "signer.pub")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert (out / "report" / "allocation.png").stat().st_size > 0
+
+
+def test_plan_and_price_show_the_allocation_before_a_gpu_is_rented(phases):
+    d, *_ = phases
+    out = d / "campaign"
+    args = ["--model", str(out / "demo-model"), "--allocation", str(out / "allocation" / "allocation.json")]
+    plan = subprocess.run([sys.executable, "-m", "fq", "plan", str(d / "recipe.json"), *args], capture_output=True,
+                          text=True)
+    assert plan.returncode == 0, plan.stderr
+    assert "budgeted base b: 2.5 bits; K per unit" in plan.stdout and "stage b.up: +0.4 bits buy" in plan.stdout
+    price = subprocess.run([sys.executable, "-m", "fq", "price", str(d / "recipe.json"), *args], capture_output=True,
+                           text=True)
+    assert price.returncode == 0, price.stderr
+    assert "sensitivity (budgeted bases' allocation" in price.stdout
