@@ -18,7 +18,7 @@ if C.measures_allocation:
         benchmark:
             f"{OUT}/benchmarks/allocation/sensitivity.tsv"
         params:
-            model=str(C.source_dir),
+            model=lambda wc, input: str(Path(input.model[0]).parent),
             codebook=next(n.codebook for n in C.recipe.nodes if n.is_budgeted),
             rows=C.allocation_config["rows"],
             columns=C.allocation_config["columns"],
