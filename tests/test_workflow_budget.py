@@ -34,7 +34,7 @@ SMALL = {"rows": 4, "columns": 64, "samples": 1}
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     d = tmp_path_factory.mktemp("budget")
-    write_config(d, RECIPE, allocation=SMALL)
+    write_config(d, RECIPE, allocation=SMALL, block_size=8, windows="1-2")  # one block per layer: fewer jobs
     first = smk(d)
     out = d / "campaign"
     snapshot = {name: (out / "allocation" / name).read_bytes() for name in ("sensitivity.json", "allocation.json")}
