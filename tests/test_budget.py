@@ -74,6 +74,16 @@ def test_a_base_names_K_or_bits_not_both(node, match):
         parse_recipe(_doc([node]))
 
 
+def test_a_budget_no_allocation_can_meet_is_refused_before_measuring(source):
+    from fq.planning.budget import fewest_bits
+
+    least = fewest_bits(source)
+    assert 1.0 < least < 1.2  # K1 trellis plus the fp16 scales, the padding and the markers
+    doc = _doc([{"name": "b", "kind": "base", "bits": 0.9, "codebook": "mul1"}])
+    with pytest.raises(FqError, match=r"bits 0.9: below the smallest allocation .* every unit at K1"):
+        resolve_budgets(parse_recipe(doc), source, None)
+
+
 def test_budgeted_stage_rules():
     base = {"name": "b", "kind": "base", "bits": 3, "codebook": "mul1"}
     up = {"name": "b.up", "kind": "stage", "parent": "b", "K": 2, "codebook": "mul1", "bits": "+0.5"}

@@ -107,6 +107,24 @@ def _stage_selection(stage, parent_K, allocation: dict | None, source, where: st
     return Selection("layers", layers=tuple((l, tuple(sorted(e))) for l, e in sorted(layers.items())))
 
 
+def fewest_bits(source, K: int = 1) -> float:
+    """The bits of the smallest allocation (every unit at ``K``) over the allocated weights, from the config alone:
+    a budget below it cannot be met (fq.allocation.solve refuses it again, from the measured sizes)."""
+    from fq.allocation.solve import linear_bytes
+    from fq.model.source import PROJECTIONS
+    from fq.planning.model_bits import linear_shapes
+
+    n_bytes = n_weights = 0
+    for cls, (o, i) in linear_shapes(source).values():
+        if cls != "other":
+            n_bytes, n_weights = n_bytes + linear_bytes(o, i, K), n_weights + o * i
+    for proj in PROJECTIONS:
+        o, i = source.expert_shape(proj)
+        n = len(source.moe_layers) * source.n_experts
+        n_bytes, n_weights = n_bytes + n * linear_bytes(o, i, K), n_weights + n * o * i
+    return 8 * n_bytes / n_weights
+
+
 def resolve_budgets(recipe: Recipe, source, allocation: dict | None, where: str = "allocation") -> Recipe:
     """``recipe`` with each budgeted base resolved against ``allocation`` (an fq-allocation/1 document, checked with
     fq.allocation.document.parse), or provisionally (every unit at the budget's nearest K) when it is None; and each
@@ -126,6 +144,10 @@ def resolve_budgets(recipe: Recipe, source, allocation: dict | None, where: str 
         if used != {allocation["codebook"]}:
             raise FqError(f"{where}: codebook {allocation['codebook']!r} was measured; the budgeted nodes of recipe "
                           f"{recipe.source} use {', '.join(sorted(used))}")
+    low = [n for n in recipe.budgeted if n.bits < (least := fewest_bits(source))]
+    if low:
+        raise FqError(f"recipe {recipe.source}: base {low[0].name!r} bits {low[0].bits:g}: below the smallest "
+                      f"allocation of {source.origin}, every unit at K1 ({least:.3f} bits over its linears)")
     nodes, done = [], {}
     for n in recipe.nodes:  # topological: a stage's parent is resolved first
         if n.is_budgeted and n.is_base:
