@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 41 on one GPU: fq's measured-sensitivity allocation against exllamav3's converter (benchmarks/allocation_exl3.py).
+# STEP names one or more steps, run in order in one device call:
+#   install   benchmarks/device_setup.sh's install_step (carried .devpack/site.tar.xz or .whl/, fq's C extension,
+#             exllamav3's extension: a carried .devpack/exllamav3_ext.so.xz, else its JIT build), then the built
+#             extension xz-compressed to $OUT/exllamav3_ext.so.xz so that a later call can carry it
+#   demo      the demo model and its held-out split written as `fq demo-model` writes them (the fq directories are built on the
+#             CPU beforehand and carried in $FQ, default $A41/demo/fq), then `allocation_exl3.py measure` (exllamav3's -b $B and
+#             -b -hq $HQ, $PAR conversions at a time; held-out texts: $A41/text/docs.txt and the demo's heldout split)
+#   bench     benchmarks/train_bench_moe.py (the benchmark MoE, trained here), then build (on the GPU) and measure
+#
+#   STEP="install demo" B=1.5,2,... HQ=1,1.5,... bash benchmarks/allocation_exl3_device.sh
+# from the repository root, with .devpack (site.tar.xz[, exllamav3_ext.so.xz]) and .a41 carried. Everything the
+# steps measure is written under $OUT: measure.json after every model, the converter's logs.
+set -u
+A41=${A41:-.a41}
+PAR=${PAR:-4}
+. "$(dirname "$0")/device_setup.sh"
+for s in ${STEP:?set STEP}; do
+{
+case "$s" in
+install)
+    install_step /nonexistent
+    so=$(ls /tmp/site/exllamav3_ext*.so .exl3-ext/*/exllamav3_ext*.so 2>/dev/null | head -1)
+    if [ -n "$so" ] && [ ! -f .devpack/exllamav3_ext.so.xz ]; then
+        # in parts of 15 MiB (a file that comes back from $OUT holds at most 16 MiB): cat them into exllamav3_ext.so.xz
+        xz -T0 -c "$so" | split -b 15m -d - "$OUT/exllamav3_ext.so.xz.part" && echo "extension packed from $so:" \
+            && ls -la "$OUT"/exllamav3_ext.so.xz.part*
+    fi
+    ;;
+demo)
+    step "demo model and text"
+    python3 -c "from fq.model import demo_model; demo_model.write('/tmp/a41demo/model', '/tmp/a41demo/text')" \
+        && echo "demo model ok"
+    step "measure (exllamav3 -b ${B:-} / -b -hq ${HQ:-}, $PAR at a time)"
+    # ends by $DEADLINE seconds after the script started (default 570: one 600 s device call), measure.json kept
+    timeout $((${DEADLINE:-570} - ($(date +%s) - T0))) python3 benchmarks/allocation_exl3.py measure /tmp/a41demo/model "$OUT/demo" \
+        --fq "${FQ:-$A41/demo/fq}" --text "docs=$A41/text/docs.txt" --text heldout=/tmp/a41demo/text/heldout.txt \
+        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep -v "^Loading weights"
+    echo "measure rc=${PIPESTATUS[0]}"
+    ;;
+bench)
+    step "train the benchmark MoE"
+    python3 benchmarks/train_bench_moe.py /tmp/bench --device cuda >"$OUT/train.log" 2>&1
+    echo "train rc=$?"; tail -3 "$OUT/train.log"; cp /tmp/bench/training.json "$OUT/" 2>/dev/null
+    step "build fq's allocations on the GPU"
+    python3 benchmarks/allocation_exl3.py build /tmp/bench/model /tmp/bench/text/calibration.txt /tmp/bench/a41 \
+        --device cuda --bits ${BITS:-2,2.5,3,4,5} --samples ${SAMPLES:-4} 2>&1 | tr '\r' '\n' | grep -v "^encoded\|^Loading"
+    cp /tmp/bench/a41/fq/build.json "$OUT/bench_build.json" 2>/dev/null
+    step "measure"
+    timeout $((${DEADLINE:-570} - ($(date +%s) - T0))) python3 benchmarks/allocation_exl3.py measure /tmp/bench/model "$OUT/bench" \
+        --fq /tmp/bench/a41/fq --text "docs=$A41/text/docs.txt" --text heldout=/tmp/bench/text/heldout.txt \
+        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep -v "^Loading weights"
+    echo "measure rc=${PIPESTATUS[0]}"
+    ;;
+esac
+step "$s done"
+} 2>&1 | tee -a "$OUT/run.log"
+done
