@@ -150,7 +150,7 @@ def test_hot_stage_fragments_only_where_hot_experts_are():
                                    vocab=1024, shard_bytes=3_000_000)
     src = parse_source(c, i, s, origin="demo-like")
     demo = hot16_recipe()
-    with pytest.raises(FqError, match="b3 have no K per unit yet"):  # its budgeted base, before resolve_budgets
+    with pytest.raises(FqError, match="b3, b3.up have no K per unit or experts yet"):  # its budgeted base, before resolve_budgets
         make_plan(demo, src, usage=parse_usage({"format": "fq-expert-usage/1",
                                                  "layers": {str(l): [1.0] * 64 for l in src.moe_layers}}))
     demo = resolve_budgets(demo, src, None)  # provisional: every unit at the budget's nearest K

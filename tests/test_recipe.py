@@ -85,6 +85,13 @@ def test_hot_and_demo_recipes():
     assert any(n.experts.mode == "hot" and n.experts.hot <= 8 for n in demo.stages)
     assert any(n.experts.mode == "all" for n in demo.stages)
     # works with the demo model's 8 experts per layer (and any larger model)
+    with pytest.raises(FqError, match="b3.up.*measured allocation"):  # a budgeted stage's experts are measured
+        selection_counts(demo, [1, 2], 8)
+    demo = parse_recipe({**json.loads((RECIPES / "demo.json").read_text()),
+                         "nodes": [n for n in json.loads((RECIPES / "demo.json").read_text())["nodes"]
+                                   if n["name"] != "b3.up"],
+                         "products": [p for p in json.loads((RECIPES / "demo.json").read_text())["products"]
+                                      if p["name"] != "b3.up"]})
     counts = selection_counts(demo, [1, 2], 8)
     assert all(v in (2, 8) for sel in counts.values() for v in sel.values())
 
@@ -292,13 +299,13 @@ def test_bases_of_one_K_and_codebook_share_one_expert_encoding():
     assert {n.name: n.experts_from for n in demo.bases} == {"k2": None, "k3": None, "k2.w4": "k2", "k3.w4": "k3",
                                                             "b3": None}
     assert demo.expert_owner("k2.w4") == "k2" and demo.expert_owner("k2.r1") == "k2.r1"
-    assert [n.name for n in demo.encoding_nodes] == ["k2", "k3", "b3", "k2.r1", "k2.r1.h2"]
+    assert [n.name for n in demo.encoding_nodes] == ["k2", "k3", "b3", "b3.up", "k2.r1", "k2.r1.h2"]
     with pytest.raises(FqError, match="not resolved into K per unit"):  # b3's bits need its allocation
         demo.encoded_bpw
     # passes and encoded bits count the shared encode once (6 nodes, 4 passes; 2+3+1+2 bits)
     d = json.loads((RECIPES / "demo.json").read_text())
-    d["nodes"] = [n for n in d["nodes"] if n["name"] != "b3"]
-    d["products"] = [p for p in d["products"] if p["name"] != "b3"]
+    d["nodes"] = [n for n in d["nodes"] if not n["name"].startswith("b3")]
+    d["products"] = [p for p in d["products"] if not p["name"].startswith("b3")]
     demo = parse_recipe(d)
     assert (demo.passes, demo.encoded_bpw, demo.nominal_bpw) == (4, 8, 18)
     assert "experts encoded once, as k2's" in __import__("fq.planning.recipe", fromlist=["x"]).recipe_table(demo)

@@ -29,12 +29,14 @@ def test_demo_campaign_plan_and_native_jobs():
     assert c.allocation_pending and c.measures_allocation and c.allocation_budgets == [3.0]
     assert c.recipe.node("b3").K == 3 and dict(c.recipe.node("b3").skeleton) == {
         "attention": 3, "shared": 3, "dense": 3, "head": 3}
-    # k2, k3, k2.w4, k3.w4, b3, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts
-    assert len(c.fragments) == 6 * 4 + 2
+    # k2, k3, k2.w4, k3.w4, b3, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts; b3.up provisionally on
+    # the first 2 experts of each layer (+0.5 bits buy K2 on a quarter of the experts' weights)
+    assert c.recipe.node("b3.up").experts.layer_map() == {1: (0, 1), 2: (0, 1)}
+    assert len(c.fragments) == 6 * 4 + 2 + 2
     # the whole-model bases publish the experts of the experts-only bases of their K (Node.experts_from): copied
     # by share jobs, never encoded again (b3 at its provisional K3 too: k3's experts)
     assert {f.node for f in c.shared_fragments} == {"k2.w4", "k3.w4", "b3"} and len(c.shared_fragments) == 3 * 4
-    assert len(c.encoded_fragments) == 3 * 4 + 2 and c.share_spec("k2.w4", 1, 0)["owner"] == "k2"
+    assert len(c.encoded_fragments) == 3 * 4 + 2 + 2 and c.share_spec("k2.w4", 1, 0)["owner"] == "k2"
     assert c.shard_consumers_window(0) == [p for p in c.shard_consumers_window(0) if "/k2.w4/" not in p]
     # attention, shared, dense, head: K4 shared by k2.w4 and k3.w4, K3 b3's
     assert len(c.linear_jobs) == 2 * (3 + 2 + 1 + 1)
@@ -57,7 +59,7 @@ def test_layer_rules_cover_every_node_and_layer_once_with_its_blocks():
     """per_job: layer: each rule serves nodes x layers with one block set (outputs are patterns), exactly."""
     c = load_campaign(_cfg())
     rules = c.layer_rules
-    assert [r.name for r in rules] == ["encode_layer", "encode_layer_2", "encode_layer_3"]
+    assert [r.name for r in rules] == ["encode_layer", "encode_layer_2", "encode_layer_3", "encode_layer_4"]
     # the whole-model bases encode no layer: they publish the experts of k2 and k3 (share jobs, one per block)
     assert rules[0].nodes == ("k2", "k3", "k2.r1") and rules[0].layers == (1, 2) and rules[0].blocks == (0, 1)
     served = [(n, l, r.blocks) for r in rules for n in r.nodes for l in r.layers]

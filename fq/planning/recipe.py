@@ -586,6 +586,9 @@ def selection_counts(recipe: Recipe, moe_layers, n_experts: int) -> dict[str, di
     out: dict[str, dict[int, int]] = {}
     for node in recipe.nodes:
         sel = node.experts
+        if sel.mode == "budget":
+            raise FqError(f"recipe {recipe.source}: stage {node.name!r} chooses its experts from the measured "
+                          "allocation: resolve the recipe first (fq.planning.budget.resolve_budgets)")
         if sel.mode == "all":
             out[node.name] = {layer: n_experts for layer in layers}
         elif sel.mode == "hot":
