@@ -26,14 +26,28 @@ def options(doc: dict) -> dict:
     return {u: {int(K): (v["predicted_kl"], v["bytes"]) for K, v in o.items()} for u, o in doc["units"].items()}
 
 
-def with_allocations(doc: dict, bits) -> dict:
-    """``doc`` with one solved allocation per budget in ``bits`` (sorted, duplicates once)."""
+# K1 is a candidate only where a budget cannot be met without it: the Fisher prediction of a K1 unit is too
+# optimistic (on the demo, re-solving the 2.5-bit allocation without K1 lowered measured KL by 21-23% at the same
+# bytes, docs/benchmarks.md "fq allocation against exllamav3's converter"), while K2..8 rank right
+LEAST_K = 2
+
+
+def with_allocations(doc: dict, bits, least_K: int = LEAST_K) -> dict:
+    """``doc`` with one solved allocation per budget in ``bits`` (sorted, duplicates once), each unit at ``least_K``
+    or more where the budget allows (else every measured K: ``least_K`` in the allocation says which)."""
     opts, weights = options(doc), doc["weights"]
+    floor = {u: {K: v for K, v in o.items() if K >= least_K} for u, o in opts.items()}
     out = []
     for b in sorted(set(float(x) for x in bits)):
-        a = solve.solve(opts, solve.budget_from_bits(b, weights), weights)
+        budget, least = solve.budget_from_bits(b, weights), least_K
+        try:
+            a = solve.solve(floor, budget, weights) if all(floor.values()) else None
+        except FqError:
+            a = None
+        if a is None:
+            a, least = solve.solve(opts, budget, weights), min(min(o) for o in opts.values())
         out.append({"budget_bits": b, "bits": a.bits, "bytes": a.bytes, "predicted_kl": a.predicted_kl,
-                    "gap_bound": a.gap_bound, "ks": a.ks})
+                    "gap_bound": a.gap_bound, "least_K": least, "ks": a.ks})
     return {**doc, "allocations": out}
 
 
