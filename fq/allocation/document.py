@@ -18,6 +18,9 @@ from fq.core import canonical
 from fq.errors import FqError
 
 FORMAT = "fq-allocation/1"
+# the measurement's default settings, for fq allocate, the campaign's sensitivity job and fq price alike: calibration
+# windows x tokens per window, label samples per window, direction and label seed
+SENSITIVITY = {"rows": 16, "columns": 128, "samples": 4, "seed": 0}
 METHOD = "predicted KL = d(K) * Fisher quadratic form in an LDLQ-shaped error direction / (2 positions)"
 
 

@@ -1,6 +1,7 @@
 """``fq allocate --model DIR --text FILE --bits B --out FILE``: a K per allocation unit by measured sensitivity."""
 from __future__ import annotations
 
+from fq.allocation.document import SENSITIVITY
 from fq.cli_args import positive_int
 
 
@@ -16,11 +17,11 @@ def register(sub) -> None:
     p.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
     p.add_argument("--ks", default="1-8", metavar="LIST", help="candidate K, e.g. 2-6 or 2,3,4,16 (16: kept as "
                                                                 "published; default %(default)s)")
-    p.add_argument("--rows", type=positive_int, default=16, metavar="N", help="calibration windows (default %(default)s)")
-    p.add_argument("--columns", type=positive_int, default=128, metavar="N", help="tokens per window (%(default)s)")
-    p.add_argument("--samples", type=positive_int, default=4, metavar="N",
+    p.add_argument("--rows", type=positive_int, default=SENSITIVITY["rows"], metavar="N", help="calibration windows (default %(default)s)")
+    p.add_argument("--columns", type=positive_int, default=SENSITIVITY["columns"], metavar="N", help="tokens per window (%(default)s)")
+    p.add_argument("--samples", type=positive_int, default=SENSITIVITY["samples"], metavar="N",
                    help="label samples per window for the Fisher estimate (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=SENSITIVITY["seed"])
     p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads")
     p.set_defaults(func=run)
 

@@ -45,6 +45,11 @@ def fragment(spec, where: str = "K") -> FragmentK:
     return _k(spec, where)
 
 
+def _per_projection(spec) -> bool:
+    """Whether a mapping is a fragment spec's {gate, up, down} (not a node spec's {layer: ...})."""
+    return len(spec) == len(PROJECTIONS) and all(p in spec for p in PROJECTIONS)
+
+
 def proj(spec: FragmentK, projection: str) -> int:
     """The K of one canonical projection (gate, up, down) under a fragment spec."""
     return spec if isinstance(spec, int) else spec[projection]
@@ -89,13 +94,9 @@ def to_json(spec):
     """A fragment or node spec as JSON data (layers as string keys, in layer order)."""
     if isinstance(spec, int):
         return spec
-    if all(p in spec for p in PROJECTIONS) and len(spec) == len(PROJECTIONS):
+    if _per_projection(spec):
         return {p: spec[p] for p in PROJECTIONS}
     return {str(layer): to_json(spec[layer]) for layer in sorted(spec)}
-
-
-def node_from_json(data, where: str = "K") -> NodeK:
-    return node(data, where)
 
 
 def to_meta(spec: FragmentK) -> str:
@@ -122,7 +123,7 @@ def bits(spec) -> float:
     """Mean trellis bits per expert weight: gate, up and down hold equally many weights (intermediate x hidden)."""
     if isinstance(spec, int):
         return float(spec)
-    if all(p in spec for p in PROJECTIONS) and len(spec) == len(PROJECTIONS):
+    if _per_projection(spec):
         return sum(spec[p] for p in PROJECTIONS) / len(PROJECTIONS)
     return sum(bits(s) for s in spec.values()) / len(spec)
 
@@ -131,7 +132,7 @@ def describe(spec) -> str:
     """``K3``, ``gate/up K2, down K3``, or per layer ``L1 K2 / L2 gate/up K2, down K3``."""
     if isinstance(spec, int):
         return f"K{spec}"
-    if all(p in spec for p in PROJECTIONS) and len(spec) == len(PROJECTIONS):
+    if _per_projection(spec):
         if spec["gate"] == spec["up"]:
             return f"gate/up K{spec['gate']}, down K{spec['down']}"
         return ", ".join(f"{p} K{spec[p]}" for p in PROJECTIONS)

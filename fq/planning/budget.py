@@ -20,10 +20,6 @@ from fq.core import kbits
 from fq.errors import FqError
 from fq.planning.recipe import LINEAR_CLASSES, Recipe, Selection, expert_owners
 
-# allocation unit kind -> recipe linear class (the routed units are the experts')
-UNIT_CLASS = {"attention": "attention", "shared": "shared", "dense": "dense", "head": "head"}
-
-
 def _unit(cls: str, layer: int | None) -> str:
     return "head" if cls == "head" else f"L{layer}.{cls}"
 
@@ -144,7 +140,8 @@ def resolve_budgets(recipe: Recipe, source, allocation: dict | None, where: str 
         if used != {allocation["codebook"]}:
             raise FqError(f"{where}: codebook {allocation['codebook']!r} was measured; the budgeted nodes of recipe "
                           f"{recipe.source} use {', '.join(sorted(used))}")
-    low = [n for n in recipe.budgeted if n.bits < (least := fewest_bits(source))]
+    least = fewest_bits(source) if recipe.budgeted else 0.0
+    low = [n for n in recipe.budgeted if n.bits < least]
     if low:
         raise FqError(f"recipe {recipe.source}: base {low[0].name!r} bits {low[0].bits:g}: below the smallest "
                       f"allocation of {source.origin}, every unit at K1 ({least:.3f} bits over its linears)")

@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from fq.allocation.document import SENSITIVITY
 from fq.core import canonical, kbits
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
@@ -315,12 +316,9 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     )
 
 
-SENSITIVITY_ROWS, SENSITIVITY_COLUMNS, SENSITIVITY_SAMPLES = 16, 128, 4  # fq.workflow.campaign's defaults
-
-
 def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "CalibrationPrice | None" = None, *,
-                      rows: int = SENSITIVITY_ROWS, cols: int = SENSITIVITY_COLUMNS,
-                      samples: int = SENSITIVITY_SAMPLES) -> SensitivityPrice:
+                      rows: int = SENSITIVITY["rows"], cols: int = SENSITIVITY["columns"],
+                      samples: int = SENSITIVITY["samples"]) -> SensitivityPrice:
     """The allocation's measurement (``SensitivityPrice``): FLOPs at the calibration's TFLOP/s (the default without)."""
     from fq.planning.calibration_cost import DEFAULT_TFLOPS
     from fq.planning.model_bits import linear_shapes

@@ -676,8 +676,11 @@ def recipe_table(recipe: Recipe) -> str:
 
 
 def _bits_sum(nodes):
-    """Sum of nodes' expert bits: an int when every node has one K, else rounded to 4 decimals."""
+    """Sum of nodes' expert bits (fq.core.kbits.chain_bits): an int when every node has one K, else rounded to 4
+    decimals; an unresolved budgeted node is refused by name."""
     nodes = list(nodes)
-    if all(isinstance(n.K, int) for n in nodes):
-        return sum(n.K for n in nodes)
-    return round(sum(n.expert_bits() for n in nodes), 4)
+    for n in nodes:
+        if n.K is None:
+            n.expert_bits()  # raises: its budget has no K per unit yet
+    total = kbits.chain_bits(n.K for n in nodes)
+    return round(total, 4) if isinstance(total, float) else total

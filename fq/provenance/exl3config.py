@@ -105,6 +105,7 @@ from fq.core import atomic, canonical, kbits
 from fq.core.safepath import open_regular
 from fq.errors import FqError
 from fq.model import families
+from fq.model.experts import LANGUAGE_MODEL, MIXTRAL, STANDARD
 from fq.model.formats import source_format
 from fq.model.shards import DTYPES, read_header
 
@@ -176,8 +177,9 @@ def _class_of(module: str) -> str:
     return "dense"
 
 
-# a routed expert module's projection name -> fq.core.kbits' canonical projection (fq.model.experts: the layouts)
-_PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+# a routed expert module's projection name -> fq.core.kbits' canonical projection, from the layouts fq writes
+_PROJECTION = {name: p for layout in (STANDARD, MIXTRAL, LANGUAGE_MODEL)
+               for name, p in zip(layout.projections, kbits.PROJECTIONS)}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -15,12 +15,13 @@ import hashlib
 import sys
 from pathlib import Path
 
-from fq.allocation.document import FORMAT, METHOD
+from fq.allocation.document import FORMAT, METHOD, SENSITIVITY
 from fq.core import atomic, canonical
 
 
-def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9)), rows: int = 16,
-            columns: int = 128, samples: int = 4, seed: int = 0, progress=None) -> dict:
+def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9)), rows: int = SENSITIVITY["rows"],
+            columns: int = SENSITIVITY["columns"], samples: int = SENSITIVITY["samples"],
+            seed: int = SENSITIVITY["seed"], progress=None) -> dict:
     """Measure every allocation unit of the checkpoint at ``model_dir`` on ``text`` (rows x columns tokens)."""
     import torch
     from transformers import AutoModelForCausalLM

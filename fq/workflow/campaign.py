@@ -222,9 +222,10 @@ class Campaign:
     # -- budgeted bases: the sensitivity and allocate jobs -------------------------------------------------------
     @property
     def allocation_config(self) -> dict:
+        from fq.allocation.document import SENSITIVITY
+
         cfg = self.config.get("allocation") or {}
-        return {"file": cfg.get("file"), "rows": int(cfg.get("rows", 16)), "columns": int(cfg.get("columns", 128)),
-                "samples": int(cfg.get("samples", 4)), "seed": int(cfg.get("seed", 0))}
+        return {"file": cfg.get("file"), **{k: int(cfg.get(k, v)) for k, v in SENSITIVITY.items()}}
 
     @property
     def measures_allocation(self) -> bool:

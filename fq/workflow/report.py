@@ -267,7 +267,8 @@ def plot_allocation(c: Campaign, path: str) -> None:
     from fq.planning.budget import source_units
 
     bases = [n for n in c.recipe.budgeted if n.K is not None]
-    layers = sorted({l for _, l in source_units(c.source).values() if l is not None})
+    units = source_units(c.source)
+    layers = sorted({l for _, l in units.values() if l is not None})
     rows = ("attention", "dense", "shared", "gate/up", "down")
     fig, axes = plt.subplots(len(bases), 1, figsize=(max(5, 0.6 * len(layers) + 3), 2.6 * len(bases) + 0.6),
                              dpi=120, squeeze=False)
@@ -278,7 +279,7 @@ def plot_allocation(c: Campaign, path: str) -> None:
             for i, cls in enumerate(rows[:3]):
                 v = skel.get(cls)
                 k = v if isinstance(v, int) else dict(v or ()).get(layer)
-                if k is not None and f"L{layer}.{cls}" in source_units(c.source):
+                if k is not None and f"L{layer}.{cls}" in units:
                     grid[i, j] = k
             if layer in c.source.moe_layers:
                 spec = n.K_at(layer)
