@@ -54,22 +54,13 @@ from pathlib import Path
 
 import torch
 
+from fq.runtime.quality import token_windows  # light: no provenance imports, which the device need not have
+
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # exl3_whole_model, beside this file
     sys.path.insert(0, str(HERE))
 
 CODEBOOK = "mul1"
-
-
-def _parse_ks(s: str) -> list[int]:
-    out = []
-    for part in s.split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out += list(range(int(a), int(b) + 1))
-        else:
-            out.append(int(part))
-    return sorted(set(out))
 
 
 def _floats(s: str) -> list[float]:
@@ -142,12 +133,14 @@ def build(a) -> int:
     from fq.allocation.measure import apply, hessians, unit_options, weights
     from fq.codec.ldlq import encode_ldlq_batch
     from fq.codec.tensors import reconstruct
+    from fq.commands.allocate import parse_ks
+
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     src, out = Path(a.model), Path(a.out) / "fq"
     out.mkdir(parents=True, exist_ok=True)
-    ks, bits = _parse_ks(a.ks), _floats(a.bits)
+    ks, bits = parse_ks(a.ks), _floats(a.bits)
     clock = {}
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(dev).eval()
@@ -257,14 +250,6 @@ def tokenize(src: Path, text: str) -> tuple[list[int], str]:
     data = (Path(src) / "tokenizer.json").read_bytes()
     ids = Tokenizer.from_str(data.decode("utf-8")).encode(text, add_special_tokens=False).ids
     return ids, hashlib.sha256(data).hexdigest()
-
-
-def token_windows(ids: list[int], seq: int, tokens: int) -> torch.Tensor:
-    """The first ``tokens`` ids, rounded down to whole windows of ``seq`` (as fq.runtime.quality.token_windows)."""
-    n = min(len(ids), tokens) // seq
-    if n < 1:
-        raise SystemExit(f"{len(ids)} tokens of text, fewer than one window of {seq}")
-    return torch.tensor(ids[: n * seq], dtype=torch.long).reshape(n, seq)
 
 
 def text_windows(src: Path, text: Path, tokens: int, seq: int) -> torch.Tensor:

@@ -140,6 +140,13 @@ def make_campaign(work: Path, kind: str, experts: int, *shards: Path) -> tuple[P
     return path, Path(key_path)
 
 
+def small_campaign(work: Path) -> dict:
+    """The tests' two-expert, 128 x 128 source and its CPU campaign: {work, shard, names, campaign, key}."""
+    shard, names = make_source(work, experts=2, shapes={p: (128, 128) for p in SHAPES})
+    campaign, key = make_campaign(work, "cpu", 2, shard)
+    return {"work": work, "shard": shard, "names": names, "campaign": campaign, "key": key}
+
+
 def block_jobs(out: Path, blocks: int, experts: int, shard: Path, names: dict, K: int, codebook: str) -> list:
     from fq.provenance.fragments import fragment_filename
     from fq.workflow.encode import BlockJob

@@ -106,6 +106,16 @@ def _direct(base, stages, y, sel, w):
     return out
 
 
+def _routed_is_direct(moe, base, stages, tokens: int, g) -> None:
+    """Random tokens, routing and weights drawn from ``g``: ChainMoE's routed sum equals every expert's reconstructed
+    chain (float32 sums in another order, and an fp16 activation that can round the other way: 1e-4 of the scale)."""
+    y = torch.randn(tokens, H, generator=g)
+    sel = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, TOPK, generator=g), -1).half()
+    got, want = moe.routed(y, sel, w), _direct(base, stages, y, sel, w)
+    assert got.shape == want.shape and float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 8, 40])
 def test_the_grouped_routed_sum_is_every_experts_chain_on_the_cpu_twin(tokens):
     """ChainMoE on ReferenceKernels (exl3_mgemm's documented result in float32) against the per-expert sum of each
@@ -117,14 +127,7 @@ def test_the_grouped_routed_sum_is_every_experts_chain_on_the_cpu_twin(tokens):
     base, stages = _layer(narrow=[1, 4])
     moe = ChainMoE(ReferenceKernels(), base, stages, E=E, H=H, I=I, Ho=H)
     assert [st.full for st in moe.stages] == [True, False]
-    g = torch.Generator().manual_seed(tokens)
-    y = torch.randn(tokens, H, generator=g)
-    sel = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, TOPK, generator=g), -1).half()
-    got = moe.routed(y, sel, w)
-    want = _direct(base, stages, y, sel, w)
-    # float32 sums in another order, and an fp16 activation that can round the other way: 1e-4 of the scale
-    assert got.shape == want.shape and float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    _routed_is_direct(moe, base, stages, tokens, torch.Generator().manual_seed(tokens))
 
 
 def test_a_stage_on_part_of_a_projection_is_refused():
@@ -177,13 +180,7 @@ def test_the_grouped_routed_sum_takes_one_K_per_projection(tokens):
         [[(1, "gate"), (2, "up"), (3, "down")]]
     assert [([(L.K, L.serves) for L in st.gu], st.d.K, st.full) for st in moe.stages] == \
         [([(1, "gu")], 1, True), ([(2, "gu")], 1, False)]
-    g = torch.Generator().manual_seed(100 + tokens)
-    y = torch.randn(tokens, H, generator=g)
-    sel = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, TOPK, generator=g), -1).half()
-    got = moe.routed(y, sel, w)
-    want = _direct(base, stages, y, sel, w)
-    assert got.shape == want.shape and float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    _routed_is_direct(moe, base, stages, tokens, torch.Generator().manual_seed(100 + tokens))
 
 
 def test_experts_of_one_stage_at_different_K_get_tables_of_their_own():
@@ -198,8 +195,4 @@ def test_experts_of_one_stage_at_different_K_get_tables_of_their_own():
     moe = ChainMoE(ReferenceKernels(), base, stages, E=E, H=H, I=I, Ho=H)
     assert sorted(st.d.K for st in moe.base) == [2, 3] and not any(st.full for st in moe.base)
     for tokens in (3, 40):
-        y = torch.randn(tokens, H, generator=g)
-        sel = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(tokens)])
-        w = torch.softmax(torch.randn(tokens, TOPK, generator=g), -1).half()
-        got, want = moe.routed(y, sel, w), _direct(base, stages, y, sel, w)
-        assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+        _routed_is_direct(moe, base, stages, tokens, g)

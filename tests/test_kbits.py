@@ -127,10 +127,7 @@ import encode_job as bench  # noqa: E402
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    work = tmp_path_factory.mktemp("synth")
-    shard, names = bench.make_source(work, experts=2, shapes={p: (128, 128) for p in bench.SHAPES})
-    campaign, key = bench.make_campaign(work, "cpu", 2, shard)
-    return {"work": work, "shard": shard, "names": names, "campaign": campaign, "key": key}
+    return bench.small_campaign(tmp_path_factory.mktemp("synth"))
 
 
 def _encode(synth, out: Path, K) -> list[dict]:
