@@ -130,6 +130,7 @@ def build(a) -> int:
     from transformers import AutoModelForCausalLM
 
     from fq.allocation import solve, units
+    from fq.allocation.document import LEAST_K, solve_from
     from fq.allocation.measure import apply, hessians, unit_options, weights
     from fq.codec.ldlq import encode_ldlq_batch
     from fq.codec.tensors import reconstruct
@@ -155,10 +156,13 @@ def build(a) -> int:
     print(f"sensitivity: {len(options)} units, {len(sens.linears)} linears, {sens.positions} positions, "
           f"{clock['sensitivity']:.1f} s", flush=True)
     allocs = {}
-    for b in bits:
-        s = solve.solve(options, solve.budget_from_bits(b, n_weights), n_weights)
+    least_of = {}
+    for b in bits:  # fq allocate's rule: K >= LEAST_K wherever the budget allows
+        s, least_of[b] = solve_from(options, solve.budget_from_bits(b, n_weights), n_weights,
+                                    LEAST_K if a.least_k is None else a.least_k)
         allocs[b] = s
         print(f"budget {b:g} bits: {s.bits:.4f} bits, {s.bytes:,} B, predicted KL {s.predicted_kl:.5f}, "
+              f"least K {least_of[b]}, "
               f"gap bound {s.gap_bound:.2e}; K " + " ".join(f"{u}:{k}" for u, k in s.ks.items()), flush=True)
 
     t0 = time.time()
@@ -168,26 +172,25 @@ def build(a) -> int:
     names = sorted(W)
     seed_of = {n: a.seed * 1_000_003 + i for i, n in enumerate(names)}
     groups = units.group_units(W)
-    # linears with equal Hessians (a layer's routed gate/up: the all-experts capture gives each expert the same
-    # inputs) are encoded together, one batch per (Hessian, K)
-    h_key = {}
-    for n in names:
-        h = H[n].contiguous().cpu()
-        h_key[n] = (tuple(h.shape), hashlib.sha256(h.numpy().tobytes()).hexdigest())
-    need: dict[tuple, list[str]] = {}  # (Hessian, K) -> linears
+    # linears of one input width and K are encoded together, each in its own Hessian's metric (a layer's routed
+    # gate/up share one: the all-experts capture gives every expert the same inputs)
+    need: dict[tuple, list[str]] = {}  # (K, in_features) -> linears
     for s in allocs.values():
         for u, K in s.ks.items():
             for n in groups[u]:
-                lst = need.setdefault((h_key[n], K), [])
+                lst = need.setdefault((K, W[n].shape[1]), [])
                 if n not in lst:
                     lst.append(n)
+    one: dict[str, torch.Tensor] = {}  # equal Hessians as one tensor: factored once per batch
+    for n in names:
+        H[n] = one.setdefault(hashlib.sha256(H[n].contiguous().cpu().numpy().tobytes()).hexdigest(), H[n])
     enc: dict[tuple[str, int], object] = {}
     t0 = time.time()
     done = 0
     total = sum(len(v) for v in need.values())
-    for (_, K), ns in sorted(need.items(), key=lambda kv: (kv[0][1], kv[1][0])):
-        res = encode_ldlq_batch([W[n].double() for n in ns], H[ns[0]], K, CODEBOOK, seeds=[seed_of[n] for n in ns],
-                                device=dev, names=ns)
+    for (K, _), ns in sorted(need.items()):
+        res = encode_ldlq_batch([W[n].double() for n in ns], [H[n] for n in ns], K, CODEBOOK,
+                                seeds=[seed_of[n] for n in ns], device=dev, names=ns)
         for n, e in zip(ns, res):
             enc[(n, K)] = e
         done += len(ns)
@@ -216,7 +219,8 @@ def build(a) -> int:
             shutil.rmtree(d)
         nbytes = write_exl3_dir(src, d, coded, qc, source)
         row = {"name": f"fq b{b:g}", "dir": d.name, "budget_bits": b, "bits": s.bits, "linear_bytes": s.bytes,
-               "bytes": nbytes, "predicted_kl": s.predicted_kl, "gap_bound": s.gap_bound, "ks": s.ks,
+               "bytes": nbytes, "predicted_kl": s.predicted_kl, "gap_bound": s.gap_bound, "least_K": least_of[b],
+               "ks": s.ks,
                "proxy_err": {n: enc[(n, K)].proxy_err for n, K in sorted(ks_of.items())}}
         if check is not None:
             # the weights as read back from the written file (fq's decoder), not the encoder's own W_hat
@@ -494,6 +498,7 @@ def main(argv=None) -> int:
     b.add_argument("--bits", default="2,2.5,3,4,5")
     b.add_argument("--ks", default="1-8")
     b.add_argument("--device", default="cpu")
+    b.add_argument("--least-k", type=int, default=None, help="fq allocate's floor: K >= this where a budget allows")
     b.add_argument("--sens-rows", type=int, default=16)
     b.add_argument("--sens-cols", type=int, default=128)
     b.add_argument("--samples", type=int, default=8)

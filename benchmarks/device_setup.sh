@@ -2,6 +2,7 @@
 # the environment exllamav3 and fq need there, and install_step CAMPAIGN_DIR:
 #   - the carried packages: .devpack/site.tar.xz (the wheels unzipped and xz-packed, so they and a campaign fit the
 #     64 MiB carry) when present, else pip from .whl/;
+#   - .devpack/deps.tar.xz: fq's own dependencies that the device image lacks (cryptography, jsonschema, ...);
 #   - .devpack/campaign.tar.xz (or $CAMPAIGN_TAR) into CAMPAIGN_DIR when it holds no published/ yet;
 #   - .devpack/exllamav3_ext.so.xz (an earlier machine's JIT build), which skips the ~5 min build;
 #   - fq's C extension, then exllamav3's extension (prebuilt, a JIT build into .exl3-ext/, or the warm machine's).
@@ -17,6 +18,8 @@ install_step() {
     if [ -f .devpack/site.tar.xz ]; then
         step unpack .devpack
         mkdir -p /tmp/site && tar -C /tmp/site -xJf .devpack/site.tar.xz && echo "site ok"
+        # fq's own dependencies the device image lacks (cryptography, jsonschema, ...), where carried
+        [ -f .devpack/deps.tar.xz ] && tar -C /tmp/site -xJf .devpack/deps.tar.xz && echo "deps ok"
     else
         step install carried wheels
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -241,6 +241,20 @@ def test_batch_equals_single_encodes(golden, monkeypatch):
     assert torch.count_nonzero(reconstruct(batch[2].tensors)) == 0 and batch[2].proxy_err == 0.0
 
 
+def test_batch_with_a_hessian_per_matrix_equals_single_encodes(golden):
+    # every expert's down projection has its own Hessian: one batch, each matrix coded in its own metric
+    W, H, e = golden
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    H2 = x.T @ x / 512
+    Wz = _weight(256, 256, 7)
+    batch = encode_ldlq_batch([W, Wz, W], [H, H2, H2], 2, "mul1", [5, 8, 5])
+    for a, b in zip([e, encode_ldlq(Wz, H2, 2, "mul1", 8), encode_ldlq(W, H2, 2, "mul1", 5)], batch):
+        _same(a, b)
+    assert batch[0].proxy_err != batch[2].proxy_err  # the same W in two metrics
+    with pytest.raises(FqError, match="one Hessian each or one for all, got 2"):
+        encode_ldlq_batch([W, Wz, W], [H, H2], 2)
+
+
 def test_indefinite_hessian_gets_more_damping(golden):
     W, H, _ = golden
     lam = torch.linalg.eigvalsh(H)[0]

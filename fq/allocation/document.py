@@ -4,6 +4,7 @@ One document serves ``fq allocate``, the campaign's ``sensitivity`` and ``alloca
 (the measurement that makes one: fq.workflow.allocation.measure):
 
     with_allocations(doc, bits)   -> doc with one allocation per budget   (the solver: pure, milliseconds)
+    solve_from(opts, budget, weights) -> (allocation, least K)          (K >= LEAST_K wherever the budget allows)
     load(path) / parse(doc, where)                                    (checked: a clear error names file and field)
     allocation_at(doc, bits, where) -> {unit: K}                     (what a budgeted base is resolved with)
 
@@ -35,20 +36,25 @@ def options(doc: dict) -> dict:
 LEAST_K = 2
 
 
+def solve_from(opts: dict, budget: int, weights: int, least_K: int = LEAST_K):
+    """(allocation, least K used): ``opts`` solved with every unit at ``least_K`` or more where ``budget`` allows,
+    else over every measured K."""
+    floor = {u: {K: v for K, v in o.items() if K >= least_K} for u, o in opts.items()}
+    try:
+        if all(floor.values()):
+            return solve.solve(floor, budget, weights), least_K
+    except FqError:
+        pass
+    return solve.solve(opts, budget, weights), min(min(o) for o in opts.values())
+
+
 def with_allocations(doc: dict, bits, least_K: int = LEAST_K) -> dict:
     """``doc`` with one solved allocation per budget in ``bits`` (sorted, duplicates once), each unit at ``least_K``
     or more where the budget allows (else every measured K: ``least_K`` in the allocation says which)."""
     opts, weights = options(doc), doc["weights"]
-    floor = {u: {K: v for K, v in o.items() if K >= least_K} for u, o in opts.items()}
     out = []
     for b in sorted(set(float(x) for x in bits)):
-        budget, least = solve.budget_from_bits(b, weights), least_K
-        try:
-            a = solve.solve(floor, budget, weights) if all(floor.values()) else None
-        except FqError:
-            a = None
-        if a is None:
-            a, least = solve.solve(opts, budget, weights), min(min(o) for o in opts.values())
+        a, least = solve_from(opts, solve.budget_from_bits(b, weights), weights, least_K)
         out.append({"budget_bits": b, "bits": a.bits, "bytes": a.bytes, "predicted_kl": a.predicted_kl,
                     "gap_bound": a.gap_bound, "least_K": least, "ks": a.ks})
     return {**doc, "allocations": out}

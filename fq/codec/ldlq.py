@@ -259,7 +259,7 @@ def _refit_all(W64s: list, coded: list, Hds: list, damping: list, device: torch.
     per = max(1, REFIT_BYTES.get(device.type, 1 << 30) // (40 * k * k))  # A, its grid parts and temporaries
     same: dict[tuple, list[int]] = {}  # one damped H and one width per batch
     for j, d in enumerate(damping):
-        same.setdefault((d, coded[j]["inner"].shape[1]), []).append(j)
+        same.setdefault((id(Hds[j]), d, coded[j]["inner"].shape[1]), []).append(j)
     for idx in same.values():
         for c0 in range(0, len(idx), per):
             part = idx[c0 : c0 + per]
@@ -306,29 +306,37 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings, chu
         W64s.append(W64)
         shapes.append(shape)
     in_f = shapes[0][1]
+    shared = not isinstance(H, (list, tuple))
     for shape, name in zip(shapes, names):
         if shape[1] != in_f:
-            raise FqError(f"{name}: in_features {shape[1]}; the matrices of one batch share H, so all need "
-                          f"in = {in_f}")
-    hname = names[0] if len(names) == 1 else f"{names[0]} (and the batch sharing its H)"
-    H_own = check_hessian(H, in_f, hname, device)  # H at W's own width, as calibration captures it
-    metric = _Metric(H_own)  # proxy errors over W's own entries
-    # A padded W's added input channels see zero activations (exllamav3 zero-extends the input, so a Hessian it
-    # captures at the padded width has zero rows and columns there): H is zero-padded, then damped over the padded
-    # diagonal (_damped), as exllamav3 damps the Hessian it captured. The same matrix when in is 128-aligned.
-    Hc = pad_to(H_own, (padded(in_f), padded(in_f)))
+            raise FqError(f"{name}: in_features {shape[1]}; the matrices of one batch are coded together, so all "
+                          f"need in = {in_f}")
+    if not shared and len(H) != len(Ws):
+        raise FqError(f"encode_ldlq_batch: {len(Ws)} weights need one Hessian each or one for all, got {len(H)}")
+    # per distinct Hessian: H at W's own width (as calibration captures it), the metric of proxy errors over W's own
+    # entries, and Hc: a padded W's added input channels see zero activations (exllamav3 zero-extends the input, so
+    # a Hessian it captures at the padded width has zero rows and columns there): H is zero-padded, then damped over
+    # the padded diagonal (_damped), as exllamav3 damps the Hessian it captured. The same matrix when in is 128-aligned
+    seen: dict[int, tuple] = {}
+    per = []
+    for i, h in enumerate([H] * len(Ws) if shared else H):
+        if id(h) not in seen:
+            hname = names[i] if len(names) == 1 or not shared else f"{names[0]} (and the batch sharing its H)"
+            H_own = check_hessian(h, in_f, hname, device)
+            seen[id(h)] = (H_own, _Metric(H_own), pad_to(H_own, (padded(in_f), padded(in_f))))
+        per.append(seen[id(h)])
     clock("check")
     if len(W64s) == 1:  # one matrix wider than a chunk of the memory budget: by chunks, the same bytes
         C = chunked.chunk_columns(W64s[0].shape[1], W64s[0].shape[0], device, chunk)
         if C < W64s[0].shape[0]:
-            return [chunked.encode_ldlq(W64s[0], shapes[0], H_own, Hc, K, codebook, seeds[0], names[0], device, C,
-                                        clock)]
+            return [chunked.encode_ldlq(W64s[0], shapes[0], per[0][0], per[0][2], K, codebook, seeds[0], names[0],
+                                        device, C, clock)]
     out = []
     for group in _groups(len(W64s), padded(in_f), device):
         regs = [regularize(W64s[i].t(), seeds[i]) for i in group]
         clock("regularize")
         # the factorization first: a Hessian that cannot be used fails before any trellis search
-        L, F, damping, Hds = _factor([Hc] * len(group), [SIGMA_REG] * len(group), [su for _, su, _ in regs],
+        L, F, damping, Hds = _factor([per[i][2] for i in group], [SIGMA_REG] * len(group), [su for _, su, _ in regs],
                                      [names[i] for i in group], device)
         clock("hessian")
         drift = ldlq_drift(K)
@@ -340,14 +348,14 @@ def _encode_many(Ws, H, K, codebook, seeds, device, names, parents, timings, chu
         states = ldlq(targets, L, F, K, codebook, device)
         del L, targets
         clock("ldlq")
-        coded = [_coded(W64s[i], su, sv, gs[j], states[j], K, codebook, metric, shapes[i])
+        coded = [_coded(W64s[i], su, sv, gs[j], states[j], K, codebook, per[i][1], shapes[i])
                  for j, (i, (_, su, sv)) in enumerate(zip(group, regs))]
         del states, regs
         clock("finish")
         scales = _refit_all([W64s[i] for i in group], coded, Hds, damping, device)
         clock("refit")
         for j, i in enumerate(group):
-            out.append(_finish(W64s[i], coded[j], *scales[j], codebook, metric, shapes[i]))
+            out.append(_finish(W64s[i], coded[j], *scales[j], codebook, per[i][1], shapes[i]))
             W64s[i] = coded[j] = None
         clock("finish")
     return out
@@ -366,11 +374,12 @@ def encode_ldlq(W: torch.Tensor, H: torch.Tensor, K: int, codebook: str = "mul1"
                         timings, chunk)[0]
 
 
-def encode_ldlq_batch(Ws: list, H: torch.Tensor, K: int, codebook: str = "mul1", seeds=0, device=None, *,
+def encode_ldlq_batch(Ws: list, H: "torch.Tensor | list", K: int, codebook: str = "mul1", seeds=0, device=None, *,
                       parents: list | None = None, names: list | None = None,
                       timings: dict | None = None) -> list[Encoded]:
-    """Encode matrices that share one input Hessian H (e.g. gate and up of every expert of a layer); per matrix
-    the Encoded encode_ldlq would give, bit for bit. ``seeds``: one int or one per matrix; ``parents``: None or,
+    """Encode matrices of one input width together: H one input Hessian they share (e.g. gate and up of every
+    expert of a layer) or a list of one per matrix (e.g. every expert's down projection); per matrix the Encoded
+    encode_ldlq would give, bit for bit. ``seeds``: one int or one per matrix; ``parents``: None or,
     per matrix, None or its parent chain; ``names``: for messages (default Ws[i]). The Hessians are factored
     and the LDLQ steps coded together, one Viterbi call per 16-row step for all matrices of a group (groups
     hold GROUP_BYTES of float64 factors)."""
