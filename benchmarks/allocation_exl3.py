@@ -130,7 +130,7 @@ def build(a) -> int:
     from transformers import AutoModelForCausalLM
 
     from fq.allocation import solve, units
-    from fq.allocation.document import LEAST_K, solve_from
+    from fq.allocation.document import LEAST_K
     from fq.allocation.measure import apply, hessians, unit_options, weights
     from fq.codec.ldlq import encode_ldlq_batch
     from fq.codec.tensors import reconstruct
@@ -151,19 +151,41 @@ def build(a) -> int:
     clock["load"] = time.time() - t0
 
     t0 = time.time()
-    options, n_weights, sens = unit_options(model, sens_w, ks, CODEBOOK, samples=a.samples, seed=a.seed)
+    def progress(done, total):  # the Fisher pass's windows, then the injected points: where a slow build is
+        if done == total or done % max(1, total // 10) == 0:
+            print(f"sensitivity: {done}/{total} ({time.time() - t0:.0f} s)", flush=True)
+
+    options, n_weights, sens, fit = unit_options(model, sens_w, ks, CODEBOOK, samples=a.samples, seed=a.seed,
+                                                 progress=progress)
     clock["sensitivity"] = time.time() - t0
     print(f"sensitivity: {len(options)} units, {len(sens.linears)} linears, {sens.positions} positions, "
           f"{clock['sensitivity']:.1f} s", flush=True)
-    allocs = {}
-    least_of = {}
-    for b in bits:  # fq allocate's rule: K >= LEAST_K wherever the budget allows
-        s, least_of[b] = solve_from(options, solve.budget_from_bits(b, n_weights), n_weights,
-                                    LEAST_K if a.least_k is None else a.least_k)
-        allocs[b] = s
-        print(f"budget {b:g} bits: {s.bits:.4f} bits, {s.bytes:,} B, predicted KL {s.predicted_kl:.5f}, "
-              f"least K {least_of[b]}, "
-              f"gap bound {s.gap_bound:.2e}; K " + " ".join(f"{u}:{k}" for u, k in s.ks.items()), flush=True)
+    from fq.allocation import error_model
+
+    def d(K):
+        return error_model.distortion(K, CODEBOOK)
+
+    sizes = {u: {K: v[1] for K, v in o.items()} for u, o in options.items()}
+    q = {u: sum(sens.linears[n].quad[0] for n in ns) / (2 * sens.positions)
+         for u, ns in units.group_units(sorted(sens.linears)).items()}
+    least = LEAST_K if a.least_k is None else a.least_k
+    print("LDLQ efficiency c(K): " + " ".join(f"{K}:{c:.3f}" for K, c in fit["efficiency"].items()), flush=True)
+    allocs, least_of = {}, {}
+    for model_kind in a.models.split(","):
+        for b in bits:  # fq allocate's rule: K >= LEAST_K wherever the budget allows
+            budget = solve.budget_from_bits(b, n_weights)
+            if model_kind == "fisher":  # the second-order term alone, d(K) x the Fisher form (before injection)
+                opts = {u: {K: (d(K) * q[u], sizes[u][K]) for K in ks} for u in options}
+                s, lk = solve.solve_from(opts, budget, n_weights, least)
+            elif model_kind == "additive":  # every unit's injected curve at D(K), summed
+                s, lk = solve.solve_from(options, budget, n_weights, least)
+            elif model_kind == "pooled":  # fq's: flips pooled over units (fq.allocation.solve.solve_pooled)
+                s, lk = solve.solve_pooled(fit["parts"], sizes, budget, n_weights, least)
+            else:
+                raise SystemExit(f"--models: unknown error model {model_kind!r} (fisher, additive, pooled)")
+            allocs[(model_kind, b)], least_of[(model_kind, b)] = s, lk
+            print(f"{model_kind} {b:g} bits: {s.bits:.4f} bits, {s.bytes:,} B, predicted KL {s.predicted_kl:.5f}, "
+                  f"least K {lk}; K " + " ".join(f"{u}:{k}" for u, k in s.ks.items()), flush=True)
 
     t0 = time.time()
     H = hessians(model, hess_w, dev)
@@ -200,46 +222,55 @@ def build(a) -> int:
     del H
 
     source = source_tensors(src)
-    check = None
-    if a.check_cpu:
-        ids, _ = tokenize(src, Path(a.check_cpu).read_text())
-        check = token_windows(ids, 256, a.check_tokens)
-        ref = log_probs(model, check, dev)
-        orig = {n: t.clone() for n, t in W.items()}
+    checks = {}
+    for spec in a.check_cpu or []:  # NAME=PATH: held-out text, each directory's KL in transformers on it
+        name, path = spec.split("=", 1)
+        ids, _ = tokenize(src, Path(path).read_text())
+        w = token_windows(ids, 256, a.check_tokens)
+        checks[name] = (w, log_probs(model, w, dev))
+    orig = {n: t.clone() for n, t in W.items()}
     rows = []
-    for b, s in allocs.items():
+    for (model_kind, b), s in allocs.items():
         ks_of = {n: s.ks[u] for u, ns in groups.items() for n in ns}
         coded = {n: enc[(n, K)].tensors for n, K in ks_of.items()}
         head_k = s.ks.get("head")
         qc = {"quant_method": "exl3", "version": "fq-allocation-benchmark", "bits": round(s.bits, 4),
               "head_bits": head_k, "calibration": {"rows": hess_w.shape[0], "cols": hess_w.shape[1]},
-              "codebook": CODEBOOK, "allocation": s.ks}
-        d = out / f"b{b:g}"
-        if d.exists():
-            shutil.rmtree(d)
-        nbytes = write_exl3_dir(src, d, coded, qc, source)
-        row = {"name": f"fq b{b:g}", "dir": d.name, "budget_bits": b, "bits": s.bits, "linear_bytes": s.bytes,
-               "bytes": nbytes, "predicted_kl": s.predicted_kl, "gap_bound": s.gap_bound, "least_K": least_of[b],
-               "ks": s.ks,
+              "codebook": CODEBOOK, "allocation": s.ks, "error_model": model_kind}
+        tag = f"b{b:g}" if model_kind == a.models.split(",")[0] else f"{model_kind}-b{b:g}"
+        dd = out / tag
+        if dd.exists():
+            shutil.rmtree(dd)
+        nbytes = write_exl3_dir(src, dd, coded, qc, source)
+        row = {"name": f"fq {tag}", "dir": dd.name, "error_model": model_kind, "budget_bits": b, "bits": s.bits,
+               "linear_bytes": s.bytes, "bytes": nbytes, "predicted_kl": s.predicted_kl, "gap_bound": s.gap_bound,
+               "least_K": least_of[(model_kind, b)], "ks": s.ks,
                "proxy_err": {n: enc[(n, K)].proxy_err for n, K in sorted(ks_of.items())}}
-        if check is not None:
+        if checks:
             # the weights as read back from the written file (fq's decoder), not the encoder's own W_hat
-            back = source_tensors(d)
+            back = source_tensors(dd)
             apply(model, {n: reconstruct({t: back[f"{n}.{t}"] for t in coded[n]}, n, tuple(W[n].shape)).to(dev)
                           for n in ks_of})
-            got = log_probs(model, check, dev)
-            row["transformers_kl"] = float((ref.exp() * (ref - got)).sum(-1).mean())
+            row["check"] = {}
+            for name, (w, ref) in checks.items():
+                got = log_probs(model, w, dev)
+                per = (ref.exp() * (ref - got)).sum(-1).mean(-1).double().cpu()  # per window
+                row["check"][name] = {"kl": float(per.mean()), "windows": [round(float(x), 9) for x in per]}
             apply(model, orig)
-            print(f"{row['name']}: transformers KL {row['transformers_kl']:.5f}", flush=True)
+            print(f"{row['name']}: transformers KL " + " ".join(f"{k} {v['kl']:.5f}" for k, v in row["check"].items()),
+                  flush=True)
         rows.append(row)
-        print(f"{row['name']}: {nbytes:,} B in {d}", flush=True)
+        print(f"{row['name']}: {nbytes:,} B in {dd}", flush=True)
     doc = {"model": str(src), "model_config": json.loads((src / "config.json").read_text()),
            "tokenizer_sha256": tok_sha, "codebook": CODEBOOK, "ks": ks, "samples": a.samples, "seed": a.seed,
            "sensitivity_windows": list(sens_w.shape), "hessian_windows": list(hess_w.shape),
            "allocated_weights": n_weights, "device": str(dev), "seconds": {k: round(v, 2) for k, v in clock.items()},
-           "options": {u: {str(K): list(v) for K, v in o.items()} for u, o in options.items()}, "rows": rows}
-    if check is not None:
-        doc["check_cpu"] = {"text": str(a.check_cpu), "positions": int(check.numel())}
+           "options": {u: {str(K): list(v) for K, v in o.items()} for u, o in options.items()},
+           "injected": {u: {str(K): kl for K, kl in p.items()} for u, p in fit["injected"].items()},
+           "parts": {u: {str(K): list(v) for K, v in p.items()} for u, p in fit["parts"].items()},
+           "efficiency": {str(K): c for K, c in fit["efficiency"].items()}, "rows": rows}
+    if checks:
+        doc["check_cpu"] = {name: {"windows": list(w.shape)} for name, (w, _) in checks.items()}
     _write_json(out / "build.json", doc)
     return 0
 
@@ -276,6 +307,8 @@ def measure(a) -> int:
         tensor_bytes
 
     src, out = Path(a.model), Path(a.out)
+    if a.fq and not (Path(a.fq) / "build.json").is_file():  # before any conversion starts: nothing to compare
+        raise SystemExit(f"{a.fq}/build.json: no fq build there (run build first)")
     out.mkdir(parents=True, exist_ok=True)
     texts = dict(t.split("=", 1) for t in a.text)
     wins = {k: text_windows(src, Path(p), a.tokens, a.seq) for k, p in texts.items()}
@@ -506,7 +539,10 @@ def main(argv=None) -> int:
     b.add_argument("--hess-tokens", type=int, default=65536)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=0)
-    b.add_argument("--check-cpu", help="held-out text: also measure the built weights' KL in transformers")
+    b.add_argument("--check-cpu", action="append", help="NAME=PATH of held-out text (repeatable): also measure the "
+                   "built weights' KL in transformers there, per window")
+    b.add_argument("--models", default="pooled",
+                   help="error models to solve with, comma-separated (fisher, additive, pooled; the first names b*)")
     b.add_argument("--check-tokens", type=int, default=4096)
     m = sub.add_parser("measure")
     m.add_argument("model")

@@ -36,7 +36,7 @@ demo)
     # ends by $DEADLINE seconds after the script started (default 570: one 600 s device call), measure.json kept
     timeout $((${DEADLINE:-570} - ($(date +%s) - T0))) python3 benchmarks/allocation_exl3.py measure /tmp/a41demo/model "$OUT/demo" \
         --fq "${FQ:-$A41/demo/fq}" --text "docs=$A41/text/docs.txt" --text heldout=/tmp/a41demo/text/heldout.txt \
-        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep -v "^Loading weights"
+        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep --line-buffered -v "^Loading weights"
     echo "measure rc=${PIPESTATUS[0]}"
     ;;
 bench)
@@ -52,13 +52,14 @@ bench)
     if [ ! -f /tmp/bench/a41/fq/build.json ]; then
         step "build fq's allocations on the GPU"
         python3 benchmarks/allocation_exl3.py build /tmp/bench/model /tmp/bench/text/calibration.txt /tmp/bench/a41 \
-            --device cuda --bits ${BITS:-2,2.5,3,4,5} --samples ${SAMPLES:-4} 2>&1 | tr '\r' '\n' | grep -v "^encoded\|^Loading"
+            --device cuda --bits ${BITS:-2,2.5,3,4,5} --samples ${SAMPLES:-4} --models ${MODELS:-pooled} 2>&1 \
+            | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "^encoded\|^Loading"
     fi
     cp /tmp/bench/a41/fq/build.json "$OUT/bench_build.json" 2>/dev/null
     step "measure"
     timeout $((${DEADLINE:-570} - ($(date +%s) - T0))) python3 benchmarks/allocation_exl3.py measure /tmp/bench/model "$OUT/bench" \
         --fq /tmp/bench/a41/fq --text "docs=$A41/text/docs.txt" --text heldout=/tmp/bench/text/heldout.txt \
-        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep -v "^Loading weights"
+        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep --line-buffered -v "^Loading weights"
     echo "measure rc=${PIPESTATUS[0]}"
     ;;
 esac

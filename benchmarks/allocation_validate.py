@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     ev = token_windows(ev_ids, 256, a.eval_tokens)
 
     t0 = time.time()
-    options, n_weights, sens = unit_options(model, cal, ks, "mul1", samples=a.samples)
+    options, n_weights, sens, fit = unit_options(model, cal, ks, "mul1", samples=a.samples)
+    sizes = {u: {K: v[1] for K, v in o.items()} for u, o in options.items()}
     t_sens = time.time() - t0
     print(f"sensitivity: {len(sens.linears)} linears, {sens.positions} positions, {t_sens:.1f} s", flush=True)
     W = weights(model)
@@ -131,16 +132,18 @@ def main(argv=None) -> int:
 
     rows = []
     for j, alloc in enumerate(allocs):
-        pred = sum(options[u][K][0] for u, K in alloc.items())
+        pred = solve.pooled_kl(fit["parts"], alloc)  # fq's prediction (the additive sum: "additive_kl")
+        additive = sum(options[u][K][0] for u, K in alloc.items())
         meas, _ = measured(alloc)
         bts = sum(options[u][K][1] for u, K in alloc.items())
-        rows.append({"allocation": alloc, "predicted_kl": pred, "measured_kl": meas, "bits": 8 * bts / n_weights})
+        rows.append({"allocation": alloc, "predicted_kl": pred, "additive_kl": additive, "measured_kl": meas,
+                     "bits": 8 * bts / n_weights})
         print(f"allocation {j}: predicted {pred:.5f} measured {meas:.5f}", flush=True)
     solved = []  # the solver at each uniform allocation's bytes, against it (paired per window)
     for K in ks[:-1]:
         uni = {u: K for u in groups}
         budget = sum(options[u][K][1] for u in groups)
-        s = solve.solve(options, budget, n_weights)
+        s, _ = solve.solve_pooled(fit["parts"], sizes, budget, n_weights, min(ks))
         (mu, wu), (ms, ws) = measured(uni), measured(s.ks)
         d = [x - y for x, y in zip(ws, wu)]
         se = (sum((x - sum(d) / len(d)) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
@@ -149,15 +152,17 @@ def main(argv=None) -> int:
         print(f"K{K} uniform {8 * budget / n_weights:.3f} bits KL {mu:.5f}; solved {s.bits:.3f} bits KL {ms:.5f} "
               f"({ms / mu:.2f}x)", flush=True)
     rho = spearman([r["predicted_kl"] for r in rows], [r["measured_kl"] for r in rows])
+    rho_additive = spearman([r["additive_kl"] for r in rows], [r["measured_kl"] for r in rows])
     ratio = [r["measured_kl"] / r["predicted_kl"] for r in rows]
     doc_solved = solved
     doc = {"model": a.model, "ks": ks, "calibration": [a.cal_rows, a.cal_cols], "eval_windows": int(ev.shape[0]),
            "samples": a.samples, "sensitivity_seconds": round(t_sens, 2), "spearman": rho,
+           "spearman_additive": rho_additive, "efficiency": {str(K): c for K, c in fit["efficiency"].items()},
            "measured_over_predicted": [min(ratio), sum(ratio) / len(ratio), max(ratio)],
            "options": {u: {str(K): list(v) for K, v in o.items()} for u, o in options.items()},
            "proxy": {f"{n}@K{K}": v[0] for (n, K), v in sorted(enc.items())}, "rows": rows, "solved": doc_solved}
     out.write_text(json.dumps(doc, indent=1, sort_keys=True))
-    print(f"spearman {rho:.3f}; measured/predicted min {min(ratio):.2f} mean {sum(ratio)/len(ratio):.2f} "
+    print(f"spearman {rho:.3f} (additive {rho_additive:.3f}); measured/predicted min {min(ratio):.2f} mean {sum(ratio)/len(ratio):.2f} "
           f"max {max(ratio):.2f}")
     return 0
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fq.allocation import error_model as em
-from fq.allocation import sensitivity, solve, units
+from fq.allocation import inject, sensitivity, solve, units
 from fq.errors import FqError
 
 
@@ -182,6 +182,93 @@ def test_quadratic_form_predicts_the_heads_kl(demo):
     measured = float((ref.exp() * (ref - q)).sum(-1).mean())
     assert predicted == pytest.approx(measured, rel=0.35), (predicted, measured)
     assert math.isfinite(s.beta("lm_head")) and s.beta("lm_head") > 0
+
+
+def test_injected_curve_fit():
+    d = [em.distortion(K, "mul1") for K in (2, 4, 6)]
+    a, b = inject.curve(d, [inject.at(0.03, 0.012, x) for x in d])  # both terms: recovered
+    assert a == pytest.approx(0.03, rel=1e-9) and b == pytest.approx(0.012, rel=1e-9)
+    a, b = inject.curve(d, [0.5 * x for x in d])  # purely second order (a unit no router reads)
+    assert a == pytest.approx(0.5, rel=1e-9) and b == pytest.approx(0.0, abs=1e-12)
+    a, b = inject.curve(d, [2.0 * math.sqrt(x) * (1.3 if i == 1 else 1.0) for i, x in enumerate(d)])
+    assert a >= 0 and b > 0  # a negative second-order term is clipped, not fitted
+    assert inject.curve(d, [0.0, 0.0, 0.0]) == (0.0, 0.0)
+    # parts: the curve at every K, a measured K1 point as measured (split as the curve splits it)
+    D = {K: em.distortion(K, "mul1") for K in range(1, 9)}
+    pts = {K: inject.at(0.03, 0.012, D[K]) for K in (2, 4, 6)}
+    pts[1] = 3 * inject.at(0.03, 0.012, D[1])
+    p = inject.parts(pts, D)
+    assert sum(p[3]) == pytest.approx(inject.at(0.03, 0.012, D[3]))
+    assert sum(p[1]) == pytest.approx(pts[1]) and p[1][0] / p[1][1] == pytest.approx(0.03 * D[1] / (0.012 * D[1] ** .5))
+
+
+def _pooled_problem(rng, n=5, ks=range(1, 7)):
+    D = {K: em.distortion(K, "mul1") for K in ks}
+    curves = {f"u{i}": (rng.uniform(0, 1), rng.uniform(0, 0.3) if rng.random() < 0.7 else 0.0) for i in range(n)}
+    parts = {u: {K: (a * D[K], b * math.sqrt(D[K])) for K in ks} for u, (a, b) in curves.items()}
+    sizes = {u: {K: rng.choice([1000, 3000, 8000]) * K for K in ks} for u in curves}
+    total = sum(s[1] for s in sizes.values())
+    return parts, sizes, int(total * rng.uniform(2.2, 5.0)), 8 * total
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_pooled_solver_never_worse_than_the_additive_start(seed):
+    parts, sizes, budget, weights = _pooled_problem(random.Random(seed))
+    a, least = solve.solve_pooled(parts, sizes, budget, weights, 1)
+    assert a.bytes <= budget and least == 1
+    assert a.predicted_kl == pytest.approx(solve.pooled_kl(parts, a.ks))
+    start, _ = solve.solve_from({u: {K: (sum(v), sizes[u][K]) for K, v in p.items()} for u, p in parts.items()},
+                                budget, weights, 1)
+    assert a.predicted_kl <= solve.pooled_kl(parts, start.ks) + 1e-15
+    # exhaustive: within what the additive knapsack itself reaches (the same granularity), usually the optimum
+    ks = list(next(iter(parts.values())))
+    best = min(solve.pooled_kl(parts, dict(zip(parts, c))) for c in itertools.product(ks, repeat=len(parts))
+               if sum(sizes[u][K] for u, K in zip(parts, c)) <= budget)
+    assert a.predicted_kl <= 1.4 * best
+
+
+def test_pooled_solver_without_flips_is_the_knapsack():
+    parts, sizes, budget, weights = _pooled_problem(random.Random(3))
+    parts = {u: {K: (v[0], 0.0) for K, v in p.items()} for u, p in parts.items()}
+    a, _ = solve.solve_pooled(parts, sizes, budget, weights, 1)
+    plain, _ = solve.solve_from({u: {K: (v[0], sizes[u][K]) for K, v in p.items()} for u, p in parts.items()},
+                                budget, weights, 1)
+    assert a.ks == plain.ks and a.predicted_kl == pytest.approx(plain.predicted_kl)
+
+
+def test_ldlq_efficiency_measures_the_encoder(demo):
+    model, windows, _ = demo
+    from fq.allocation.measure import efficiency_samples, hessians, weights
+
+    W = weights(model)
+    samples = efficiency_samples(W, hessians(model, windows[:2], windows.device))
+    assert len(samples) == 5  # attention, dense, shared, routed gate/up, routed down: not the head
+    c = em.ldlq_efficiency(samples[:2], [2, 3, 16], "mul1")
+    assert c[16] == 1.0 and all(0.3 < c[K] < 3 for K in (2, 3))
+    assert c == em.ldlq_efficiency(samples[:2], [2, 3, 16], "mul1")  # seeded: the same encodes
+
+
+def test_injection_measures_real_kl_and_restores_the_model(demo):
+    model, windows, _ = demo
+    from fq.allocation.measure import hessians, weights
+
+    W = weights(model)
+    before = {n: t.clone() for n, t in W.items()}
+    H = hessians(model, windows[:2], windows.device)
+    groups = {u: ns for u, ns in units.group_units(sorted(W)).items() if u in ("L0.attention", "L2.routed_down", "head")}
+    dirs = {n: em.direction(W[n], H[n], seed=i) for i, n in enumerate(sorted(n for ns in groups.values() for n in ns))}
+    D = {K: em.distortion(K, "mul1") for K in range(1, 9)}
+    pts = inject.measure(model, windows[:2], dirs, groups, D)
+    assert set(pts) == set(groups) and all(list(p) == list(inject.INJECT_KS) for p in pts.values())
+    for u, p in pts.items():
+        kl = list(p.values())
+        assert all(x > 0 for x in kl) and kl == sorted(kl, reverse=True), (u, p)
+    assert all(torch.equal(W2, before[n]) for n, W2 in weights(model).items())  # restored exactly
+    # the head: no router reads its error, so its KL is second order: x d(K) from K to K (0.25-0.27 a bit)
+    h = pts["head"]
+    for K0, K1 in zip(inject.INJECT_KS[1:], inject.INJECT_KS[2:]):
+        ratio = h[K1] / h[K0]
+        assert ratio == pytest.approx(em.distortion(K1, "mul1") / em.distortion(K0, "mul1"), rel=0.15), (K0, ratio)
 
 
 # -- fq allocate -----------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ One document serves ``fq allocate``, the campaign's ``sensitivity`` and ``alloca
 (the measurement that makes one: fq.workflow.allocation.measure):
 
     with_allocations(doc, bits)   -> doc with one allocation per budget   (the solver: pure, milliseconds)
-    solve_from(opts, budget, weights) -> (allocation, least K)          (K >= LEAST_K wherever the budget allows)
     load(path) / parse(doc, where)                                    (checked: a clear error names file and field)
     allocation_at(doc, bits, where) -> {unit: K}                     (what a budgeted base is resolved with)
 
@@ -14,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fq.allocation import solve
+from fq.allocation import inject, solve
 from fq.core import canonical
 from fq.errors import FqError
 
@@ -22,7 +21,10 @@ FORMAT = "fq-allocation/1"
 # the measurement's default settings, for fq allocate, the campaign's sensitivity job and fq price alike: calibration
 # windows x tokens per window, label samples per window, direction and label seed
 SENSITIVITY = {"rows": 16, "columns": 128, "samples": 4, "seed": 0}
-METHOD = "predicted KL = d(K) * Fisher quadratic form in an LDLQ-shaped error direction / (2 positions)"
+METHOD = ("unit u at K: a_u D(K) + b_u sqrt(D(K)), fitted through the output KL of u's LDLQ-shaped error injected "
+          f"at K {', '.join(map(str, inject.INJECT_KS))} (K1 as measured); D(K) = d(K) c(K), c the encoder's measured "
+          "LDLQ efficiency; an allocation: the second-order terms summed, plus the root of the first-order terms' "
+          "squares summed")
 
 
 def options(doc: dict) -> dict:
@@ -36,25 +38,23 @@ def options(doc: dict) -> dict:
 LEAST_K = 2
 
 
-def solve_from(opts: dict, budget: int, weights: int, least_K: int = LEAST_K):
-    """(allocation, least K used): ``opts`` solved with every unit at ``least_K`` or more where ``budget`` allows,
-    else over every measured K."""
-    floor = {u: {K: v for K, v in o.items() if K >= least_K} for u, o in opts.items()}
-    try:
-        if all(floor.values()):
-            return solve.solve(floor, budget, weights), least_K
-    except FqError:
-        pass
-    return solve.solve(opts, budget, weights), min(min(o) for o in opts.values())
-
-
 def with_allocations(doc: dict, bits, least_K: int = LEAST_K) -> dict:
     """``doc`` with one solved allocation per budget in ``bits`` (sorted, duplicates once), each unit at ``least_K``
-    or more where the budget allows (else every measured K: ``least_K`` in the allocation says which)."""
+    or more where the budget allows (else every measured K: ``least_K`` in the allocation says which). A document
+    with ``parts`` (each unit's second- and first-order KL per K) is solved for the pooled prediction
+    (fq.allocation.solve.solve_pooled), one without for the sum of its units' predicted KL."""
     opts, weights = options(doc), doc["weights"]
+    split = doc.get("parts")
+    if split:
+        split = {u: {int(K): tuple(v) for K, v in p.items()} for u, p in split.items()}
+        sizes = {u: {K: by for K, (_, by) in o.items()} for u, o in opts.items()}
     out = []
     for b in sorted(set(float(x) for x in bits)):
-        a, least = solve_from(opts, solve.budget_from_bits(b, weights), weights, least_K)
+        budget = solve.budget_from_bits(b, weights)
+        if split:
+            a, least = solve.solve_pooled(split, sizes, budget, weights, least_K)
+        else:
+            a, least = solve.solve_from(opts, budget, weights, least_K)
         out.append({"budget_bits": b, "bits": a.bits, "bytes": a.bytes, "predicted_kl": a.predicted_kl,
                     "gap_bound": a.gap_bound, "least_K": least, "ks": a.ks})
     return {**doc, "allocations": out}

@@ -5,13 +5,13 @@ quadratic forms, and each unit's predicted KL and bytes at every candidate K (do
     weights(model) -> {linear: W}                              (experts split out of transformers' fused parameters)
     apply(model, {linear: W_hat})                              (in place; the inverse of weights)
     unit_bytes(W, ks) -> {unit: {K: bytes}}                    (exllamav3's storage; no measurement)
-    unit_options(model, windows, ks, codebook, samples, seed) -> (options, weights count, Sensitivity)
+    unit_options(model, windows, ks, codebook, samples, seed) -> (options, weights count, Sensitivity, fit)
 """
 from __future__ import annotations
 
 import torch
 
-from fq.allocation import error_model, sensitivity, solve, units
+from fq.allocation import error_model, inject, sensitivity, solve, units
 
 
 def hessians(model, windows, device) -> dict[str, torch.Tensor]:
@@ -92,20 +92,41 @@ def unit_bytes(W: dict, ks) -> dict:
             for u, ns in units.group_units(W).items()}
 
 
+def efficiency_samples(W: dict, H: dict) -> list:
+    """One linear per unit kind (attention, dense, shared, routed gate/up, routed down; not the head: the largest
+    matrix), from the middle of the layers that have that kind: the encodes fq.allocation.error_model.ldlq_efficiency
+    measures the encoder on."""
+    by_kind: dict = {}
+    for u, ns in units.group_units(sorted(W)).items():
+        kind = units.unit_of(ns[0])
+        if kind.kind != "head":
+            by_kind.setdefault(kind.kind, []).append(ns)
+    return [(W[lists[len(lists) // 2][0]], H[lists[len(lists) // 2][0]]) for _, lists in sorted(by_kind.items())]
+
+
 def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4, seed: int = 0, progress=None):
     """unit -> {K: (predicted KL, bytes)} for every allocation unit of ``model`` measured on calibration ``windows``:
-    predicted KL at K = d(K) * Q / (2T), Q the Fisher quadratic form in the linear's LDLQ-shaped direction
-    (fq.allocation.error_model), summed over the unit's linears. Also the allocated weight count and the
-    measurement itself."""
+    the unit's LDLQ-shaped error (fq.allocation.error_model) injected at ``inject.INJECT_KS`` with the encoder's
+    real distortion D(K) = d(K) c(K) (``error_model.ldlq_efficiency`` on a few of the model's linears), the output's
+    KL measured and the curve a D + b sqrt(D) fitted through it (fq.allocation.inject.parts). Also the
+    allocated weight count, the Fisher measurement in the same directions (each linear's quadratic form: what a
+    budgeted stage ranks experts by) and the fit: {"injected": unit -> {K: KL}, "parts": unit -> {K: (second-order,
+    first-order KL)}, "efficiency": K -> c, "distortion": K -> D}. ``progress(done, total)``: windows of the Fisher pass, then
+    injected points."""
     W = weights(model)
     H = hessians(model, windows, windows.device)
     names = sorted(W)
     dirs = {n: [error_model.direction(W[n], H[n], seed=seed * 1_000_003 + i)] for i, n in enumerate(names)}
+    eff = error_model.ldlq_efficiency(efficiency_samples(W, H), ks, codebook, device=windows.device, seed=seed)
     del H
     sens = sensitivity.measure(model, windows, samples=samples, seed=seed, directions=dirs, progress=progress)
+    groups = units.group_units(names)
+    D = {K: error_model.distortion(K, codebook) * eff[K] for K in ks}
+    points = inject.measure(model, windows, {n: d[0] for n, d in dirs.items()}, groups, D, progress=progress)
     sizes = unit_bytes(W, ks)
-    options = {}
-    for u, ns in units.group_units(names).items():
-        q = sum(sens.linears[n].quad[0] for n in ns) / (2 * sens.positions)
-        options[u] = {K: (error_model.distortion(K, codebook) * q, sizes[u][K]) for K in ks}
-    return options, sum(W[n].numel() for n in names), sens
+    split, options = {}, {}
+    for u in groups:
+        split[u] = inject.parts(points[u], D)
+        options[u] = {K: (sum(split[u][K]), sizes[u][K]) for K in ks}
+    fit = {"injected": points, "parts": split, "efficiency": eff, "distortion": D}
+    return options, sum(W[n].numel() for n in names), sens, fit

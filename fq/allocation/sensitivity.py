@@ -237,7 +237,7 @@ def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
                 logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
                 logp = logp.reshape(-1, logp.shape[-1])
                 with torch.no_grad():
-                    y = torch.multinomial(logp.exp(), 1, generator=gen)
+                    y = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)  # CPU draws: one stream
                 logp.gather(1, y).sum().backward()
                 _take_grads(linears, experts, stats, directions or {})
             positions += ids.shape[1] - 1

@@ -16,6 +16,7 @@ weights of every allocated linear (unpadded): 8 * bytes / weights.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from fq.codec.shape import padded
@@ -119,6 +120,53 @@ def solve(options: dict, budget_bytes: int, weights: int) -> Allocation:
     kl = sum(options[u][K][0] for u, K in ks.items())
     return Allocation(ks=ks, predicted_kl=kl, bytes=used, weights=weights, budget_bytes=budget_bytes,
                       gap_bound=gap)
+
+
+def solve_from(options: dict, budget_bytes: int, weights: int, least_K: int):
+    """(allocation, least K used): ``options`` solved with every unit at ``least_K`` or more where the budget
+    allows, else over every measured K."""
+    floor = {u: {K: v for K, v in o.items() if K >= least_K} for u, o in options.items()}
+    try:
+        if all(floor.values()):
+            return solve(floor, budget_bytes, weights), least_K
+    except FqError:
+        pass
+    return solve(options, budget_bytes, weights), min(min(o) for o in options.values())
+
+
+def pooled_kl(parts: dict, ks: dict) -> float:
+    """The pooled prediction of an allocation: sum_u second_u(K_u) + sqrt(sum_u first_u(K_u)^2), ``parts``: unit ->
+    {K: (second-order KL, first-order KL)} (fq.allocation.inject.parts)."""
+    return sum(parts[u][K][0] for u, K in ks.items()) + math.sqrt(sum(parts[u][K][1] ** 2 for u, K in ks.items()))
+
+
+def solve_pooled(parts: dict, sizes: dict, budget_bytes: int, weights: int, least_K: int, rounds: int = 32):
+    """(allocation, least K): least ``pooled_kl`` under the budget. ``parts``: unit -> {K: (second, first)}: one
+    unit's error alone costs second + first (its injected curve: a D + b sqrt(D), the first-order term routing
+    flips); ``sizes``: unit -> {K: bytes}. The errors of several units upstream of a router add in quadrature
+    before they flip its decisions, hence one square root over all first-order terms. That sum is concave, so it is
+    minimized by majorization: the square root replaced by its tangent at the current allocation (an upper bound,
+    equal there), the separable knapsack solved (``solve``), until the allocation repeats or stops improving: a
+    local optimum, started from the additive one (every unit's KL summed). ``gap_bound`` is the last knapsack's
+    certificate, not one for the pooled objective."""
+    def options(slope):
+        return {u: {K: ((p[K][0] + slope * p[K][1] ** 2) if slope else sum(p[K]), sizes[u][K]) for K in sizes[u]}
+                for u, p in parts.items()}
+
+    best, least = solve_from(options(0.0), budget_bytes, weights, least_K)
+    seen = {tuple(sorted(best.ks.items()))}
+    for _ in range(rounds):
+        S = sum(parts[u][K][1] ** 2 for u, K in best.ks.items())
+        if S <= 0:
+            break
+        nxt, lk = solve_from(options(1 / (2 * math.sqrt(S))), budget_bytes, weights, least_K)
+        key = tuple(sorted(nxt.ks.items()))
+        if key in seen or pooled_kl(parts, nxt.ks) >= pooled_kl(parts, best.ks):
+            break
+        seen.add(key)
+        best, least = nxt, lk
+    return Allocation(ks=best.ks, predicted_kl=pooled_kl(parts, best.ks), bytes=best.bytes, weights=weights,
+                      budget_bytes=budget_bytes, gap_bound=best.gap_bound), least
 
 
 def budget_from_bits(bits: float, weights: int) -> int:

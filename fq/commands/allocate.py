@@ -6,9 +6,10 @@ from fq.cli_args import positive_int
 
 
 def register(sub) -> None:
-    p = sub.add_parser("allocate", help="measure every linear's sensitivity on calibration text (Fisher quadratic form "
-                                        "of the source model's output in an LDLQ-shaped error) and choose a K per "
-                                        "unit (exllamav3's rules) that minimizes predicted KL under a bits budget")
+    p = sub.add_parser("allocate", help="measure what each unit's LDLQ-shaped error costs the source model's output "
+                                        "on calibration text (injected at a few K, KL measured; Fisher forms for "
+                                        "the experts) and choose a K per unit (exllamav3's rules) that minimizes "
+                                        "predicted KL under a bits budget")
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory transformers loads")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 calibration text")
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the allocation (fq-allocation/1)")
@@ -20,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--rows", type=positive_int, default=SENSITIVITY["rows"], metavar="N", help="calibration windows (default %(default)s)")
     p.add_argument("--columns", type=positive_int, default=SENSITIVITY["columns"], metavar="N", help="tokens per window (%(default)s)")
     p.add_argument("--samples", type=positive_int, default=SENSITIVITY["samples"], metavar="N",
-                   help="label samples per window for the Fisher estimate (default %(default)s)")
+                   help="label samples per window for the experts' Fisher forms (default %(default)s)")
     p.add_argument("--seed", type=int, default=SENSITIVITY["seed"])
     p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads")
     p.set_defaults(func=run)

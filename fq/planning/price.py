@@ -146,13 +146,17 @@ class LinearPrice:
 @dataclass(frozen=True)
 class SensitivityPrice:
     """The sensitivity job of a recipe with budgeted bases (fq.workflow.allocation): a forward of the source over
-    the calibration windows, a backward per label sample, and each linear's LDLQ-shaped error direction (one
-    Cholesky of its Hessian and a triangular solve), counted in FLOPs at the calibration's TFLOP/s."""
+    the calibration windows, a backward per label sample, each linear's LDLQ-shaped error direction (one
+    Cholesky of its Hessian and a triangular solve), one forward per allocation unit and injected K, and the
+    encoder's efficiency encodes (a few linears at every candidate K), counted in FLOPs at the calibration's
+    TFLOP/s (the encodes at the cost table's seconds)."""
     tokens: int
     samples: int
     model_flops: float  # forward + backward per sample, active parameters per token
     direction_flops: float  # every allocated linear: in^3/3 + out*in^2
     seconds: float
+    injection_flops: float = 0.0  # a forward per unit and injected K, and the reference forward
+    efficiency_seconds: float = 0.0  # fq.allocation.error_model.ldlq_efficiency's encodes
 
 
 @dataclass(frozen=True)
@@ -293,7 +297,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     per_window[-1][0].extend(ln.gpu_seconds for ln in linears)
     stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
     verify_s = published / verify_bytes_per_s
-    sens = price_sensitivity(source, recipe, calibration) if recipe.needs_allocation else None
+    sens = price_sensitivity(source, recipe, calibration, table=table) if recipe.needs_allocation else None
     ahead = sens.seconds if sens is not None else 0.0  # the allocation is measured before the plan is encoded
     options = []
     for n in range(1, gpus + 1):
@@ -318,7 +322,8 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
 
 def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "CalibrationPrice | None" = None, *,
                       rows: int = SENSITIVITY["rows"], cols: int = SENSITIVITY["columns"],
-                      samples: int = SENSITIVITY["samples"]) -> SensitivityPrice:
+                      samples: int = SENSITIVITY["samples"], table: "CostTable | None" = None,
+                      ks=range(1, 9)) -> SensitivityPrice:
     """The allocation's measurement (``SensitivityPrice``): FLOPs at the calibration's TFLOP/s (the default without)."""
     from fq.planning.calibration_cost import DEFAULT_TFLOPS
     from fq.planning.model_bits import linear_shapes
@@ -335,7 +340,22 @@ def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "Calibra
     directions = sum(i ** 3 / 3 + o * i * i for _, (o, i) in shapes.values()) \
         + len(source.moe_layers) * source.n_experts * per_expert
     tflops = calibration.tflops if calibration is not None else DEFAULT_TFLOPS
-    return SensitivityPrice(tokens, samples, model, directions, (model + directions) / (tflops * 1e12))
+    from fq.allocation.inject import INJECT_KS
+
+    # units: per layer attention and dense or (shared, routed gate/up, routed down), and the head
+    moe = set(source.moe_layers)
+    n_units = 1 + sum(1 + (3 if layer in moe else 1) for layer in range(source.num_hidden_layers))
+    injection = 2.0 * active * tokens * (1 + n_units * len(INJECT_KS))
+    # one linear per unit kind (fq.allocation.measure.efficiency_samples) encoded at every candidate K
+    h, m = source.hidden_size, source.moe_intermediate_size
+    kinds = [(h, h), (h, h), (m, h), (h, m)]  # attention-like, dense/shared-like, routed gate/up, routed down
+    eff = 0.0
+    if table is not None:
+        for K in ks:
+            for shape in kinds:
+                eff += table.seconds("mul1", K, shape)[0] if K != 16 else 0.0
+    return SensitivityPrice(tokens, samples, model, directions, (model + directions + injection) / (tflops * 1e12)
+                            + eff, injection, eff)
 
 
 def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq: float, calibrated: bool):
@@ -487,7 +507,9 @@ def price_table(price: Price) -> str:
         sv = price.sensitivity
         lines.append(f"sensitivity (budgeted bases' allocation, measured before encoding): {sv.tokens} tokens x "
                      f"{sv.samples} label samples, {sv.model_flops:.3g} model FLOPs + {sv.direction_flops:.3g} for the "
-                     f"error directions: {sv.seconds / 3600:.2f} GPU-h (held in one machine's memory today)")
+                     f"error directions + {sv.injection_flops:.3g} for the injected errors + "
+                     f"{sv.efficiency_seconds:.0f} s of efficiency encodes: {sv.seconds / 3600:.2f} GPU-h "
+                     "(held in one machine's memory today)")
     if price.linears:
         lines += ["", f"{'linear node':<20} {'matrices':>8} {'GPU-h':>8} {'output':>11} {'replaces':>11} {'Hessians':>11}"]
         for ln in price.linears:

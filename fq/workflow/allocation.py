@@ -1,9 +1,11 @@
 """The campaign's allocation jobs (budgeted bases, recipe ``bits``): sensitivity, then allocate.
 
 - ``sensitivity_job``: every allocation unit of the source measured on the calibration text (``measure``, as
-  ``fq allocate`` runs it: the Fisher quadratic form of the source's output in each linear's LDLQ-shaped error direction, at every
-  candidate K), written as fq-allocation/1 without allocations. The expensive part: one forward and backward of the
-  source per calibration window and label sample (transformers, in memory: a source that fits this machine).
+  ``fq allocate`` runs it: each unit's LDLQ-shaped error injected at a few K and the output's KL measured, the curve
+  read at every candidate K; and each linear's Fisher quadratic form in the same direction, for the experts a
+  budgeted stage buys), written as fq-allocation/1 without allocations. The expensive part: one forward and backward
+  of the source per calibration window and label sample, and one forward per window, unit and injected K
+  (transformers, in memory: a source that fits this machine).
 - ``allocate_job``: the allocation at every budget the recipe names, solved from it (fq.allocation.solve: pure, the
   optimality certificate with each). Its output is the file the campaign's plan reads on the next run.
 
@@ -34,8 +36,8 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, tok_sha = tokenize(Path(model_dir), text)
     windows = token_windows(ids, columns, rows * columns)
-    options, weights, sens = unit_options(model, windows, list(ks), codebook, samples=samples, seed=seed,
-                                          progress=progress)
+    options, weights, sens, fit = unit_options(model, windows, list(ks), codebook, samples=samples, seed=seed,
+                                               progress=progress)
     config = Path(model_dir, "config.json").read_bytes()
     # each routed expert's own quadratic forms (gate+up, down), per layer: what a budgeted stage ranks experts by
     experts: dict = {}
@@ -53,6 +55,10 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
             "weights": weights,
             "units": {u: {str(K): {"predicted_kl": kl, "bytes": by} for K, (kl, by) in o.items()}
                       for u, o in options.items()},
+            "injected": {u: {str(K): kl for K, kl in p.items()} for u, p in fit["injected"].items()},
+            "parts": {u: {str(K): list(v) for K, v in p.items()} for u, p in fit["parts"].items()},
+            "efficiency": {str(K): c for K, c in fit["efficiency"].items()},
+            "distortion": {str(K): v for K, v in fit["distortion"].items()},
             "experts": {L: dict(sorted(ex.items(), key=lambda kv: int(kv[0]))) for L, ex in
                         sorted(experts.items(), key=lambda kv: int(kv[0][1:]))},
             "allocations": [],
