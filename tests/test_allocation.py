@@ -258,7 +258,9 @@ def test_injection_measures_real_kl_and_restores_the_model(demo):
     groups = {u: ns for u, ns in units.group_units(sorted(W)).items() if u in ("L0.attention", "L2.routed_down", "head")}
     dirs = {n: em.direction(W[n], H[n], seed=i) for i, n in enumerate(sorted(n for ns in groups.values() for n in ns))}
     D = {K: em.distortion(K, "mul1") for K in range(1, 9)}
-    pts = inject.measure(model, windows[:2], dirs, groups, D)
+    from fq.allocation.measure import apply
+
+    pts = inject.measure(model, windows[:2], dirs, groups, D, W, apply)
     assert set(pts) == set(groups) and all(list(p) == list(inject.INJECT_KS) for p in pts.values())
     for u, p in pts.items():
         kl = list(p.values())

@@ -22,7 +22,7 @@ the curve splits it there. One forward of the source per unit and point, no back
     curve(ds, kls) -> (a, b)                  the fit (pure)
     at(a, b, d) -> KL                         the curve at distortion d
     parts(points, D) -> {K: (second, first)}  a unit's two terms at every K of D (what the pooled solver adds)
-    measure(model, windows, directions, groups, D) -> {unit: {K: injected KL}}
+    measure(model, windows, directions, groups, D, W, apply) -> {unit: {K: injected KL}}
 """
 from __future__ import annotations
 
@@ -80,16 +80,15 @@ def parts(points: dict, D: dict) -> dict:
     return out
 
 
-def measure(model, windows, directions: dict, groups: dict, D: dict, ks=INJECT_KS, progress=None) -> dict:
+def measure(model, windows, directions: dict, groups: dict, D: dict, W: dict, apply, ks=INJECT_KS,
+            progress=None) -> dict:
     """unit -> {K: KL} for every unit of ``groups`` (unit -> linears): each unit's linears moved by sqrt(D[K]) times
     their direction (``directions``: linear -> tensor shaped as its weight, at unit distortion), the model's mean
     KL(source || moved) over the positions of ``windows`` but the last of each, the weights restored after each
-    point. Ks of ``ks`` that ``D`` lacks are skipped."""
+    point. ``W``: linear -> the model's weight, ``apply(model, {linear: tensor})`` writes weights in place
+    (fq.allocation.measure's). Ks of ``ks`` that ``D`` lacks are skipped."""
     import torch
 
-    from fq.allocation.measure import apply, weights
-
-    W = weights(model)
     ref = []
     with torch.no_grad():
         for i in range(windows.shape[0]):

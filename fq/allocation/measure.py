@@ -122,7 +122,8 @@ def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4
     sens = sensitivity.measure(model, windows, samples=samples, seed=seed, directions=dirs, progress=progress)
     groups = units.group_units(names)
     D = {K: error_model.distortion(K, codebook) * eff[K] for K in ks}
-    points = inject.measure(model, windows, {n: d[0] for n, d in dirs.items()}, groups, D, progress=progress)
+    points = inject.measure(model, windows, {n: d[0] for n, d in dirs.items()}, groups, D, W, apply,
+                            progress=progress)
     sizes = unit_bytes(W, ks)
     split, options = {}, {}
     for u in groups:
