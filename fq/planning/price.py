@@ -341,11 +341,9 @@ def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "Calibra
         + len(source.moe_layers) * source.n_experts * per_expert
     tflops = calibration.tflops if calibration is not None else DEFAULT_TFLOPS
     from fq.allocation.inject import INJECT_KS
+    from fq.planning.budget import source_units
 
-    # units: per layer attention and dense or (shared, routed gate/up, routed down), and the head
-    moe = set(source.moe_layers)
-    n_units = 1 + sum(1 + (3 if layer in moe else 1) for layer in range(source.num_hidden_layers))
-    injection = 2.0 * active * tokens * (1 + n_units * len(INJECT_KS))
+    injection = 2.0 * active * tokens * (1 + len(source_units(source)) * len(INJECT_KS))
     # one linear per unit kind (fq.allocation.measure.efficiency_samples) encoded at every candidate K
     h, m = source.hidden_size, source.moe_intermediate_size
     kinds = [(h, h), (h, h), (m, h), (h, m)]  # attention-like, dense/shared-like, routed gate/up, routed down
