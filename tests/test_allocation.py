@@ -236,16 +236,20 @@ def test_pooled_solver_without_flips_is_the_knapsack():
     assert a.ks == plain.ks and a.predicted_kl == pytest.approx(plain.predicted_kl)
 
 
-def test_ldlq_efficiency_measures_the_encoder(demo):
-    model, windows, _ = demo
+def test_ldlq_efficiency_measures_the_encoder(demo, allocated):
+    """c(K) as fq allocate measures it (error_model.ldlq_efficiency over these samples, the encodes seeded): near 1
+    where the error model holds, exactly 1 at K16; its two runs wrote the same bytes, c included (the same encodes)."""
     from fq.allocation.measure import efficiency_samples, hessians, weights
+    from fq.core import canonical
 
+    model, windows, _ = demo
     W = weights(model)
     samples = efficiency_samples(W, hessians(model, windows[:2], windows.device))
     assert len(samples) == 5  # attention, dense, shared, routed gate/up, routed down: not the head
-    c = em.ldlq_efficiency(samples[:2], [2, 3, 16], "mul1")
-    assert c[16] == 1.0 and all(0.3 < c[K] < 3 for K in (2, 3))
-    assert c == em.ldlq_efficiency(samples[:2], [2, 3, 16], "mul1")  # seeded: the same encodes
+    a, b = allocated
+    c = {int(K): v for K, v in canonical.load(a)["efficiency"].items()}
+    assert sorted(c) == [2, 3, 4, 16] and c[16] == 1.0 and all(0.3 < c[K] < 3 for K in (2, 3, 4))
+    assert canonical.load(b)["efficiency"] == canonical.load(a)["efficiency"]  # seeded: the same encodes
 
 
 def test_injection_measures_real_kl_and_restores_the_model(demo):
@@ -274,17 +278,30 @@ def test_injection_measures_real_kl_and_restores_the_model(demo):
 
 
 # -- fq allocate -----------------------------------------------------------------------------------------------
-def test_fq_allocate_writes_a_deterministic_allocation(demo, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def allocated(demo, tmp_path_factory):
+    """fq allocate on the demo model, run twice (each run measures from scratch): its two output files. The
+    efficiency test reads c(K) from them (the encodes are the expensive part of a measurement)."""
     from fq.cli import main
-    from fq.core import canonical
 
     _, _, d = demo
+    out = tmp_path_factory.mktemp("allocate")
     args = ["allocate", "--model", str(d / "model"), "--text", str(d / "text" / "calibration.txt"), "--rows", "2",
             "--columns", "32", "--samples", "1", "--ks", "2-4,16", "--bits", "2.5", "--bits", "4", "--threads", "1"]
-    assert main(args + ["--out", str(tmp_path / "a.json")]) == 0
-    assert main(args + ["--out", str(tmp_path / "b.json")]) == 0
-    a = (tmp_path / "a.json").read_bytes()
-    assert a == (tmp_path / "b.json").read_bytes()  # byte-identical rerun, no timestamp
+    before = torch.get_num_threads()
+    try:
+        for name in ("a", "b"):
+            assert main(args + ["--out", str(out / f"{name}.json")]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return out / "a.json", out / "b.json"
+
+
+def test_fq_allocate_writes_a_deterministic_allocation(allocated):
+    from fq.core import canonical
+
+    a = allocated[0].read_bytes()
+    assert a == allocated[1].read_bytes()  # byte-identical rerun, no timestamp
     doc = canonical.loads(a)
     assert doc["format"] == "fq-allocation/1" and doc["ks"] == [2, 3, 4, 16]
     assert set(doc["units"]) == {"L0.attention", "L0.dense", "L1.attention", "L1.shared", "L1.routed_gate_up",
