@@ -68,7 +68,12 @@ NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 EXPIRES = dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc)  # CLI tests run on the real clock
 SOURCE_SHARD = "model-00001-of-00001.safetensors"
 DERIVED = derived_specs(2, "mul1")  # what base k2's manifest declares derived (config.json, quantization_config.json)
-SOURCE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": N_EXPERTS}
+# a model of 4 decoder layers, 1 and 3 MoE (0 and 2 dense: mlp_only_layers), that the skeleton below fills as far
+# as fq's completeness check reads a model (fq.provenance.complete): every layer holds a tensor, the MoE layers
+# their router, the head is there
+N_LAYERS = 4
+SOURCE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": N_EXPERTS,
+                 "num_hidden_layers": N_LAYERS, "mlp_only_layers": [0, 2], "hidden_size": 128, "vocab_size": 64}
 
 _ENCODER = None
 
@@ -217,6 +222,9 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
             ("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
     skel += [(f"model.layers.{layer}.mlp.gate.weight", torch.randn(N_EXPERTS, 128, generator=gen).bfloat16())
              for layer in LAYERS]
+    skel += [(f"model.layers.{layer}.input_layernorm.weight", torch.ones(128, dtype=torch.bfloat16))
+             for layer in range(N_LAYERS)]
+    skel += [("lm_head.weight", torch.zeros(64, 128, dtype=torch.bfloat16))]  # no draw: the sets stay as they were
     write_skeleton(base / SOURCE_SHARD, tensors=skel, source_shard=SOURCE_SHARD)
     attest_skeleton(base / SOURCE_SHARD, key=priv, campaign=camp, source=source, encoder=enc)
     (base / "source_config.json").write_text(json.dumps(SOURCE_CONFIG))
@@ -267,6 +275,9 @@ def add_base(c: Campaign, seed: int = 1) -> Path:
             ("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
     skel += [(f"model.layers.{layer}.mlp.gate.weight", torch.randn(N_EXPERTS, 128, generator=gen).bfloat16())
              for layer in LAYERS]
+    skel += [(f"model.layers.{layer}.input_layernorm.weight", torch.ones(128, dtype=torch.bfloat16))
+             for layer in range(N_LAYERS)]
+    skel += [("lm_head.weight", torch.zeros(64, 128, dtype=torch.bfloat16))]  # no draw: the sets stay as they were
     write_skeleton(base / SOURCE_SHARD, tensors=skel, source_shard=SOURCE_SHARD)
     attest_skeleton(base / SOURCE_SHARD, key=c.priv, campaign=c.campaign, source=c.source, encoder=enc)
     (base / "source_config.json").write_text(json.dumps(SOURCE_CONFIG))

@@ -11,6 +11,7 @@ calibration ones; one campaign for both keeps the suite inside its budget)."""
 from __future__ import annotations
 
 import base64
+import re
 import hashlib
 import json
 import shutil
@@ -677,3 +678,199 @@ def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):
         assert canonical.load(c.hessian_binding(f.block.layer))["sha256"] in log
     finally:
         att.write_bytes(kept)  # the module's last test: no repair run (finalize's outputs went with its failure)
+
+
+# -- every consumer checks the base as one model (fq.provenance.complete): an insider's re-signed trees -------------
+# Each attack edits a copy of the published tree and re-signs everything that names the edited files with the
+# campaign's own key (insiderkit: base manifests with their derived files recomputed, plans, the publication
+# statement). Every file then verifies on its own; what refuses it is the check of the base as one model, which
+# fq verify, the runtimes' verification (fq's CPU runtime, its exllamav3 runtime, fq eval and fq generate all open
+# a product through fq.runtime.load.verify_product) and the TP source (tp-export, the TP store) all run.
+
+
+def _drop(pub, priv):
+    for f in (pub / "base" / "a").glob("attention-K4-mul1-layer001.safetensors*"):
+        f.unlink()
+
+
+def _without(tensor):
+    def attack(pub, priv):
+        import insiderkit
+
+        base = pub / "base" / "a"
+        shard = base / json.loads((base / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+        insiderkit.rewrite_skeleton(shard, priv, lambda t: {k: v for k, v in t.items() if k != tensor})
+    return attack
+
+
+def _index_names_a_missing_file(pub, priv):
+    index = pub / "base" / "a" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["model.layers.0.input_layernorm.weight"] = "model-00009-of-00009.safetensors"
+    index.write_text(json.dumps(doc))
+
+
+def _bf16_beside(pub, priv):
+    import insiderkit
+
+    base = pub / "base" / "a"
+    shard = base / json.loads((base / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.layers.0.input_layernorm.weight"]
+    insiderkit.rewrite_skeleton(shard, priv, lambda t: {
+        **t, "model.layers.0.self_attn.q_proj.weight": torch.zeros(256, 256, dtype=torch.bfloat16)})
+
+
+def _reattest(name, edit, plan_edit=None):
+    def attack(pub, priv):
+        import insiderkit
+
+        insiderkit.reattest(pub / "base" / "a" / name, priv, edit)
+        return plan_edit
+    return attack
+
+
+def _other_layers_linears(pub, priv):
+    """Layers 1 and 2's attention swapped: each fragment written again by fq's writer with its own labels (node,
+    class, layer) around the other layer's tensor sets, and its attestation re-signed over the bytes. Every tensor
+    is stored once and every file is signed; layer 1's linears sit under layer 2's labels and the other way."""
+    import insiderkit
+    from fq.provenance.fragments import write_linears
+
+    paths = [pub / "base" / "a" / f"attention-K4-mul1-layer00{i}.safetensors" for i in (1, 2)]
+    sets = []
+    for p in paths:
+        with safe_open(str(p), "pt") as f:
+            tset: dict = {}
+            for k in f.keys():
+                lin, _, suffix = k.rpartition(".")
+                tset.setdefault(lin, {})[suffix] = f.get_tensor(k)
+            sets.append(tset)
+    for (layer, path), tset in zip(((1, paths[0]), (2, paths[1])), reversed(sets)):
+        path.unlink()
+        write_linears(path, node="attention-K4-mul1", cls="attention", layer=layer, K=4, codebook="mul1", linears=tset)
+        insiderkit.reattest(path, priv)
+
+
+def _hessian_of_layer_2(p):
+    """Layer 1's linear Hessian file named with layer 2's digest: the file name its layer's, the bytes another's."""
+    p["quant_args"]["hessian"]["sha256"] = statement(Path(_ATT2))["predicate"]["quant_args"]["hessian"]["sha256"]
+
+
+def _weight_only(p):
+    from fq.hessian import store
+
+    del p["quant_args"]["hessian"]
+    p["quant_args"]["objective"] = store.OBJECTIVE_WEIGHT
+
+
+_ATT2 = ""  # set per tree: layer 2's attention fragment (whose Hessian binding the layer-1 fragment claims)
+OTHER_DIGEST = "ab" * 32
+
+
+def _two_digests_plan(plan):
+    for f in plan.get("linears", ()):
+        if f["name"].endswith("attention-K4-mul1-layer001.safetensors"):
+            f["digest"] = OTHER_DIGEST
+
+
+def _owner_withheld(pub, priv):
+    shutil.rmtree(pub / "base" / "e")
+    (pub / "assemblies" / "e.assembly.intoto.jsonl").unlink()
+    import insiderkit
+
+    st = insiderkit.statement_of(pub / "publication.intoto.jsonl")
+    del st["predicate"]["bases"]["e"], st["predicate"]["products"]["e"]
+    (pub / "publication.intoto.jsonl").write_bytes(insiderkit.sign(st, priv))
+
+
+def _owner(**change):
+    def edit(p):
+        p["experts_from"] = {**p["experts_from"], **change}
+    return edit
+
+
+def _no_owner(p):
+    del p["experts_from"]
+
+
+ATTACKS = {  # name -> (attack, what every consumer's refusal says)
+    "a linear fragment dropped": (_drop, r"layer 1 holds other tensors .*lacks self_attn\.k_proj\.weight"),
+    "a layernorm dropped from the skeleton variant": (
+        _without("model.layers.2.post_attention_layernorm.weight"), r"layer 2 .*lacks post_attention_layernorm"),
+    "the router dropped from the skeleton variant": (
+        _without("model.layers.1.mlp.gate.weight"), r"layer 1 .*lacks mlp\.gate\.weight"),
+    "the index names a file that does not exist": (
+        _index_names_a_missing_file, r"names 'model-00009-of-00009\.safetensors'.*which the base does not hold"),
+    "a bf16 weight beside its quantized form": (
+        _bf16_beside, r"q_proj\.weight is both a skeleton tensor and part of the EXL3 linear"),
+    "a fragment holding another layer's linears under its own labels": (
+        _other_layers_linears, r"holds model\.layers\.2\.self_attn\.\w+, which is attention layer 2, under the labels "
+                               r"attention layer 1"),
+    "one linear node with two digests": (
+        _reattest("attention-K4-mul1-layer001.safetensors", lambda p: p.update(node_digest=OTHER_DIGEST),
+                  _two_digests_plan), r"linear node attention-K4-mul1's fragments attest 2 node digests"),
+    "another layer's Hessian named": (
+        _reattest("attention-K4-mul1-layer001.safetensors", _hessian_of_layer_2),
+        r"linear fragments of layer 1 were encoded against 2 objectives"),
+    "a weight-only claim inside a calibrated layer": (
+        _reattest("attention-K4-mul1-layer001.safetensors", _weight_only),
+        r"linear fragments of layer 1 were encoded against 2 objectives .*weight-only"),
+    "the owner of the shared encoding withheld": (_owner_withheld, r"which the tree does not hold"),
+    "experts_from naming a node that does not exist": (
+        _reattest("a-layer001-block000.safetensors", _owner(node="k9", name="k9-layer001-block000.safetensors")),
+        r"disagree on whose expert encoding they hold \(a-layer001-block000\.safetensors: k9"),
+    "experts_from dropped from one fragment": (
+        _reattest("a-layer001-block000.safetensors", _no_owner), r"disagree on whose expert encoding they hold"),
+    "experts_from naming other bytes": (
+        _reattest("a-layer001-block000.safetensors", _owner(sha256="0" * 64)), r"shared encoding broken"),
+}
+
+
+def consumers(pub: Path, key, product: str = "a") -> dict[str, str]:
+    """What each consumer says of the product: fq verify's problems, the runtimes' verification, the TP source."""
+    from fq.provenance.verify import verify_path
+    from fq.runtime.load import verify_product
+    from fq.tp.sources import ProductSource
+
+    plan = pub / "assemblies" / f"{product}.assembly.intoto.jsonl"
+    out = {"verify": "\n".join(verify_path(pub, key).problems)}
+    for name, open_ in (("runtime", verify_product), ("tp", ProductSource)):
+        try:
+            open_(plan, key, root=pub)
+            out[name] = ""
+        except FqError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_every_consumer_refuses_a_re_signed_incomplete_or_inconsistent_base(cal, tmp_path, attack):
+    import insiderkit
+    from fq.provenance.attest import keys
+
+    global _ATT2
+    out = cal / "campaign"
+    key, priv = keys.load_public(out / "signer.pub"), keys.load_private(out / "keys" / "signer.key")
+    pub = shutil.copytree(out / "published", tmp_path / "published")
+    _ATT2 = str(pub / "base" / "a" / "attention-K4-mul1-layer002.safetensors")
+    edit, pattern = ATTACKS[attack]
+    plan_edit = edit(pub, priv)
+    if attack != "the index names a file that does not exist":
+        insiderkit.write_index(pub / "base" / "a")  # as finalize writes it, over the shards as they are now
+    insiderkit.resign_tree(pub, priv, plan_edit)
+    said = consumers(pub, key)
+    for consumer, text in said.items():
+        assert re.search(pattern, text), (consumer, said)
+
+
+def test_the_re_signed_untouched_tree_passes_every_consumer(cal, tmp_path):
+    """The insider's re-signing itself (no edit) leaves a tree every consumer accepts: the refusals above are the
+    edits'."""
+    import insiderkit
+    from fq.provenance.attest import keys
+
+    out = cal / "campaign"
+    key, priv = keys.load_public(out / "signer.pub"), keys.load_private(out / "keys" / "signer.key")
+    pub = shutil.copytree(out / "published", tmp_path / "published")
+    insiderkit.resign_tree(pub, priv)
+    assert consumers(pub, key) == {"verify": "", "runtime": "", "tp": ""}

@@ -88,11 +88,12 @@ def _mlp(prefix: str, inter: int) -> dict:
     return {f"{prefix}.gate_proj": (inter, 128), f"{prefix}.up_proj": (inter, 128), f"{prefix}.down_proj": (128, inter)}
 
 
-LINEARS = {  # (linear node, class, layer) -> {prefix: torch (out, in)}
-    ("attention-K2-mul1", "attention", 0): _attention(0), ("attention-K2-mul1", "attention", 1): _attention(1),
-    ("attention-K2-mul1", "attention", 3): _attention(3),
+LINEARS = {  # (linear node, class, layer) -> {prefix: torch (out, in)}: every layer's (provkit's 4: 1 and 3 MoE)
+    **{("attention-K2-mul1", "attention", layer): _attention(layer) for layer in range(provkit.N_LAYERS)},
     ("dense-K2-mul1", "dense", 0): _mlp("model.layers.0.mlp", 256),
+    ("dense-K2-mul1", "dense", 2): _mlp("model.layers.2.mlp", 256),
     ("shared-K2-mul1", "shared", 1): _mlp("model.layers.1.mlp.shared_experts", 128),
+    ("shared-K2-mul1", "shared", 3): _mlp("model.layers.3.mlp.shared_experts", 128),
     ("head-K3-mul1", "head", None): {"lm_head": (384, 128)},
 }
 
@@ -108,6 +109,18 @@ def build_whole(tmp: Path) -> provkit.Campaign:
 
     c = build(tmp)
     base = c.root / "base/k2"
+    # the skeleton variant: provkit's skeleton without the head, which the base stores as EXL3
+    from safetensors import safe_open
+
+    from fq.provenance.attest.fragment import attest_skeleton
+    from fq.provenance.fragments import write_skeleton
+
+    skel = base / provkit.SOURCE_SHARD
+    with safe_open(str(skel), "pt") as f:
+        kept = [(n, f.get_tensor(n)) for n in sorted(f.keys()) if n != "lm_head.weight"]
+    skel.unlink()
+    write_skeleton(skel, tensors=kept, source_shard=provkit.SOURCE_SHARD)
+    attest_skeleton(skel, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder())
     gen = torch.Generator().manual_seed(7)
     (base / "source_config.json").write_text(json.dumps(
         dict(provkit.SOURCE_CONFIG, num_attention_heads=HEADS, num_key_value_heads=HEADS)))

@@ -56,7 +56,8 @@ from fq.provenance.attest import dsse
 from fq.provenance.attest.fragment import range_mismatch, read_attestation
 from fq.provenance.attest.statement import ADAPTER, statement
 from fq.provenance.fragments import expert_structure, fragment_meta
-from fq.provenance.manifest import VerifiedBase, verify_base
+from fq.provenance.complete import BaseShard, check_base
+from fq.provenance.manifest import VerifiedBase, read_verified, verify_base
 from fq.provenance.product import Product, open_product
 from fq.provenance.scales import SCALE_SUFFIXES, check_scale
 from fq.provenance.selection import Selection, parse_selection
@@ -135,6 +136,7 @@ def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[
         base = verify_base(base_dir, public_key, plan["campaign"], sha256=plan["base"]["manifest"]["sha256"],
                            option=base_option)
         result.base, manifest = base, base.manifest
+        check_complete(product, base, Path(base_dir), public_key, base_option)
     geometry, residual = result.geometry, result.residual
     canonical = dict(zip(layout.projections, kbits.PROJECTIONS))
     for f, ranges in work:
@@ -339,3 +341,12 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
     result.sha256, result.stages = sha, stages
     return result
 
+
+
+def check_complete(product: Product, base: VerifiedBase, base_dir: Path, public_key: Ed25519PublicKey,
+                   base_option: str | None = None) -> None:
+    """The verified base as one model (``fq.provenance.complete``: what ``fq verify`` checks of it too)."""
+    files = base.manifest.files
+    check_base(product.predicate, [BaseShard.from_attested(a) for a in base.shards.values()], files=files,
+               read=lambda name: read_verified(base_dir, name, *files[name])[1],
+               where=f"{base_option + ' ' if base_option else ''}{base_dir}", root=product.root, public_key=public_key)

@@ -56,7 +56,8 @@ from fq.provenance.attest.campaign import campaign_digest
 from fq.provenance.attest.fragment import Attested, verify_shard
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.fragments import attestation_name
-from fq.provenance.manifest import MANIFEST_NAME, Manifest, check_base_files, read_base_manifest
+from fq.provenance.complete import BaseShard, base_problems
+from fq.provenance.manifest import MANIFEST_NAME, Manifest, check_base_files, read_base_manifest, read_verified
 from fq.provenance.product import Product, objective, open_product
 from fq.provenance.publication import (NAME as PUBLICATION_NAME, Statement, file_problems, other_campaign,
                                        plan_problems, read_publication, replaced_bases)
@@ -206,8 +207,36 @@ def _check_plan(report: Report, product: Product, path: Path, root: Path, public
     for name in absent:
         missing.setdefault(name, []).append(plan["product"])
     check_geometry([a.predicate for a in atts], [a.info for a in atts], str(path))
+    if manifest is not None:
+        _check_complete(report, product, root, public_key, manifest, verified, skip)
     report.plans.append(product.plan)
     return product.plan
+
+
+def _check_complete(report: Report, product: Product, root: Path, public_key, manifest: Manifest,
+                    verified: dict[str, Attested], skip) -> None:
+    """The plan's base as one model (``fq.provenance.complete``), once every shard it lists verified on its own
+    (a shard refused or missing is its own problem already); a problem another plan of the base found is not
+    repeated."""
+    plan = product.predicate
+    base = plan["base"]["dir"]
+    names = [f"{base}/{n}" for n in manifest.files if n.endswith(".safetensors")
+             and n not in {d["name"] for d in manifest.derived}]
+    if any(n not in verified or skip(n) for n in names):
+        return
+    base_dir = root / base
+
+    def read(name: str) -> bytes:
+        return read_verified(base_dir, name, *manifest.files[name])[1]
+
+    try:
+        problems = base_problems(plan, [BaseShard.from_attested(verified[n]) for n in names], files=manifest.files,
+                                 read=read, where=str(base_dir), root=root, public_key=public_key)
+    except FqError as e:
+        problems = [str(e)]
+    for line in problems:
+        if line not in report.problems:
+            report.add(line, f"{base}/{MANIFEST_NAME}")
 
 
 def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
