@@ -729,14 +729,12 @@ def _reattest(name, edit, plan_edit=None):
     return attack
 
 
-def _other_layers_linears(pub, priv):
-    """Layers 1 and 2's attention swapped: each fragment written again by fq's writer with its own labels (node,
-    class, layer) around the other layer's tensor sets, and its attestation re-signed over the bytes. Every tensor
-    is stored once and every file is signed; layer 1's linears sit under layer 2's labels and the other way."""
+def _swap_linears(paths, node, priv):
+    """Two linear fragments of ``node`` (layers 1 and 2) written again by fq's writer, each with its own labels
+    around the other's tensor sets, their attestations re-signed over the bytes."""
     import insiderkit
     from fq.provenance.fragments import write_linears
 
-    paths = [pub / "base" / "a" / f"attention-K4-mul1-layer00{i}.safetensors" for i in (1, 2)]
     sets = []
     for p in paths:
         with safe_open(str(p), "pt") as f:
@@ -745,10 +743,22 @@ def _other_layers_linears(pub, priv):
                 lin, _, suffix = k.rpartition(".")
                 tset.setdefault(lin, {})[suffix] = f.get_tensor(k)
             sets.append(tset)
+    K = statement(paths[0])["predicate"]["K"]
     for (layer, path), tset in zip(((1, paths[0]), (2, paths[1])), reversed(sets)):
         path.unlink()
-        write_linears(path, node="attention-K4-mul1", cls="attention", layer=layer, K=4, codebook="mul1", linears=tset)
+        write_linears(path, node=node, cls="attention", layer=layer, K=K, codebook="mul1", linears=tset)
         insiderkit.reattest(path, priv)
+
+
+def _stage_residual_of_another_layer(pub, priv):
+    _swap_linears([pub / "stages" / "a.r1" / f"{RESIDUAL}-layer00{i}.safetensors" for i in (1, 2)], RESIDUAL, priv)
+
+
+def _other_layers_linears(pub, priv):
+    """Layers 1 and 2's attention swapped, each fragment keeping its own labels (node, class, layer): every tensor
+    is stored once and every file is signed; layer 1's linears sit under layer 2's labels and the other way."""
+    _swap_linears([pub / "base" / "a" / f"attention-K4-mul1-layer00{i}.safetensors" for i in (1, 2)],
+                  "attention-K4-mul1", priv)
 
 
 def _hessian_of_layer_2(p):
@@ -767,10 +777,14 @@ _ATT2 = ""  # set per tree: layer 2's attention fragment (whose Hessian binding 
 OTHER_DIGEST = "ab" * 32
 
 
-def _two_digests_plan(plan):
+def _two_digests_plan(plan, digest=OTHER_DIGEST):
     for f in plan.get("linears", ()):
         if f["name"].endswith("attention-K4-mul1-layer001.safetensors"):
-            f["digest"] = OTHER_DIGEST
+            f["digest"] = digest
+
+
+def _DENSE_DIGEST() -> str:  # the dense MLP's linear node digest, as layer 0's fragment attests it
+    return statement(Path(_ATT2).with_name("dense-K4-mul1-layer000.safetensors"))["predicate"]["node_digest"]
 
 
 def _owner_withheld(pub, priv):
@@ -806,9 +820,15 @@ ATTACKS = {  # name -> (attack, what every consumer's refusal says)
     "a fragment holding another layer's linears under its own labels": (
         _other_layers_linears, r"holds model\.layers\.2\.self_attn\.\w+, which is attention layer 2, under the labels "
                                r"attention layer 1"),
+    "a stage residual holding another layer's linears under its own labels": (
+        _stage_residual_of_another_layer, r"holds model\.layers\.2\.self_attn\.\w+, which is attention layer 2, under the "
+                                          r"labels attention layer 1"),
     "one linear node with two digests": (
         _reattest("attention-K4-mul1-layer001.safetensors", lambda p: p.update(node_digest=OTHER_DIGEST),
                   _two_digests_plan), r"linear node attention-K4-mul1's fragments attest 2 node digests"),
+    "a linear fragment attesting another linear node's digest": (
+        _reattest("attention-K4-mul1-layer001.safetensors", lambda p: p.update(node_digest=_DENSE_DIGEST()),
+                  lambda plan: _two_digests_plan(plan, _DENSE_DIGEST())), r"attest 2 node digests"),
     "another layer's Hessian named": (
         _reattest("attention-K4-mul1-layer001.safetensors", _hessian_of_layer_2),
         r"linear fragments of layer 1 were encoded against 2 objectives"),
@@ -858,9 +878,11 @@ def test_every_consumer_refuses_a_re_signed_incomplete_or_inconsistent_base(cal,
     if attack != "the index names a file that does not exist":
         insiderkit.write_index(pub / "base" / "a")  # as finalize writes it, over the shards as they are now
     insiderkit.resign_tree(pub, priv, plan_edit)
-    said = consumers(pub, key)
+    stage = "stage" in attack  # the product with the stage; the TP source refuses it whole (stage_linears)
+    said = consumers(pub, key, "a.r1" if stage else "a")
     for consumer, text in said.items():
-        assert re.search(pattern, text), (consumer, said)
+        assert re.search(pattern, text) or (stage and consumer == "tp" and "routed-expert stages only" in text), \
+            (consumer, said)
 
 
 def test_the_re_signed_untouched_tree_passes_every_consumer(cal, tmp_path):

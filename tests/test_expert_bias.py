@@ -26,15 +26,17 @@ PREFIX = "model.layers.1.mlp.experts"
 
 
 def with_fused_biases(tmp_path, derived=None):
-    """provkit's campaign whose base skeleton also holds layer 1's fused expert biases; re-derived, re-manifested,
+    """provkit's campaign whose base skeleton also holds the MoE layers' fused expert biases; re-derived, re-manifested,
     re-planned and re-published (``derived``: what the manifest declares; default what write_derived wrote)."""
     c = provkit.build_campaign(tmp_path)
     base = c.root / "base/k2"
     g = torch.Generator().manual_seed(5)
     gate_up = (torch.randn(provkit.N_EXPERTS, 2 * 128, generator=g) * 0.1).bfloat16()
     down = (torch.randn(provkit.N_EXPERTS, 256, generator=g) * 0.1).bfloat16()
-    write_skeleton(base / BIAS_SHARD, tensors=[(f"{PREFIX}.gate_up_proj_bias", gate_up),
-                                               (f"{PREFIX}.down_proj_bias", down)], source_shard=BIAS_SHARD)
+    # every MoE layer's (a model's MoE layers hold the same tensors: fq.provenance.complete); layer 3's the same values
+    biases = [(f"model.layers.{layer}.mlp.experts.{name}", t) for layer in provkit.LAYERS
+              for name, t in (("gate_up_proj_bias", gate_up), ("down_proj_bias", down))]
+    write_skeleton(base / BIAS_SHARD, tensors=biases, source_shard=BIAS_SHARD)
     source = dict(c.source, shards=c.source["shards"] + [{"name": BIAS_SHARD, "sha256": "3" * 64}])
     attest_skeleton(base / BIAS_SHARD, key=c.priv, campaign=c.campaign, source=source, encoder=provkit.encoder())
     wrote = write_derived(base, bits=2, codebook="mul1")
@@ -50,7 +52,7 @@ def test_the_fused_biases_are_split_per_expert_where_exllamav3_reads_them(tmp_pa
     assert [d["name"] for d in wrote] == ["config.json", EXPERT_BIAS, QUANTIZATION_CONFIG]  # the order of derivation
     base = c.root / "base/k2"
     got = load_file(str(base / EXPERT_BIAS))  # a real safetensors file
-    assert len(got) == 3 * provkit.N_EXPERTS
+    assert len(got) == 3 * provkit.N_EXPERTS * len(provkit.LAYERS)
     for e in range(provkit.N_EXPERTS):
         assert torch.equal(got[f"{PREFIX}.{e}.gate_proj.bias"], gate_up[e, 0::2].half())  # interleaved: even
         assert torch.equal(got[f"{PREFIX}.{e}.up_proj.bias"], gate_up[e, 1::2].half())  # odd

@@ -169,6 +169,14 @@ def base_problems(plan: dict, shards: list[BaseShard], *, files: dict, read: Cal
         if len(digests) > 1:
             out.append(f"{where}: linear node {node}'s fragments attest {len(digests)} node digests "
                        f"({'; '.join(f'{d[:16]}…: {n}' for d, n in sorted(digests.items()))})")
+    claimed: dict[str, set] = {}
+    for node, digests in node_digests.items():
+        for d in digests:
+            claimed.setdefault(d, set()).add(node)
+    for d, nodes in sorted(claimed.items()):
+        if len(nodes) > 1:
+            out.append(f"{where}: linear node digest {d[:16]}… is attested by {len(nodes)} linear nodes "
+                       f"({', '.join(sorted(nodes))}); a digest names one node's definition")
     for layer, objs in sorted(objectives.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         if len(objs) > 1:
             out.append(f"{where}: the linear fragments of {_unit(layer)} were encoded against {len(objs)} objectives "
@@ -179,6 +187,44 @@ def base_problems(plan: dict, shards: list[BaseShard], *, files: dict, read: Cal
     out += _index(shards, files, read, where)
     if root is not None and public_key is not None:
         out += _shared(experts, plan, where, root, public_key)
+        out += _stage_linears(plan, Path(root), public_key, exl3, prefix, moe, n_layers)
+    return out
+
+
+def _stage_linears(plan: dict, root: Path, public_key, exl3: dict, prefix: str, moe, n_layers: int) -> list[str]:
+    """A stage's residuals on non-expert linears (plan ``stage_linears``) get the base's label checks: every linear of
+    a residual fragment is of the class and layer it names, and exactly the linears of the base fragment it
+    corrects (the base's EXL3 linears of that class and layer)."""
+    from fq.core.safepath import open_regular
+    from fq.model.shards import read_header
+    from fq.provenance.attest.fragment import check_header, read_attestation
+
+    out = []
+    base_sets: dict[tuple, set] = {}
+    for lin, frag in exl3.items():
+        got = classify(f"{lin}.weight", prefix, moe, n_layers)
+        if got is not None:
+            base_sets.setdefault((got.cls, got.layer), set()).add(lin)
+    for f in plan.get("stage_linears", ()):
+        at = str(root / f["name"])
+        try:
+            att = read_attestation(root, f["name"], public_key, plan["campaign"], sha256=f["attestation_sha256"])
+            with open_regular(root, f["name"], at) as fh:
+                header = read_header(fh, at)
+            check_header(att, header, at)
+        except FqError:
+            continue  # the file's own problem: every consumer reports it where it reads the residual
+        mine = sorted({e.name.rpartition(".")[0] for e in header.entries})
+        unit = (f["class"], f["layer"])
+        for lin in mine:
+            got = classify(f"{lin}.weight", prefix, moe, n_layers)
+            if got is None or (got.cls, got.layer) != unit:
+                what = "no linear fq quantizes" if got is None else f"{got.cls} {_unit(got.layer)}"
+                out.append(f"{at}: holds {lin}, which is {what}, under the labels {f['class']} {_unit(f['layer'])}")
+        want = base_sets.get(unit, set())
+        if set(mine) != want:
+            out.append(f"{at}: corrects {_names(mine)}, the base's {f['class']} {_unit(f['layer'])} fragment holds "
+                       f"{_names(want)}")
     return out
 
 

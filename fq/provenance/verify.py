@@ -369,6 +369,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
                 manifests[rel] = None
     _check_edges(report, root, verified)
     _check_hessians(report, verified)
+    _check_linear_nodes(report, verified)
 
     # publication statements: at the root of a published tree, and beside every assemblies/ directory
     plan_files = [rel for rel in files if rel.endswith(SUFFIX) and Path(rel).parent.name == "assemblies"]
@@ -598,6 +599,41 @@ def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
                                for k, rels in sorted(keys.items(), key=lambda kv: (-len(kv[1]), kv[1][0])))
             report.problems.append(f"layer {layer}: its fragments were encoded against {len(keys)} different "
                                    f"objectives ({listed}); a campaign binds one Hessian per layer")
+
+
+def _check_linear_nodes(report: Report, verified: dict[str, Attested]) -> None:
+    """One linear node, one definition, in the whole tree: the copies of a linear node's fragments in the bases that
+    share it attest one node digest, and no digest is attested by two linear nodes; and the linear fragments of one
+    layer, in every base, name one Hessian (the campaign's per-layer linear Hessian) or none."""
+    digests: dict[str, dict[str, list[str]]] = {}
+    nodes: dict[str, set[str]] = {}
+    hessians: dict = {}
+    for rel, att in sorted(verified.items()):
+        p = att.predicate
+        if p["kind"] != "linear":
+            continue
+        digests.setdefault(p["node"], {}).setdefault(p["node_digest"], []).append(rel)
+        nodes.setdefault(p["node_digest"], set()).add(p["node"])
+        h = p["quant_args"].get("hessian")
+        key = "weight-only" if h is None else f"Hessian {h['file']} sha256 {h['sha256'][:16]}…"
+        hessians.setdefault(p["layer"], {}).setdefault(key, []).append(rel)
+    for node, by_digest in sorted(digests.items()):
+        if len(by_digest) > 1:
+            listed = "; ".join(f"{d[:16]}…: {len(r)} ({r[0]}{', …' if len(r) > 1 else ''})"
+                               for d, r in sorted(by_digest.items(), key=lambda kv: (-len(kv[1]), kv[1][0])))
+            report.add(f"linear node {node}: its fragments in the tree attest {len(by_digest)} node digests ({listed}); "
+                       f"one node has one definition")
+    for digest, names in sorted(nodes.items()):
+        if len(names) > 1:
+            report.add(f"linear node digest {digest[:16]}… is attested by {len(names)} linear nodes "
+                       f"({', '.join(sorted(names))}); a digest names one node's definition")
+    for layer, keys in sorted(hessians.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        if len(keys) > 1:
+            listed = "; ".join(f"{k}: {len(r)} ({r[0]}{', …' if len(r) > 1 else ''})"
+                               for k, r in sorted(keys.items(), key=lambda kv: (-len(kv[1]), kv[1][0])))
+            unit = "the head" if layer is None else f"layer {layer}"
+            report.add(f"{unit}: its linear fragments in the tree were encoded against {len(keys)} objectives "
+                       f"({listed}); a campaign binds one Hessian per layer")
 
 
 def _check_edges(report: Report, root: Path, verified: dict[str, Attested]) -> None:
