@@ -56,7 +56,7 @@ from fq.provenance.attest import dsse
 from fq.provenance.attest.fragment import range_mismatch, read_attestation
 from fq.provenance.attest.statement import ADAPTER, statement
 from fq.provenance.fragments import expert_structure, fragment_meta
-from fq.provenance.complete import BaseShard, check_base
+from fq.provenance.complete import BaseShard, check_base, check_published_base
 from fq.provenance.manifest import VerifiedBase, read_verified, verify_base
 from fq.provenance.product import Product, open_product
 from fq.provenance.scales import SCALE_SUFFIXES, check_scale
@@ -137,6 +137,8 @@ def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[
                            option=base_option)
         result.base, manifest = base, base.manifest
         check_complete(product, base, Path(base_dir), public_key, base_option)
+    elif (root / plan["base"]["dir"]).is_dir():  # the base in the plan's tree: checked as a model from its headers
+        check_published_base(plan, root, public_key)
     geometry, residual = result.geometry, result.residual
     canonical = dict(zip(layout.projections, kbits.PROJECTIONS))
     for f, ranges in work:

@@ -92,6 +92,21 @@ def headers_only(base_dir: Path, files: dict, derived: set, public_key, campaign
     return out
 
 
+def check_published_base(plan: dict, root: Path, public_key) -> None:
+    """The base a plan pins, in its tree, from headers and attestations only: for a consumer that does not read the
+    base's payload (``fq combine`` without ``--base``, the TP source)."""
+    from fq.provenance.manifest import read_base_manifest, read_verified
+
+    base_dir = Path(root) / plan["base"]["dir"]
+    manifest = read_base_manifest(base_dir, public_key, plan["campaign"])
+    if manifest.sha256 != plan["base"]["manifest"]["sha256"]:
+        raise FqError(f"{base_dir}: base manifest sha256 {manifest.sha256[:16]}… is not the one the plan pins")
+    files = manifest.files
+    shards = headers_only(base_dir, files, {d["name"] for d in manifest.derived}, public_key, plan["campaign"])
+    check_base(plan, shards, files=files, read=lambda n: read_verified(base_dir, n, *files[n])[1],
+               where=str(base_dir), root=Path(root), public_key=public_key)
+
+
 def check_base(plan: dict, shards: list[BaseShard], **kw) -> None:
     problems = base_problems(plan, shards, **kw)
     if problems:

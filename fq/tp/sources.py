@@ -33,8 +33,8 @@ from fq.model.experts import ExpertLayout, derive_linear, expert_keys, suffixes
 from fq.model.shards import RawTensor, read_header, read_range, tensors_in_range, torch_dtype
 from fq.provenance.attest.fragment import check_header, range_mismatch, read_attestation
 from fq.provenance.fragments import attestation_name, expert_structure, fragment_meta
-from fq.provenance.complete import check_base, headers_only
-from fq.provenance.manifest import read_base_manifest, read_verified
+from fq.provenance.complete import check_published_base
+from fq.provenance.manifest import read_base_manifest
 from fq.provenance.product import open_product
 from fq.tp import records
 from fq.tp.linears import linear_ranges, linear_specs, read_linear_fragment, read_linear_shard
@@ -160,12 +160,7 @@ class ProductSource:
 
     def _check_complete(self) -> None:
         """The base as one model (``fq.provenance.complete``, what every consumer checks), from headers only."""
-        base_dir, manifest = self.base_manifest()
-        files = manifest.files
-        shards = headers_only(base_dir, files, {d["name"] for d in manifest.derived}, self.key,
-                              self.predicate["campaign"])
-        check_base(self.predicate, shards, files=files, read=lambda n: read_verified(base_dir, n, *files[n])[1],
-                   where=str(base_dir), root=self.root, public_key=self.key)
+        check_published_base(self.predicate, self.root, self.key)
 
     def _reverify(self) -> None:
         """Admission starts from the signed plan again: a retry sees the files as they are now."""
