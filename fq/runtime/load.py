@@ -147,32 +147,21 @@ def _base_tensors(base_dir: Path, base: VerifiedBase, plan: dict, layout: Expert
         header, data = read_verified(base_dir, name, *files[name])
         if kind == "linear":  # each linear's own (out, in): the shape its attestation names for the source weight
             shapes = {t["tensor"]: tuple(t["shape"]) for t in base.shards[name].predicate["source"].get("tensors", ())}
-            mine = set()
-            for e in header.entries:
-                lin, _, suffix = e.name.rpartition(".")
-                if lin not in mine and f"{lin}.weight" in linears:
-                    raise FqError(f"{base_dir}/{name}: linear {lin!r} is also in another shard of the base")
-                mine.add(lin)
+            for e in header.entries:  # every linear once, in the fragment of its class and layer: checked
+                lin, _, suffix = e.name.rpartition(".")  # with the base as a model (fq.provenance.complete)
                 if f"{lin}.weight" not in shapes:
                     raise FqError(f"{base_dir}/{name}: its attestation names no source weight {lin}.weight")
                 entry = linears.setdefault(f"{lin}.weight", ({}, shapes[f"{lin}.weight"]))
                 entry[0][suffix] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
             continue
         if kind == "skeleton":
-            for e in header.entries:
-                if e.name in skeleton:
-                    raise FqError(f"{base_dir}/{name}: tensor {e.name!r} is in two skeleton shards")
-                if layout.is_routed_weight(e.name):
-                    raise FqError(f"{base_dir}/{name}: skeleton shard holds routed-expert weight {e.name!r}")
+            for e in header.entries:  # each tensor once, no routed weight: fq.provenance.complete
                 skeleton[e.name] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
             continue
         for e in header.entries:
             layer, expert, proj, suffix = layout.parse(e.name)
             sets.setdefault((layer, expert, proj), {})[suffix] = tensor_from(e.dtype, e.shape, data[e.start:e.end])
     check_base_fragments(base_dir, base, plan)
-    both = sorted(set(skeleton) & set(linears))
-    if both:
-        raise FqError(f"{base_dir}: {both[0]} is both a skeleton tensor and an EXL3 linear of the base")
     return config, skeleton, sets, linears
 
 
