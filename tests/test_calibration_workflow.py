@@ -847,13 +847,15 @@ ATTACKS = {  # name -> (attack, what every consumer's refusal says)
 
 
 def consumers(pub: Path, key, product: str = "a") -> dict[str, str]:
-    """What each consumer says of the product: fq verify's problems, the runtimes' verification, the TP source."""
+    """What each consumer says of the product: fq verify's problems (of the tree, of the plan alone), the runtimes'
+    verification, the TP source."""
     from fq.provenance.verify import verify_path
     from fq.runtime.load import verify_product
     from fq.tp.sources import ProductSource
 
     plan = pub / "assemblies" / f"{product}.assembly.intoto.jsonl"
-    out = {"verify": "\n".join(verify_path(pub, key).problems)}
+    out = {"verify": "\n".join(verify_path(pub, key).problems),
+           "verify the plan": "\n".join(verify_path(plan, key).problems)}
     for name, open_ in (("runtime", verify_product), ("tp", ProductSource)):
         try:
             open_(plan, key, root=pub)
@@ -895,4 +897,4 @@ def test_the_re_signed_untouched_tree_passes_every_consumer(cal, tmp_path):
     key, priv = keys.load_public(out / "signer.pub"), keys.load_private(out / "keys" / "signer.key")
     pub = shutil.copytree(out / "published", tmp_path / "published")
     insiderkit.resign_tree(pub, priv)
-    assert consumers(pub, key) == {"verify": "", "runtime": "", "tp": ""}
+    assert consumers(pub, key) == {"verify": "", "verify the plan": "", "runtime": "", "tp": ""}

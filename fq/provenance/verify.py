@@ -56,7 +56,7 @@ from fq.provenance.attest.campaign import campaign_digest
 from fq.provenance.attest.fragment import Attested, verify_shard
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.fragments import attestation_name
-from fq.provenance.complete import BaseShard, base_problems
+from fq.provenance.complete import BaseShard, base_problems, check_published_base
 from fq.provenance.manifest import MANIFEST_NAME, Manifest, check_base_files, read_base_manifest, read_verified
 from fq.provenance.product import Product, objective, open_product
 from fq.provenance.publication import (NAME as PUBLICATION_NAME, Statement, file_problems, other_campaign,
@@ -274,6 +274,7 @@ def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: d
             product = open_product(path, public_key, root=path.parent.parent, now=now, state=state)
             report.campaign(product.predicate["campaign"], str(path))
             _check_plan(report, product, path, path.parent.parent, public_key, {})
+            check_published_base(product.predicate, path.parent.parent, public_key)  # the base as one model
             report.assemblies += 1
         elif name == PUBLICATION_NAME:
             stmt = read_publication(path.parent, public_key)
