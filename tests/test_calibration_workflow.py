@@ -898,3 +898,30 @@ def test_the_re_signed_untouched_tree_passes_every_consumer(cal, tmp_path):
     pub = shutil.copytree(out / "published", tmp_path / "published")
     insiderkit.resign_tree(pub, priv)
     assert consumers(pub, key) == {"verify": "", "verify the plan": "", "runtime": "", "tp": ""}
+
+
+def test_an_attestation_the_plan_does_not_name_is_named_with_both_digests(cal, tmp_path):
+    """A linear fragment's attestation re-signed (its bytes untouched) and the tree re-signed, the plans' entry for
+    it left naming the old attestation: every consumer refuses it (the runtimes did not compare a linear fragment's
+    attestation with the plan), saying it is the attestation file that differs, with the two digests, the file's
+    and the plan's (not the shard's digest twice)."""
+    import insiderkit
+    from fq.provenance.attest import keys
+
+    out = cal / "campaign"
+    key, priv = keys.load_public(out / "signer.pub"), keys.load_private(out / "keys" / "signer.key")
+    pub = shutil.copytree(out / "published", tmp_path / "published")
+    frag = pub / "base" / "a" / "attention-K4-mul1-layer001.safetensors"
+    old = hashlib.sha256(frag.with_name(frag.name + ".intoto.jsonl").read_bytes()).hexdigest()
+    insiderkit.reattest(frag, priv, lambda p: p["quant_args"].update(seed=1))
+
+    def stale(plan):  # the tree re-signed, the plans' entry for this fragment left naming the old attestation
+        for f in plan.get("linears", ()):
+            if f["name"].endswith(frag.name):
+                f["attestation_sha256"] = old
+    insiderkit.resign_tree(pub, priv, stale)
+    said = consumers(pub, key)
+    for consumer, text in said.items():
+        m = re.search(r"attestation file is not the one the plan names \(the file's sha256 is (\w+)…, the plan names "
+                      r"(\w+)…\)", text)
+        assert m and m.group(1) != m.group(2), (consumer, said)

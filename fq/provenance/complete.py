@@ -43,6 +43,7 @@ from fq.errors import FqError
 from fq.model.experts import ExpertLayout
 from fq.model.formats import SCALE_SUFFIX
 from fq.model.linears import classify
+from fq.provenance.product import check_linear_entry
 
 CONFIG, SOURCE_CONFIG, INDEX = "config.json", "source_config.json", "model.safetensors.index.json"
 COMPANIONS = (SCALE_SUFFIX, "weight_scale")  # FP8 block scales beside a weight (fq.model.linears)
@@ -57,11 +58,14 @@ class BaseShard:
     name: str  # relative to the base directory
     predicate: dict
     entries: dict
+    sha256: str = ""  # the shard's, as its attestation signs it
+    attestation_sha256: str = ""
 
     @classmethod
     def from_attested(cls, att) -> "BaseShard":
         return cls(att.name.rsplit("/", 1)[-1], att.predicate,
-                   {e.name: (e.dtype, tuple(e.shape)) for e in att.info.header.entries})
+                   {e.name: (e.dtype, tuple(e.shape)) for e in att.info.header.entries}, att.sha256,
+                   att.attestation_sha256)
 
     @property
     def kind(self) -> str:
@@ -88,7 +92,8 @@ def headers_only(base_dir: Path, files: dict, derived: set, public_key, campaign
         with open_regular(base_dir, name, where) as fh:
             header = read_header(fh, where)
         check_header(att, header, where)
-        out.append(BaseShard(name, att.predicate, {e.name: (e.dtype, tuple(e.shape)) for e in header.entries}))
+        out.append(BaseShard(name, att.predicate, {e.name: (e.dtype, tuple(e.shape)) for e in header.entries},
+                             att.sha256, att.attestation_sha256))
     return out
 
 
@@ -144,7 +149,7 @@ def base_problems(plan: dict, shards: list[BaseShard], *, files: dict, read: Cal
     by_unit: dict[tuple, str] = {}
     node_digests: dict[str, dict[str, str]] = {}
     objectives: dict = {}
-    plan_linears = {f["name"][len(base_rel):] for f in plan.get("linears", ())}
+    plan_linears = {f["name"][len(base_rel):]: f for f in plan.get("linears", ())}
     moe = set(model["moe_layers"]) if model else {f["layer"] for f in plan["fragments"]}
     n_layers = model["n_layers"] if model else 1 << 30
     for s in linear:
@@ -152,6 +157,11 @@ def base_problems(plan: dict, shards: list[BaseShard], *, files: dict, read: Cal
         at = f"{where}/{s.name}"
         if s.name not in plan_linears:
             out.append(f"{at}: a linear fragment the plan does not name for its base")
+        else:
+            try:  # the attestation, bytes and labels the plan names for it (what fq verify checks per plan)
+                check_linear_entry(s, plan_linears[s.name], at)
+            except FqError as e:
+                out.append(str(e))
         unit = (p["class"], p["layer"])
         if unit in by_unit:
             out.append(f"{at}: a second linear fragment of {p['class']} {_unit(p['layer'])} (the first is "

@@ -63,7 +63,8 @@ class Product:
             raise FqError(f"{where}: attestation is not the one the plan names (its sha256 is "
                           f"{att.attestation_sha256[:16]}…, the plan names {f['attestation_sha256'][:16]}…)")
         if att.sha256 != f["sha256"]:
-            raise FqError(f"{where}: attested sha256 {att.sha256[:16]}… differs from the plan's {f['sha256'][:16]}…")
+            raise FqError(f"{where}: the attestation signs shard bytes of sha256 {att.sha256[:16]}…, the plan names "
+                          f"{f['sha256'][:16]}…")
         if p["kind"] != "expert":
             raise FqError(f"{where}: a {p['kind']} shard, the plan names an expert fragment")
         for k in ("node", "layer", "block", "parent", "experts"):
@@ -87,11 +88,7 @@ class Product:
     def check_linear(self, att: Attested, f: dict, where: str) -> None:
         """A whole-model base's linear fragment (verified attestation) against its plan entry ``f``: the same
         attestation and bytes, kind, linear node digest, class, layer, K and codebook."""
-        p = att.predicate
-        _check_same_bytes(att, f, where)
-        if p["kind"] != "linear":
-            raise FqError(f"{where}: a {p['kind']} shard, the plan names a linear fragment")
-        _check_linear_fields(p, f, where, LINEAR_FIELDS)
+        check_linear_entry(att, f, where)
 
     def check_stage_linear(self, att: Attested, f: dict, where: str) -> None:
         """A stage's residual on non-expert linears (verified attestation) against its plan entry ``f``: the same
@@ -138,10 +135,25 @@ LINEAR_FIELDS = (("node", "node"), ("class", "class"), ("layer", "layer"), ("K",
                  ("digest", "node_digest"))
 
 
+def check_linear_entry(att, f: dict, where: str) -> None:
+    """A base's linear fragment (``att``: its attestation's sha256, its shard's and its predicate) against the plan
+    entry ``f``: the same attestation and bytes, kind, linear node digest, class, layer, K and codebook."""
+    p = att.predicate
+    _check_same_bytes(att, f, where)
+    if p["kind"] != "linear":
+        raise FqError(f"{where}: a {p['kind']} shard, the plan names a linear fragment")
+    _check_linear_fields(p, f, where, LINEAR_FIELDS)
+
+
 def _check_same_bytes(att: Attested, f: dict, where: str) -> None:
-    if att.attestation_sha256 != f["attestation_sha256"] or att.sha256 != f["sha256"]:
-        raise FqError(f"{where}: attestation or bytes are not the ones the plan names (sha256 "
-                      f"{att.sha256[:16]}…, the plan names {f['sha256'][:16]}…)")
+    """The attestation file and the shard it signs are the ones the plan entry names; the message says which of
+    the two differs, with the digest each document states."""
+    if att.attestation_sha256 != f["attestation_sha256"]:
+        raise FqError(f"{where}: its attestation file is not the one the plan names (the file's sha256 is "
+                      f"{att.attestation_sha256[:16]}…, the plan names {f['attestation_sha256'][:16]}…)")
+    if att.sha256 != f["sha256"]:
+        raise FqError(f"{where}: the attestation signs shard bytes of sha256 {att.sha256[:16]}…, the plan names "
+                      f"{f['sha256'][:16]}…")
 
 
 def _check_linear_fields(p: dict, f: dict, where: str, fields) -> None:
