@@ -48,3 +48,33 @@ def test_an_unknown_product_and_bad_arguments_are_named(pristine_campaign, capsy
     assert main(["generate", str(pristine_campaign.root), "k2r1", "--key", str(pristine_campaign.pub_path),
                  "--prompt-file", str(empty), "--no-state"]) == 2
     assert "no prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", ["100000", "8192", str(10**30)])
+def test_more_new_tokens_than_the_cache_holds_is_refused_up_front(pristine_campaign, capsys, no_cuda, monkeypatch, n):
+    """Issue 42: refused before the product is verified or a runtime loaded (a completion and its prompt share the
+    KV cache), in one line naming both options."""
+    import fq.provenance.publication
+
+    def never(*a, **k):
+        raise AssertionError("read the publication before refusing the arguments")
+
+    monkeypatch.setattr(fq.provenance.publication, "read_publication", never)
+    assert _gen(pristine_campaign, "k2r1", "--max-new-tokens", n) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fq generate: --max-new-tokens {n}: a completion and its prompt must fit in the KV cache "
+                   f"(--cache-tokens 8192); expected at most 8191\n"), err
+    assert _gen(pristine_campaign, "k2r1", "--max-new-tokens", "600", "--cache-tokens", "512") == 2
+    assert "--max-new-tokens 600: a completion and its prompt must fit in the KV cache (--cache-tokens 512)" in \
+        capsys.readouterr().err
+
+
+def test_a_json_output_nothing_can_be_created_in_is_refused_up_front(pristine_campaign, capsys, no_cuda):
+    """/proc passes os.access(W_OK) for root (as these tests run) yet refuses every new file; /dev/null exists and would
+    be renamed over: both refused before verification, naming --json."""
+    assert _gen(pristine_campaign, "k2r1", "--json", "/proc/x") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fq generate: --json /proc/x: cannot write in /proc (") and err.count("\n") == 1, err
+    assert _gen(pristine_campaign, "k2r1", "--json", "/dev/null") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fq generate: --json /dev/null: is a character device; expected a regular file name"), err

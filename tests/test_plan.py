@@ -304,3 +304,71 @@ def test_a_base_sharing_another_bases_experts_is_planned_with_its_owner(glm5, le
     assert "k2.w4 takes k2's" in plan_table(plan)
     old = make_plan(lean, glm5, block_size=32)
     assert not any("experts_from" in n for n in old.nodes) and "copied from another base" not in plan_table(old)
+
+
+# fq plan, fq price and the workflow's load_campaign, each in bounded memory (a 1 GiB address-space cap): a count that
+# reached a list per (layer, expert) ends in a MemoryError here instead of exhausting the machine (uncapped, it grew
+# without bound). One line per call: [exit status, stderr] of the CLI, [2, message] of load_campaign's FqError.
+_CAPPED = r"""
+import contextlib, io, json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from fq.cli import main
+from fq.errors import FqError
+from fq.workflow.campaign import load_campaign
+for kind, arg in json.loads(sys.stdin.read()):
+    err = io.StringIO()
+    if kind == "cli":
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(arg)
+        print(json.dumps([rc, err.getvalue()]))
+    else:
+        try:
+            load_campaign(arg)
+            print(json.dumps([0, ""]))
+        except FqError as e:
+            print(json.dumps([2, str(e)]))
+"""
+
+
+def _capped(calls: list) -> list:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _CAPPED], input=json.dumps(calls), capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def test_hostile_configs_and_shards_are_refused_by_plan_price_and_the_workflow(tmp_path):
+    """Issue 42: a config claiming 10^9 experts or layers (anyone who publishes a checkpoint writes its config) and a
+    shard whose header claims 2^40 bytes are refused by fq plan, fq price and the workflow's DAG (load_campaign: what
+    `snakemake -n` runs) in one line naming the file and the field, at once and in bounded memory."""
+    from fq.model.source_synth import write_sparse_shards
+
+    c, i, s = synthetic_checkpoint("deepseek", hidden=256, inter=128, n_experts=8, n_layers=2, vocab=1024,
+                                   shard_bytes=2_000_000)
+    recipe = str(RECIPES / "glm52-k2k3-lean.json")
+    calls, wants = [], []
+    for field, claim in (("n_routed_experts", "1000000000 routed experts per MoE layer, but "),
+                         ("num_hidden_layers", "1000000000 decoder layers, but ")):
+        src = write_synthetic(tmp_path / field, {**c, field: 10**9}, i, s)
+        write_sparse_shards(src, c, i)
+        calls += [["cli", [command, recipe, "--model", str(src)]] for command in ("plan", "price")]
+        wants += [f"fq {command}: {src}/config.json: field '{field}': {claim}" for command in ("plan", "price")]
+        calls.append(["campaign", {"campaign": "t", "out": str(tmp_path / "out"), "recipe": recipe,
+                                   "source": {"kind": "local", "path": str(src)}}])
+        wants.append(f"{src}/config.json: field '{field}': {claim}")
+    src = write_synthetic(tmp_path / "header", c, i, s)
+    write_sparse_shards(src, c, i)
+    shard = sorted(s)[2]
+    with open(src / shard, "r+b") as fh:
+        fh.write((2**40).to_bytes(8, "little"))
+    calls += [["cli", [command, recipe, "--model", str(src)]] for command in ("plan", "price")]
+    wants += [f"fq {command}: {src / shard}: header length 1099511627776 does not fit in the file"
+              for command in ("plan", "price")]
+    calls.append(["campaign", {"campaign": "t", "out": str(tmp_path / "out"), "recipe": recipe,
+                               "source": {"kind": "local", "path": str(src)}}])
+    wants.append(f"{src / shard}: header length 1099511627776 does not fit in the file")
+    for (rc, err), want in zip(_capped(calls), wants, strict=True):
+        assert rc == 2 and err.startswith(want) and err.count("\n") <= 1, (want, err)

@@ -287,6 +287,25 @@ def test_local_promotion_refuses_a_bad_campaign_and_leaves_the_link(camp, tmp_pa
     assert [p.name for p in (dest / "generations").iterdir()] == [before.split("/")[1]]  # no staging left behind
 
 
+@pytest.mark.parametrize("target", ["generations/..", "generations/gen-1.replaced",
+                                    "generations/gen-0123456789abcdef/..", "../generations/gen-0123456789abcdef",
+                                    "generations/.staging-gen-0-1"])
+def test_local_promotion_refuses_a_current_link_to_no_generation(camp, tmp_path, capsys, target):
+    """Issue 42: ``published -> generations/..`` was taken as generation '..', and its replacement marked by writing
+    generations/..replaced. A link fq promote did not make is refused by name; nothing is copied or written."""
+    out, c = camp
+    dest = tmp_path / "dest"
+    (dest / "generations").mkdir(parents=True)
+    (dest / "published").symlink_to(target)
+    assert promote(out, "--to", dest, "--key", c.pub_path) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fq promote: {dest / 'published'} -> {target}: not a generation fq promote made "
+                   f"(generations/gen-<16 hex digits>); point it at one, or remove it\n"), err
+    assert os.readlink(dest / "published") == target
+    assert sorted(p.name for p in dest.iterdir()) == [".fq-promote.lock", "generations", "published"]
+    assert list((dest / "generations").iterdir()) == []
+
+
 # -- Hugging Face repository (fake hub) -------------------------------------------------------------------
 
 @pytest.fixture

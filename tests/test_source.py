@@ -8,7 +8,7 @@ import pytest
 
 from fq.errors import FqError
 from fq.model.source import INDEX_NAME, load_sizes, load_source, parse_source
-from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_synthetic
+from fq.model.source_synth import glm5_like, synthetic_checkpoint, write_sparse_shards, write_synthetic
 
 SMALL = dict(hidden=256, inter=128, n_experts=8, vocab=1024, shard_bytes=2_000_000)
 
@@ -217,11 +217,9 @@ def test_load_from_directory_with_sparse_shards(tmp_path):
     with pytest.raises(FqError, match="not on disk; pass its size in a listing"):
         load_source(tmp_path)
     m = load_source(tmp_path, sizes=load_sizes(tmp_path / "sizes.json"))
-    for name, size in s.items():  # sparse files: sizes from the filesystem, no payload written
-        with open(tmp_path / name, "wb") as fh:
-            fh.truncate(size)
+    on_disk = write_sparse_shards(tmp_path, c, i)  # real headers over holes: sizes from the filesystem, no payload
     m2 = load_source(tmp_path)
-    assert m2.shard_sizes == m.shard_sizes
+    assert m2.shard_sizes == on_disk and set(on_disk) == set(m.shard_sizes)
     assert m2.revision == m.revision and m.revision.startswith("local:sha256:")
     assert load_source(tmp_path, revision="abc123").revision == "abc123"
     with pytest.raises(FqError, match="revision"):
@@ -230,14 +228,9 @@ def test_load_from_directory_with_sparse_shards(tmp_path):
 
 def test_single_safetensors_file_header_only(tmp_path):
     c, i, s = synthetic_checkpoint("mixtral", n_layers=1, **{**SMALL, "n_experts": 2})
-    header = {name: {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]} for name in i["weight_map"]}
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header).encode()
     (tmp_path / "config.json").write_text(json.dumps(c))
-    with open(tmp_path / "model.safetensors", "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(sum(s.values()))  # payload never read
-    m = load_source(tmp_path)
+    write_sparse_shards(tmp_path, c, {"weight_map": {name: "model.safetensors" for name in i["weight_map"]}})
+    m = load_source(tmp_path)  # the header is read (fq's reader), the payload never
     assert m.shards == ("model.safetensors",) and m.moe_layers == (0,)
 
 
@@ -269,3 +262,176 @@ def test_no_index_no_single_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FqError, match=f"neither {INDEX_NAME}"):
         load_source(tmp_path)
+
+
+# -- hostile and careless configs and shards (issue 42): refused by name, before anything is built per count ------
+
+def _gpt_oss(n_experts: int = 8, n_layers: int = 2):
+    """(config, index, sizes) of a tiny gpt-oss checkpoint: bf16 experts fused per layer (E first), 1 MB shards."""
+    c = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
+         "intermediate_size": 128, "num_local_experts": n_experts, "num_experts_per_tok": 2,
+         "num_hidden_layers": n_layers, "torch_dtype": "bfloat16"}
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    wm = {t: first for t in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
+    for layer in range(n_layers):
+        for t in ("input_layernorm.weight", "mlp.router.weight", "mlp.router.bias", "mlp.experts.gate_up_proj",
+                  "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj", "mlp.experts.down_proj_bias"):
+            wm[f"model.layers.{layer}.{t}"] = second
+    return c, {"weight_map": wm}, {first: 1_000_000, second: 4_000_000}
+
+
+# Run under a 512 MiB address-space cap: a count that reached a list or dict per (layer, expert) would end in a
+# MemoryError (it took 13-22 s to get there and grew without bound uncapped), not in the FqError expected.
+_CAPPED = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+from fq.errors import FqError
+from fq.model.source import parse_source
+for c, i, s in json.loads(sys.stdin.read()):
+    try:
+        parse_source(c, i, s, origin="d")
+        print("accepted")
+    except FqError as e:
+        print(str(e))
+"""
+
+
+def test_counts_beyond_the_checkpoint_are_refused_before_memory_grows():
+    import subprocess
+    import sys
+
+    cases = []
+    for field in ("n_routed_experts", "num_hidden_layers"):
+        c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)
+        cases.append(({**c, field: 10**9}, i, s))
+    c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)  # an expert number 10^8 in the index itself
+    i = json.loads(json.dumps(i))
+    i["weight_map"]["model.layers.1.mlp.experts.99999999.gate_proj.weight"] = next(iter(s))
+    cases.append(({**c, "n_routed_experts": 10**8}, i, s))
+    c, i, s = _gpt_oss()  # fused experts: the index cannot count them; the shards' bytes bound them
+    cases.append(({**c, "num_local_experts": 10**9}, i, s))
+    cases.append(_gpt_oss())
+    run = subprocess.run([sys.executable, "-c", _CAPPED], input=json.dumps(cases), capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    experts, layers, far, fused, fine = run.stdout.splitlines()
+    assert experts == ("d/config.json: field 'n_routed_experts': 1000000000 routed experts per MoE layer, but "
+                       "d/model.safetensors.index.json names experts 0..7 at most (8); a config must not claim more "
+                       "experts than its checkpoint holds")
+    assert layers.startswith("d/config.json: field 'num_hidden_layers': 1000000000 decoder layers, but "
+                             "d/model.safetensors.index.json names tensors of 2 (layer(s) 0-1 under model.layers.)")
+    assert far.startswith("d/model.safetensors.index.json: 599999951 routed expert matrices missing from the index "
+                          "(first: layer 0 expert 8 gate, layer 0 expert 8 up"), far
+    assert fused.startswith("d/config.json: field 'num_local_experts': 1000000000 routed experts per MoE layer "
+                            "(hidden_size=256, intermediate_size=128) need at least ") and \
+        "bytes of fused expert tensors in model-00002-of-00002.safetensors, which is 4000000 bytes" in fused
+    assert fine == "accepted"
+
+
+@pytest.mark.parametrize("top_k,want", [
+    (1000, "d/config.json: field 'num_experts_per_tok': top-1000 routing, but n_routed_experts=8: a token cannot be "
+           "routed to more experts than a MoE layer has (expected an integer from 1 to 8)"),
+    (0, "d/config.json: field 'num_experts_per_tok': expected an integer >= 1, got 0"),
+    (-2, "expected an integer >= 1, got -2"),
+    (2.5, "expected an integer >= 1, got 2.5"),
+], ids=["beyond", "zero", "negative", "fraction"])
+def test_top_k_must_be_between_one_and_the_routed_experts(top_k, want):
+    c, i, s = synthetic_checkpoint("deepseek", n_layers=2, **SMALL)
+    with pytest.raises(FqError) as e:
+        parse_source({**c, "num_experts_per_tok": top_k}, i, s, origin="d")
+    assert want in str(e.value)
+    assert parse_source({**c, "num_experts_per_tok": 8}, i, s, origin="d").n_experts == 8  # every expert: fine
+    assert parse_source({**c, "num_experts_per_tok": None}, i, s, origin="d").n_experts == 8  # unstated: the default
+    c, i, s = _gpt_oss()  # gpt-oss states it twice (experts_per_token too); Ernie's spelling is moe_k
+    with pytest.raises(FqError, match="field 'experts_per_token': top-9 routing, but num_local_experts=8"):
+        parse_source({**c, "num_experts_per_tok": None, "experts_per_token": 9}, i, s, origin="d")
+
+
+def _on_disk(tmp_path, family="deepseek", **over):
+    c, i, s = synthetic_checkpoint(family, n_layers=2, **{**SMALL, **over})
+    write_synthetic(tmp_path, c, i, s)
+    write_sparse_shards(tmp_path, c, i)
+    return c, i
+
+
+def test_shard_headers_are_read_with_fqs_reader_at_plan_time(tmp_path):
+    """A shard whose header lies fails load_source (fq plan, fq price, the workflow's DAG) by name, not the first
+    job that opens it with safetensors ('header too large')."""
+    c, i = _on_disk(tmp_path)
+    shard = sorted(set(i["weight_map"].values()))[1]
+    with open(tmp_path / shard, "r+b") as fh:
+        fh.write(struct.pack("<Q", 2**40))
+    with pytest.raises(FqError) as e:
+        load_source(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / shard}: header length 1099511627776 does not fit in the file")
+    # planned from a sizes listing, a shard not on disk is not read (it is checked when it is staged)
+    (tmp_path / shard).unlink()
+    assert load_source(tmp_path, sizes=load_sizes(tmp_path / "sizes.json")).shards
+
+
+def test_the_index_must_name_the_shard_each_tensor_is_in(tmp_path):
+    c, i = _on_disk(tmp_path)
+    shards = sorted(set(i["weight_map"].values()))
+    moved = "model.layers.1.mlp.experts.3.up_proj.weight"
+    there, wrong = i["weight_map"][moved], shards[0]
+    bad = json.loads(json.dumps(i))
+    bad["weight_map"][moved] = wrong
+    (tmp_path / INDEX_NAME).write_text(json.dumps(bad))
+    with pytest.raises(FqError) as e:
+        load_source(tmp_path)
+    assert str(e.value) == (f"{tmp_path / there}: holds tensor {moved!r}, which {tmp_path / INDEX_NAME} maps to "
+                            f"{wrong}; the index must name the shard each tensor is in")
+    bad = json.loads(json.dumps(i))
+    bad["weight_map"]["model.layers.0.self_attn.extra.weight"] = shards[0]  # in no shard at all
+    (tmp_path / INDEX_NAME).write_text(json.dumps(bad))
+    with pytest.raises(FqError, match=r"index.json: weight_map\['model.layers.0.self_attn.extra.weight'\] names "
+                                      f"{shards[0]}, but .*{shards[0]} holds no such tensor"):
+        load_source(tmp_path)
+
+
+def test_expert_shapes_and_fused_counts_are_checked_against_the_headers(tmp_path):
+    c, i = _on_disk(tmp_path / "d")
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**c, "moe_intermediate_size": 256}))
+    with pytest.raises(FqError, match=r"d/model-\d{5}-of-\d{5}.safetensors: tensor 'model.layers.0.mlp.experts.0"
+                                      r".down_proj.weight' is \[256, 128\], but .*config.json makes a routed expert's "
+                                      r"down projection \[256, 256\] \(out, in\) from hidden_size=256 and "
+                                      r"moe_intermediate_size=256"):
+        load_source(tmp_path / "d")
+    c, i, s = _gpt_oss()
+    d = write_synthetic(tmp_path / "oss", c, i, s)
+    write_sparse_shards(d, c, i)
+    assert load_source(d).n_experts == 8
+    (d / "config.json").write_text(json.dumps({**c, "num_local_experts": 16}))  # fits the bytes, not the header
+    with pytest.raises(FqError, match=r"config.json: field 'num_local_experts': 16 routed experts per MoE layer, but "
+                                      r".*/oss/model-00002-of-00002.safetensors: tensor "
+                                      r"'model.layers.0.mlp.experts.down_proj' "
+                                      r"is \[8, 128, 256\], 8 experts \(its first dimension\)"):
+        load_source(d)
+
+
+def test_jobs_read_source_headers_with_fqs_reader_too(tmp_path):
+    """A shard that changed after the plan (a hub shard is first seen when it is staged): the stage job and the
+    encode job's reader refuse its header with fq's message, never safetensors' raw error."""
+    import hashlib
+
+    from fq.model.formats import ExpertSource, read_matrix
+    from fq.workflow.staging import stage_shard
+
+    c, i = _on_disk(tmp_path / "src")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    shard = i["weight_map"][name]
+    path = tmp_path / "src" / shard
+    with open(path, "r+b") as fh:
+        fh.write(struct.pack("<Q", 2**40))
+    with pytest.raises(FqError, match=f"{shard}: header length 1099511627776 does not fit in the file"):
+        read_matrix({}, ExpertSource(str(path), name, (128, 256)), "expert 3 up")
+    size, digest = path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest()
+    shards = {shard: {"size": size, "sha256": digest}}
+    (tmp_path / "campaign.json").write_text(json.dumps({"source": {"shards": shards}}))
+    staged = tmp_path / "staging" / shard
+    with pytest.raises(FqError, match=f"{staged}: header length 1099511627776 does not fit in the file"):
+        stage_shard(str(tmp_path / "campaign.json"), "local", str(tmp_path / "src"), shard, 0, str(staged))
+    assert not staged.exists()
+    write_sparse_shards(tmp_path / "src", c, i)  # whole again; a tensor the header lacks is named, not a raw KeyError
+    with pytest.raises(FqError, match=f"{shard}: no tensor 'model.layers.1.mlp.experts.99.up_proj.weight'"):
+        read_matrix({}, ExpertSource(str(path), name.replace(".3.", ".99."), (128, 256)), "expert 99 up")

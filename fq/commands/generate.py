@@ -51,6 +51,9 @@ def _prompts(args) -> list[str]:
 def run(args) -> int:
     if args.cache_tokens % 256:
         raise FqError(f"--cache-tokens {args.cache_tokens}: exllamav3's cache takes a multiple of 256 tokens")
+    if args.max_new_tokens >= args.cache_tokens:  # refused before anything is verified or loaded
+        raise FqError(f"--max-new-tokens {args.max_new_tokens}: a completion and its prompt must fit in the KV cache "
+                      f"(--cache-tokens {args.cache_tokens}); expected at most {args.cache_tokens - 1}")
     prompts = _prompts(args)
     if args.json:
         from fq.core.paths import check_output_file
@@ -70,6 +73,11 @@ def run(args) -> int:
     plan = Path(args.published) / products[args.product]["file"]
     with load_exl3_product(plan, key, device=args.device, state=state, cache_tokens=args.cache_tokens) as p:
         ids = [p.encode(t) for t in prompts]
+        for prompt, i in zip(prompts, ids):
+            if len(i) + args.max_new_tokens > args.cache_tokens:
+                raise FqError(f"prompt {prompt[:40]!r}{'…' if len(prompt) > 40 else ''}: {len(i)} tokens and "
+                              f"--max-new-tokens {args.max_new_tokens} do not fit in the KV cache (--cache-tokens "
+                              f"{args.cache_tokens})")
         outs = p.generate(ids, args.max_new_tokens)
         texts = [p.decode(o["tokens"]) for o in outs]
     for prompt, text in zip(prompts, texts):

@@ -7,8 +7,10 @@ created beside it and renamed over it. So its nearest existing ancestor must be 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from fq.core.safepath import describe_mode
@@ -30,13 +32,36 @@ def _check_writable_dir(d: Path, option: str, path: str | os.PathLike) -> None:
         raise FqError(f"{option} {path}: {a} is {what}, not a directory")
     if not os.access(a, os.W_OK | os.X_OK):
         raise FqError(f"{option} {path}: cannot write in {a} (permission denied or a read-only file system)")
+    problem = _create_problem(a)
+    if problem:
+        raise FqError(f"{option} {path}: cannot write in {a} ({problem})")
+
+
+def _create_problem(d: Path) -> str | None:
+    """Why no file can be created in the existing directory ``d``, or None: an empty temp file is made and removed
+    there, as the atomic write will make one. ``os.access`` is not enough: it answers yes to root for any directory
+    of a writable mount, /proc and /sys included, where creating a file still fails."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".fq-write-probe-", dir=d)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return None
 
 
 def check_output_file(path: str | os.PathLike, option: str) -> Path:
-    """``path`` can be written as a file: not a directory, its parent a writable directory (or one that can be made)."""
+    """``path`` can be written as a file: not a directory, nor an existing device, FIFO or socket (the atomic write
+    would rename a file over it), its parent a writable directory (or one that can be made)."""
     p = Path(path)
     if p.is_dir() or str(path).endswith(os.sep):
         raise FqError(f"{option} {path}: is a directory; expected a file name")
+    with contextlib.suppress(OSError):
+        mode = os.stat(p).st_mode
+        if not stat.S_ISREG(mode):
+            raise FqError(f"{option} {path}: is {describe_mode(mode)}; expected a regular file name (fq writes a new "
+                          f"file and renames it over the name)")
     _check_writable_dir(p.parent, option, path)
     return p
 

@@ -211,23 +211,31 @@ def _fused_part(w, part: str, split: str = "interleaved"):
 
 def read_matrix(handles: dict, src: ExpertSource, where: str):
     """One routed-expert matrix as float32 torch (out, in), its shape the one ``src`` expects. ``handles``: open
-    safe_open handles by shard path (the caller's, so each shard opens once)."""
+    shards by path (the caller's, so each shard opens once: its header read with fq's reader, then a safe_open
+    handle)."""
     import torch
     from safetensors import safe_open
 
-    def handle(path):
+    def handle(path, tensor):
         if path not in handles:
             from pathlib import Path
+
+            from fq.model.shards import read_header
 
             if not Path(path).is_file():
                 raise FqError(f"{path}: source shard is not staged (its window retired and the job was forced?); "
                               f"delete the fragment instead of forcing it, so Snakemake stages the shard again")
-            handles[path] = safe_open(path, "pt")
-        return handles[path]
+            with open(path, "rb") as fh:  # fq's reader first: a header that lies is refused by name, not by safetensors
+                names = frozenset(e.name for e in read_header(fh, str(path)).entries)
+            handles[path] = (names, safe_open(path, "pt"))
+        names, f = handles[path]
+        if tensor not in names:
+            raise FqError(f"{path}: no tensor {tensor!r} (the checkpoint index names it in this shard)")
+        return f
 
     if src.index is not None:
         return _read_fused(handle, src)
-    t = handle(src.shard).get_tensor(src.tensor)
+    t = handle(src.shard, src.tensor).get_tensor(src.tensor)
     if src.shape is not None and tuple(t.shape) != tuple(src.shape):
         raise FqError(f"{src.shard}: tensor {src.tensor!r} is {list(t.shape)}, the config makes it "
                       f"{list(src.shape)} (out, in)")
@@ -239,7 +247,7 @@ def read_matrix(handles: dict, src: ExpertSource, where: str):
     if t.dtype != torch.float8_e4m3fn:
         raise FqError(f"{src.shard}: tensor {src.tensor!r} is {t.dtype}, expected float8_e4m3fn (the config's "
                       f"quantization_config is fp8 and the tensor has a {SCALE_SUFFIX})")
-    s = handle(src.scale_shard).get_tensor(src.scale)
+    s = handle(src.scale_shard, src.scale).get_tensor(src.scale)
     want = scale_grid(tuple(t.shape), src.block, src.tensor, src.shard)
     if tuple(s.shape) != want or s.dtype not in (torch.float32, torch.bfloat16):
         raise FqError(f"{src.scale_shard}: tensor {src.scale!r} is {s.dtype} {list(s.shape)}, expected float32 "
@@ -254,7 +262,7 @@ def _read_fused(handle, src: ExpertSource):
     import torch
 
     def expert_slice(shard, name):
-        sl = handle(shard).get_slice(name)
+        sl = handle(shard, name).get_slice(name)
         shape = sl.get_shape()
         if not shape or not 0 <= src.index < shape[0]:
             raise FqError(f"{shard}: tensor {name!r} is {list(shape)}; expert {src.index} is not in it")

@@ -12,8 +12,8 @@ routed experts too and are encoded.
 """
 from __future__ import annotations
 
+import itertools
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -238,15 +238,19 @@ def load_source(spec: str | Path, *, revision: str | None = None, sizes: Mapping
         if (path / INDEX_NAME).is_file():
             index_bytes = _read(path / INDEX_NAME)
             index = canonical.loads(index_bytes, str(path / INDEX_NAME))
+            tensors = shard_tensors(path, _weight_map(index, str(path / INDEX_NAME)), str(path / INDEX_NAME))
         elif (path / SINGLE_NAME).is_file():
-            index = {"weight_map": {name: SINGLE_NAME for name in _safetensors_names(path / SINGLE_NAME)}}
+            header = _read_shard_header(path / SINGLE_NAME)
+            index = {"weight_map": {e.name: SINGLE_NAME for e in header.entries}}
             index_bytes = canonical.dumps(index)
+            tensors = {e.name: (e.dtype, e.shape) for e in header.entries}
         else:
             raise FqError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found (fq reads a Hugging Face safetensors checkpoint)")
         if sizes is None:
             sizes = _sizes_from_disk(path, index, str(path / INDEX_NAME))
         return parse_source(canonical.loads(config_bytes, str(path / "config.json")), index, sizes,
-                            origin=str(path), revision=revision, config_bytes=config_bytes, index_bytes=index_bytes)
+                            origin=str(path), revision=revision, config_bytes=config_bytes, index_bytes=index_bytes,
+                            tensors=tensors)
     if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*", str(spec)) and not path.exists():
         config_bytes, index_bytes, hub_sizes, commit = _hub_metadata(str(spec), revision)
         return parse_source(canonical.loads(config_bytes, f"{spec}/config.json"),
@@ -286,8 +290,15 @@ def load_sizes(path: str | Path) -> dict[str, int]:
 
 
 def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin: str, revision: str | None = None,
-                 config_bytes: bytes | None = None, index_bytes: bytes | None = None) -> SourceModel:
-    """Pure: derive a SourceModel from parsed config + index and shard sizes."""
+                 config_bytes: bytes | None = None, index_bytes: bytes | None = None,
+                 tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> SourceModel:
+    """Pure: derive a SourceModel from parsed config + index and shard sizes. ``tensors``: tensor -> (safetensors
+    dtype, shape) from the shards' headers where they were read (``load_source`` of a local directory), to check
+    the config's counts and dims against; None: metadata only (the index and a sizes listing).
+
+    Every count the config claims is checked against what the index (and ``tensors``) hold before anything
+    proportional to it is built: a config is a document anyone who publishes a checkpoint writes, and a layer or
+    expert count of 10^9 must be refused by name, not exhaust memory."""
     cfg = f"{origin}/config.json"
     idx = f"{origin}/{INDEX_NAME}"
     if not isinstance(config, dict):
@@ -303,17 +314,24 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     hidden = families.base.read_int(config, ("hidden_size",), cfg, family.title)
     inter, inter_key = family.intermediate(config, cfg)
     n_experts = family.n_experts(config, cfg)
+    family.top_k(config, cfg)  # 1 <= top-k <= n_experts
+    _check_layer_count(weight_map, family, n_layers, cfg, idx)
     if fmt.kind == formats.MXFP4 and not (family.fused_experts and family.fused_experts.mxfp4):
         raise FqError(f"{cfg}: quantization_config.quant_method 'mxfp4': fq reads MXFP4 as gpt-oss publishes it (fused "
                       f"expert tensors), not for a {family.architectures[0]} checkpoint")
-    if family.fused_experts and _is_fused(weight_map, family):
+    shard_sizes = _shard_sizes(weight_map, sizes, origin)
+    dtype = config.get("torch_dtype", config.get("dtype"))
+    fused = bool(family.fused_experts) and _is_fused(weight_map, family)
+    if fused:
+        _check_fused_count(weight_map, family, fmt, config, n_experts, hidden, (inter_key, inter), dtype, shard_sizes,
+                           tensors, cfg, origin)
         experts, scales, skeleton = _classify_fused(weight_map, family, fmt, n_experts, idx)
     else:
         experts, scales, skeleton = _classify(weight_map, family, fmt, idx)
+        _check_expert_count(experts, n_experts, family.experts_key(config), cfg, idx)
     if not experts:
         raise FqError(f"{idx}: no routed expert tensors found: a {family.architectures[0]} checkpoint names them "
                       f"{family.layout.key('{L}', '{E}', family.layout.projections[0], 'weight')} and the like")
-    dtype = config.get("torch_dtype", config.get("dtype"))
     if dtype not in DTYPE_BYTES:
         raise FqError(f"{cfg}: torch_dtype: expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
 
@@ -330,8 +348,9 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     if fmt.block is not None:
         for proj in PROJECTIONS:
             formats.scale_grid(projection_shape(hidden, inter, proj), fmt.block, experts[(moe_layers[0], 0, proj)], cfg)
+    if tensors is not None and not fused:
+        _check_expert_shapes(experts, weight_map, tensors, hidden, (inter_key, inter), cfg, origin)
 
-    shard_sizes = _shard_sizes(weight_map, sizes, origin)
     if config_bytes is None:
         config_bytes = canonical.dumps(top)
     if index_bytes is None:
@@ -341,11 +360,12 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
         revision = "local:sha256:" + canonical.sha256_hex(f"{config_sha}\n{index_sha}\n".encode())
     elif not isinstance(revision, str) or not revision.strip() or any(c.isspace() for c in revision):
         raise FqError(f"revision: expected a non-empty commit or tag without whitespace, got {revision!r}")
+    moe_set = set(moe_layers)
     model = SourceModel(
         origin=origin, revision=revision, family=family.name, model_type=str(top.get("model_type", "")),
         hidden_size=hidden, moe_intermediate_size=inter, n_experts=n_experts, dtype=dtype,
         num_hidden_layers=n_layers, moe_layers=tuple(moe_layers),
-        dense_layers=tuple(l for l in range(n_layers) if l not in set(moe_layers)), mtp_layers=tuple(mtp_layers),
+        dense_layers=tuple(l for l in range(n_layers) if l not in moe_set), mtp_layers=tuple(mtp_layers),
         weight_map=dict(weight_map), shard_sizes=shard_sizes, config_sha256=config_sha, index_sha256=index_sha,
         expert_names=experts, skeleton_tensors=tuple(skeleton), source_format=fmt, expert_scales=scales,
         exl3_problems=tuple(family.exl3_problems(config, [l for l in moe_layers if l < n_layers], n_layers)),
@@ -380,22 +400,47 @@ def _weight_map(index, idx: str) -> dict[str, str]:
     return index["weight_map"]
 
 
-def _safetensors_names(path: Path) -> list[str]:
-    """Tensor names from a safetensors header (8-byte length + JSON), without reading payloads."""
+def _read_shard_header(path: Path):
+    """A shard's header, read and validated by fq's own reader (``fq.model.shards.read_header``: a length, dtype,
+    shape or offset that lies is refused naming the file), never a payload."""
+    from fq.model.shards import read_header
+
     try:
         with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) != 8:
-                raise FqError(f"{path}: too short to be safetensors")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100_000_000:
-                raise FqError(f"{path}: header length {n} is implausible for safetensors")
-            header = canonical.loads(fh.read(n), f"{path} (safetensors header)", max_bytes=100_000_000)
+            return read_header(fh, str(path))
     except OSError as e:
         raise FqError(f"{path}: cannot read: {e.strerror}") from None
-    if not isinstance(header, dict):
-        raise FqError(f"{path}: safetensors header must be a JSON object")
-    return [k for k in header if k != "__metadata__"]
+
+
+def shard_tensors(path: Path, weight_map: Mapping[str, str], idx: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """tensor -> (safetensors dtype, shape) of every shard of the index that is on disk in ``path``, each header read
+    with fq's reader at plan time (a shard whose header lies fails here, by name, not in the first job that reads
+    it), and the index checked against the headers: every tensor it maps to a shard is in that shard, and no shard
+    holds a tensor the index maps to another. Shards not on disk (a plan from a sizes listing) are skipped; a tensor
+    a shard holds and the index does not name is not read by anything, and allowed."""
+    names: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        names.setdefault(shard, []).append(name)
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for shard in sorted(names):
+        p = path / shard
+        if not p.is_file():
+            continue
+        for e in _read_shard_header(p).entries:
+            owner = weight_map.get(e.name)
+            if owner is not None and owner != shard:
+                raise FqError(f"{p}: holds tensor {e.name!r}, which {idx} maps to {owner}; the index must name the "
+                              f"shard each tensor is in")
+            out[e.name] = (e.dtype, e.shape)
+    for shard in sorted(names):
+        if not (path / shard).is_file():
+            continue
+        missing = sorted(n for n in names[shard] if n not in out)
+        if missing:
+            more = f" ({len(missing)} such tensors)" if len(missing) > 1 else ""
+            raise FqError(f"{idx}: weight_map[{missing[0]!r}] names {shard}, but {path / shard} holds no such tensor"
+                          f"{more}; the index must name the shard each tensor is in")
+    return out
 
 
 def _sizes_from_disk(path: Path, index: dict, idx: str) -> dict[str, int]:
@@ -519,6 +564,91 @@ def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.Source
     return experts, scales, skeleton
 
 
+_LAYER_NUMBER = r"(0|[1-9][0-9]{0,8})\."
+
+
+def _check_layer_count(weight_map: Mapping[str, str], family: Family, n_layers: int, cfg: str, idx: str) -> None:
+    """``num_hidden_layers`` against the decoder layers the index names tensors of (every decoder layer has some:
+    its norms at least), before anything is built per layer."""
+    pattern = re.compile(re.escape(family.layout.layers) + _LAYER_NUMBER)
+    held = {int(m[1]) for m in map(pattern.match, weight_map) if m}
+    if n_layers > len(held):
+        where = f"layer(s) {format_layers(sorted(held))} under {family.layout.layers}" if held else \
+            f"none under {family.layout.layers}"
+        raise FqError(f"{cfg}: field 'num_hidden_layers': {n_layers} decoder layers, but {idx} names tensors of "
+                      f"{len(held)} ({where}); a config must not claim more layers than its checkpoint holds")
+
+
+def _check_expert_count(experts: Mapping[tuple[int, int, str], str], n_experts: int, key: str, cfg: str,
+                        idx: str) -> None:
+    """The routed-expert count against the expert numbers the index names (one matrix per expert), before anything
+    is built per expert: more experts than any layer's tensors name is a config that lies."""
+    held = max((e for _, e, _ in experts), default=-1) + 1
+    if experts and n_experts > held:
+        raise FqError(f"{cfg}: field {key!r}: {n_experts} routed experts per MoE layer, but {idx} names experts 0.."
+                      f"{held - 1} at most ({held}); a config must not claim more experts than its checkpoint holds")
+
+
+def _check_fused_count(weight_map: Mapping[str, str], family: Family, fmt: formats.SourceFormat, config: dict,
+                       n_experts: int, hidden: int, inter: tuple[str, int], dtype, sizes: Mapping[str, int],
+                       tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None, cfg: str, origin: str) -> None:
+    """The routed-expert count of a checkpoint whose experts are fused 3-D tensors (expert first), which the index
+    cannot count: against each fused tensor's first dimension where the shard headers were read, else against the
+    bytes the sizes give each shard (every expert's matrices take at least half a byte per weight). Refused before
+    anything is built per expert."""
+    key = family.experts_key(config)
+    spec = family.fused_experts
+    pattern = family.layout.experts_pattern()
+    names = sorted(n for n in weight_map if (m := pattern.fullmatch(n)) and m["rest"] in (
+        spec.gate_up, spec.down, f"{spec.gate_up}_blocks", f"{spec.down}_blocks"))
+    if tensors is not None:
+        for name in names:
+            if name in tensors:
+                shape = tensors[name][1]
+                if not shape or shape[0] != n_experts:
+                    raise FqError(f"{cfg}: field {key!r}: {n_experts} routed experts per MoE layer, but "
+                                  f"{origin}/{weight_map[name]}: tensor {name!r} is {list(shape)}, "
+                                  f"{shape[0] if shape else 0} experts (its first dimension)")
+        if all(name in tensors for name in names):
+            return
+    inter_key, inter_size = inter
+    for dim_key, dim in ((inter_key, inter_size), ("hidden_size", hidden)):  # the bound below needs honest dims
+        problem = dims_problem(dim)
+        if problem:
+            shown = names[0] if names else "the fused expert tensors"
+            raise FqError(f"{cfg}: {dim_key}={dim}: {problem}; the routed expert matrices ({shown} and the like) "
+                          f"cannot be encoded")
+    # bytes per weight as stored, at least (MXFP4: half a byte; an unknown dtype, refused later: the smallest)
+    per_weight = fmt.weight_bytes or DTYPE_BYTES.get(dtype, min(DTYPE_BYTES.values()))
+    need: dict[str, float] = {}
+    for name in names:
+        matrices = 2 if pattern.fullmatch(name)["rest"].startswith(spec.gate_up) else 1
+        need[weight_map[name]] = need.get(weight_map[name], 0) + n_experts * matrices * hidden * inter_size * per_weight
+    for shard, bytes_ in sorted(need.items()):
+        if bytes_ > sizes[shard]:
+            raise FqError(f"{cfg}: field {key!r}: {n_experts} routed experts per MoE layer (hidden_size={hidden}, "
+                          f"{inter_key}={inter_size}) need at least {int(bytes_)} bytes of fused expert tensors in "
+                          f"{shard}, which is {sizes[shard]} bytes; a config must not claim more experts than its "
+                          f"checkpoint holds")
+
+
+def _check_expert_shapes(experts: Mapping[tuple[int, int, str], str], weight_map: Mapping[str, str],
+                         tensors: Mapping[str, tuple[str, tuple[int, ...]]], hidden: int, inter: tuple[str, int],
+                         cfg: str, origin: str) -> None:
+    """Each routed expert matrix's shape, as its shard's header states it, against the (out, in) the config's dims
+    make (what an encode job reads it as): a config that lies about them is refused at plan time, not in a job."""
+    inter_key, inter_size = inter
+    for (layer, expert, proj), name in sorted(experts.items()):
+        if name not in tensors:  # its shard is not on disk (planned from a sizes listing)
+            continue
+        want = projection_shape(hidden, inter_size, proj)
+        shape = tuple(tensors[name][1])
+        if shape != want:
+            raise FqError(f"{origin}/{weight_map[name]}: tensor {name!r} is {list(shape)}, but {cfg} makes a routed "
+                          f"expert's {proj} projection {list(want)} (out, in) from hidden_size={hidden} and "
+                          f"{inter_key}={inter_size}")
+
+
 def _check_layers(found: list[int], expected: list[int], n_layers: int, mtp_allowed: int, cfg: str, idx: str):
     main = [l for l in found if l < n_layers]
     beyond = [l for l in found if l >= n_layers]
@@ -544,10 +674,14 @@ def _check_complete(experts: dict, moe_layers: list[int], n_experts: int, idx: s
         layer, e, proj = extra[0]
         raise FqError(f"{idx}: tensor {experts[extra[0]]!r} has expert index {e}, but the config has {n_experts} experts "
                       f"per layer ({len(extra)} such tensors)")
-    missing = [(l, e, p) for l in moe_layers for e in range(n_experts) for p in PROJECTIONS if (l, e, p) not in experts]
-    if missing:
-        shown = ", ".join(f"layer {l} expert {e} {p}" for l, e, p in missing[:5])
-        raise FqError(f"{idx}: {len(missing)} routed expert matrices missing from the index (first: {shown}); every "
+    # every key is of a layer in moe_layers and an expert below n_experts: the missing ones are counted, and the
+    # first few found by a walk that passes at most len(experts) present ones (never a list of every expected one)
+    n_missing = len(moe_layers) * n_experts * len(PROJECTIONS) - len(experts)
+    if n_missing:
+        expected = ((l, e, p) for l in moe_layers for e in range(n_experts) for p in PROJECTIONS)
+        first = list(itertools.islice((k for k in expected if k not in experts), 5))
+        shown = ", ".join(f"layer {l} expert {e} {p}" for l, e, p in first)
+        raise FqError(f"{idx}: {n_missing} routed expert matrices missing from the index (first: {shown}); every "
                       f"MoE layer needs gate, up and down of experts 0..{n_experts - 1}")
 
 

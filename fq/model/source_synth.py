@@ -8,6 +8,10 @@ shard of their own that holds no routed expert, as in the GLM-5.2 index the seed
 
     python -m fq.model.source_synth glm5 OUT_DIR
     # writes OUT_DIR/{config.json, model.safetensors.index.json, sizes.json}
+
+``write_sparse_shards`` adds the shards themselves as sparse files: real headers (each routed expert matrix at the
+(out, in) the config makes, every other tensor one bf16 element) over payloads that are holes, so a directory can be
+loaded (and its headers checked, as ``load_source`` checks them) without writing gigabytes.
 """
 from __future__ import annotations
 
@@ -93,6 +97,55 @@ def write_synthetic(out_dir: str | Path, config: dict, index: dict, sizes: dict[
     write_text(out / INDEX_NAME, canonical.pretty(index))
     write_text(out / "sizes.json", canonical.pretty(sizes))
     return out
+
+
+def write_sparse_shards(out_dir: str | Path, config: dict, index: dict) -> dict[str, int]:
+    """Every shard ``index`` names, into ``out_dir``, as a valid safetensors file whose payload is a hole (sparse:
+    nothing is written but the header): routed expert matrices at the shape the config makes (a family's fused
+    ``gate_up`` / ``down`` tensors at (E, ...) in its order), every other tensor one bf16 element. Returns the
+    shards' sizes."""
+    import math
+    import struct
+
+    from fq.model import families
+    from fq.model.source import PROJECTIONS, projection_shape
+
+    family = families.for_config(config, "config.json")
+    text = family.text_view(config, "config.json")
+    hidden, (inter, _) = text["hidden_size"], family.intermediate(text, "config.json")
+    proj_of = dict(zip(family.layout.projections, PROJECTIONS))
+    fused, pattern = family.fused_experts, family.layout.experts_pattern()
+
+    def shape_of(name: str) -> list[int]:
+        parsed = family.layout.parse(name)
+        if parsed is not None:
+            return list(projection_shape(hidden, inter, proj_of[parsed[2]]))
+        m = pattern.fullmatch(name)
+        if fused is not None and m is not None and m["rest"] in (fused.gate_up, fused.down):
+            out_, in_ = (2 * inter, hidden) if m["rest"] == fused.gate_up else (hidden, inter)
+            n = family.n_experts(text, "config.json")
+            return [n, out_, in_] if fused.order == "out_in" else [n, in_, out_]
+        return [1]
+
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in sorted(index["weight_map"].items()):
+        by_shard.setdefault(shard, []).append(name)
+    out, sizes = Path(out_dir), {}
+    for shard, names in by_shard.items():
+        head: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in names:
+            shape = shape_of(name)
+            n = 2 * math.prod(shape)
+            head[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+            offset += n
+        body = canonical.dumps(head)
+        body += b" " * (-(8 + len(body)) % 8)
+        with open(out / shard, "wb") as fh:
+            fh.write(struct.pack("<Q", len(body)) + body)
+            fh.truncate(8 + len(body) + offset)
+        sizes[shard] = 8 + len(body) + offset
+    return sizes
 
 
 # -- tensor lists ---------------------------------------------------------------------------------

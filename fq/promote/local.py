@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ LINK = "published"
 GENERATIONS = "generations"
 HISTORY = "promotions.jsonl"
 REPLACED = ".replaced"  # GENERATIONS/G.replaced: when G stopped being current
+GENERATION_NAME = re.compile(r"gen-[0-9a-f]{16}")  # G: gen- and 16 hex digits of the publication's content digest
 DEFAULT_GRACE_S = 24 * 3600
 
 
@@ -105,8 +107,10 @@ def current_generation(dest: Path) -> str | None:
         raise FqError(f"{link}: exists and is not a link; fq promote manages {LINK} as a link to a generation")
     target = os.readlink(link)
     parts = Path(target).parts
-    if len(parts) != 2 or parts[0] != GENERATIONS:
-        raise FqError(f"{link} -> {target}: not a generation fq promote made ({GENERATIONS}/NAME)")
+    # the name becomes paths (the G.replaced marker, pruning): only one fq promote makes, never '..' or '.'
+    if len(parts) != 2 or parts[0] != GENERATIONS or not GENERATION_NAME.fullmatch(parts[1]):
+        raise FqError(f"{link} -> {target}: not a generation fq promote made ({GENERATIONS}/gen-<16 hex digits>); "
+                      f"point it at one, or remove it")
     return parts[1]
 
 

@@ -52,7 +52,22 @@ def stage_shard(campaign_json: str, source_kind: str, source_dir: str, shard: st
         download_shard(repo, revision, shard, dst, expected["sha256"], expected["size"])
     else:
         copy_verified(Path(source_dir) / shard, dst, expected["sha256"], expected["size"])
+    check_header(dst)
     log_event(dst.parent, "stage", shard=shard, window=window)
+
+
+def check_header(path: Path) -> None:
+    """A staged shard's header, read with fq's reader (``fq.model.shards.read_header``): a hub shard's bytes are
+    first seen here, and a header that lies is refused by name now, not by safetensors in the job that reads it.
+    The refused copy is removed."""
+    from fq.model.shards import read_header
+
+    try:
+        with open(path, "rb") as fh:
+            read_header(fh, str(path))
+    except FqError:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def retire_window(staging_dir: str, window: int, retire: list[str], marker: str) -> None:

@@ -252,6 +252,8 @@ class Family:
     experts_keys: tuple[str, ...]  # spellings of the routed-expert count
     inter_keys: tuple[str, ...]  # spellings of a routed expert's intermediate size
     moe_rule: MoeRule
+    # spellings of the router's top-k (experts per token); at least 1 and at most the routed-expert count
+    topk_keys: tuple[str, ...] = ("num_experts_per_tok",)
     mtp_key: str | None = None  # next-token-prediction layers past num_hidden_layers, with routed experts
     router: str = "mlp.gate"  # router module under the layer prefix
     exl3: str | None = None  # the exllamav3 1.6.5 architecture class that loads a base; None: no EXL3 runtime does
@@ -294,6 +296,24 @@ class Family:
 
     def n_experts(self, config: dict, cfg: str) -> int:
         return read_int(config, self.experts_keys, cfg, self.title)
+
+    def experts_key(self, config: dict) -> str:
+        """The key the routed-expert count was read from (for messages)."""
+        return next((k for k in self.experts_keys if config.get(k) is not None), self.experts_keys[0])
+
+    def top_k(self, config: dict, cfg: str) -> tuple[int, str] | None:
+        """(experts each token is routed to, the key it was read from), or None where the config states none (the
+        transformers config class's default applies). Refused unless 1 <= top-k <= the routed-expert count: a router
+        cannot pick more experts than a layer has."""
+        top = read_int(config, self.topk_keys, cfg, self.title, default=None)
+        if top is None:
+            return None
+        key = next(k for k in self.topk_keys if config.get(k) is not None)
+        n = self.n_experts(config, cfg)
+        if top > n:
+            raise FqError(f"{cfg}: field {key!r}: top-{top} routing, but {self.experts_key(config)}={n}: a token "
+                          f"cannot be routed to more experts than a MoE layer has (expected an integer from 1 to {n})")
+        return top, key
 
     def intermediate(self, config: dict, cfg: str) -> tuple[int, str]:
         """(a routed expert's intermediate size, the key it was read from)."""

@@ -13,7 +13,8 @@ def _end_index(config: dict, n_layers: int) -> list[str]:
 ERNIE4_5_MOE = Family(
     name="ernie4_5_moe", title="ERNIE-4.5-MoE (text)", architectures=("Ernie4_5_MoeForCausalLM",),
     model_types=("ernie4_5_moe",), layout=STANDARD, experts_keys=("moe_num_experts", "num_experts"),
-    inter_keys=("moe_intermediate_size",), moe_rule=Interval(), exl3="Ernie4_5_MoeForCausalLM",
+    topk_keys=("moe_k", "num_experts_per_tok"), inter_keys=("moe_intermediate_size",), moe_rule=Interval(),
+    exl3="Ernie4_5_MoeForCausalLM",
     exl3_needs=Exl3Needs(stated=("moe_num_experts", "moe_k", "moe_intermediate_size", "moe_layer_start_index"),
                          values=(("moe_layer_interval", (1,), 1),), check=_end_index),
     # the router's score bias: mlp.moe_statics.e_score_correction_bias on disk, mlp.gate.moe_statics. in the module

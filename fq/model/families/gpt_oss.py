@@ -18,6 +18,7 @@ def _intermediate(experts) -> int:
 GPT_OSS = Family(
     name="gpt_oss", title="gpt-oss-20b / 120b", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",),
     layout=STANDARD, experts_keys=("num_local_experts", "num_experts"), inter_keys=("intermediate_size",),
+    topk_keys=("num_experts_per_tok", "experts_per_token"),  # the published config.json states both
     moe_rule=AllLayers(), router="mlp.router", exl3="GptOssForCausalLM",
     on_disk="`model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}[_bias]` (E first; MXFP4: `*_blocks`, `*_scales`)",
     # bf16: transformers' (E, in, out), gate and up interleaved along the output; MXFP4: (E, out, in/32, 16) blocks
