@@ -1,16 +1,21 @@
 # Helpers shared by the rules: the campaign is planned here, at parse time, from metadata alone.
 import hashlib
 import re
+import sys
 from pathlib import Path
 
 from fq.core import kbits
 from fq.model.demo_model import SIDE_FILES as DEMO_SIDE_FILES, TEXT_SPLITS as DEMO_TEXT_SPLITS
 from fq.provenance.publication import NAME as PUBLICATION_NAME
+from fq.errors import FqError
 from fq.workflow.campaign import load_campaign
 from fq.workflow.common import INDEX, SUMMARY
 from fq.workflow.launch import on_start
 
-C = load_campaign(config)
+try:
+    C = load_campaign(config)
+except FqError as e:  # a refused source, recipe or config: fq's one line, not a traceback through the Snakefile
+    sys.exit(f"fq: {e}")
 OUT = str(C.out)
 W = C.plan.windows_on_disk
 KEY = config.get("signer_key") or f"{OUT}/keys/signer.key"

@@ -372,3 +372,26 @@ def test_hostile_configs_and_shards_are_refused_by_plan_price_and_the_workflow(t
     wants.append(f"{src / shard}: header length 1099511627776 does not fit in the file")
     for (rc, err), want in zip(_capped(calls), wants, strict=True):
         assert rc == 2 and err.startswith(want) and err.count("\n") <= 1, (want, err)
+
+
+def test_the_workflow_refuses_a_hostile_config_in_one_line(tmp_path):
+    """`snakemake -n` on a source whose config claims 10^9 experts: fq's one line on stderr and a failing exit, not a
+    traceback through the Snakefile (rules/common.smk plans the campaign at parse time)."""
+    import subprocess
+    import sys
+
+    from fq.model.source_synth import write_sparse_shards
+
+    c, i, s = synthetic_checkpoint("deepseek", hidden=256, inter=128, n_experts=8, n_layers=2, vocab=1024,
+                                   shard_bytes=2_000_000)
+    src = write_synthetic(tmp_path / "src", {**c, "n_routed_experts": 10**9}, i, s)
+    write_sparse_shards(src, c, i)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(json.dumps({"campaign": "t", "out": str(tmp_path / "out"),
+                               "recipe": str(RECIPES / "glm52-k2k3-lean.json"),
+                               "source": {"kind": "local", "path": str(src)}}))
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", str(cfg)], cwd=RECIPES.parent,
+                       capture_output=True, text=True)
+    assert p.returncode != 0
+    assert f"fq: {src}/config.json: field 'n_routed_experts': 1000000000 routed experts" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and 'File "' not in p.stderr, p.stderr
