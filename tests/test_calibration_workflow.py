@@ -750,6 +750,24 @@ def _swap_linears(paths, node, priv):
         insiderkit.reattest(path, priv)
 
 
+def _extra_linear(pub, priv):
+    """Layer 1's attention fragment written again by fq's writer with one more linear in it (a copy of its q_proj
+    under the name of a projection the model does not have), its attestation re-signed over the bytes."""
+    import insiderkit
+    from fq.provenance.fragments import write_linears
+
+    path = pub / "base" / "a" / "attention-K4-mul1-layer001.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tset: dict = {}
+        for k in f.keys():
+            lin, _, suffix = k.rpartition(".")
+            tset.setdefault(lin, {})[suffix] = f.get_tensor(k)
+    tset["model.layers.1.self_attn.x_proj"] = dict(tset["model.layers.1.self_attn.q_proj"])
+    path.unlink()
+    write_linears(path, node="attention-K4-mul1", cls="attention", layer=1, K=4, codebook="mul1", linears=tset)
+    insiderkit.reattest(path, priv)
+
+
 def _stage_residual_of_another_layer(pub, priv):
     _swap_linears([pub / "stages" / "a.r1" / f"{RESIDUAL}-layer00{i}.safetensors" for i in (1, 2)], RESIDUAL, priv)
 
@@ -823,6 +841,8 @@ ATTACKS = {  # name -> (attack, what every consumer's refusal says)
     "a stage residual holding another layer's linears under its own labels": (
         _stage_residual_of_another_layer, r"holds model\.layers\.2\.self_attn\.\w+, which is attention layer 2, under the "
                                           r"labels attention layer 1"),
+    "an extra linear in a linear fragment": (
+        _extra_linear, r"holds model\.layers\.1\.self_attn\.x_proj, which is no linear fq quantizes"),
     "one linear node with two digests": (
         _reattest("attention-K4-mul1-layer001.safetensors", lambda p: p.update(node_digest=OTHER_DIGEST),
                   _two_digests_plan), r"linear node attention-K4-mul1's fragments attest 2 node digests"),
