@@ -656,30 +656,6 @@ def test_bases_of_one_K_share_one_expert_encoding_and_each_publishes_it(cal):
     assert price["e"].experts == 8 * n_blocks and price["a"].output_bytes == price["e"].output_bytes
 
 
-def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):
-    """An insider (the campaign's own key) re-signs a fragment's attestation naming another Hessian: finalize
-    refuses it, naming the fragment and the bound digest."""
-    from fq.provenance.attest import dsse, keys
-
-    c = campaign(cal)
-    f = c.fragments[0]
-    frag = Path(c.fragment(f.node, f.block))
-    att = frag.with_name(frag.name + ".intoto.jsonl")
-    kept = att.read_bytes()
-    st = statement(frag)
-    st["predicate"]["quant_args"]["hessian"]["sha256"] = "f" * 64
-    priv = keys.load_private(cal / "campaign" / "keys" / "signer.key")
-    att.write_bytes(dsse.envelope_line(dsse.sign(canonical.dumps(st), priv)))
-    try:
-        p = smk(cal, "--forcerun", "finalize", check=False)
-        assert p.returncode != 0
-        log = (cal / "campaign" / "logs" / "finalize.log").read_text()
-        assert frag.name in log and "encoded against Hessian " + "f" * 64 in log
-        assert canonical.load(c.hessian_binding(f.block.layer))["sha256"] in log
-    finally:
-        att.write_bytes(kept)  # the module's last test: no repair run (finalize's outputs went with its failure)
-
-
 # -- every consumer checks the base as one model (fq.provenance.complete): an insider's re-signed trees -------------
 # Each attack edits a copy of the published tree and re-signs everything that names the edited files with the
 # campaign's own key (insiderkit: base manifests with their derived files recomputed, plans, the publication
@@ -945,3 +921,27 @@ def test_an_attestation_the_plan_does_not_name_is_named_with_both_digests(cal, t
         m = re.search(r"attestation file is not the one the plan names \(the file's sha256 is (\w+)…, the plan names "
                       r"(\w+)…\)", text)
         assert m and m.group(1) != m.group(2), (consumer, said)
+
+
+def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):
+    """An insider (the campaign's own key) re-signs a fragment's attestation naming another Hessian: finalize
+    refuses it, naming the fragment and the bound digest."""
+    from fq.provenance.attest import dsse, keys
+
+    c = campaign(cal)
+    f = c.fragments[0]
+    frag = Path(c.fragment(f.node, f.block))
+    att = frag.with_name(frag.name + ".intoto.jsonl")
+    kept = att.read_bytes()
+    st = statement(frag)
+    st["predicate"]["quant_args"]["hessian"]["sha256"] = "f" * 64
+    priv = keys.load_private(cal / "campaign" / "keys" / "signer.key")
+    att.write_bytes(dsse.envelope_line(dsse.sign(canonical.dumps(st), priv)))
+    try:
+        p = smk(cal, "--forcerun", "finalize", check=False)
+        assert p.returncode != 0
+        log = (cal / "campaign" / "logs" / "finalize.log").read_text()
+        assert frag.name in log and "encoded against Hessian " + "f" * 64 in log
+        assert canonical.load(c.hessian_binding(f.block.layer))["sha256"] in log
+    finally:
+        att.write_bytes(kept)  # the module's last test: no repair run (finalize's outputs went with its failure)
