@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,28 @@ def test_registry_is_consistent():
     assert families.transformers_model_type({"model_type": "kimi_k2"}) == "deepseek_v3"
     with pytest.raises(FqError, match="architecture 'Llama4ForCausalLM' is not a model family fq reads"):
         families.for_config({"architectures": ["Llama4ForCausalLM"]}, "c")
+
+
+def test_every_config_value_exllamav3_asserts_is_checked_at_plan_time(built, tmp_path):
+    """Every exllamav3 class the registry names has its assert_cfg facts in fq/data (tools/exl3_config_asserts.py
+    extracts them from the wheel); a Qwen3-MoE with norm_topk_prob false (transformers builds and saves it; exllamav3
+    1.6.5 refuses it: "Key norm_topk_prob expected to have value True but was False") is an exllamav3 problem at plan
+    time, and the stated default is not."""
+    from fq.model.families.base import exl3_config_asserts
+
+    asserts = exl3_config_asserts()
+    for f in families.REGISTRY.values():
+        assert f.exl3 is None or f.exl3 in asserts, f.name
+    assert {"key": "norm_topk_prob", "value": True, "optional": True} in asserts["Qwen3MoeForCausalLM"]
+    d = built("Qwen3MoeForCausalLM")
+    src = shutil.copytree(d, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    assert load_source(src).exl3_problems == ()
+    (src / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": False}))
+    assert load_source(src).exl3_problems == (
+        "norm_topk_prob=False (exllamav3's Qwen3MoeForCausalLM asserts True)",)
+    with pytest.raises(FqError, match="norm_topk_prob=False"):
+        make_plan(parse_recipe(RECIPE, "recipe"), load_source(src))
 
 
 def test_gpt_oss_mxfp4_is_read_per_expert_as_the_reference_dequantizes_it(built):

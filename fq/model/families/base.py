@@ -8,6 +8,8 @@ or is refused by name.
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -158,6 +160,32 @@ class Exl3Needs:
         return out
 
 
+@functools.lru_cache(maxsize=1)
+def exl3_config_asserts() -> dict:
+    """{exllamav3 class: [{key, value, optional}, ...]}: what each class's ``assert_cfg`` requires of config.json
+    (fq/data/exl3_config_asserts.json, extracted from the exllamav3 wheel by tools/exl3_config_asserts.py)."""
+    from importlib import resources
+
+    return json.loads(resources.files("fq").joinpath("data/exl3_config_asserts.json").read_text())["asserts"]
+
+
+def exl3_assert_problems(exl3_class: str, config: dict) -> list[str]:
+    """The keys of ``config`` (the language model's view) that exllamav3's class asserts otherwise: it refuses to
+    load such a base ("Key ... expected to have value ..."). A key it asserts and may miss (``optional``) is fine
+    absent; one it requires is a problem when absent."""
+    out = []
+    for a in exl3_config_asserts().get(exl3_class, ()):
+        key, want = a["key"], a["value"]
+        if config.get(key) is None:
+            if not a["optional"]:
+                out.append(f"{key} is not stated (exllamav3's {exl3_class} requires {want!r})")
+            continue
+        ok = config[key] in want if isinstance(want, list) else config[key] == want
+        if not ok or type(config[key]) is not type(want) and not isinstance(want, list):
+            out.append(f"{key}={config[key]!r} (exllamav3's {exl3_class} asserts {want!r})")
+    return out
+
+
 def full_attention(hf_cfg, layer: int) -> str:
     return "full_attention"
 
@@ -289,7 +317,8 @@ class Family:
         """Why exllamav3 1.6.5 would not load (or would misread) a base of this config; empty: it loads."""
         if self.exl3 is None:
             return [f"exllamav3 1.6.5 has no class for {self.architectures[0]}"]
-        return self.exl3_needs.problems(config, moe_layers, n_layers)
+        return exl3_assert_problems(self.exl3, {**config, **self.exl3_needs.derived_keys(config)}) + \
+            self.exl3_needs.problems(config, moe_layers, n_layers)
 
     def moe_layers(self, config: dict, n_layers: int, cfg: str) -> list[int]:
         return self.moe_rule.layers(config, n_layers, cfg, self.title)

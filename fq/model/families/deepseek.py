@@ -20,8 +20,7 @@ DEEPSEEK_V3 = Family(
     exl3_needs=Exl3Needs(
         stated=("n_routed_experts", "moe_intermediate_size", "intermediate_size", "first_k_dense_replace",
                 "routed_scaling_factor", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
-        values=(("n_group", (1,), 8), ("topk_group", (1,), 4), ("scoring_func", ("sigmoid",), "sigmoid"),
-                ("topk_method", ("noaux_tc",), "noaux_tc"))))
+        values=(("n_group", (1,), 8), ("topk_group", (1,), 4))))  # scoring_func, topk_method: its assert_cfg
 
 DEEPSEEK_V32 = Family(
     name="deepseek_v32", title="DeepSeek-V3.2", architectures=("DeepseekV32ForCausalLM",),

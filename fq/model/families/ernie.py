@@ -16,7 +16,7 @@ ERNIE4_5_MOE = Family(
     topk_keys=("moe_k", "num_experts_per_tok"), inter_keys=("moe_intermediate_size",), moe_rule=Interval(),
     exl3="Ernie4_5_MoeForCausalLM",
     exl3_needs=Exl3Needs(stated=("moe_num_experts", "moe_k", "moe_intermediate_size", "moe_layer_start_index"),
-                         values=(("moe_layer_interval", (1,), 1),), check=_end_index),
+                         check=_end_index),  # moe_layer_interval 1: its class's assert_cfg
     # the router's score bias: mlp.moe_statics.e_score_correction_bias on disk, mlp.gate.moe_statics. in the module
     calibration=Calibration("transformers.models.ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeDecoderLayer",
                             "Ernie4_5_MoeRotaryEmbedding", renames=(("mlp.moe_statics.", "mlp.gate.moe_statics."),)))

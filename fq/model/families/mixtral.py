@@ -22,11 +22,9 @@ MINIMAX_M2 = Family(
     # exllamav3 1.6.5 looks up the router's score bias only at block_sparse_moe.gate.e_score_correction_bias (its
     # BlockSparseMLP, key_e_score_bias); MiniMax-M2 stores it at block_sparse_moe.e_score_correction_bias: the base
     # derives it under exllamav3's name (tensor_aliases.safetensors), the skeleton keeps the published one
-    # (its class also asserts silu, a normalized top-k and per-layer q/k norms, each when stated)
+    # (its class also asserts silu, a normalized top-k and per-layer q/k norms, each when stated: assert_cfg)
     exl3_needs=Exl3Needs(
         stated=("num_local_experts", "intermediate_size"),
-        values=(("hidden_act", ("silu",), "silu"), ("norm_topk_prob", (True, None), None),
-                ("qk_norm_type", ("per_layer", None), None)),
         tensor_aliases=(("block_sparse_moe.e_score_correction_bias",
                          "block_sparse_moe.gate.e_score_correction_bias"),)),
     # as Mixtral, plus block_sparse_moe.e_score_correction_bias (the block's buffer, passed to its sigmoid router)

@@ -87,8 +87,7 @@ QWEN3_5_MOE_VL = Family(
     # exllamav3's VL class reads model.language_model.layers.* and the language model's keys from text_config (and
     # asserts silu and a normalized top-k, each when stated)
     exl3="Qwen3_5MoeForConditionalGeneration", calibration=_QWEN3_5_CHAIN,
-    exl3_needs=Exl3Needs(**_NEEDS, values=(("hidden_act", ("silu",), "silu"), ("norm_topk_prob", (True, None), None)),
-                         check=_vision_config))
+    exl3_needs=Exl3Needs(**_NEEDS, check=_vision_config))
 
 QWEN2_MOE = Family(
     name="qwen2_moe", title="Qwen1.5-MoE / Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",),

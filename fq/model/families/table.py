@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from fq.model import families
-from fq.model.families.base import Family
+from fq.model.families.base import Family, exl3_config_asserts
 
 HEADER = ("| architecture | releases | routed experts on disk | source formats | calibration chain | "
           "exllamav3 1.6.5 | KL(fq ‖ exllamav3), H200 |")
@@ -35,6 +35,10 @@ def _exl3(f: Family) -> str:
         notes.append("states " + ", ".join(f"`{k}`" for k in needs.stated))
     if needs.values:
         notes.append("needs " + ", ".join(f"`{k}` ∈ {{{', '.join(map(str, v))}}}" for k, v, _ in needs.values))
+    asserts = exl3_config_asserts().get(f.exl3, ())
+    if asserts:  # exllamav3's assert_cfg: a stated value must be this (required: must be stated)
+        notes.append("asserts " + ", ".join(f"`{a['key']}` = {a['value']}" + ("" if a["optional"] else " (required)")
+                                            for a in asserts))
     if needs.all_moe:
         notes.append("every layer MoE")
     if needs.aliases:
