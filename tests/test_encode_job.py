@@ -166,11 +166,11 @@ def test_gpu_pipeline_benchmark_smoke_on_cpu(tmp_path):
     """benchmarks/gpu_pipeline.py: real job processes, two at a time, their timelines and the share."""
     out = tmp_path / "p.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_pipeline.py"), "--device", "cpu", "--experts", "1",
-                        "--scale", "16", "--jobs", "3", "--threads", "1", "--tmp", str(tmp_path), "--json", str(out)],
+                        "--scale", "16", "--jobs", "2", "--threads", "1", "--tmp", str(tmp_path), "--json", str(out)],
                        capture_output=True, text=True, cwd=str(ROOT), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["fragments"] == 3 and res["all_committed"]
+    assert res["fragments"] == 2 and res["all_committed"]
     rows = res["rows"]
     assert all(r["device"] == "cpu" and r["busy_s"] > 0 and r["tail_s"] > 0 for r in rows)
     assert all(r["launch"] <= r["claimed"] <= r["first_call"] <= r["last_call_end"] <= r["done"] <= r["exit"] for r in rows)
