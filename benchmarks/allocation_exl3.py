@@ -340,7 +340,11 @@ def measure(a) -> int:
         print(f"{name}: {row['bytes']:,} B " + " ".join(f"{k} KL {v['kl']:.5f} ± {v['se_win']:.5f}"
                                                        for k, v in row["texts"].items()), flush=True)
 
-    scratch = Path(tempfile.mkdtemp(prefix="alloc-exl3-"))
+    # --scratch keeps the conversions between calls (a device call is at most 10 minutes): a finished one is scored
+    # again without converting, an interrupted one resumes from its work directory (the converter's own -r)
+    keep = a.scratch is not None
+    scratch = Path(a.scratch) if keep else Path(tempfile.mkdtemp(prefix="alloc-exl3-"))
+    scratch.mkdir(parents=True, exist_ok=True)
     conv_src = converter_source(src, scratch)
     bs, hqs = [("b", b) for b in _floats(a.b)], [("hq", b) for b in _floats(a.hq)]
     jobs = [j for pair in zip(bs, hqs) for j in pair] + bs[len(hqs):] + hqs[len(bs):]  # alternately
@@ -350,10 +354,15 @@ def measure(a) -> int:
         label = f"exllamav3 -b {b:g}" + (" -hq" if kind == "hq" else "")
         tag = label.replace(" ", "_")
         t0 = time.time()
-        d = convert(conv_src, scratch / tag, scratch / (tag + "-work"), ["-b", f"{b:g}"] + (["-hq"] if kind == "hq"
-                                                                                         else []),
-                    scratch / f"{tag}.log")
-        return label, kind, b, d, time.time() - t0
+        d, work, done = scratch / tag, scratch / (tag + "-work"), scratch / (tag + ".done")
+        if done.is_file():  # converted by an earlier call: its time then
+            return label, kind, b, d, float(done.read_text())
+        args = ["-r"] if (work / "args.json").is_file() else ["-b", f"{b:g}"] + (["-hq"] if kind == "hq" else [])
+        convert(conv_src, d, work, args, scratch / f"{tag}.log")
+        secs = time.time() - t0
+        if keep:
+            done.write_text(f"{secs:.1f}")
+        return label, kind, b, d, secs
 
     def logs():  # the converter's logs so far, one after another
         with open(out / "convert.log", "w") as f:
@@ -378,11 +387,13 @@ def measure(a) -> int:
             continue
         score(label, kind, d, {"b": b, "convert_seconds": round(secs, 1)})
         logs()
-        shutil.rmtree(d, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(d, ignore_errors=True)
     if pool:
         pool.shutdown()
     logs()
-    shutil.rmtree(scratch, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(scratch, ignore_errors=True)
     _write_json(out / "measure.json", doc)
     return 0
 
@@ -552,6 +563,8 @@ def main(argv=None) -> int:
     m.add_argument("--b", default="", help="exllamav3 -b values")
     m.add_argument("--hq", default="", help="exllamav3 -b values with -hq")
     m.add_argument("--parallel", type=int, default=4)
+    m.add_argument("--scratch", help="keep the conversions here (reused, or resumed, by a later call); default: a "
+                                     "temporary directory removed at the end")
     m.add_argument("--tokens", type=int, default=32768)
     m.add_argument("--seq", type=int, default=256)
     m.add_argument("--skip-exl3", action="store_true", help="no exllamav3 (a dry run of the plumbing on the CPU)")

@@ -57,10 +57,15 @@ bench)
     fi
     cp /tmp/bench/a41/fq/build.json "$OUT/bench_build.json" 2>/dev/null
     step "measure"
+    # the conversions are kept in /tmp/bench/convert: a later call scores the finished ones again and resumes the
+    # others from their last checkpoint (cut at $DEADLINE, the converters are stopped first, so none runs on unseen)
     timeout $((${DEADLINE:-570} - ($(date +%s) - T0))) python3 benchmarks/allocation_exl3.py measure /tmp/bench/model "$OUT/bench" \
         --fq /tmp/bench/a41/fq --text "docs=$A41/text/docs.txt" --text heldout=/tmp/bench/text/heldout.txt \
-        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep --line-buffered -v "^Loading weights"
+        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} --scratch /tmp/bench/convert 2>&1 \
+        | grep --line-buffered -v "^Loading weights"
     echo "measure rc=${PIPESTATUS[0]}"
+    pkill -f exllamav3.conversion.convert_model && sleep 3
+    for l in /tmp/bench/convert/*.log; do [ -f "$l" ] && { echo "--- $l"; tail -3 "$l"; }; done
     ;;
 esac
 step "$s done"

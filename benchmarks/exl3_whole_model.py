@@ -127,7 +127,7 @@ def converter_source(src: Path, scratch: Path) -> Path:
     d = scratch / "source"
     d.mkdir(exist_ok=True)
     for f in src.iterdir():
-        if f.name != "config.json":
+        if f.name != "config.json" and not (d / f.name).is_symlink():  # linked by an earlier call (--scratch)
             (d / f.name).symlink_to(f.resolve())
     (d / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
     return d
