@@ -12,6 +12,7 @@ rule finalize:
         linears=linear_files(),
         retired=[C.retired(w.index) for w in C.plan.windows],
         repair=repair_marker(),
+        eval_text=[C.eval_text] if C.eval_config else [],  # the model cards name it with its sha256
     output:
         summary=f"{OUT}/{SUMMARY}",
         assemblies=assembly_files(),

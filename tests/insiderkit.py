@@ -110,7 +110,8 @@ def resign_manifest(base_dir: Path, priv) -> str:
 def rederive(base_dir: Path, pred: dict) -> None:
     """The derived files recomputed by their declared rules over the base as it is now (a whole-model base's
     ``model_bits`` set to what its shards hold), as an insider running fq's own derivation would."""
-    from fq.provenance.exl3config import RULES, storage_bits, tensor_storage
+    from fq.provenance.derived import RULES
+    from fq.provenance.exl3config import storage_bits, tensor_storage
 
     listed = [n for n in list_files(base_dir) if n not in {d["name"] for d in pred.get("derived", [])}]
     for d in pred.get("derived", []):

@@ -36,6 +36,7 @@ from fq.provenance.exl3config import specs as derived_specs, write_derived
 from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton
 from fq.provenance.identity import encoder_identity
 from fq.provenance.manifest import write_base_manifest
+from fq.provenance.model_card import card_params, write_card
 from fq.provenance.publication import build_publication, write_publication
 
 LAYERS = (1, 3)
@@ -198,11 +199,19 @@ def private_copy(pristine: Campaign, dest: Path) -> Campaign:
                     {p: root / path.relative_to(pristine.root) for p, path in pristine.plans.items()})
 
 
+def card_params_of(camp: dict, **over) -> dict:
+    """The model card params finalize would give base k2 of campaign identity ``camp``."""
+    return card_params(**{"base_model": camp["source"]["repo"], "revision": camp["source"]["revision"], "node": "k2",
+                          "campaign": camp["name"], "signer": camp["signer"], **over})
+
+
 def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dims: dict | None = None,
-                   signer: "Campaign | None" = None, name: str = "test", version: int = 1) -> Campaign:
+                   signer: "Campaign | None" = None, name: str = "test", version: int = 1,
+                   card: bool = False) -> Campaign:
     """``codec_sets[(node, layer, expert, proj)]`` overrides the random set of that linear; ``dims``
     overrides DIMS (torch (out, in) per projection); ``signer``: another campaign whose key signs this one
-    (two campaigns of one signer), ``name`` the campaign's name, ``version`` its plans' and publication's."""
+    (two campaigns of one signer), ``name`` the campaign's name, ``version`` its plans' and publication's;
+    ``card``: the base carries its model card README.md (declared derived, as finalize writes it)."""
     dims = dims or DIMS
     tmp = Path(tmp)
     if signer is None:
@@ -252,7 +261,8 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
                                 quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
                                 node_digest=spec["digest"], parent=parent)
     write_derived(base, bits=2, codebook="mul1")
-    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=DERIVED)
+    derived = DERIVED + ([write_card(base, card_params_of(camp))] if card else [])
+    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived)
     for product in PRODUCTS:
         c.plans[product] = _plan(c, product, version, EXPIRES, priv)
     publish(c)

@@ -189,6 +189,39 @@ def test_finalize_signs_the_publication_statement_and_the_summary_is_its_view(ru
     assert ", publication version 1 verified under key " in (out / "published.verified").read_text()
 
 
+def test_each_published_base_carries_its_model_card(run):
+    """Issue 44: finalize writes README.md into the base directory in the Hub's model-card format, declared derived in
+    the signed manifest (so every consumer recomputes it); its numbers are the plan's K, the eval job's text and
+    window, and the stored bytes quantization_config.json lists. (finalize twice, below, gives the same bytes.)"""
+    import yaml
+
+    from fq.provenance.attest import keys
+    from fq.provenance.manifest import read_base_manifest
+
+    d, _ = run
+    out = d / "campaign"
+    base = out / "published" / "base" / "a"
+    text = (base / "README.md").read_text()
+    head, body = text.removeprefix("---\n").split("\n---\n", 1)
+    meta = yaml.safe_load(head)
+    assert meta == {"base_model": "fq-demo", "base_model_relation": "quantized", "library_name": "exllamav3",
+                    "pipeline_tag": "text-generation", "quantized_by": "fq", "tags": ["exl3", "quantized", "moe", "fq"]}
+    (node,) = [n for n in canonical.load(out / "plan.json")["nodes"] if n["name"] == "a"]
+    assert f"| routed experts | K{node['K']} |" in body and f"Codebook `{node['codebook']}`" in body
+    assert "`Glm4MoeForCausalLM`" in body
+    qc = canonical.load(base / "quantization_config.json")
+    stored = sum(t["n_bytes"] for e in qc["tensor_storage"].values() for t in e["stored_tensors"].values())
+    assert f"| stored tensor bytes | {stored:,} (" in body and f"| bits per weight | {qc['bits']:g} (" in body
+    heldout = hashlib.sha256((out / "demo-text" / "heldout.txt").read_bytes()).hexdigest()
+    assert (f"on `heldout.txt` (sha256 `{heldout}`): its first {EVAL['tokens']} tokens in windows of "
+            f"{EVAL['seq_len']}, {4 * 255:,} next-token positions") in body  # what eval.json says it measured
+    assert "fq verify base/a/fq-manifest.intoto.jsonl --key signer.pub" in body
+    manifest = read_base_manifest(base, keys.load_public(out / "signer.pub"))
+    card = [e for e in manifest.derived if e["name"] == "README.md"]
+    assert [e["rule"] for e in card] == ["fq-model-card/1"] and card[0]["params"]["node"] == "a"
+    assert card[0]["params"]["signer"] == manifest.campaign["signer"]
+
+
 def test_hot_stage_encodes_the_experts_the_usage_job_measured(run):
     """The usage job routed the calibration text through the demo checkpoint; the plan's hot selections are that
     file's hottest experts (the same as the usage recorded with the model, which the DAG was first planned from)."""

@@ -725,14 +725,16 @@ def first_difference(want, got, path: str = "") -> str | None:
     return None
 
 
-def check_derived(base_dir: str | os.PathLike, entry: dict, where: str) -> tuple[str | None, str, int]:
+def check_derived(base_dir: str | os.PathLike, entry: dict, where: str, rules: dict | None = None
+                  ) -> tuple[str | None, str, int]:
     """Recompute one declared derived file of ``base_dir`` and compare it with the file there. Returns
     (problem or None, sha256, size) of the file as present (its digest is then compared with the manifest's).
     ``entry``: the manifest's ``{name, rule, params, from}``; its inputs are checked against the manifest by the
     caller. ``where``: the file's path as messages name it. A file larger than any derived file is refused by its
-    size, unread."""
+    size, unread. ``rules``: the registry the rule is looked up in (default: this module's; fq.provenance.derived
+    adds the model card's)."""
     base_dir = Path(base_dir)
-    rule = RULES[entry["rule"]]
+    rule = (rules or RULES)[entry["rule"]]
     name = entry["name"]
     try:
         want = rule.derive(base_dir, [f["name"] for f in entry["from"]], entry["params"])
@@ -747,6 +749,9 @@ def check_derived(base_dir: str | os.PathLike, entry: dict, where: str) -> tuple
     digest = canonical.sha256_hex(data)
     if data == want:
         return None, digest, len(data)
+    if hasattr(rule, "explain"):  # a text file: the first line that differs
+        return (f"{where}: {rule.explain(want, data)} (rule {entry['rule']}; a derived file must be its rule's output "
+                "byte for byte)"), digest, size
     if not rule.json:
         return (f"{where}: not the bytes rule {entry['rule']} derives from the base's shards ({len(data)} bytes, the "
                 f"rule's output is {len(want)}; a derived file must be its rule's output byte for byte)"), digest, size

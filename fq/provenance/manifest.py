@@ -36,8 +36,9 @@ from fq.provenance.attest.campaign import require_same
 from fq.provenance.attest.fragment import verify_shard
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.attest.statement import MANIFEST, parse_statement, statement
-from fq.provenance.exl3config import (CONFIG, DERIVED_ORDER, QUANTIZATION_CONFIG, RULES, TENSOR_OUTPUTS, TENSOR_RULES,
-                                      check_derived, rule_inputs)
+from fq.provenance.derived import DERIVED_ORDER, OPTIONAL, RULES, check_derived, rule_inputs
+from fq.provenance.exl3config import CONFIG, QUANTIZATION_CONFIG, TENSOR_OUTPUTS, TENSOR_RULES
+from fq.provenance.model_card import README, RULE as RULE_CARD, check_params as check_card_params
 from fq.model.shards import Header, read_header
 from fq.provenance.fragments import attestation_name
 from fq.provenance.geometry import stored_shape_problems
@@ -91,8 +92,9 @@ def _hash(base_dir, name: str, size: int | None = None) -> tuple[str, int]:
 
 def write_base_manifest(base_dir: str | os.PathLike, *, node: str, campaign: dict,
                         key: Ed25519PrivateKey, derived: list[dict]) -> tuple[Path, str]:
-    """``derived``: ``[{name, rule, params}]`` (``fq.provenance.exl3config.write_derived``'s specs): the base's
-    config.json and quantization_config.json; their ``from`` is filled here, and each must be its rule's output."""
+    """``derived``: ``[{name, rule, params}]`` (``fq.provenance.exl3config.write_derived``'s specs, the model card's):
+    the base's config.json and quantization_config.json (and README.md); their ``from`` is filled here, and each must
+    be its rule's output."""
     names = list_files(base_dir)
     if not names:
         raise FqError(f"{base_dir}: empty base; nothing to manifest")
@@ -159,13 +161,17 @@ def _check_declared(derived: list[dict], files: dict, where: str) -> tuple:
     listed files with their listed digests."""
     outputs = sorted(d["name"] for d in derived)
     if len(set(outputs)) != len(outputs) or not set(DERIVED_FILES) <= set(outputs) \
-            or not set(outputs) - set(DERIVED_FILES) <= set(TENSOR_OUTPUTS):
-        raise FqError(f"{where}: declares derived files {outputs}; a base declares {sorted(DERIVED_FILES)} and, "
-                      f"when its skeleton needs them, {' and '.join(TENSOR_OUTPUTS)} (each recomputed by every "
-                      "consumer)")
-    if len({canonical_dumps(d["params"]) for d in derived}) != 1:
+            or not set(outputs) - set(DERIVED_FILES) <= set(OPTIONAL):
+        raise FqError(f"{where}: declares derived files {outputs}; a base declares {sorted(DERIVED_FILES)}, "
+                      f"its model card {README} and, when its skeleton needs them, {' and '.join(TENSOR_OUTPUTS)} "
+                      "(each recomputed by every consumer)")
+    exl3 = [d for d in derived if d["rule"] != RULE_CARD]  # the card's params are its own (fq.provenance.model_card)
+    if len({canonical_dumps(d["params"]) for d in exl3}) != 1:
         raise FqError(f"{where}: derived files declare different params "
-                      f"({'; '.join(d['name'] + ': ' + canonical_dumps(d['params']).decode() for d in derived)})")
+                      f"({'; '.join(d['name'] + ': ' + canonical_dumps(d['params']).decode() for d in exl3)})")
+    for d in derived:
+        if d["rule"] == RULE_CARD:
+            check_card_params(d["params"], f"{where}: derived {d['name']}")
     seen = set()
     for d in derived:
         name, rule = d["name"], d["rule"]

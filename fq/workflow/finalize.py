@@ -9,7 +9,8 @@ Published layout (``OUT/published``)::
 
     base/NODE/       a directory an EXL3 runtime loads: source_config.json (the source's config.json, verbatim),
                      config.json and quantization_config.json (derived from it and the shards:
-                     fq.provenance.exl3config),
+                     fq.provenance.exl3config), README.md (the model card, derived from those two and its signed
+                     params: fq.provenance.model_card),
                      tokenizer and generation files, skeleton shards, NODE's fragments, model.safetensors.index.json,
                      fq-manifest.intoto.jsonl            (every shard with its .intoto.jsonl beside it)
     stages/NODE/     NODE's fragments, and its residuals on non-expert linears (recipe ``skeleton`` on a stage)
@@ -46,7 +47,9 @@ from fq.errors import FqError
 from fq.provenance.assembly import Plan, build_assembly, write_assembly
 from fq.provenance.attest import keys
 from fq.provenance.attest.fragment import check_node_digest, verify_shard
-from fq.provenance.exl3config import CONFIG, DERIVED_ORDER, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
+from fq.provenance.derived import DERIVED_ORDER
+from fq.provenance.exl3config import CONFIG, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
+from fq.provenance.model_card import README, card_params, write_card
 from fq.provenance.fragments import attestation_name
 from fq.provenance.manifest import MANIFEST_NAME, write_base_manifest
 from fq.provenance.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
@@ -308,6 +311,30 @@ def _calibration_block(c: Campaign) -> dict | None:
     return {"rows": cal["rows"], "cols": cal["columns"]} if cal else None
 
 
+def _eval_params(c: Campaign) -> dict | None:
+    """How the campaign's eval job measures each base (its card says so): the text's name and sha256, tokens and
+    window; None without an eval job."""
+    cfg = c.eval_config
+    if not cfg:
+        return None
+    text = Path(c.eval_text)
+    try:
+        digest = sha256_file(text)
+    except OSError as e:
+        raise FqError(f"{text}: cannot read the eval text the model cards describe ({e.strerror}); eval.text names it "
+                      "(the demo: its held-out split, written by the demo_model rule)") from None
+    return {"text": text.name, "sha256": digest, "tokens": cfg["tokens"], "seq_len": cfg["seq_len"]}
+
+
+def _card_params(c: Campaign, base, signer: str, evaluation: dict | None) -> dict:
+    """The model card's params of a base (fq.provenance.model_card): its own facts and the campaign's, none of
+    another node's (a recipe change elsewhere leaves this base's manifest as it is)."""
+    return card_params(base_model=c.source_repo, revision=c.source.revision, node=base.name, campaign=c.name,
+                       signer=signer, quantized_by=(c.config.get("model_card") or {}).get("quantized_by"),
+                       description=base.description or None, budget=base.bits if base.is_budgeted else None,
+                       eval=evaluation)
+
+
 def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     _T0[0] = time.monotonic()
     # held until this process exits: through verify, publish and signing, as one critical section
@@ -344,6 +371,7 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         _publish(src, root / rel)
     _log(f"signing {len(c.recipe.bases)} base manifests and {len(c.recipe.products)} assemblies")
     manifests = {}
+    evaluation = _eval_params(c)
     for base in c.recipe.bases:
         d = root / "base" / base.name
         with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # config.json (and the tensor files): derived, declared below
@@ -352,6 +380,8 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
                                     whole_model_bits=True)
         with disk_full_is_one_line(d / INDEX):  # after the derived shards, which it indexes too
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
+        with disk_full_is_one_line(d / README):  # the model card: from quantization_config.json, declared derived
+            derived.append(write_card(d, _card_params(c, base, ident["signer"], evaluation)))
         with disk_full_is_one_line(d / MANIFEST_NAME):
             _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv, derived=derived)
 
