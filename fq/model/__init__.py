@@ -2,6 +2,8 @@
 
     source         a Hugging Face MoE checkpoint from its metadata alone (config, index, shard sizes): SourceModel
     source_synth   synthetic checkpoint metadata of each naming family (python -m fq.model.source_synth)
+    rehearsal      a GLM-5-sized FP8 source with trained-like random weights, for the campaign rehearsal (issue 43);
+                   rehearsal_write writes its shards tensor by tensor, synth_weights makes the weights and FP8 blocks
     shards         safetensors files in the caller's order (one expert = one byte range) and a strict reader
     experts        routed-expert tensor names (ExpertLayout) and the EXL3 constants a tensor set implies
     usage          expert-usage statistics (fq-expert-usage/1), measured by routing text (fq usage)

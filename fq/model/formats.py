@@ -248,7 +248,9 @@ def read_matrix(handles: dict, src: ExpertSource, where: str):
         raise FqError(f"{src.shard}: tensor {src.tensor!r} is {t.dtype}, expected float8_e4m3fn (the config's "
                       f"quantization_config is fp8 and the tensor has a {SCALE_SUFFIX})")
     s = handle(src.scale_shard, src.scale).get_tensor(src.scale)
-    want = scale_grid(tuple(t.shape), src.block, src.tensor, src.shard)
+    # the ceil grid: a non-expert linear may end in a partial block (MLA's kv_a_proj_with_mqa, 576 rows), which
+    # dequantize_fp8 reads as exllamav3 does; a routed expert's blocks were checked to divide it at plan time
+    want = tuple(-(-n // b) for n, b in zip(t.shape, src.block))
     if tuple(s.shape) != want or s.dtype not in (torch.float32, torch.bfloat16):
         raise FqError(f"{src.scale_shard}: tensor {src.scale!r} is {s.dtype} {list(s.shape)}, expected float32 "
                       f"{list(want)} (one scale per {src.block[0]}x{src.block[1]} block of {src.tensor})")
