@@ -13,6 +13,7 @@ rule finalize:
         retired=[C.retired(w.index) for w in C.plan.windows],
         repair=repair_marker(),
         eval_text=[C.eval_text] if C.eval_config else [],  # the model cards name it with its sha256
+        model_signing_key=[ancient(C.model_signing_key)] if C.model_signing_key else [],  # model.sig per base
     output:
         summary=f"{OUT}/{SUMMARY}",
         assemblies=assembly_files(),

@@ -63,6 +63,24 @@ rule keygen:
         "../scripts/keygen.py"
 
 
+rule model_signing_keygen:
+    # the campaign's own ECDSA P-256 key for the OpenSSF model signature of each base (model.sig), generated where the
+    # signer key is (signer_key null: the demo); config model_signing_key names another, or false for none
+    output:
+        key=protected(f"{OUT}/keys/model-signing.key"),
+        pub=protected(f"{OUT}/keys/model-signing.pub"),
+    conda:
+        "../envs/fq.yaml"
+    log:
+        f"{OUT}/logs/model_signing_keygen.log",
+    benchmark:
+        f"{OUT}/benchmarks/model_signing_keygen.tsv"
+    params:
+        prefix=lambda wc, output: output.key.removesuffix(".key"),
+    script:
+        "../scripts/model_signing_keygen.py"
+
+
 rule init:
     input:
         # ancient: what matters is that they exist; init itself refuses a changed identity

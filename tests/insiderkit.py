@@ -2,7 +2,7 @@
 signed again with the campaign's own key, with none of the producer's checks -- what a careless or hostile holder of
 the key can publish. What stays refused is what the consumers check of the files together.
 
-    resign_tree(root, priv)                # base manifests, plans, the publication statement, over the files as they are
+    resign_tree(root, priv, oms=None)      # base manifests (model.sig), plans, the publication statement, over the files as they are
     reattest(path, priv, edit=None)        # a shard's attestation signed again (``edit(predicate)`` may change it)
     rewrite_skeleton(path, priv, edit)     # a skeleton shard rewritten (``edit(tensors) -> tensors``) and re-attested
     write_index(base_dir)                  # model.safetensors.index.json over the base's shards as they are
@@ -90,12 +90,19 @@ def write_index(base_dir: Path) -> None:
     (base_dir / INDEX).write_bytes(canonical.pretty(doc).encode())
 
 
-def resign_manifest(base_dir: Path, priv) -> str:
+def resign_manifest(base_dir: Path, priv, oms=None) -> str:
     """The base manifest over the base's files as they are now (derived declarations kept, their inputs' digests
-    refreshed); returns its sha256."""
+    refreshed); returns its sha256. Its OpenSSF model signature (model.sig) is signed again with ``oms`` (the
+    campaign's model-signing key); without it, dropped with the manifest's declaration of it, as an insider holding
+    the Ed25519 key alone would."""
+    from fq.provenance.model_sig import SIGNATURE, write_signature
+
     base_dir = Path(base_dir)
     st = statement_of(base_dir / MANIFEST_NAME)
     pred = st["predicate"]
+    if oms is None and "model_signing" in pred:
+        del pred["model_signing"]
+        (base_dir / SIGNATURE).unlink(missing_ok=True)
     rederive(base_dir, pred)
     digest = {n: _sha(base_dir / n) for n in list_files(base_dir)}
     pred["files"] = [{"name": n, "size": (base_dir / n).stat().st_size} for n in digest]
@@ -104,6 +111,8 @@ def resign_manifest(base_dir: Path, priv) -> str:
     st["subject"] = [{"name": n, "digest": {"sha256": h}} for n, h in digest.items()]
     line = sign(st, priv)
     (base_dir / MANIFEST_NAME).write_bytes(line)
+    if oms is not None and "model_signing" in pred:
+        write_signature(base_dir, {**digest, MANIFEST_NAME: hashlib.sha256(line).hexdigest()}, oms)
     return hashlib.sha256(line).hexdigest()
 
 
@@ -163,11 +172,12 @@ def resign_publication(root: Path, priv) -> None:
     pub_path.write_bytes(sign(st, priv))
 
 
-def resign_tree(root: Path, priv, edit_plan=None) -> None:
-    """Every base manifest, every plan (``edit_plan(plan)`` on each) and the publication statement, in that order."""
+def resign_tree(root: Path, priv, edit_plan=None, oms=None) -> None:
+    """Every base manifest (and model.sig: ``resign_manifest``), every plan (``edit_plan(plan)`` on each) and the
+    publication statement, in that order."""
     root = Path(root)
     for m in sorted(root.glob(f"base/*/{MANIFEST_NAME}")):
-        resign_manifest(m.parent, priv)
+        resign_manifest(m.parent, priv, oms)
     for plan in sorted(root.glob("assemblies/*.assembly.intoto.jsonl")):
         resign_plan(root, plan, priv, edit_plan)
     resign_publication(root, priv)

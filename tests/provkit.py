@@ -36,6 +36,7 @@ from fq.provenance.exl3config import specs as derived_specs, write_derived
 from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton
 from fq.provenance.identity import encoder_identity
 from fq.provenance.manifest import write_base_manifest
+from fq.provenance import model_sig
 from fq.provenance.model_card import card_params, write_card
 from fq.provenance.publication import build_publication, write_publication
 
@@ -207,11 +208,12 @@ def card_params_of(camp: dict, **over) -> dict:
 
 def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dims: dict | None = None,
                    signer: "Campaign | None" = None, name: str = "test", version: int = 1,
-                   card: bool = False) -> Campaign:
+                   card: bool = False, model_signing: bool = False) -> Campaign:
     """``codec_sets[(node, layer, expert, proj)]`` overrides the random set of that linear; ``dims``
     overrides DIMS (torch (out, in) per projection); ``signer``: another campaign whose key signs this one
     (two campaigns of one signer), ``name`` the campaign's name, ``version`` its plans' and publication's;
-    ``card``: the base carries its model card README.md (declared derived, as finalize writes it)."""
+    ``card``: the base carries its model card README.md (declared derived, as finalize writes it);
+    ``model_signing``: and its OpenSSF model signature model.sig, by a P-256 key ``TMP/model-signing.key``."""
     dims = dims or DIMS
     tmp = Path(tmp)
     if signer is None:
@@ -261,8 +263,15 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
                                 quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
                                 node_digest=spec["digest"], parent=parent)
     write_derived(base, bits=2, codebook="mul1")
-    derived = DERIVED + ([write_card(base, card_params_of(camp))] if card else [])
-    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived)
+    oms = model_sig.load_private(model_sig.generate(tmp / "model-signing")[0]) if model_signing else None
+    pem = model_sig.public_pem(oms) if oms else None
+    derived = DERIVED + ([write_card(base, card_params_of(camp, model_signing=pem and model_sig.hint(pem)))]
+                         if card else [])
+    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived, model_signing=pem)
+    if oms:
+        from fq.provenance.manifest import read_base_manifest
+
+        model_sig.write_signature(base, read_base_manifest(base, pub).digests(), oms)
     for product in PRODUCTS:
         c.plans[product] = _plan(c, product, version, EXPIRES, priv)
     publish(c)

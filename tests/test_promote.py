@@ -49,7 +49,7 @@ def write_summary(out: Path, c, recipe_name: str = "provkit", version: int = 1) 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("promote")
-    c = provkit.build_campaign(tmp, card=True)  # base k2 carries its model card, as finalize writes it
+    c = provkit.build_campaign(tmp, card=True, model_signing=True)  # base k2 with its model card and model.sig
     out = tmp / "out"
     out.mkdir()
     os.rename(c.root, out / "published")
@@ -338,6 +338,7 @@ def test_hub_promotion_copies_the_resolved_commit_and_a_concurrent_push_does_not
     assert main["README.md"] == b"# model\n" and "stages/old/old-layer001-block000.safetensors" not in main
     card = (out / "published" / "base/k2/README.md").read_bytes()  # the base's model card is published with it
     assert main["base/k2/README.md"] == card and card.startswith(b"---\nbase_model: ")
+    assert main["base/k2/model.sig"] == (out / "published" / "base/k2/model.sig").read_bytes()
     staging = hub.tree("org/model", "fq-staging")
     assert staging["stages/evil/evil-layer001-block000.safetensors"] == b"not ours"  # the push happened...
     assert all(is_publishable(n) or n in (".gitattributes", "README.md") for n in set(main) | set(staging))

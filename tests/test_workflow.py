@@ -222,6 +222,31 @@ def test_each_published_base_carries_its_model_card(run):
     assert card[0]["params"]["signer"] == manifest.campaign["signer"]
 
 
+def test_the_standard_model_signing_tool_verifies_each_published_base(run, tmp_path):
+    """Issue 44: the demo's bases carry model.sig (OpenSSF model signing, by the campaign's generated P-256 key, whose
+    public PEM finalize writes beside signer.pub); the real model_signing 1.1.1 CLI accepts each base and refuses a
+    tampered copy."""
+    d, _ = run
+    out = d / "campaign"
+    pem = out / "model-signing.pub"
+    assert pem.read_bytes() == (out / "keys" / "model-signing.pub").read_bytes()
+
+    def tool(base: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "model_signing", "verify", "key", str(base), "--signature",
+                               str(base / "model.sig"), "--public_key", str(pem)], capture_output=True, text=True)
+
+    bases = sorted((out / "published" / "base").iterdir())
+    assert [b.name for b in bases] == ["a"]
+    for base in bases:
+        p = tool(base)
+        assert p.returncode == 0 and "Verification succeeded" in p.stdout, p.stdout + p.stderr
+    copy = shutil.copytree(bases[0], tmp_path / "a")
+    card = copy / "README.md"
+    card.write_text(card.read_text().replace("quantized_by: \"fq\"", "quantized_by: \"someone\""))
+    p = tool(copy)
+    assert p.returncode == 1 and "Hash mismatch for" in p.stderr and "README.md" in p.stderr, p.stdout + p.stderr
+
+
 def test_hot_stage_encodes_the_experts_the_usage_job_measured(run):
     """The usage job routed the calibration text through the demo checkpoint; the plan's hot selections are that
     file's hottest experts (the same as the usage recorded with the model, which the DAG was first planned from)."""

@@ -3,7 +3,8 @@
     fragments, scales   one node's encoding of one block (expert-contiguous), skeleton shards; finite EXL3 scales
     identity            the encoder bundle identity (ENCODER_FILES: the files that can change a payload byte)
     attest/             fq-attestation/1: keys, DSSE, in-toto statements, the campaign identity, per-shard attestations
-    manifest            the signed base manifest; exl3config: a base's derived EXL3 config files
+    manifest            the signed base manifest; exl3config: a base's derived EXL3 config files; model_card: its
+                        README.md; derived: every derivation rule; model_sig: its OpenSSF model signature (model.sig)
     assembly            the signed plan of one product (fq-assembly/1) and the version state
     publication         the signed publication statement; summary: campaign_summary.json, its unsigned view
     product             one product opened for a consumer: the plan checks verify, combine and tp share

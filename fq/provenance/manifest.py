@@ -39,6 +39,7 @@ from fq.provenance.attest.statement import MANIFEST, parse_statement, statement
 from fq.provenance.derived import DERIVED_ORDER, OPTIONAL, RULES, check_derived, rule_inputs
 from fq.provenance.exl3config import CONFIG, QUANTIZATION_CONFIG, TENSOR_OUTPUTS, TENSOR_RULES
 from fq.provenance.model_card import README, RULE as RULE_CARD, check_params as check_card_params
+from fq.provenance.model_sig import SIGNATURE, check_signature
 from fq.model.shards import Header, read_header
 from fq.provenance.fragments import attestation_name
 from fq.provenance.geometry import stored_shape_problems
@@ -54,6 +55,11 @@ class Manifest:
     campaign: dict
     files: dict  # name -> (sha256, size)
     derived: tuple = ()  # {name, rule, params, from} of each declared derived file
+    model_signing: dict | None = None  # {signature: "model.sig", public_key: PEM}: the OpenSSF signature it declares
+
+    def digests(self) -> dict[str, str]:
+        """What ``model.sig`` signs: every listed file's sha256, and the manifest's own line's."""
+        return {**{n: d for n, (d, _) in self.files.items()}, MANIFEST_NAME: self.sha256}
 
 
 def _walk(base_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
@@ -67,7 +73,7 @@ def _walk(base_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
                 problems.append(f"{os.path.join(dirpath, d)}: is a symlink; a base holds only real files")
         for f in sorted(filenames):
             rel = Path(dirpath, f).relative_to(base).as_posix()
-            if rel != MANIFEST_NAME and not f.startswith(".tmp-"):
+            if rel not in (MANIFEST_NAME, SIGNATURE) and not f.startswith(".tmp-"):  # model.sig: checked apart
                 try:
                     names.append(check_name(rel, f"{base}/{rel}"))
                 except FqError as e:
@@ -91,10 +97,12 @@ def _hash(base_dir, name: str, size: int | None = None) -> tuple[str, int]:
 
 
 def write_base_manifest(base_dir: str | os.PathLike, *, node: str, campaign: dict,
-                        key: Ed25519PrivateKey, derived: list[dict]) -> tuple[Path, str]:
+                        key: Ed25519PrivateKey, derived: list[dict], model_signing: str | None = None
+                        ) -> tuple[Path, str]:
     """``derived``: ``[{name, rule, params}]`` (``fq.provenance.exl3config.write_derived``'s specs, the model card's):
     the base's config.json and quantization_config.json (and README.md); their ``from`` is filled here, and each must
-    be its rule's output."""
+    be its rule's output. ``model_signing``: the PEM of the ECDSA public key whose ``model.sig`` (written after this
+    manifest, over its files and itself: fq.provenance.model_sig) every consumer checks; None: no model.sig."""
     names = list_files(base_dir)
     if not names:
         raise FqError(f"{base_dir}: empty base; nothing to manifest")
@@ -118,6 +126,8 @@ def write_base_manifest(base_dir: str | os.PathLike, *, node: str, campaign: dic
             raise FqError(problem)
         entries.append(entry)
     predicate["derived"] = entries
+    if model_signing is not None:
+        predicate["model_signing"] = {"signature": SIGNATURE, "public_key": model_signing}
     _check_declared(entries, {n: (d, size) for n, d, size in hashed}, f"{base_dir}/{MANIFEST_NAME}")
     line = dsse.envelope_line(dsse.sign(statement([(n, d) for n, d, _ in hashed], MANIFEST, predicate), key))
     path = Path(base_dir) / MANIFEST_NAME
@@ -151,7 +161,8 @@ def _parse_manifest(data: bytes, where: str, public_key: Ed25519PublicKey, campa
     for n, _ in subjects:
         check_name(n, f"{where}: subject")
     files = {n: (d, sizes[n]) for n, d in subjects}
-    return Manifest(sha256_hex(data), pred["node"], pred["campaign"], files, _check_declared(pred["derived"], files, where))
+    return Manifest(sha256_hex(data), pred["node"], pred["campaign"], files, _check_declared(pred["derived"], files, where),
+                    pred.get("model_signing"))
 
 
 def _check_declared(derived: list[dict], files: dict, where: str) -> tuple:
@@ -241,6 +252,7 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
         if problem:
             problems.append(problem)
             bad.add(name)
+    problems += _signature_problems(base_dir, manifest)
     # every base fragment's linears at the padded shape of the matrices the source config makes (fq.codec.shape)
     problems += stored_shape_problems(base_dir, manifest.files, shards, bad)
     for rule_name in TENSOR_RULES:
@@ -258,6 +270,19 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
             problems.append(f"{base_dir}/{MANIFEST_NAME}: {rule.missing} but the manifest declares no {rule.output} "
                             f"(rule {rule.rule}); {rule.consequence}")
     return problems, shards
+
+
+def _signature_problems(base_dir, manifest: Manifest) -> list[str]:
+    """``model.sig`` against the manifest: present exactly when the manifest declares a model-signing key, signed by
+    that key over exactly the manifest's files and the manifest (fq.provenance.model_sig)."""
+    where = f"{base_dir}/{SIGNATURE}"
+    present = os.path.lexists(where)
+    if manifest.model_signing is None:
+        return [f"{where}: {MANIFEST_NAME} declares no model-signing key, so nothing vouches for this signature "
+                "(stray file in a published base)"] if present else []
+    if not present:
+        return [f"{where}: missing; {MANIFEST_NAME} declares the OpenSSF model signature of this directory"]
+    return check_signature(base_dir, manifest.digests(), manifest.model_signing["public_key"], where)
 
 
 def check_base_files(base_dir: str | os.PathLike, manifest: Manifest,

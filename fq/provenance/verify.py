@@ -49,6 +49,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from fq.core.canonical import sha256_hex
 from fq.core.safepath import describe_mode, read_regular, split_path
 from fq.errors import FqError, SignatureError
 from fq.provenance.assembly import SUFFIX, PlanState, check_geometry
@@ -58,6 +59,7 @@ from fq.provenance.attest.keys import fingerprint
 from fq.provenance.fragments import attestation_name
 from fq.provenance.complete import BaseShard, base_problems, check_published_base
 from fq.provenance.manifest import MANIFEST_NAME, Manifest, check_base_files, read_base_manifest, read_verified
+from fq.provenance.model_sig import MAX_BYTES as SIGNATURE_MAX_BYTES, SIGNATURE
 from fq.provenance.product import Product, objective, open_product
 from fq.provenance.publication import (NAME as PUBLICATION_NAME, Statement, file_problems, other_campaign,
                                        plan_problems, read_publication, replaced_bases)
@@ -328,6 +330,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
     manifests: dict[str, Manifest | None] = {}  # tree-relative base manifest -> what it verified as (None: refused)
     orphans: list[str] = []  # attestations without their shard
     derived: set[str] = set()  # tree-relative names a verified base manifest declares derived (recomputed, unattested)
+    signatures_said: set[str] = set()  # tree-relative model.sig files check_base_files reported (missing, refused)
     # manifests first, so that a file one declares derived is known as such before it would be taken for a shard
     for rel in sorted(files, key=lambda r: Path(r).name != MANIFEST_NAME):
         p = root / rel
@@ -354,11 +357,23 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
             try:
                 manifest = read_base_manifest(base, public_key)
                 report.campaign(manifest.campaign, str(p), rel)
-                for line in check_base_files(base, manifest):
+                lines = check_base_files(base, manifest)
+                for line in lines:
                     report.add(line, rel)
                 prefix = base.relative_to(root).as_posix()
                 listed = [n if prefix == "." else f"{prefix}/{n}" for n in manifest.files]
                 covered.update(listed)
+                sig = SIGNATURE if prefix == "." else f"{prefix}/{SIGNATURE}"
+                # model.sig: checked against the manifest by check_base_files, its bytes against the publication's
+                # listing, unless refused above (then the listing does not repeat that)
+                said = any(line.startswith(f"{base / SIGNATURE}:") for line in lines)
+                if said:
+                    signatures_said.add(sig)  # missing or refused: one line, the publication's listing says no more
+                if sig in present:
+                    covered.add(sig)
+                    if not said:
+                        digests[sig] = sha256_hex(read_regular(base, SIGNATURE, str(base / SIGNATURE),
+                                                               limit=SIGNATURE_MAX_BYTES))
                 derived.update(d["name"] if prefix == "." else f"{prefix}/{d['name']}" for d in manifest.derived)
                 digests[rel] = manifest.sha256
                 for n, full in zip(manifest.files, listed):
@@ -451,7 +466,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
 
     listed_all = {n if scope == "." else f"{scope}/{n}" for scope, stmt in publications.items() if stmt
                   for n in stmt.files}  # tree-relative names the verified statements list
-    reported: set[str] = set(unusable) | {d + "/" for d in unusable_dirs} | stale | \
+    reported: set[str] = set(unusable) | {d + "/" for d in unusable_dirs} | stale | signatures_said | \
         {attestation_name(n) for n in stale}  # tree-relative names (directories end in "/") reported already
     for key, names in sorted(_missing_groups(missing, present).items()):
         products = sorted({p for n in names for p in missing[n]})

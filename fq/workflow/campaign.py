@@ -173,6 +173,19 @@ class Campaign:
         except (OSError, ValueError, AttributeError):
             return True
 
+    # -- the OpenSSF model signature of each published base (fq.provenance.model_sig) ----------------------------
+    @property
+    def model_signing_key(self) -> str | None:
+        """The ECDSA private key finalize signs each base's model.sig with: config model_signing_key (a path; false:
+        none); null: the campaign's own (keys/model-signing.key, generated) when it generates its signer key too
+        (signer_key null: the demo), none when the operator names the signer key."""
+        value = self.config.get("model_signing_key")
+        if value is False:
+            return None
+        if value:
+            return str(value)
+        return None if self.config.get("signer_key") else self.p("keys", "model-signing.key")
+
     # -- output-level evaluation (fq eval) -----------------------------------------------------------
     @property
     def eval_config(self) -> dict | None:

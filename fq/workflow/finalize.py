@@ -10,7 +10,8 @@ Published layout (``OUT/published``)::
     base/NODE/       a directory an EXL3 runtime loads: source_config.json (the source's config.json, verbatim),
                      config.json and quantization_config.json (derived from it and the shards:
                      fq.provenance.exl3config), README.md (the model card, derived from those two and its signed
-                     params: fq.provenance.model_card),
+                     params: fq.provenance.model_card), model.sig (the OpenSSF model signature of the directory, when the
+                     campaign has a model-signing key: fq.provenance.model_sig),
                      tokenizer and generation files, skeleton shards, NODE's fragments, model.safetensors.index.json,
                      fq-manifest.intoto.jsonl            (every shard with its .intoto.jsonl beside it)
     stages/NODE/     NODE's fragments, and its residuals on non-expert linears (recipe ``skeleton`` on a stage)
@@ -50,8 +51,9 @@ from fq.provenance.attest.fragment import check_node_digest, verify_shard
 from fq.provenance.derived import DERIVED_ORDER
 from fq.provenance.exl3config import CONFIG, QUANTIZATION_CONFIG, SOURCE_CONFIG, write_derived
 from fq.provenance.model_card import README, card_params, write_card
+from fq.provenance import model_sig
 from fq.provenance.fragments import attestation_name
-from fq.provenance.manifest import MANIFEST_NAME, write_base_manifest
+from fq.provenance.manifest import MANIFEST_NAME, read_base_manifest, write_base_manifest
 from fq.provenance.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
 from fq.provenance.summary import summary_view
 from fq.hessian.store import OBJECTIVE_WEIGHT
@@ -59,6 +61,9 @@ from fq.workflow.calibration import quant_hessian, read_binding
 from fq.workflow import locks
 from fq.workflow.campaign import Campaign
 from fq.workflow.common import INDEX, SIDE_FILES, SUMMARY, check_signer
+
+
+MODEL_SIGNING_PUB = "model-signing.pub"  # OUT/model-signing.pub, beside OUT/signer.pub
 
 
 class Problems(list):
@@ -326,13 +331,13 @@ def _eval_params(c: Campaign) -> dict | None:
     return {"text": text.name, "sha256": digest, "tokens": cfg["tokens"], "seq_len": cfg["seq_len"]}
 
 
-def _card_params(c: Campaign, base, signer: str, evaluation: dict | None) -> dict:
+def _card_params(c: Campaign, base, signer: str, evaluation: dict | None, model_signing: str | None) -> dict:
     """The model card's params of a base (fq.provenance.model_card): its own facts and the campaign's, none of
     another node's (a recipe change elsewhere leaves this base's manifest as it is)."""
     return card_params(base_model=c.source_repo, revision=c.source.revision, node=base.name, campaign=c.name,
                        signer=signer, quantized_by=(c.config.get("model_card") or {}).get("quantized_by"),
                        description=base.description or None, budget=base.bits if base.is_budgeted else None,
-                       eval=evaluation)
+                       eval=evaluation, model_signing=model_signing)
 
 
 def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
@@ -354,8 +359,9 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
 
     root = c.out / "published"
     plan = _published_plan(c)
+    oms = model_sig.load_private(c.model_signing_key) if c.model_signing_key else None
     ours = set(plan) | {f"base/{b.name}/{n}" for b in c.recipe.bases
-                        for n in (INDEX, MANIFEST_NAME, *DERIVED_ORDER)}
+                        for n in (INDEX, MANIFEST_NAME, *DERIVED_ORDER, *([model_sig.SIGNATURE] if oms else []))}
     ours |= {f"assemblies/{p.name}.assembly.intoto.jsonl" for p in c.recipe.products} | {PUBLICATION_NAME}
     problems = Problems()
     if root.exists():
@@ -372,6 +378,11 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     _log(f"signing {len(c.recipe.bases)} base manifests and {len(c.recipe.products)} assemblies")
     manifests = {}
     evaluation = _eval_params(c)
+    pem = model_sig.public_pem(oms) if oms else None
+    if pem is not None:  # beside signer.pub: the key model_signing verify takes
+        with disk_full_is_one_line(c.out / MODEL_SIGNING_PUB):
+            if not (c.out / MODEL_SIGNING_PUB).is_file() or (c.out / MODEL_SIGNING_PUB).read_text() != pem:
+                atomic.write_text(c.out / MODEL_SIGNING_PUB, pem)
     for base in c.recipe.bases:
         d = root / "base" / base.name
         with disk_full_is_one_line(d / QUANTIZATION_CONFIG):  # config.json (and the tensor files): derived, declared below
@@ -381,9 +392,14 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
         with disk_full_is_one_line(d / INDEX):  # after the derived shards, which it indexes too
             atomic.write_bytes(d / INDEX, _base_index(c, base.name, root))
         with disk_full_is_one_line(d / README):  # the model card: from quantization_config.json, declared derived
-            derived.append(write_card(d, _card_params(c, base, ident["signer"], evaluation)))
+            derived.append(write_card(d, _card_params(c, base, ident["signer"], evaluation,
+                                                      model_sig.hint(pem) if pem else None)))
         with disk_full_is_one_line(d / MANIFEST_NAME):
-            _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv, derived=derived)
+            _, manifests[base.name] = write_base_manifest(d, node=base.name, campaign=ident, key=priv, derived=derived,
+                                                          model_signing=pem)
+        if oms is not None:  # the OpenSSF model signature: every file of the directory, the manifest included
+            with disk_full_is_one_line(d / model_sig.SIGNATURE):
+                model_sig.write_signature(d, read_base_manifest(d, pub, ident).digests(), oms)
 
     plans = []
     for prod in c.recipe.products:
