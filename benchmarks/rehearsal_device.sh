@@ -10,7 +10,8 @@
 #             $EXPERTS experts, seed $SEED; ~7 GB at 32 experts); complete shards are kept across calls
 #   price     fq price and fq plan of that source, recipes/rehearsal-glm5.json, 1 GPU, ${ROWS}x${COLS} calibration
 #   dryrun    the campaign config and signer key (once), then snakemake -n: every job, nothing run
-#   campaign  Snakemake with profiles/local-gpu (cuda:0, gpu=2): the GPU phase (--until retire), fq gate
+#   campaign  Snakemake with profiles/local-gpu (cuda:0, gpu=2): the GPU phase (--until retire encode_linears
+#             skeleton_variant: every fragment, linear fragment and skeleton shard), fq gate
 #             --rehearsal 1, then finalize and its verification; nvidia-smi sampled every second (GPU busy and
 #             memory; each CUDA process's memory and command line) and the disk every 5 s, appended across calls
 #   verify    fq verify of the published tree under the campaign key
@@ -30,7 +31,11 @@ RECIPE=$PWD/recipes/rehearsal-glm5.json
 CAMP=$WORK/campaign
 CFG=$CAMP/config.yaml
 . "$(dirname "$0")/device_setup.sh"
-mkdir -p "$WORK"
+mkdir -p "$WORK/bin"
+# fq and snakemake as commands (the carried packages install none): fq gate checks that finalize would find them
+for tool in fq snakemake; do printf '#!/bin/sh\nexec python3 -m %s "$@"\n' "$tool" >"$WORK/bin/$tool"; done
+chmod +x "$WORK/bin/fq" "$WORK/bin/snakemake"
+export PATH=$WORK/bin:$PATH
 echo "$(date -u +%FT%TZ) call start: STEP=${STEP:-}" >>"$WORK/calls.log"
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
 
@@ -74,7 +79,8 @@ start_samplers() {
 }
 stop_samplers() { for p in $SAMPLERS; do kill "$p" 2>/dev/null; done; }
 
-smk() { python3 -m snakemake -s "$PWD/Snakefile" --directory "$CAMP" --configfile "$CFG" "$@"; }
+# targets and options first: --configfile (like --resources) takes every word after it
+smk() { python3 -m snakemake "$@" -s "$PWD/Snakefile" --directory "$CAMP" --configfile "$CFG"; }
 
 for s in ${STEP:?set STEP}; do
 {
@@ -151,11 +157,14 @@ campaign)
         if [ ! -f "$WORK/retired" ]; then
             step "GPU phase (--until retire), $(left) s left in this call"
             echo "$(date +%s) gpu-phase start" >>"$WORK/phases.log"
-            until_deadline smk --profile "$PWD/profiles/local-gpu" --resources gpu=2 --until retire; rc=$?
+            # --until retire alone leaves the whole-model base's linear jobs (and the head's calibration) to finalize:
+            # they read skeleton shards, not a staged window, so no window's retirement waits for them
+            until_deadline smk --profile "$PWD/profiles/local-gpu" --resources gpu=2 \
+                --until retire encode_linears skeleton_variant; rc=$?
             echo "$(date +%s) gpu-phase rc=$rc" >>"$WORK/phases.log"
             echo "GPU phase rc=$rc"
             if [ "$rc" = 0 ]; then
-                python3 -m fq gate --configfile "$CFG" --rehearsal 1 >"$WORK/gate.txt" 2>&1
+                python3 -m fq gate --configfile "$CFG" --directory "$CAMP" --rehearsal 1 >"$WORK/gate.txt" 2>&1
                 echo "gate rc=$?"; cat "$WORK/gate.txt"
                 touch "$WORK/retired"
             fi
@@ -163,8 +172,9 @@ campaign)
         if [ -f "$WORK/retired" ] && [ "$(left)" -gt 0 ]; then
             step "finalize and its verification, $(left) s left in this call"
             echo "$(date +%s) finalize start" >>"$WORK/phases.log"
-            until_deadline smk --profile "$PWD/profiles/local-gpu" --resources gpu=2 \
-                "$CAMP/out/campaign_summary.json" "$CAMP/out/published.verified"; rc=$?
+            # targets first: --resources takes every word after it
+            until_deadline smk "$CAMP/out/campaign_summary.json" "$CAMP/out/published.verified" \
+                --profile "$PWD/profiles/local-gpu" --resources gpu=2; rc=$?
             echo "$(date +%s) finalize rc=$rc" >>"$WORK/phases.log"
             echo "finalize rc=$rc"
         fi
