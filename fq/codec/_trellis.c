@@ -296,7 +296,194 @@ static const pass_fn PASSES_AVX512[9] = {NULL, forward_1_avx512, forward_2_avx51
                                          forward_7_avx512, forward_8_avx512};
 #endif
 
+/* ---- Half-integer K = KA + 0.5 (exllamav3's frac_k, MASK 0xAAAA) ----
+ * Step p (tile position p) adds D(p) = KA + (p & 1) bits: s_p = ((s_{p-1} << D(p)) | symbol_p) & 0xFFFF. The same
+ * arithmetic as above with two widths per step: KIN = D(p) (the predecessor node is s_p >> KIN, the low 16-KIN
+ * bits of s_{p-1}) and KOUT = D(p+1) (M_p is indexed by the low 16-KOUT bits j of s_p, the candidates are
+ * s = h*E + j with E = 2^(16-KOUT), h < 2^KOUT, tagged with h). Where the integer pass has K, read KIN for the
+ * predecessor and KOUT for the tag. A tile's ring starts and ends on even positions (D = KA): both passes start
+ * with 2^(16-KA) nodes and end with them, so the tail-biting is the integer one with K = KA at the seam.
+ * The passes keep the back pointer rows at a stride of 2^(16-KA) (the widest node space). */
+typedef const uint32_t *(*frac_pass_fn)(const float *, int, int, const float *, work_t *);
+
+static inline int frac_bp_lo(int pre) { return pre < 0 ? L / 2 - 1 : 0; }
+
+/* Portable: per column j the min over h, candidates computed directly (v unpadded). */
+static const uint32_t *frac_pass_generic(const int KA, const float *x, int roll, int pre, const float *v,
+                                         work_t *w)
+{
+    const size_t ROW = NSTATES >> KA;
+    uint32_t *Mp = w->M, *Mn = w->M2;
+    for (int j = 0; j < (NSTATES >> KA); ++j) Mp[j] = (pre < 0 || j == pre) ? 0u : BIG_BITS;
+    const int bp_lo = frac_bp_lo(pre);
+    for (int i = 0; i < L; ++i) {
+        const int pos = (i + roll) & (L - 1);
+        const int kin = KA + (pos & 1), kout = KA + ((pos + 1) & 1);
+        const int E = NSTATES >> kout, Q = 1 << kout;
+        const uint32_t mask = ~(uint32_t) (Q - 1);
+        const int keep_bp = i >= bp_lo && i < L - 1;
+        uint8_t *bp = w->bp + (size_t) pos * ROW;
+        const float xi = x[pos];
+        for (int j = 0; j < E; ++j) {
+            uint32_t best = UINT32_MAX;
+            for (int h = 0; h < Q; ++h) {
+                const int s = h * E + j;
+                const float d = v[s] - xi;
+                const uint32_t key = (fbits(fmaf(d, d, bitsf(Mp[s >> kin]))) & mask) | (uint32_t) h;
+                best = key < best ? key : best;
+            }
+            Mn[j] = best;
+            if (keep_bp) bp[j] = (uint8_t) best;
+        }
+        uint32_t *t = Mp; Mp = Mn; Mn = t;
+    }
+    return Mp;
+}
+
+#define DEFINE_FRAC_GENERIC(KA)                                                                           \
+static const uint32_t *frac_pass_##KA##_generic(const float *x, int roll, int pre, const float *v, work_t *w) \
+{ return frac_pass_generic(KA, x, roll, pre, v, w); }
+DEFINE_FRAC_GENERIC(1) DEFINE_FRAC_GENERIC(2) DEFINE_FRAC_GENERIC(3)
+static const frac_pass_fn FRAC_PASSES_GENERIC[4] = {NULL, frac_pass_1_generic, frac_pass_2_generic,
+                                                    frac_pass_3_generic};
+
+/* The vector passes read v padded as 2^(KA+1) rows of 2^(15-KA) values (+ VPAD): the rows of the narrow split;
+ * a wide-split row is two of them, and a block of columns never straddles one (rows are >= 4096 values). */
+static inline int frac_vidx(int KA, int s)
+{
+    const int RS = 15 - KA;
+    return (s >> RS) * ((1 << RS) + VPAD) + (s & ((1 << RS) - 1));
+}
+
+#if FQ_X86
+static inline FQ_TARGET_AVX2 __attribute__((always_inline)) void
+frac_step_avx2(const int KA, const int KIN, const int KOUT, const float *v, float x, const uint32_t *Mp,
+               uint32_t *Mn, uint8_t *bp)
+{
+    const int Q = 1 << KOUT, E = NSTATES >> KOUT, F = E >> KIN;
+    const __m256i mask = _mm256_set1_epi32((int) ~(uint32_t) (Q - 1));
+    const __m256i pick0 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i pick1 = _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1,
+                                           -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1);
+    const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
+    const __m256i spread1a = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    const __m256i spread1b = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256i spread2a = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i spread2b = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256 xi = _mm256_set1_ps(x);
+    const float *Mf = (const float *) Mp;
+    for (int j0 = 0; j0 < E; j0 += 16) {
+        __m256i a = _mm256_set1_epi32(-1), b = a;
+        __m256i hv = _mm256_setzero_si256();
+        const __m256i one = _mm256_set1_epi32(1);
+        for (int h = 0; h < Q; ++h, hv = _mm256_add_epi32(hv, one)) {
+            const int s = frac_vidx(KA, h * E + j0);
+            const float *mrow = Mf + h * F + (j0 >> KIN);
+            __m256 ma, mb;
+            if (KIN == 1) {
+                __m256 m8 = _mm256_loadu_ps(mrow);
+                ma = _mm256_permutevar8x32_ps(m8, spread1a);
+                mb = _mm256_permutevar8x32_ps(m8, spread1b);
+            } else if (KIN == 2) {
+                __m256 m4 = _mm256_castps128_ps256(_mm_loadu_ps(mrow));
+                ma = _mm256_permutevar8x32_ps(m4, spread2a);
+                mb = _mm256_permutevar8x32_ps(m4, spread2b);
+            } else if (KIN == 3) {
+                ma = _mm256_broadcast_ss(mrow);
+                mb = _mm256_broadcast_ss(mrow + 1);
+            } else {
+                ma = mb = _mm256_broadcast_ss(mrow);
+            }
+            a = _mm256_min_epu32(a, key_avx2(v, s, xi, ma, mask, hv));
+            b = _mm256_min_epu32(b, key_avx2(v, s + 8, xi, mb, mask, hv));
+        }
+        _mm256_storeu_si256((__m256i *) (Mn + j0), a);
+        _mm256_storeu_si256((__m256i *) (Mn + j0 + 8), b);
+        if (bp) {
+            __m256i p = _mm256_or_si256(_mm256_shuffle_epi8(a, pick0), _mm256_shuffle_epi8(b, pick1));
+            p = _mm256_permutevar8x32_epi32(p, order);
+            _mm_storeu_si128((__m128i *) (bp + j0), _mm256_castsi256_si128(p));
+        }
+    }
+}
+
+static inline FQ_TARGET_AVX512 __attribute__((always_inline)) void
+frac_step_avx512(const int KA, const int KIN, const int KOUT, const float *v, float x, const uint32_t *Mp,
+                 uint32_t *Mn, uint8_t *bp)
+{
+    const int Q = 1 << KOUT, E = NSTATES >> KOUT, F = E >> KIN;
+    const __m512i mask = _mm512_set1_epi32((int) ~(uint32_t) (Q - 1));
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i spread_a = _mm512_srli_epi32(iota, KIN);
+    const __m512i spread_b = _mm512_srli_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(16)), KIN);
+    const __m512 xi = _mm512_set1_ps(x);
+    const float *Mf = (const float *) Mp;
+    for (int j0 = 0; j0 < E; j0 += 32) {
+        __m512i a = _mm512_set1_epi32(-1), b = a;
+        __m512i hv = _mm512_setzero_si512();
+        const __m512i one = _mm512_set1_epi32(1);
+        for (int h = 0; h < Q; ++h, hv = _mm512_add_epi32(hv, one)) {
+            const int s = frac_vidx(KA, h * E + j0);
+            const float *mrow = Mf + h * F + (j0 >> KIN);
+            __m512 ma, mb;
+            if (KIN == 1) {
+                __m512 m16 = _mm512_loadu_ps(mrow);
+                ma = _mm512_permutexvar_ps(spread_a, m16);
+                mb = _mm512_permutexvar_ps(spread_b, m16);
+            } else if (KIN == 2) {
+                __m512 m8 = _mm512_castps256_ps512(_mm256_loadu_ps(mrow));
+                ma = _mm512_permutexvar_ps(spread_a, m8);
+                mb = _mm512_permutexvar_ps(spread_b, m8);
+            } else if (KIN == 3) {
+                __m512 m4 = _mm512_castps128_ps512(_mm_loadu_ps(mrow));
+                ma = _mm512_permutexvar_ps(spread_a, m4);
+                mb = _mm512_permutexvar_ps(spread_b, m4);
+            } else {
+                ma = _mm512_set1_ps(mrow[0]);
+                mb = _mm512_set1_ps(mrow[1]);
+            }
+            a = _mm512_min_epu32(a, key_avx512(v, s, xi, ma, mask, hv));
+            b = _mm512_min_epu32(b, key_avx512(v, s + 16, xi, mb, mask, hv));
+        }
+        _mm512_storeu_si512((__m512i *) (Mn + j0), a);
+        _mm512_storeu_si512((__m512i *) (Mn + j0 + 16), b);
+        if (bp) {
+            _mm_storeu_si128((__m128i *) (bp + j0), _mm512_cvtepi32_epi8(a));
+            _mm_storeu_si128((__m128i *) (bp + j0 + 16), _mm512_cvtepi32_epi8(b));
+        }
+    }
+}
+
+/* KIN = 4 occurs only at KA = 3 (odd positions): 32 columns >> 4 = two minima, one per vector. */
+#define DEFINE_FRAC_VEC(KA, ISA_, ATTR)                                                                   \
+ATTR static const uint32_t *frac_pass_##KA##_##ISA_(const float *x, int roll, int pre, const float *v,  \
+                                                    work_t *w)                                            \
+{                                                                                                         \
+    const size_t ROW = NSTATES >> KA;                                                                     \
+    uint32_t *Mp = w->M, *Mn = w->M2;                                                                     \
+    for (int j = 0; j < (NSTATES >> KA); ++j) Mp[j] = (pre < 0 || j == pre) ? 0u : BIG_BITS;              \
+    const int bp_lo = frac_bp_lo(pre);                                                                    \
+    for (int i = 0; i < L; ++i) {                                                                         \
+        const int pos = (i + roll) & (L - 1);                                                             \
+        uint8_t *bp = (i >= bp_lo && i < L - 1) ? w->bp + (size_t) pos * ROW : NULL;                      \
+        if (pos & 1) frac_step_##ISA_(KA, KA + 1, KA, v, x[pos], Mp, Mn, bp);                             \
+        else frac_step_##ISA_(KA, KA, KA + 1, v, x[pos], Mp, Mn, bp);                                     \
+        uint32_t *t = Mp; Mp = Mn; Mn = t;                                                                \
+    }                                                                                                     \
+    return Mp;                                                                                            \
+}
+DEFINE_FRAC_VEC(1, avx2, FQ_TARGET_AVX2) DEFINE_FRAC_VEC(2, avx2, FQ_TARGET_AVX2)
+DEFINE_FRAC_VEC(3, avx2, FQ_TARGET_AVX2)
+DEFINE_FRAC_VEC(1, avx512, FQ_TARGET_AVX512) DEFINE_FRAC_VEC(2, avx512, FQ_TARGET_AVX512)
+DEFINE_FRAC_VEC(3, avx512, FQ_TARGET_AVX512)
+static const frac_pass_fn FRAC_PASSES_AVX2[4] = {NULL, frac_pass_1_avx2, frac_pass_2_avx2, frac_pass_3_avx2};
+static const frac_pass_fn FRAC_PASSES_AVX512[4] = {NULL, frac_pass_1_avx512, frac_pass_2_avx512,
+                                                   frac_pass_3_avx512};
+#endif
+
 static const pass_fn *PASSES = PASSES_GENERIC;
+static const frac_pass_fn *FRAC_PASSES = FRAC_PASSES_GENERIC;
 static const char *ISA = "generic";
 static int PADDED_V = 0; /* the passes take v with rows of E + VPAD values, and need no C (the AVX2 pass) */
 
@@ -332,6 +519,40 @@ static void encode_tile(const float *x, int K, const float *v, work_t *w, uint16
     M = PASSES[K](x, 0, pre, v, w);
     int end = (int) (M[pre] & (uint32_t) (Q - 1)) * E + pre;
     backtrack(K, 0, end, 0, w, out);
+}
+
+/* Half-integer K: walk back as backtrack() does; the step into position `pos` shifted by D(pos), so the
+ * predecessor's low 16-D(pos) bits are s >> D(pos) and its top D(pos) bits are the stored h. */
+static int backtrack_frac(int KA, int roll, int s, int stop, const work_t *w, uint16_t *out)
+{
+    const size_t ROW = NSTATES >> KA;
+    for (int i = L - 1;; --i) {
+        const int pos = (i + roll) & (L - 1);
+        if (out) out[pos] = (uint16_t) s;
+        if (i == stop) return s;
+        const int prev = (i - 1 + roll) & (L - 1);
+        const int din = KA + (pos & 1);
+        const int j = s >> din;
+        s = (int) (w->bp[(size_t) prev * ROW + j] & ((1 << din) - 1)) * (NSTATES >> din) + j;
+    }
+}
+
+/* Both passes end on an odd position whose successor (an even one) adds KA bits: the ends are encode_tile's
+ * with K = KA, and pre (the low 16-KA bits of s_255) is the node into position 0, as in exllamav3's
+ * quantize_tiles_frac_kernel (pass 1 from 128, traced back to position 0's in-node; pass 2 from 0 through it). */
+static void encode_tile_frac(const float *x, int KA, const float *v, work_t *w, uint16_t *out)
+{
+    const int E = NSTATES >> KA, Q = 1 << KA;
+    const uint32_t *M = FRAC_PASSES[KA](x, L / 2, -1, v, w);
+    int jbest = 0;
+    for (int j = 1; j < E; ++j)
+        if (M[j] < M[jbest]) jbest = j;
+    int best = (int) (M[jbest] & (uint32_t) (Q - 1)) * E + jbest;
+    int s255 = backtrack_frac(KA, L / 2, best, L / 2 - 1, w, NULL);
+    int pre = s255 & (E - 1);
+    M = FRAC_PASSES[KA](x, 0, pre, v, w);
+    int end = (int) (M[pre] & (uint32_t) (Q - 1)) * E + pre;
+    backtrack_frac(KA, 0, end, 0, w, out);
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *fmt, Py_ssize_t itemsize,
@@ -412,6 +633,73 @@ static PyObject *py_viterbi(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* viterbi_frac(tiles, KA, values, out, threads): K = KA + 0.5 (mul1 values; the caller checks the codebook). */
+static PyObject *py_viterbi_frac(PyObject *self, PyObject *args)
+{
+    PyObject *xo, *vo, *oo;
+    int KA, threads;
+    if (!PyArg_ParseTuple(args, "OiOOi", &xo, &KA, &vo, &oo, &threads)) return NULL;
+    if (KA < 1 || KA > 3) {
+        PyErr_SetString(PyExc_ValueError, "viterbi_frac: KA must be in 1..3 (K = 1.5, 2.5, 3.5)");
+        return NULL;
+    }
+    Py_buffer xb, vb, ob;
+    if (get_buffer(xo, &xb, 0, "f", 4, "tiles") < 0) return NULL;
+    if (get_buffer(vo, &vb, 0, "f", 4, "values") < 0) { PyBuffer_Release(&xb); return NULL; }
+    if (get_buffer(oo, &ob, 1, "HhBb", 2, "states") < 0) {
+        PyBuffer_Release(&xb); PyBuffer_Release(&vb); return NULL;
+    }
+    Py_ssize_t n = xb.len / (4 * L);
+    int err = 0;
+    if (xb.len != n * 4 * L || ob.len != n * 2 * L || vb.len != 4 * NSTATES) err = 1;
+    if (!err) {
+        const float *x = (const float *) xb.buf;
+        const float *v = (const float *) vb.buf;
+        uint16_t *out = (uint16_t *) ob.buf;
+        const size_t E = NSTATES >> KA;
+        const int RS = 15 - KA, rows = 1 << (KA + 1);
+        int failed = 0;
+        Py_BEGIN_ALLOW_THREADS
+        float *vpad = NULL;
+        if (PADDED_V) { /* frac_vidx's layout */
+            vpad = (float *) aligned_alloc(64, (size_t) rows * ((1 << RS) + VPAD) * sizeof(float));
+            if (!vpad) failed = 1;
+            else {
+                for (int r = 0; r < rows; ++r)
+                    memcpy(vpad + (size_t) r * ((1 << RS) + VPAD), v + ((size_t) r << RS), sizeof(float) << RS);
+                v = vpad;
+            }
+        }
+        if (!failed) {
+            #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|:failed)
+            {
+                work_t w;
+                w.C = NULL;
+                w.M = (uint32_t *) aligned_alloc(64, E * sizeof(uint32_t) + 64);
+                w.M2 = (uint32_t *) aligned_alloc(64, E * sizeof(uint32_t) + 64);
+                w.bp = (uint8_t *) aligned_alloc(64, ((L * E + 63) / 64) * 64);
+                if (!w.M || !w.M2 || !w.bp) failed = 1;
+                else {
+                    #pragma omp for schedule(static)
+                    for (Py_ssize_t t = 0; t < n; ++t)
+                        encode_tile_frac(x + t * L, KA, v, &w, out + t * L);
+                }
+                free(w.M); free(w.M2); free(w.bp);
+            }
+        }
+        free(vpad);
+        Py_END_ALLOW_THREADS
+        if (failed) err = 2;
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
+    if (err == 1) {
+        PyErr_SetString(PyExc_ValueError, "viterbi_frac: tiles must be (n, 256) float32, states (n, 256) 16-bit, values 65536 float32");
+        return NULL;
+    }
+    if (err == 2) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* The ISAs this CPU and build can run, widest first. */
 static int isa_runs(const char *name)
 {
@@ -433,13 +721,14 @@ static const char *const ISA_NAMES[] = {"avx512", "avx2", "generic"};
 static int select_isa(const char *name)
 {
     const pass_fn *table = PASSES_GENERIC;
+    const frac_pass_fn *frac = FRAC_PASSES_GENERIC;
 #if FQ_X86
-    if (strcmp(name, "avx512") == 0) table = PASSES_AVX512;
-    else if (strcmp(name, "avx2") == 0) table = PASSES_AVX2;
+    if (strcmp(name, "avx512") == 0) { table = PASSES_AVX512; frac = FRAC_PASSES_AVX512; }
+    else if (strcmp(name, "avx2") == 0) { table = PASSES_AVX2; frac = FRAC_PASSES_AVX2; }
     PADDED_V = table == PASSES_AVX2 || table == PASSES_AVX512;
 #endif
     for (int k = 0; k < 3; ++k)
-        if (strcmp(name, ISA_NAMES[k]) == 0) { ISA = ISA_NAMES[k]; PASSES = table; return 0; }
+        if (strcmp(name, ISA_NAMES[k]) == 0) { ISA = ISA_NAMES[k]; PASSES = table; FRAC_PASSES = frac; return 0; }
     return -1;
 }
 
@@ -464,6 +753,8 @@ static PyObject *py_isas(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     {"viterbi", py_viterbi, METH_VARARGS,
      "viterbi(tiles_f32, K, values_f32, out_states_u16, threads): exact tail-biting Viterbi per 256-tile"},
+    {"viterbi_frac", py_viterbi_frac, METH_VARARGS,
+     "viterbi_frac(tiles_f32, KA, values_f32, out_states_u16, threads): the same at K = KA + 0.5 (KA 1..3)"},
     {"isa", py_isa, METH_NOARGS, "isa(): the instruction set the kernel runs: 'avx512', 'avx2' or 'generic'"},
     {"isas", py_isas, METH_NOARGS, "isas(): the instruction sets this CPU can run, widest first"},
     {NULL, NULL, 0, NULL}};

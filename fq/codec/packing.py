@@ -4,12 +4,18 @@ A tile's 256 states form a tail-biting ring: state i is the 16 bits of the tile'
 end at bit (i+1)*K, wrapping around; its low K bits are symbol i. The stream is stored MSB-first in
 16*K uint16 words, with each pair of words swapped (the reference writes uint32 lanes with halves
 exchanged). Everything here is plain integer torch, identical on CPU and CUDA.
+
+``pack``/``unpack`` also take a half-integer K (1.5, 2.5, 3.5; fq.codec.rate): the same ring, words and swap,
+but step p adds D(p) = KA + (p & 1) bits, so state p's window ends at S(p) = D(0) + ... + D(p) and symbol p is
+its low D(p) bits. The integer path is the code it always was (the golden files pin its bytes).
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+
+from fq.codec import rate
 
 TILE = 16
 TILE_LEN = 256
@@ -56,8 +62,11 @@ def _swap_pairs(words: torch.Tensor) -> torch.Tensor:
     return words.reshape(*s[:-1], s[-1] // 2, 2).flip(-1).reshape(s)
 
 
-def pack(states: torch.Tensor, K: int) -> torch.Tensor:
-    """(..., 256) 16-bit states -> (..., 16*K) int16 packed words. Only each state's low K bits are stored."""
+def pack(states: torch.Tensor, K) -> torch.Tensor:
+    """(..., 256) 16-bit states -> (..., 16*K) int16 packed words. Only each state's low K bits (low D(p) bits
+    at a half-integer K) are stored."""
+    if isinstance(K, float):  # a half-integer rate; integer K takes the path below, unchanged
+        return _pack_half(states, rate.check_k(K))
     dev = states.device
     sym = states.to(torch.int32) & ((1 << K) - 1)
     shifts = torch.arange(K - 1, -1, -1, device=dev, dtype=torch.int32)
@@ -69,8 +78,10 @@ def pack(states: torch.Tensor, K: int) -> torch.Tensor:
     return _swap_pairs(words)
 
 
-def unpack(packed: torch.Tensor, K: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, K) -> torch.Tensor:
     """(..., 16*K) int16 packed words -> (..., 256) int32 states in 0..65535."""
+    if isinstance(K, float):
+        return _unpack_half(packed, rate.check_k(K))
     dev = packed.device
     words = _swap_pairs(packed).to(torch.int32) & 0xFFFF
     nbits = TILE_LEN * K
@@ -84,3 +95,38 @@ def unpack(packed: torch.Tensor, K: int) -> torch.Tensor:
     b = words[..., wb]
     window = (a << 16) | b
     return (window >> (16 - off).expand(*lead, TILE_LEN)) & 0xFFFF
+
+
+def _words_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(..., 16*W) MSB-first bits -> (..., W) int16 words, pairs swapped (the integer pack's word step)."""
+    dev = bits.device
+    bits = bits.reshape(*bits.shape[:-1], bits.shape[-1] // 16, 16).to(torch.int32)
+    weights = torch.tensor([1 << (15 - i) for i in range(16)], device=dev, dtype=torch.int32)
+    words = (bits * weights).sum(-1, dtype=torch.int32)
+    words = torch.where(words >= 32768, words - 65536, words).to(torch.int16)
+    return _swap_pairs(words)
+
+
+def _pack_half(states: torch.Tensor, K: float) -> torch.Tensor:
+    # Every position's low KA+1 bits, MSB first; an even position (D = KA) drops its leading one.
+    dev = states.device
+    a = rate.ka(K)
+    shifts = torch.arange(a, -1, -1, device=dev, dtype=torch.int32)
+    bits = (states.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # (..., 256, KA+1)
+    keep = torch.ones((TILE_LEN, a + 1), dtype=torch.bool, device=dev)
+    keep[0::2, 0] = False
+    stream = bits[..., keep]  # (..., 256*K) in ring order: boolean indexing walks positions, then bits
+    return _words_of_bits(stream)
+
+
+def _unpack_half(packed: torch.Tensor, K: float) -> torch.Tensor:
+    dev = packed.device
+    words = _swap_pairs(packed).to(torch.int32) & 0xFFFF
+    nw = rate.tile_words(K)
+    ends = torch.tensor(rate.ring_ends(K), device=dev, dtype=torch.int64)
+    start = (ends - 16) % (16 * nw)
+    wa = start // 16
+    wb = (wa + 1) % nw
+    off = (start % 16).to(torch.int32)
+    window = (words[..., wa] << 16) | words[..., wb]
+    return (window >> (16 - off).expand(*packed.shape[:-1], TILE_LEN)) & 0xFFFF

@@ -10,6 +10,11 @@ one unsigned min -- so they return the same states.
 ``FQ_VITERBI_CUDA=torch`` forces the torch path on CUDA (benchmarks, or to rule the kernel out).
 ``FQ_CPU_ISA=avx512|avx2|generic`` forces the C kernel's instruction set (default: the widest the CPU runs;
 ``_trellis.isa()`` says which runs); every one gives the same states (tests/test_codec_isa.py).
+
+Half-integer K (1.5, 2.5, 3.5; mul1 only; fq.codec.rate): ``viterbi`` takes K as a float and runs the C kernel's
+frac passes (``_trellis.viterbi_frac``: the same arithmetic, with the step width alternating KA, KA+1). There is no
+CUDA or torch frac path yet: on a CUDA device the search runs on the CPU and the states are moved there (same
+states, CPU speed). Integer K takes exactly the paths it always did.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import numpy as np
 import torch
 
 from fq.codec.codebook import values_f32, values_torch
+from fq.codec import rate
 from fq.codec.packing import TILE_LEN
 
 try:
@@ -35,10 +41,13 @@ _CUDA_BP_BYTES = 4 << 30
 _CUDA_FALLBACK_WARNED = set()
 
 
-def viterbi(tiles: torch.Tensor, K: int, codebook: str, device=None, threads: int | None = None) -> torch.Tensor:
-    """Best tail-biting state sequence per tile. tiles: (n, 256) float32 -> (n, 256) int32 states (CPU)."""
+def viterbi(tiles: torch.Tensor, K, codebook: str, device=None, threads: int | None = None) -> torch.Tensor:
+    """Best tail-biting state sequence per tile. tiles: (n, 256) float32 -> (n, 256) int32 states (CPU).
+    K: an int 1..8, or a float 1.5, 2.5, 3.5 with codebook mul1 (else FqError)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     tiles = tiles.reshape(-1, TILE_LEN)
+    if isinstance(K, float):  # half-integer: the CPU kernel on every device (states come back on the CPU)
+        return viterbi_cpu(tiles, K, codebook, threads)
     if device.type == "cpu":
         return viterbi_cpu(tiles, K, codebook, threads)
     return viterbi_gpu(tiles, K, codebook, device).cpu()
@@ -47,6 +56,8 @@ def viterbi(tiles: torch.Tensor, K: int, codebook: str, device=None, threads: in
 def viterbi_gpu(tiles: torch.Tensor, K: int, codebook: str, device, check: bool = True) -> torch.Tensor:
     """States on ``device``: the CUDA kernel, or the torch path (with a warning, once) if it cannot be built."""
     device = torch.device(device)
+    if isinstance(K, float):  # no GPU frac search yet: the CPU kernel's states, moved
+        return viterbi_cpu(tiles, K, codebook).to(device)
     if device.type == "cuda" and os.environ.get("FQ_VITERBI_CUDA", "kernel") != "torch":
         from fq.codec import viterbi_cuda  # imported only here: CPU use never needs nvcc
 
@@ -65,7 +76,12 @@ def viterbi_cpu(tiles: torch.Tensor, K: int, codebook: str, threads: int | None 
         raise RuntimeError(f"fq's C trellis kernel is not built ({_IMPORT_ERROR}); reinstall fq (make install)")
     x = np.ascontiguousarray(tiles.detach().cpu().numpy(), dtype=np.float32)
     out = np.empty(x.shape, dtype=np.uint16)
-    _trellis.viterbi(x, int(K), values_f32(codebook), out, int(threads or torch.get_num_threads()))
+    nthreads = int(threads or torch.get_num_threads())
+    if isinstance(K, float):
+        rate.check_k(K, codebook)
+        _trellis.viterbi_frac(x, rate.ka(K), values_f32(codebook), out, nthreads)
+    else:
+        _trellis.viterbi(x, int(K), values_f32(codebook), out, nthreads)
     return torch.from_numpy(out.astype(np.int32))
 
 
