@@ -26,7 +26,7 @@ PHASES = {
     "stage the source": ("stage", "skeleton", "skeleton_variant", "retire"),
     "calibrate": ("calib_tokens", "calib_embed", "calib_dense_linears", "calib_moe_linears", "calib_head"),
     "encode": ("encode", "encode_linears", "share", "weight_only", "native"),
-    "sign and publish": ("finalize", "verify_published"),
+    "sign and publish": ("finalize", "verify_published", "repair"),
     "measure": ("eval", "report"),
 }
 COLOURS = {"prepare": "#8da0cb", "allocate": "#e78ac3", "stage the source": "#b3b3b3", "calibrate": "#a6d854",
