@@ -6,7 +6,6 @@ Optimality is tested two ways that do not share the kernel's structure: an exact
 the 65536 states (pass 2's problem: the best ring through the kernel's chosen seam node), and a brute-force
 neighbourhood (every burst of up to 3 flipped ring bits away from the seam must not lower the error).
 """
-import json
 import os
 import subprocess
 import sys
