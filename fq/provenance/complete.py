@@ -9,7 +9,8 @@ one model, from verified headers and attestations only (no payload, no torch), a
    fragments, no skeleton ``.weight`` (or FP8 scale) of a linear the base stores as EXL3, no routed-expert weight in
    the skeleton, no routed expert in two fragments of the base.
 2. **Labels.** Every EXL3 linear of a linear fragment is, by its tensor name, of the class and layer its attestation
-   names (``fq.model.linears.classify``), and its attested source tensors are exactly its linears' weights; every
+   names (``fq.model.linears.classify``), and its attested source tensors are exactly its linears' weights (and,
+   from an FP8 source, their block scales); every
    linear fragment of the base is one the plan names; one fragment per (class, layer); fragments of one linear node
    attest one node digest.
 3. **One objective per layer.** A layer's linear fragments all name the same Hessian (file and sha256) or none.
@@ -173,7 +174,10 @@ def base_problems(plan: dict, shards: list[BaseShard], *, files: dict, read: Cal
             "weight-only" if h is None else f"Hessian {h.get('file')} sha256 {str(h.get('sha256'))[:16]}…", s.name)
         mine = sorted({n.rpartition(".")[0] for n in s.entries})
         src = {t.get("tensor") for t in (p.get("source") or {}).get("tensors", ())}
-        if src != {f"{lin}.weight" for lin in mine}:
+        # each linear's weight, and beside it its block scales where the source is FP8 (read with the weight)
+        weights = {n for n in src if isinstance(n, str) and n.rsplit(".", 1)[-1] not in COMPANIONS}
+        scales_of_others = {n for n in src - weights if n.rpartition(".")[0] not in mine}
+        if weights != {f"{lin}.weight" for lin in mine} or scales_of_others:
             out.append(f"{at}: attests source tensors {_names(src)}, its linears are {_names(mine)}")
         shapes = {t.get("tensor"): tuple(t.get("shape") or ()) for t in (p.get("source") or {}).get("tensors", ())}
         for lin in mine:
