@@ -1,7 +1,9 @@
 """Half-integer K (1.5, 2.5, 3.5; exllamav3 1.6.5's frac_k rates, mul1 only): packing, decode, and the CPU Viterbi.
 
 The format is checked here against a bit-by-bit model written from docs/codec.md "Half-integer K" (loops, not the
-vectorized code); bit-exactness with exllamav3's own kernels needs a GPU: benchmarks/frac_golden_device.py.
+vectorized code) and against exllamav3 1.6.5's own CPU decode (its MoE runtime's decode_state_scalar, run by
+benchmarks/frac_golden_cpu.py: tests/data/exl3_frac_cpu_golden.npz); exllamav3's GPU encoder, packer and kernels
+need a GPU: benchmarks/frac_golden_device.py.
 Optimality is tested two ways that do not share the kernel's structure: an exact float64 dynamic program over
 the 65536 states (pass 2's problem: the best ring through the kernel's chosen seam node), and a brute-force
 neighbourhood (every burst of up to 3 flipped ring bits away from the seam must not lower the error).
@@ -9,6 +11,7 @@ neighbourhood (every burst of up to 3 flipped ring bits away from the seam must 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +26,7 @@ from fq.errors import FqError
 
 pytestmark = pytest.mark.skipif(_trellis is None, reason="the C kernel is not built")
 HALF = rate.HALF_KS
+DATA = Path(__file__).parent / "data"
 
 
 def _tiles(n, seed=0, scale=1.0):
@@ -89,6 +93,17 @@ def test_random_words_unpack_then_pack_is_identity():
         w = torch.randint(-32768, 32768, (3, 2, rate.tile_words(K)), generator=torch.Generator().manual_seed(3),
                           dtype=torch.int32).to(torch.int16)
         assert torch.equal(pack(unpack(w, K), K), w)
+
+
+def test_unpack_and_pack_match_exllamav3_cpu_decode():
+    g = np.load(DATA / "exl3_frac_cpu_golden.npz")
+    for K in HALF:
+        for tag in ("viterbi", "random"):
+            packed = torch.from_numpy(g[f"k{K}_{tag}.packed"])
+            ref = torch.from_numpy(g[f"k{K}_{tag}.states"].astype(np.int32))
+            assert packed.shape == (6, rate.tile_words(K))
+            assert torch.equal(unpack(packed, K), ref), (K, tag)
+            assert torch.equal(pack(ref, K), packed), (K, tag)
 
 
 # ---- quality ----
