@@ -24,7 +24,6 @@ if C.measures_allocation:
             columns=C.allocation_config["columns"],
             samples=C.allocation_config["samples"],
             seed=C.allocation_config["seed"],
-            efficiency_rows=C.allocation_config["efficiency_rows"],
         threads: 2
         script:
             "../scripts/sensitivity.py"

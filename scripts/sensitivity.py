@@ -4,5 +4,4 @@ from fq.workflow.allocation import sensitivity_job
 to_log(snakemake)
 p = snakemake.params
 sensitivity_job(p.model, snakemake.input.text, snakemake.output.sensitivity, codebook=p.codebook, rows=p.rows,
-                columns=p.columns, samples=p.samples, seed=p.seed, efficiency_rows=p.efficiency_rows,
-                threads=snakemake.threads)
+                columns=p.columns, samples=p.samples, seed=p.seed, threads=snakemake.threads)

@@ -28,7 +28,7 @@ RECIPE = {
     ],
     "products": [{"name": "b", "chain": ["b"]}, {"name": "b.up", "chain": ["b", "b.up"]}],
 }
-SMALL = {"rows": 4, "columns": 64, "samples": 1, "efficiency_rows": 32}  # c(K) on 32 rows of each sample linear
+SMALL = {"rows": 4, "columns": 64, "samples": 1}
 # No hot stage reads the expert usage here (the budgeted stage buys its experts by measured gain per byte): the usage
 # recorded with the demo model (config usage:) instead of the usage job, which test_workflow.py runs and checks
 USAGE = str(REPO / "fq" / "data" / "demo" / "usage.json")
@@ -57,7 +57,7 @@ def test_the_first_run_measures_the_allocation_and_nothing_else(phases):
     assert fragments == [] and "run snakemake again to encode the budgeted bases" in first
     doc = json.loads(snapshot["allocation.json"])
     assert doc["format"] == "fq-allocation/1" and [a["budget_bits"] for a in doc["allocations"]] == [2.5]
-    assert doc["calibration"]["rows"] == 4 and doc["calibration"]["efficiency_rows"] == 32 and doc["experts"]  # each expert's own measurement, for b.up
+    assert doc["calibration"]["rows"] == 4 and doc["experts"]  # each expert's own measurement, for b.up
     assert rerun == snapshot  # byte-identical on rerun
 
 

@@ -19,10 +19,8 @@ from fq.errors import FqError
 
 FORMAT = "fq-allocation/1"
 # the measurement's default settings, for fq allocate, the campaign's sensitivity job and fq price alike: calibration
-# windows x tokens per window, label samples per window, direction and label seed; the rows of each sample linear
-# the encoder's LDLQ efficiency c(K) is measured on (0: all; LDLQ encodes rows independently, so fewer rows estimate
-# the same ratio with more noise, for quick runs)
-SENSITIVITY = {"rows": 16, "columns": 128, "samples": 4, "seed": 0, "efficiency_rows": 0}
+# windows x tokens per window, label samples per window, direction and label seed
+SENSITIVITY = {"rows": 16, "columns": 128, "samples": 4, "seed": 0}
 METHOD = ("unit u at K: a_u D(K) + b_u sqrt(D(K)), fitted through the output KL of u's LDLQ-shaped error injected "
           f"at K {', '.join(map(str, inject.INJECT_KS))} (K1 as measured); D(K) = d(K) c(K), c the encoder's measured "
           "LDLQ efficiency; an allocation: the second-order terms summed, plus the root of the first-order terms' "

@@ -92,24 +92,19 @@ def unit_bytes(W: dict, ks) -> dict:
             for u, ns in units.group_units(W).items()}
 
 
-def efficiency_samples(W: dict, H: dict, rows: int = 0) -> list:
+def efficiency_samples(W: dict, H: dict) -> list:
     """One linear per unit kind (attention, dense, shared, routed gate/up, routed down; not the head: the largest
     matrix), from the middle of the layers that have that kind: the encodes fq.allocation.error_model.ldlq_efficiency
-    measures the encoder on; ``rows`` > 0 keeps each one's first rows (whole 16-row tiles)."""
+    measures the encoder on."""
     by_kind: dict = {}
     for u, ns in units.group_units(sorted(W)).items():
         kind = units.unit_of(ns[0])
         if kind.kind != "head":
             by_kind.setdefault(kind.kind, []).append(ns)
-    picked = [(W[lists[len(lists) // 2][0]], H[lists[len(lists) // 2][0]]) for _, lists in sorted(by_kind.items())]
-    if rows > 0:
-        keep = max(16, rows // 16 * 16)
-        picked = [(w[:keep], h) for w, h in picked]
-    return picked
+    return [(W[lists[len(lists) // 2][0]], H[lists[len(lists) // 2][0]]) for _, lists in sorted(by_kind.items())]
 
 
-def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4, seed: int = 0,
-                 efficiency_rows: int = 0, progress=None):
+def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4, seed: int = 0, progress=None):
     """unit -> {K: (predicted KL, bytes)} for every allocation unit of ``model`` measured on calibration ``windows``:
     the unit's LDLQ-shaped error (fq.allocation.error_model) injected at ``inject.INJECT_KS`` with the encoder's
     real distortion D(K) = d(K) c(K) (``error_model.ldlq_efficiency`` on a few of the model's linears), the output's
@@ -122,8 +117,7 @@ def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4
     H = hessians(model, windows, windows.device)
     names = sorted(W)
     dirs = {n: [error_model.direction(W[n], H[n], seed=seed * 1_000_003 + i)] for i, n in enumerate(names)}
-    eff = error_model.ldlq_efficiency(efficiency_samples(W, H, efficiency_rows), ks, codebook, device=windows.device,
-                                      seed=seed)
+    eff = error_model.ldlq_efficiency(efficiency_samples(W, H), ks, codebook, device=windows.device, seed=seed)
     del H
     sens = sensitivity.measure(model, windows, samples=samples, seed=seed, directions=dirs, progress=progress)
     groups = units.group_units(names)

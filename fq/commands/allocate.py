@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fq.allocation.document import SENSITIVITY
-from fq.cli_args import count, positive_int
+from fq.cli_args import positive_int
 
 
 def register(sub) -> None:
@@ -23,8 +23,6 @@ def register(sub) -> None:
     p.add_argument("--samples", type=positive_int, default=SENSITIVITY["samples"], metavar="N",
                    help="label samples per window for the experts' Fisher forms (default %(default)s)")
     p.add_argument("--seed", type=int, default=SENSITIVITY["seed"])
-    p.add_argument("--efficiency-rows", type=count, default=SENSITIVITY["efficiency_rows"], metavar="N",
-                   help="rows of each sample linear the LDLQ efficiency c(K) is measured on (default: all)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads")
     p.set_defaults(func=run)
 
@@ -78,7 +76,7 @@ def run(args) -> int:
     bar = tqdm(total=args.rows, desc="sensitivity", unit="window")
     doc = measure(Path(args.model), text, codebook=args.codebook, ks=ks, rows=args.rows,
                            columns=args.columns, samples=args.samples, seed=args.seed,
-                           efficiency_rows=args.efficiency_rows, progress=lambda done, total: bar.update(1))
+                           progress=lambda done, total: bar.update(1))
     bar.close()
     doc = document.with_allocations(doc, args.bits)
     for a in doc["allocations"]:

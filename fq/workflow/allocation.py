@@ -23,8 +23,7 @@ from fq.core import atomic, canonical
 
 def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9)), rows: int = SENSITIVITY["rows"],
             columns: int = SENSITIVITY["columns"], samples: int = SENSITIVITY["samples"],
-            seed: int = SENSITIVITY["seed"], efficiency_rows: int = SENSITIVITY["efficiency_rows"],
-            progress=None) -> dict:
+            seed: int = SENSITIVITY["seed"], progress=None) -> dict:
     """Measure every allocation unit of the checkpoint at ``model_dir`` on ``text`` (rows x columns tokens)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -38,7 +37,7 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
     ids, tok_sha = tokenize(Path(model_dir), text)
     windows = token_windows(ids, columns, rows * columns)
     options, weights, sens, fit = unit_options(model, windows, list(ks), codebook, samples=samples, seed=seed,
-                                               efficiency_rows=efficiency_rows, progress=progress)
+                                               progress=progress)
     config = Path(model_dir, "config.json").read_bytes()
     # each routed expert's own quadratic forms (gate+up, down), per layer: what a budgeted stage ranks experts by
     experts: dict = {}
@@ -51,8 +50,7 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
     return {"format": FORMAT, "codebook": codebook, "ks": sorted(ks),
             "model": {"config_sha256": hashlib.sha256(config).hexdigest(), "tokenizer_sha256": tok_sha},
             "calibration": {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "rows": rows,
-                            "columns": columns, "positions": sens.positions, "samples": samples, "seed": seed,
-                            **({"efficiency_rows": efficiency_rows} if efficiency_rows else {})},
+                            "columns": columns, "positions": sens.positions, "samples": samples, "seed": seed},
             "method": METHOD,
             "weights": weights,
             "units": {u: {str(K): {"predicted_kl": kl, "bytes": by} for K, (kl, by) in o.items()}
@@ -68,7 +66,7 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
 
 
 def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, rows: int, columns: int,
-                    samples: int, seed: int, efficiency_rows: int = 0, threads: int = 1) -> None:
+                    samples: int, seed: int, threads: int = 1) -> None:
     import torch
     from tqdm import tqdm
 
@@ -76,7 +74,7 @@ def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, 
     text = Path(text_path).read_text(encoding="utf-8")
     bar = tqdm(total=rows, desc="sensitivity", unit="window", file=sys.stderr)
     doc = measure(Path(model_dir), text, codebook=codebook, rows=rows, columns=columns, samples=samples, seed=seed,
-                  efficiency_rows=efficiency_rows, progress=lambda done, total: bar.update(1))
+                  progress=lambda done, total: bar.update(1))
     bar.close()
     atomic.write_text(out, canonical.pretty(doc))
     print(f"{out}: {len(doc['units'])} units measured on {doc['calibration']['positions']} positions",
