@@ -279,8 +279,7 @@ def test_injection_measures_real_kl_and_restores_the_model(demo):
 @pytest.fixture(scope="module")
 def allocated(demo, tmp_path_factory):
     """fq allocate on the demo model, once: its output file. The efficiency test reads c(K) from it (the encodes are
-    the expensive part of a measurement). That a measurement from scratch gives the same bytes again is
-    test_workflow_budget.py's (the campaign's sensitivity job, forced to rerun: the same measurement and document)."""
+    the expensive part of a measurement)."""
     from fq.cli import main
 
     _, _, d = demo
@@ -324,3 +323,17 @@ def test_fq_allocate_refuses_bad_input_before_measuring(demo, tmp_path, capsys):
     assert main(base + ["--bits", "1", "--ks", "2-3"]) == 2
     assert "below the smallest allocation" in capsys.readouterr().err
     assert not (tmp_path / "a.json").exists()
+
+
+def test_a_measurement_from_scratch_is_byte_identical(demo):
+    """The sensitivity job's measurement (fq.workflow.allocation.measure: Hessians, c(K)'s encodes, the Fisher
+    pass, the injections, the document) twice from the same inputs: the same bytes. Small: one window of 32
+    tokens, c(K) at K2 only."""
+    from fq.core import canonical
+    from fq.workflow.allocation import measure
+
+    _, _, d = demo
+    text = (d / "text" / "calibration.txt").read_text()
+    a, b = (canonical.dumps(measure(d / "model", text, ks=(2, 16), rows=1, columns=32, samples=1, seed=3))
+            for _ in range(2))
+    assert a == b and b'"efficiency"' in a
