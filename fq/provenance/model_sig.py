@@ -35,7 +35,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -45,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from fq.core import atomic, canonical
 from fq.core.safepath import open_regular
 from fq.errors import FqError
+from fq.provenance.attest import keys
 
 SIGNATURE = "model.sig"
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
@@ -69,35 +69,11 @@ def _check_curve(key, where: str) -> None:
 
 def generate(prefix: str | os.PathLike) -> tuple[Path, Path]:
     """A new ECDSA P-256 pair, ``PREFIX.key`` and ``PREFIX.pub``; never overwrites a key."""
-    prefix = Path(prefix)
-    priv_path, pub_path = prefix.with_name(prefix.name + ".key"), prefix.with_name(prefix.name + ".pub")
-    for p in (priv_path, pub_path):
-        if os.path.lexists(p):
-            raise FqError(f"{p}: already exists; refusing to overwrite a key")
-    key = ec.generate_private_key(ec.SECP256R1())
-    with atomic.atomic_open(priv_path, "wb") as fh:
-        os.fchmod(fh.fileno(), 0o600)
-        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                   serialization.NoEncryption()))
-    with atomic.atomic_open(pub_path, "wb") as fh:
-        os.fchmod(fh.fileno(), 0o644)
-        fh.write(public_pem(key).encode())
-    return priv_path, pub_path
+    return keys.write_pair(ec.generate_private_key(ec.SECP256R1()), prefix)
 
 
 def load_private(path: str | os.PathLike) -> ec.EllipticCurvePrivateKey:
-    try:
-        mode = os.stat(path).st_mode
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise FqError(f"{path}: cannot read the model-signing private key: {e.strerror}") from None
-    if stat.S_IMODE(mode) & 0o077:
-        raise FqError(f"{path}: private key is accessible by group/others (mode {stat.S_IMODE(mode):04o}); "
-                      "run chmod 600 on it")
-    try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError, UnsupportedAlgorithm) as e:
-        raise FqError(f"{path}: not an unencrypted PEM private key ({e})") from None
+    key = keys.read_private(path, "the model-signing private key")
     _check_curve(key, str(path))
     return key
 

@@ -30,11 +30,18 @@ def key_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
 
 def generate(prefix: str | os.PathLike) -> tuple[Path, Path, str]:
     """Write a new key pair; refuses to replace an existing key (a lost signer key orphans a campaign)."""
+    key = Ed25519PrivateKey.generate()
+    priv_path, pub_path = write_pair(key, prefix)
+    return priv_path, pub_path, fingerprint(key)
+
+
+def write_pair(key, prefix: str | os.PathLike) -> tuple[Path, Path]:
+    """``PREFIX.key``, the private key's PKCS8 PEM (mode 600), and ``PREFIX.pub``, its public key's
+    SubjectPublicKeyInfo PEM (644), each written atomically; refuses to replace an existing key."""
     priv_path, pub_path = key_paths(prefix)
     for p in (priv_path, pub_path):
         if os.path.lexists(p):
             raise FqError(f"{p}: already exists; refusing to overwrite a key")
-    key = Ed25519PrivateKey.generate()
     priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -44,7 +51,7 @@ def generate(prefix: str | os.PathLike) -> tuple[Path, Path, str]:
     with atomic.atomic_open(pub_path, "wb") as fh:
         os.fchmod(fh.fileno(), 0o644)
         fh.write(pub)
-    return priv_path, pub_path, fingerprint(key)
+    return priv_path, pub_path
 
 
 def _read(path: str | os.PathLike, what: str) -> bytes:
@@ -54,18 +61,23 @@ def _read(path: str | os.PathLike, what: str) -> bytes:
         raise FqError(f"{path}: cannot read {what}: {e.strerror}") from None
 
 
-def load_private(path: str | os.PathLike) -> Ed25519PrivateKey:
+def read_private(path: str | os.PathLike, what: str = "private key"):
+    """The unencrypted PEM private key at ``path``, of any type, refused if group or others can read it."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
-        raise FqError(f"{path}: cannot read private key: {e.strerror}") from None
+        raise FqError(f"{path}: cannot read {what}: {e.strerror}") from None
     if stat.S_IMODE(mode) & 0o077:
         raise FqError(f"{path}: private key is accessible by group/others (mode {stat.S_IMODE(mode):04o}); "
                       "run chmod 600 on it")
     try:
-        key = serialization.load_pem_private_key(_read(path, "private key"), password=None)
+        return serialization.load_pem_private_key(_read(path, what), password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as e:
         raise FqError(f"{path}: not an unencrypted PEM private key ({e})") from None
+
+
+def load_private(path: str | os.PathLike) -> Ed25519PrivateKey:
+    key = read_private(path)
     if not isinstance(key, Ed25519PrivateKey):
         raise FqError(f"{path}: expected an Ed25519 private key, got {type(key).__name__}")
     return key
