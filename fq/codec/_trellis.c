@@ -568,13 +568,19 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
     return 0;
 }
 
-static PyObject *py_viterbi(PyObject *self, PyObject *args)
+/* viterbi(tiles, K, values, out, threads) and viterbi_frac(tiles, KA, values, out, threads), K = KA + 0.5 (mul1
+   values; the caller checks the codebook): one body. A frac search reads v as 2 << KA rows of 1 << (15 - KA) values,
+   an integer one as 1 << K rows of E; the AVX2 pass wants each row padded (PADDED_V), the integer generic pass a
+   per-thread cost table C. */
+static PyObject *viterbi_tiles(PyObject *args, int frac)
 {
+    const char *name = frac ? "viterbi_frac" : "viterbi";
     PyObject *xo, *vo, *oo;
     int K, threads;
     if (!PyArg_ParseTuple(args, "OiOOi", &xo, &K, &vo, &oo, &threads)) return NULL;
-    if (K < 1 || K > 8) {
-        PyErr_SetString(PyExc_ValueError, "K must be in 1..8");
+    if (frac ? (K < 1 || K > 3) : (K < 1 || K > 8)) {
+        PyErr_SetString(PyExc_ValueError, frac ? "viterbi_frac: KA must be in 1..3 (K = 1.5, 2.5, 3.5)"
+                                               : "K must be in 1..8");
         return NULL;
     }
     Py_buffer xb, vb, ob;
@@ -591,15 +597,17 @@ static PyObject *py_viterbi(PyObject *self, PyObject *args)
         const float *v = (const float *) vb.buf;
         uint16_t *out = (uint16_t *) ob.buf;
         const size_t E = NSTATES >> K;
-        const int Q = 1 << K;
+        const int rows = frac ? 2 << K : 1 << K;       /* v's rows ... */
+        const size_t width = frac ? E / 2 : E;          /* ... of this many values */
+        const int table = !PADDED_V && !frac;           /* the integer generic pass's cost table */
         int failed = 0;
         Py_BEGIN_ALLOW_THREADS
         float *vpad = NULL;
-        if (PADDED_V) { /* the AVX2 pass's layout of v: row h (E values) at h * (E + VPAD) */
-            vpad = (float *) aligned_alloc(64, (size_t) Q * (E + VPAD) * sizeof(float));
+        if (PADDED_V) { /* the AVX2 pass's layout of v: row r at r * (width + VPAD) */
+            vpad = (float *) aligned_alloc(64, (size_t) rows * (width + VPAD) * sizeof(float));
             if (!vpad) failed = 1;
             else {
-                for (int h = 0; h < Q; ++h) memcpy(vpad + h * (E + VPAD), v + h * E, E * sizeof(float));
+                for (int r = 0; r < rows; ++r) memcpy(vpad + r * (width + VPAD), v + r * width, width * sizeof(float));
                 v = vpad;
             }
         }
@@ -607,15 +615,17 @@ static PyObject *py_viterbi(PyObject *self, PyObject *args)
             #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|:failed)
             {
                 work_t w;
-                w.C = PADDED_V ? NULL : (uint32_t *) aligned_alloc(64, NSTATES * sizeof(uint32_t));
+                w.C = table ? (uint32_t *) aligned_alloc(64, NSTATES * sizeof(uint32_t)) : NULL;
                 w.M = (uint32_t *) aligned_alloc(64, E * sizeof(uint32_t) + 64);
                 w.M2 = (uint32_t *) aligned_alloc(64, E * sizeof(uint32_t) + 64);
                 w.bp = (uint8_t *) aligned_alloc(64, ((L * E + 63) / 64) * 64);
-                if ((!w.C && !PADDED_V) || !w.M || !w.M2 || !w.bp) failed = 1;
+                if ((table && !w.C) || !w.M || !w.M2 || !w.bp) failed = 1;
                 else {
                     #pragma omp for schedule(static)
-                    for (Py_ssize_t t = 0; t < n; ++t)
-                        encode_tile(x + t * L, K, v, &w, out + t * L);
+                    for (Py_ssize_t t = 0; t < n; ++t) {
+                        if (frac) encode_tile_frac(x + t * L, K, v, &w, out + t * L);
+                        else encode_tile(x + t * L, K, v, &w, out + t * L);
+                    }
                 }
                 free(w.C); free(w.M); free(w.M2); free(w.bp);
             }
@@ -626,79 +636,16 @@ static PyObject *py_viterbi(PyObject *self, PyObject *args)
     }
     PyBuffer_Release(&xb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
     if (err == 1) {
-        PyErr_SetString(PyExc_ValueError, "viterbi: tiles must be (n, 256) float32, states (n, 256) 16-bit, values 65536 float32");
+        PyErr_Format(PyExc_ValueError, "%s: tiles must be (n, 256) float32, states (n, 256) 16-bit, values 65536 float32",
+                     name);
         return NULL;
     }
     if (err == 2) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* viterbi_frac(tiles, KA, values, out, threads): K = KA + 0.5 (mul1 values; the caller checks the codebook). */
-static PyObject *py_viterbi_frac(PyObject *self, PyObject *args)
-{
-    PyObject *xo, *vo, *oo;
-    int KA, threads;
-    if (!PyArg_ParseTuple(args, "OiOOi", &xo, &KA, &vo, &oo, &threads)) return NULL;
-    if (KA < 1 || KA > 3) {
-        PyErr_SetString(PyExc_ValueError, "viterbi_frac: KA must be in 1..3 (K = 1.5, 2.5, 3.5)");
-        return NULL;
-    }
-    Py_buffer xb, vb, ob;
-    if (get_buffer(xo, &xb, 0, "f", 4, "tiles") < 0) return NULL;
-    if (get_buffer(vo, &vb, 0, "f", 4, "values") < 0) { PyBuffer_Release(&xb); return NULL; }
-    if (get_buffer(oo, &ob, 1, "HhBb", 2, "states") < 0) {
-        PyBuffer_Release(&xb); PyBuffer_Release(&vb); return NULL;
-    }
-    Py_ssize_t n = xb.len / (4 * L);
-    int err = 0;
-    if (xb.len != n * 4 * L || ob.len != n * 2 * L || vb.len != 4 * NSTATES) err = 1;
-    if (!err) {
-        const float *x = (const float *) xb.buf;
-        const float *v = (const float *) vb.buf;
-        uint16_t *out = (uint16_t *) ob.buf;
-        const size_t E = NSTATES >> KA;
-        const int RS = 15 - KA, rows = 1 << (KA + 1);
-        int failed = 0;
-        Py_BEGIN_ALLOW_THREADS
-        float *vpad = NULL;
-        if (PADDED_V) { /* frac_vidx's layout */
-            vpad = (float *) aligned_alloc(64, (size_t) rows * ((1 << RS) + VPAD) * sizeof(float));
-            if (!vpad) failed = 1;
-            else {
-                for (int r = 0; r < rows; ++r)
-                    memcpy(vpad + (size_t) r * ((1 << RS) + VPAD), v + ((size_t) r << RS), sizeof(float) << RS);
-                v = vpad;
-            }
-        }
-        if (!failed) {
-            #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|:failed)
-            {
-                work_t w;
-                w.C = NULL;
-                w.M = (uint32_t *) aligned_alloc(64, E * sizeof(uint32_t) + 64);
-                w.M2 = (uint32_t *) aligned_alloc(64, E * sizeof(uint32_t) + 64);
-                w.bp = (uint8_t *) aligned_alloc(64, ((L * E + 63) / 64) * 64);
-                if (!w.M || !w.M2 || !w.bp) failed = 1;
-                else {
-                    #pragma omp for schedule(static)
-                    for (Py_ssize_t t = 0; t < n; ++t)
-                        encode_tile_frac(x + t * L, KA, v, &w, out + t * L);
-                }
-                free(w.M); free(w.M2); free(w.bp);
-            }
-        }
-        free(vpad);
-        Py_END_ALLOW_THREADS
-        if (failed) err = 2;
-    }
-    PyBuffer_Release(&xb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
-    if (err == 1) {
-        PyErr_SetString(PyExc_ValueError, "viterbi_frac: tiles must be (n, 256) float32, states (n, 256) 16-bit, values 65536 float32");
-        return NULL;
-    }
-    if (err == 2) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
+static PyObject *py_viterbi(PyObject *self, PyObject *args) { return viterbi_tiles(args, 0); }
+static PyObject *py_viterbi_frac(PyObject *self, PyObject *args) { return viterbi_tiles(args, 1); }
 
 /* The ISAs this CPU and build can run, widest first. */
 static int isa_runs(const char *name)
