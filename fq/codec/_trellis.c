@@ -487,72 +487,46 @@ static const frac_pass_fn *FRAC_PASSES = FRAC_PASSES_GENERIC;
 static const char *ISA = "generic";
 static int PADDED_V = 0; /* the passes take v with rows of E + VPAD values, and need no C (the AVX2 pass) */
 
-/* Walk back from state s at ring step L-1 down to ring step `stop`; returns the state there. */
-static int backtrack(int K, int roll, int s, int stop, const work_t *w, uint16_t *out)
+/* Walk back from state s at ring step L-1 down to ring step `stop`; returns the state there. The step into
+ * position `pos` shifted by D(pos) bits (K; for a half-integer K = KA + 0.5, `frac`, KA at even positions and KA + 1
+ * at odd ones), so the predecessor's low 16-D(pos) bits are s >> D(pos) and its top D(pos) bits are the stored h. */
+static int backtrack(int K, int frac, int roll, int s, int stop, const work_t *w, uint16_t *out)
 {
-    const int E = NSTATES >> K;
-    for (int i = L - 1;; --i) {
-        int pos = (i + roll) & (L - 1);
-        if (out) out[pos] = (uint16_t) s;
-        if (i == stop) return s;
-        int prev = (i - 1 + roll) & (L - 1);
-        int j = s >> K;
-        s = (int) (w->bp[(size_t) prev * E + j] & ((1 << K) - 1)) * E + j;
-    }
-}
-
-/* The end of a pass from its last minima M (= min over h of the last position's keys). Pass 1 ends on the
- * lowest state of minimal key: every state of key k has h = k & (Q-1), so it is h*E + the lowest j with
- * M[j] = k. Pass 2 ends on the state with low bits `pre` of minimal key: h = M[pre] & (Q-1). */
-static void encode_tile(const float *x, int K, const float *v, work_t *w, uint16_t *out)
-{
-    const int E = NSTATES >> K, Q = 1 << K;
-    /* pass 1: from position 128, unconstrained; best final state, back to ring step 127 = position 255 */
-    const uint32_t *M = PASSES[K](x, L / 2, -1, v, w);
-    int jbest = 0;
-    for (int j = 1; j < E; ++j)
-        if (M[j] < M[jbest]) jbest = j;
-    int best = (int) (M[jbest] & (uint32_t) (Q - 1)) * E + jbest;
-    int s255 = backtrack(K, L / 2, best, L / 2 - 1, w, NULL);
-    int pre = s255 & (E - 1);
-    /* pass 2: from position 0, ring closed through `pre` */
-    M = PASSES[K](x, 0, pre, v, w);
-    int end = (int) (M[pre] & (uint32_t) (Q - 1)) * E + pre;
-    backtrack(K, 0, end, 0, w, out);
-}
-
-/* Half-integer K: walk back as backtrack() does; the step into position `pos` shifted by D(pos), so the
- * predecessor's low 16-D(pos) bits are s >> D(pos) and its top D(pos) bits are the stored h. */
-static int backtrack_frac(int KA, int roll, int s, int stop, const work_t *w, uint16_t *out)
-{
-    const size_t ROW = NSTATES >> KA;
+    const size_t ROW = NSTATES >> K;
     for (int i = L - 1;; --i) {
         const int pos = (i + roll) & (L - 1);
         if (out) out[pos] = (uint16_t) s;
         if (i == stop) return s;
         const int prev = (i - 1 + roll) & (L - 1);
-        const int din = KA + (pos & 1);
+        const int din = K + (frac & pos & 1);
         const int j = s >> din;
         s = (int) (w->bp[(size_t) prev * ROW + j] & ((1 << din) - 1)) * (NSTATES >> din) + j;
     }
 }
 
-/* Both passes end on an odd position whose successor (an even one) adds KA bits: the ends are encode_tile's
- * with K = KA, and pre (the low 16-KA bits of s_255) is the node into position 0, as in exllamav3's
- * quantize_tiles_frac_kernel (pass 1 from 128, traced back to position 0's in-node; pass 2 from 0 through it). */
-static void encode_tile_frac(const float *x, int KA, const float *v, work_t *w, uint16_t *out)
+/* The end of a pass from its last minima M (= min over h of the last position's keys). Pass 1 ends on the
+ * lowest state of minimal key: every state of key k has h = k & (Q-1), so it is h*E + the lowest j with
+ * M[j] = k. Pass 2 ends on the state with low bits `pre` of minimal key: h = M[pre] & (Q-1).
+ * A half-integer K (`frac`, K = KA): both passes end on an odd position whose successor (an even one) adds KA
+ * bits, so the ends are the integer K = KA's, and pre (the low 16-KA bits of s_255) is the node into position 0,
+ * as in exllamav3's quantize_tiles_frac_kernel (pass 1 from 128, traced back to position 0's in-node; pass 2 from
+ * 0 through it). */
+static void encode_tile(const float *x, int K, int frac, const float *v, work_t *w, uint16_t *out)
 {
-    const int E = NSTATES >> KA, Q = 1 << KA;
-    const uint32_t *M = FRAC_PASSES[KA](x, L / 2, -1, v, w);
+    const int E = NSTATES >> K, Q = 1 << K;
+    const pass_fn pass = frac ? FRAC_PASSES[K] : PASSES[K];
+    /* pass 1: from position 128, unconstrained; best final state, back to ring step 127 = position 255 */
+    const uint32_t *M = pass(x, L / 2, -1, v, w);
     int jbest = 0;
     for (int j = 1; j < E; ++j)
         if (M[j] < M[jbest]) jbest = j;
     int best = (int) (M[jbest] & (uint32_t) (Q - 1)) * E + jbest;
-    int s255 = backtrack_frac(KA, L / 2, best, L / 2 - 1, w, NULL);
+    int s255 = backtrack(K, frac, L / 2, best, L / 2 - 1, w, NULL);
     int pre = s255 & (E - 1);
-    M = FRAC_PASSES[KA](x, 0, pre, v, w);
+    /* pass 2: from position 0, ring closed through `pre` */
+    M = pass(x, 0, pre, v, w);
     int end = (int) (M[pre] & (uint32_t) (Q - 1)) * E + pre;
-    backtrack_frac(KA, 0, end, 0, w, out);
+    backtrack(K, frac, 0, end, 0, w, out);
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *fmt, Py_ssize_t itemsize,
@@ -622,10 +596,8 @@ static PyObject *viterbi_tiles(PyObject *args, int frac)
                 if ((table && !w.C) || !w.M || !w.M2 || !w.bp) failed = 1;
                 else {
                     #pragma omp for schedule(static)
-                    for (Py_ssize_t t = 0; t < n; ++t) {
-                        if (frac) encode_tile_frac(x + t * L, K, v, &w, out + t * L);
-                        else encode_tile(x + t * L, K, v, &w, out + t * L);
-                    }
+                    for (Py_ssize_t t = 0; t < n; ++t)
+                        encode_tile(x + t * L, K, frac, v, &w, out + t * L);
                 }
                 free(w.C); free(w.M); free(w.M2); free(w.bp);
             }
