@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from fq.model.synth_weights import fp8_blocks
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
@@ -361,7 +363,6 @@ def _rewrite(src_dir, out_dir, convert, config_update) -> Path:
 
 # --- FP8 (DeepSeek-V3 block scaling) ------------------------------------------------------------------------------
 
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _FP8_SKIP = ("embed_tokens", "lm_head", "norm", "e_score_correction_bias")
 _FP8_ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".shared_expert_gate.weight")
 
@@ -378,19 +379,9 @@ def fp8_target(name: str, t: torch.Tensor) -> bool:
 
 def fp8_quantize(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's block quantizer: per (b0, b1) block s = amax|w| / 448 (zero blocks: 1), q = (w / s) in e4m3;
-    returns (q, s float32 of shape (ceil(out/b0), ceil(in/b1))) — ``weight_scale_inv`` is s (w ~ q * s)."""
-    b0, b1 = block
-    rows, cols = w.shape
-    gr, gc = -(-rows // b0), -(-cols // b1)
-    x = w.float()
-    pad = torch.zeros(gr * b0, gc * b1, dtype=torch.float32)
-    pad[:rows, :cols] = x
-    blocks = pad.view(gr, b0, gc, b1)
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    q = q.view(gr * b0, gc * b1)[:rows, :cols].contiguous()
-    return q, scale.float().contiguous()
+    returns (q, s float32 of shape (ceil(out/b0), ceil(in/b1))) — ``weight_scale_inv`` is s (w ~ q * s). The
+    rehearsal source's writer (fq.model.synth_weights.fp8_blocks) is the same quantizer."""
+    return fp8_blocks(w, block)
 
 
 def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
