@@ -53,7 +53,8 @@ from pathlib import Path
 from fq.core import canonical
 from fq.core.atomic import write_bytes, write_text
 from fq.errors import FqError
-from fq.model.rehearsal_write import ITEMSIZE, write_shards
+from fq.model.rehearsal_write import write_shards
+from fq.model.shards import DTYPES
 from fq.model.source import INDEX_NAME
 
 SUMMARY = "rehearsal.json"
@@ -174,7 +175,7 @@ class Spec:
         return [(self.name, "F32" if self.kind == "bias32" else "BF16", self.shape)]
 
     def nbytes(self) -> int:
-        return sum(math.prod(s) * ITEMSIZE[dt] for _, dt, s in self.stored())
+        return sum(math.prod(s) * DTYPES[dt][0] for _, dt, s in self.stored())
 
 
 def layer_specs(d: Dims, layer: int) -> list[Spec]:

@@ -16,10 +16,9 @@ from pathlib import Path
 from fq.core import atomic
 from fq.errors import FqError
 from fq.model import synth_weights as sw
-from fq.model.shards import RawTensor, encode_header
+from fq.model.shards import DTYPES, RawTensor, encode_header
 
 METADATA = {"format": "pt"}
-ITEMSIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
 EMBED_STD = 1.0  # the residual stream starts at O(1) per channel, as the layers' outputs are
 NORM_OUTLIERS_PER = 512  # one outlier channel per this many channels of a norm (at least one)
 
@@ -36,7 +35,7 @@ class _Size:
 
 def header_and_offsets(stored) -> tuple[bytes, dict[str, int], int]:
     """(header bytes, absolute offset of each tensor, file size) of a shard's stored tensors in data order."""
-    raws = [RawTensor(n, dt, s, _Size(math.prod(s) * ITEMSIZE[dt])) for n, dt, s in stored]
+    raws = [RawTensor(n, dt, s, _Size(math.prod(s) * DTYPES[dt][0])) for n, dt, s in stored]
     header = encode_header(raws, METADATA)
     offsets, pos = {}, len(header)
     for r in raws:
@@ -88,7 +87,7 @@ def _put(fh, offset: int, t) -> None:
 def data_order(group) -> list[tuple[str, str, tuple[int, ...]]]:
     """The stored tensors of a shard's Specs in safetensors' data order: by dtype (wider first), then by name."""
     stored = [t for sp in group for t in sp.stored()]
-    return sorted(stored, key=lambda t: (-ITEMSIZE[t[1]], t[0]))
+    return sorted(stored, key=lambda t: (-DTYPES[t[1]][0], t[0]))
 
 
 def _write_tensor(fh, sp, seed: int, offsets: dict[str, int]) -> None:
