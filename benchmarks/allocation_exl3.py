@@ -542,7 +542,7 @@ def main(argv=None) -> int:
     b.add_argument("--bits", default="2,2.5,3,4,5")
     b.add_argument("--ks", default="1-8")
     b.add_argument("--device", default="cpu")
-    b.add_argument("--least-k", type=int, default=None, help="fq allocate's floor: K >= this where a budget allows")
+    b.add_argument("--least-k", type=float, default=None, help="fq allocate's floor: K >= this where a budget allows")
     b.add_argument("--sens-rows", type=int, default=16)
     b.add_argument("--sens-cols", type=int, default=128)
     b.add_argument("--samples", type=int, default=8)

@@ -90,7 +90,7 @@ def one_k(K, tiles: torch.Tensor, dev: str) -> dict:
     suh = (torch.rand(16 * tk, generator=g) + 0.5).half()
     svh = (torch.rand(16 * tn, generator=g) + 0.5).half()
     tensors = {"trellis": fq_packed, "suh": suh, "svh": svh, "mul1": torch.tensor(marker_value("mul1"), dtype=torch.int32)}
-    W_fq = reconstruct(tensors, allow_half_k=rate.is_half(K))  # (out, in) float32
+    W_fq = reconstruct(tensors)  # (out, in) float32
     lin = LinearEXL3(None, 16 * tk, 16 * tn, suh=suh.to(dev), svh=svh.to(dev), trellis=fq_packed.to(dev),
                      mul1=tensors["mul1"].to(dev), key=f"frac{K}")
     W_ref = lin.get_weight_tensor().float().cpu()  # exllamav3's (in, out)

@@ -24,6 +24,7 @@ if C.measures_allocation:
             columns=C.allocation_config["columns"],
             samples=C.allocation_config["samples"],
             seed=C.allocation_config["seed"],
+            ks=C.allocation_config["ks"],
         threads: 2
         script:
             "../scripts/sensitivity.py"

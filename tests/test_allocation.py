@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fq.allocation import error_model as em
-from fq.allocation import inject, sensitivity, solve, units
+from fq.allocation import document, inject, sensitivity, solve, units
 from fq.errors import FqError
 
 
@@ -43,6 +43,7 @@ def test_units_one_k_per_projection_of_all_experts():
 # -- solver ----------------------------------------------------------------------------------------------------
 def test_linear_bytes_is_exllamav3_storage():
     assert solve.linear_bytes(256, 128, 3) == 256 * 128 * 3 // 8 + 2 * (128 + 256) + 4
+    assert solve.linear_bytes(256, 128, 1.5) == 256 * 128 * 3 // 16 + 2 * (128 + 256) + 4  # 24 words a tile
     assert solve.linear_bytes(100, 130, 2) == 128 * 256 * 2 // 8 + 2 * (256 + 128) + 4  # padded to 128
     assert solve.linear_bytes(100, 130, 16) == 100 * 130 * 2
 
@@ -127,6 +128,24 @@ def test_distortion_table():
     assert all(3.0 < a / b < 4.5 for a, b in zip(d, d[1:]))  # about 6 dB a bit
     with pytest.raises(FqError, match="K 9"):
         em.distortion(9, "mul1")
+    # the half-integer rates (mul1 only): about 3 dB from each integer neighbour
+    assert em.candidate_ks("mul1") == (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
+    assert em.candidate_ks("mcg") == tuple(range(1, 9))
+    for K in (1.5, 2.5, 3.5):
+        lo, mid, hi = em.distortion(int(K), "mul1"), em.distortion(K, "mul1"), em.distortion(int(K) + 1, "mul1")
+        assert 1.8 < lo / mid < 2.2 and 1.8 < mid / hi < 2.2
+    with pytest.raises(FqError, match="K 1.5 codebook 'mcg'"):
+        em.distortion(1.5, "mcg")
+
+
+def test_half_k_distortion_is_the_encoders():
+    """HALF_DISTORTION is what fq's weight-only encoder leaves of a Gaussian matrix at K 1.5 (the table's recipe, on
+    a smaller matrix: within a few percent)."""
+    from fq.codec.encoder import encode
+
+    torch.manual_seed(0)
+    got = encode(torch.randn(128, 256), 1.5, "mul1", seed=0).rel_mse
+    assert got == pytest.approx(em.distortion(1.5, "mul1"), rel=0.05)
 
 
 # -- the measurement, on the trained demo model ----------------------------------------------------------------
@@ -200,6 +219,13 @@ def test_injected_curve_fit():
     p = inject.parts(pts, D)
     assert sum(p[3]) == pytest.approx(inject.at(0.03, 0.012, D[3]))
     assert sum(p[1]) == pytest.approx(pts[1]) and p[1][0] / p[1][1] == pytest.approx(0.03 * D[1] / (0.012 * D[1] ** .5))
+    # K1.5 lies between K1's measured point and K2's curve value (log-linear in log D), not on the extrapolated curve
+    D[1.5] = em.distortion(1.5, "mul1")
+    p = inject.parts(pts, D)
+    t = math.log(D[1.5] / D[1]) / math.log(D[2] / D[1])
+    for i in (0, 1):
+        assert p[1.5][i] == pytest.approx(p[1][i] ** (1 - t) * p[2][i] ** t)
+    assert sum(p[2]) < sum(p[1.5]) < sum(p[1]) and sum(p[1.5]) > inject.at(0.03, 0.012, D[1.5])
 
 
 def _pooled_problem(rng, n=5, ks=range(1, 7)):
@@ -246,8 +272,10 @@ def test_ldlq_efficiency_measures_the_encoder(demo, allocated):
     W = weights(model)
     samples = efficiency_samples(W, hessians(model, windows[:2], windows.device))
     assert len(samples) == 5  # attention, dense, shared, routed gate/up, routed down: not the head
-    c = {int(K): v for K, v in canonical.load(allocated)["efficiency"].items()}
-    assert sorted(c) == [2, 3, 4, 16] and c[16] == 1.0 and all(0.3 < c[K] < 3 for K in (2, 3, 4))
+    c = {document.k_of(K): v for K, v in canonical.load(allocated)["efficiency"].items()}
+    assert sorted(c) == [2, 2.5, 3, 3.5, 4, 16] and c[16] == 1.0 and all(0.3 < c[K] < 3 for K in (2, 3, 4))
+    # a half-integer K is not encoded: its neighbours' geometric mean
+    assert c[2.5] == pytest.approx(math.sqrt(c[2] * c[3])) and c[3.5] == pytest.approx(math.sqrt(c[3] * c[4]))
 
 
 def test_injection_measures_real_kl_and_restores_the_model(demo):
@@ -300,14 +328,15 @@ def test_fq_allocate_writes_the_allocation_document(allocated):
     a = allocated.read_bytes()
     doc = canonical.loads(a)
     assert b'"timestamp"' not in a and b'"time"' not in a  # nothing of the run but what it measured
-    assert doc["format"] == "fq-allocation/1" and doc["ks"] == [2, 3, 4, 16]
+    assert doc["format"] == "fq-allocation/1" and doc["ks"] == [2, 2.5, 3, 3.5, 4, 16]  # mul1: 2-4 holds 2.5, 3.5
     assert set(doc["units"]) == {"L0.attention", "L0.dense", "L1.attention", "L1.shared", "L1.routed_gate_up",
                                  "L1.routed_down", "L2.attention", "L2.shared", "L2.routed_gate_up",
                                  "L2.routed_down", "head"}
     assert doc["units"]["head"]["16"] == {"predicted_kl": 0.0, "bytes": 512 * 256 * 2}
     low, high = doc["allocations"]
     assert low["bits"] <= 2.5 and high["bits"] <= 4 and low["predicted_kl"] > high["predicted_kl"]
-    assert set(low["ks"].values()) <= {2, 3, 4, 16}
+    assert set(low["ks"].values()) <= {2, 2.5, 3, 3.5, 4, 16}
+    assert doc["units"]["L1.routed_down"]["2.5"]["bytes"] == 8 * solve.linear_bytes(256, 128, 2.5)
 
 
 def test_fq_allocate_refuses_bad_input_before_measuring(demo, tmp_path, capsys):
@@ -317,7 +346,9 @@ def test_fq_allocate_refuses_bad_input_before_measuring(demo, tmp_path, capsys):
     base = ["allocate", "--model", str(d / "model"), "--text", str(d / "text" / "calibration.txt"),
             "--out", str(tmp_path / "a.json"), "--rows", "1", "--columns", "16", "--samples", "1"]
     assert main(base + ["--bits", "3", "--ks", "2-9"]) == 2
-    assert "K must be 1..8 or 16" in capsys.readouterr().err
+    assert "K must be 1..8, 16 (kept as published) or, with codebook mul1, 1.5, 2.5, 3.5" in capsys.readouterr().err
+    assert main(base + ["--bits", "3", "--ks", "1.5,2", "--codebook", "mcg"]) == 2
+    assert "got [1.5]" in capsys.readouterr().err
     assert main(base + ["--bits", "0"]) == 2
     assert "bits 0.0" in capsys.readouterr().err
     assert main(base + ["--bits", "1", "--ks", "2-3"]) == 2

@@ -245,15 +245,28 @@ def _half_tensor_set(K):
             "mul1": torch.tensor(0x83DCD12D - (1 << 32), dtype=torch.int32)}
 
 
-def test_tensor_set_at_half_k_is_opt_in():
+def test_a_tensor_set_at_half_k_validates_and_reconstructs_with_mul1_only():
     t = _half_tensor_set(1.5)
-    with pytest.raises(FqError, match=r"last dimension 24 is not 16\*K .*half-integer rate K=1\.5"):
-        validate_tensors(t, "w")
-    g = validate_tensors(t, "w", allow_half_k=True)
+    g = validate_tensors(t, "w")
     assert (g.K, g.codebook, g.in_features, g.out_features) == (1.5, "mul1", 128, 256)
-    W = reconstruct(t, "w", allow_half_k=True)
+    W = reconstruct(t, "w")
     assert torch.equal(W, unrotate(decode_inner(t["trellis"], 1.5, "mul1"), t["suh"], t["svh"]))
     mcg = dict(t, mcg=torch.tensor(0xCBAC1FED - (1 << 32), dtype=torch.int32))
     del mcg["mul1"]
-    with pytest.raises(FqError, match=r"last dimension 24 is not 16\*K for K in 1\.\.8$"):
-        validate_tensors(mcg, "w", allow_half_k=True)
+    with pytest.raises(FqError, match=r"last dimension 24 is not 16\*K .*half-integer rate K=1\.5 is mul1's only"):
+        validate_tensors(mcg, "w")
+
+
+def test_a_header_at_half_k_implies_its_rate_with_mul1_only():
+    """fq.model.experts.derive_linear, which every consumer runs on fragment headers: a trellis of 24, 40 or 56 words
+    is K 1.5, 2.5 or 3.5 with the mul1 marker, and refused by name with another."""
+    from fq.model.experts import derive_linear
+
+    specs = {"trellis": ("I16", (8, 16, 40)), "suh": ("F16", (128,)), "svh": ("F16", (256,)), "mul1": ("I32", ())}
+    lin = derive_linear(specs, "w")
+    assert (lin.K, lin.codebook, lin.in_features, lin.out_features) == (2.5, "mul1", 128, 256)
+    mcg = {k: v for k, v in specs.items() if k != "mul1"} | {"mcg": ("I32", ())}
+    with pytest.raises(FqError, match=r"w.trellis: last dimension 40 is the half-integer K 2.5, which is mul1's only"):
+        derive_linear(mcg, "w")
+    with pytest.raises(FqError, match=r"last dimension 44 is not 16\*K for K in 1..8 or a half-integer K"):
+        derive_linear(dict(specs, trellis=("I16", (8, 16, 44))), "w")

@@ -27,6 +27,24 @@ PROJ_K = {"gate_proj": 2, "up_proj": 2, "down_proj": 3}
 
 
 # -- the contract -------------------------------------------------------------------------------------------------
+def test_half_integer_k_is_one_k_everywhere_a_spec_is():
+    """exllamav3's half-integer rates (1.5, 2.5, 3.5: a float, never 2.0) in fragment and node specs, headers and
+    JSON alike; the codebook (mul1 only) is checked where it is known (recipes, the encoder: fq.codec.rate)."""
+    half = {"gate": 1.5, "up": 1.5, "down": 2.5}
+    assert kbits.fragment(1.5) == 1.5 and kbits.is_one(2.5) and not kbits.is_one(half) and not kbits.is_one(True)
+    assert kbits.fragment(half) == half and kbits.from_meta(kbits.to_meta(half)) == half
+    assert kbits.to_meta(3.5) == "3.5" and kbits.from_meta("3.5") == 3.5 and kbits.from_meta("3") == 3
+    assert kbits.node({"1": half, "2": 1.5}) == {1: half, 2: 1.5} and kbits.node({"1": 1.5, "2": 1.5}) == 1.5
+    assert kbits.bits(half) == pytest.approx(11 / 6) and kbits.describe(half) == "gate/up K1.5, down K2.5"
+    assert kbits.chain_bits([1.5, 1]) == 2.5
+    for bad in (2.0, 1.25, 4.5, "1.5"):
+        with pytest.raises(FqError, match="half-integer K 1.5, 2.5, 3.5"):
+            kbits.fragment(bad)
+    for bad in ("1.50", "2.0", "4.5", ".5"):
+        with pytest.raises(FqError, match="K"):
+            kbits.from_meta(bad)
+
+
 def test_specs_normalise_and_have_one_header_form():
     assert kbits.fragment({"gate": 3, "up": 3, "down": 3}) == 3
     assert kbits.fragment(MIXED) == MIXED and kbits.to_meta(MIXED) == META and kbits.from_meta(META) == MIXED

@@ -125,10 +125,21 @@ def test_topological_order_even_when_file_lists_children_first():
 # -- schema refusals --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("K", [0, 9, 2.5, "2"])
+@pytest.mark.parametrize("K", [0, 9, 2.25, 4.5, "2"])
 def test_K_outside_1_to_8(K):
     d = doc([base("a"), stage("a.r1", "a", K=K)])
     refuse(d, "r.json", "nodes[1].K", "'a.r1'")
+
+
+def test_half_integer_K_with_mul1_only():
+    """exllamav3's half-integer rates: a node's K and its skeleton classes at 1.5, 2.5, 3.5 with mul1; refused by
+    name with another codebook."""
+    r = parse_recipe(doc([{**base("h", K=1.5), "skeleton": {"attention": 3.5, "head": 6}}, stage("h.r", "h", K=2.5)]),
+                     "r.json")
+    assert r.node("h").K == 1.5 and r.node("h").skeleton == (("attention", 3.5), ("head", 6))
+    assert [n.name for n in r.linear_nodes] == ["attention-K3.5-mul1", "head-K6-mul1"]
+    refuse(doc([base("a", K=2.5, cb="mcg")]), "nodes[0] ('a') K 2.5", "needs codebook mul1", "'mcg'")
+    refuse(doc([{**base("a", cb="3inst"), "skeleton": {"attention": 3.5}}]), "skeleton.attention 3.5", "mul1")
 
 
 def test_schema_errors_name_the_field():

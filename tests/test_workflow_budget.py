@@ -28,7 +28,9 @@ RECIPE = {
     ],
     "products": [{"name": "b", "chain": ["b"]}, {"name": "b.up", "chain": ["b", "b.up"]}],
 }
-SMALL = {"rows": 4, "columns": 64, "samples": 1}
+# the candidates: K1.5 and the integer K around the budget (c(K) encodes at K1..4 only, half the default's); with
+# half-integer K among them, the allocation's half-integer units go through the campaign to exllamav3's config
+SMALL = {"rows": 4, "columns": 64, "samples": 1, "ks": [1.5, 2, 2.5, 3, 3.5, 4]}
 # No hot stage reads the expert usage here (the budgeted stage buys its experts by measured gain per byte): the usage
 # recorded with the demo model (config usage:) instead of the usage job, which test_workflow.py runs and checks
 USAGE = str(REPO / "fq" / "data" / "demo" / "usage.json")
@@ -43,10 +45,15 @@ def phases(tmp_path_factory):
     out = d / "campaign"
     snapshot = {name: (out / "allocation" / name).read_bytes() for name in ("sensitivity.json", "allocation.json")}
     fragments_after_first = sorted((out / "fragments").rglob("*")) if (out / "fragments").exists() else []
-    # solved again from the measurement: the same bytes (that the measurement itself is byte-identical when it runs
-    # again is test_allocation.py's, in-process at a smaller size: the same code as the sensitivity job)
-    smk(d, "campaign/allocation/allocation.json", "--forcerun", "allocate")
-    rerun = {name: (out / "allocation" / name).read_bytes() for name in snapshot}
+    # solved again from the measurement, by the allocate job's own code in this process: the same bytes (that the
+    # measurement itself is byte-identical when it runs again is test_allocation.py's, in-process at a smaller size:
+    # the same code as the sensitivity job)
+    from fq.workflow.allocation import allocate_job
+
+    again = d / "allocation-again.json"
+    allocate_job(str(out / "allocation" / "sensitivity.json"), campaign(d).allocation_budgets, str(again))
+    rerun = {"sensitivity.json": (out / "allocation" / "sensitivity.json").read_bytes(),
+             "allocation.json": again.read_bytes()}
     fragments_after_rerun = sorted((out / "fragments").rglob("*")) if (out / "fragments").exists() else []
     second = smk(d)  # the second phase: planned from the allocation, encoded and published
     return (d, first.stdout + first.stderr, snapshot, rerun, fragments_after_first + fragments_after_rerun,

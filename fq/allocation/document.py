@@ -29,16 +29,23 @@ METHOD = ("unit u at K: a_u D(K) + b_u sqrt(D(K)), fitted through the output KL 
 
 def options(doc: dict) -> dict:
     """unit -> {K: (predicted KL, bytes)}, as fq.allocation.solve takes them."""
-    return {u: {int(K): (v["predicted_kl"], v["bytes"]) for K, v in o.items()} for u, o in doc["units"].items()}
+    return {u: {k_of(K): (v["predicted_kl"], v["bytes"]) for K, v in o.items()} for u, o in doc["units"].items()}
+
+
+def k_of(key) -> int | float:
+    """A K as the document writes it (a JSON key "3" or "1.5", or a number): int, or a half-integer float."""
+    text = str(key)
+    return float(text) if "." in text else int(text)
 
 
 # K1 is a candidate only where a budget cannot be met without it: the Fisher prediction of a K1 unit is too
 # optimistic (on the demo, re-solving the 2.5-bit allocation without K1 lowered measured KL by 21-23% at the same
-# bytes, docs/benchmarks.md "fq allocation against exllamav3's converter"), while K2..8 rank right
-LEAST_K = 2
+# bytes, docs/benchmarks.md "fq allocation against exllamav3's converter"), while K2..8 rank right. K1.5 (mul1), the
+# rate exllamav3 gives routed experts at 2 bits, is a candidate: it is read between K1's measured point and K2's
+LEAST_K = 1.5
 
 
-def with_allocations(doc: dict, bits, least_K: int = LEAST_K) -> dict:
+def with_allocations(doc: dict, bits, least_K: float = LEAST_K) -> dict:
     """``doc`` with one solved allocation per budget in ``bits`` (sorted, duplicates once), each unit at ``least_K``
     or more where the budget allows (else every measured K: ``least_K`` in the allocation says which). A document
     with ``parts`` (each unit's second- and first-order KL per K) is solved for the pooled prediction
@@ -46,7 +53,7 @@ def with_allocations(doc: dict, bits, least_K: int = LEAST_K) -> dict:
     opts, weights = options(doc), doc["weights"]
     split = doc.get("parts")
     if split:
-        split = {u: {int(K): tuple(v) for K, v in p.items()} for u, p in split.items()}
+        split = {u: {k_of(K): tuple(v) for K, v in p.items()} for u, p in split.items()}
         sizes = {u: {K: by for K, (_, by) in o.items()} for u, o in opts.items()}
     out = []
     for b in sorted(set(float(x) for x in bits)):
@@ -103,7 +110,7 @@ def allocation_at(doc: dict, bits: float, where: str) -> dict:
     """{unit: K} of the document's allocation at budget ``bits``."""
     for a in doc["allocations"]:
         if abs(a["budget_bits"] - bits) < 1e-9:
-            return {u: int(K) for u, K in a["ks"].items()}
+            return {u: k_of(K) for u, K in a["ks"].items()}
     have = ", ".join(f"{a['budget_bits']:g}" for a in doc["allocations"]) or "none"
     raise FqError(f"{where}: no allocation at {bits:g} bits (it holds: {have}); solve it from the same measurement "
                   f"with `fq allocate ... --bits {bits:g}`")

@@ -14,7 +14,8 @@ encoder's: random signs, then 128-blocks of the Hadamard matrix; the damping is 
 
 ``DISTORTION`` is the relative MSE of fq's weight-only encoder on a 512 x 512 N(0, 1) matrix, per codebook and K
 (``fq.codec.encoder.encode(torch.randn(512, 512), K, codebook, seed=0).rel_mse`` after ``torch.manual_seed(0)``):
-the trellis codes' own rate-distortion curve.
+the trellis codes' own rate-distortion curve. ``HALF_DISTORTION``: the same at the half-integer rates exllamav3
+instantiates for mul1 (fq.codec.rate), measured the same way.
 """
 from __future__ import annotations
 
@@ -26,17 +27,25 @@ DISTORTION = {
     "mcg": (0.266398, 0.068499, 0.01743, 0.00453, 0.001198, 0.000322, 9e-05, 2.9e-05),
     "3inst": (0.266576, 0.068859, 0.017774, 0.004622, 0.001209, 0.000326, 9.2e-05, 2.8e-05),
 }
+HALF_DISTORTION = {"mul1": {1.5: 0.137071, 2.5: 0.034529, 3.5: 0.008815}}
 DAMPING = 0.025  # fq.codec.ldlq's: H + DAMPING * mean(diag H) * I
 HAD = 128
 
 
-def distortion(K: int, codebook: str) -> float:
+def candidate_ks(codebook: str) -> tuple:
+    """Every K an allocation may give a unit of ``codebook``: 1..8, with mul1 also 1.5, 2.5 and 3.5."""
+    return tuple(sorted((*range(1, 9), *HALF_DISTORTION.get(codebook, {}))))
+
+
+def distortion(K, codebook: str) -> float:
     """Relative MSE of the trellis code at K bits on a Gaussian source; 0 for 16 (kept as published)."""
     if K == 16:
         return 0.0
-    if codebook not in DISTORTION or not 1 <= K <= 8:
-        raise FqError(f"error model: no distortion for K {K} codebook {codebook!r} (K 1..8 or 16; codebooks "
-                      f"{', '.join(sorted(DISTORTION))})")
+    if isinstance(K, float) and K in HALF_DISTORTION.get(codebook, {}):
+        return HALF_DISTORTION[codebook][K]
+    if codebook not in DISTORTION or isinstance(K, float) or not 1 <= K <= 8:
+        raise FqError(f"error model: no distortion for K {K} codebook {codebook!r} (K 1..8 or 16, and 1.5, 2.5, "
+                      f"3.5 with mul1; codebooks {', '.join(sorted(DISTORTION))})")
     return DISTORTION[codebook][K - 1]
 
 
@@ -86,13 +95,17 @@ def ldlq_efficiency(samples, ks, codebook: str, device=None, seed: int = 0) -> d
     """K -> c(K): what fq's LDLQ encoder really leaves of a linear, over what this model predicts (d(K) times the
     relative proxy error of a unit-distortion ``direction``), geometric mean over ``samples`` [(W, H)]. c is near 1
     at K 3..5 and not at the ends: on the demo's linears 2.3 at K1 (the trellis' 2 levels leave the error feedback
-    little to work with) and 1.1-1.3 at K6-7 (docs/allocation.md). K 16 (kept as published) is exact: 1."""
+    little to work with) and 1.1-1.3 at K6-7 (docs/allocation.md). K 16 (kept as published) is exact: 1. A
+    half-integer K is not encoded: c there is the geometric mean of its integer neighbours' (encoded if not in
+    ``ks``)."""
     import math
 
     from fq.codec.ldlq import encode_ldlq
 
+    half = [K for K in ks if isinstance(K, float)]
+    whole = sorted({K for K in ks if not isinstance(K, float)} | {int(K) + d for K in half for d in (0, 1)})
     out = {}
-    for K in ks:
+    for K in whole:
         if K == 16:
             out[K] = 1.0
             continue
@@ -103,4 +116,6 @@ def ldlq_efficiency(samples, ks, codebook: str, device=None, seed: int = 0) -> d
             if predicted > 0 and real > 0:
                 logs.append(math.log(real / predicted))
         out[K] = math.exp(sum(logs) / len(logs)) if logs else 1.0
-    return out
+    for K in half:
+        out[K] = math.sqrt(out[int(K)] * out[int(K) + 1])
+    return {K: out[K] for K in ks}

@@ -67,7 +67,8 @@ def curve(ds, kls) -> tuple[float, float]:
 
 def parts(points: dict, D: dict) -> dict:
     """K -> (a D(K), b sqrt(D(K))) for every K of ``D``: the curve fitted through ``points`` (K -> injected KL) at
-    K >= 2, and a K1 point taken as measured (both terms scaled to it)."""
+    K >= 2, and a K1 point taken as measured (both terms scaled to it). A K between 1 and 2 (1.5) lies between the
+    two: each term interpolated log-linearly in log D from K1's to K2's, not the K >= 2 curve extrapolated."""
     fit = {K: v for K, v in points.items() if K >= 2} or points
     a, b = curve([D[K] for K in fit], list(fit.values()))
     out = {}
@@ -77,6 +78,11 @@ def parts(points: dict, D: dict) -> dict:
             scale = points[K] / (second + first)
             second, first = second * scale, first * scale
         out[K] = (second, first)
+    for K, d in D.items():
+        if 1 < K < 2 and 1 in out and 2 in out and min(D[1], D[2], d) > 0 and D[1] != D[2]:
+            t = math.log(d / D[1]) / math.log(D[2] / D[1])
+            out[K] = tuple(lo ** (1 - t) * hi ** t if lo > 0 and hi > 0 else lo + t * (hi - lo)
+                           for lo, hi in zip(out[1], out[2]))
     return out
 
 

@@ -26,12 +26,12 @@ from fq.errors import FqError
 KEPT = 16
 
 
-def linear_bytes(out_f: int, in_f: int, K: int) -> int:
-    """Stored bytes of one linear at K (16: bf16 as published)."""
+def linear_bytes(out_f: int, in_f: int, K) -> int:
+    """Stored bytes of one linear at K (16: bf16 as published; a half-integer K stores 16*K words per tile too)."""
     if K == KEPT:
         return out_f * in_f * 2
     o, i = padded(out_f), padded(in_f)
-    return o * i * K // 8 + 2 * (i + o) + 4
+    return o * i * round(2 * K) // 16 + 2 * (i + o) + 4
 
 
 @dataclass(frozen=True)

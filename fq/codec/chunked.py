@@ -33,6 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from fq.codec import rate
 from fq.codec.codebook import marker_value, values_torch
 from fq.codec.exact import div, sqrt, tree_sum
 from fq.codec.gridmm import budget, grid_mm, pow2, split
@@ -274,7 +275,7 @@ def encode_weight_only(W64: torch.Tensor, shape, K: int, codebook: str, seed: in
     g = search_scales([None], K, codebook, device, samples={} if sample is None else {0: sample})[0]
     check_scales(W64, reg.su, reg.sv, g, name)
     clock("search")
-    trellis = torch.empty((k // 16, n // 16, 16 * K), dtype=torch.int16, device=device)
+    trellis = torch.empty((k // 16, n // 16, rate.tile_words(K)), dtype=torch.int16, device=device)
     for c0, c1 in _ranges(n, C):
         tiles = matrix_to_tiles((reg.cols(c0, c1) * g).to(torch.float32))
         states = _viterbi(tiles.reshape(-1, TILE_LEN), K, codebook, device)
@@ -318,7 +319,7 @@ def ldlq_walk(reg: Regularized, g: float, L: torch.Tensor, Fx: torch.Tensor, K: 
     values = values_torch(codebook, device)
     ds, inv = pow2(-Fx)[:, :, None], pow2(Fx)[:, :, None]
     fb = torch.zeros((1, k, n), dtype=torch.float64, device=device)  # feedback of finished panels
-    trellis = torch.empty((k // BLOCK, n // BLOCK, 16 * K), dtype=torch.int16, device=device)
+    trellis = torch.empty((k // BLOCK, n // BLOCK, rate.tile_words(K)), dtype=torch.int16, device=device)
     finite = torch.ones((), dtype=torch.bool, device=device)
     bits = budget(PANEL)
     for j in range(k, 0, -PANEL):

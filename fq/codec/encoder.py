@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from fq.codec import chunked
+from fq.codec import chunked, rate
 from fq.codec.codebook import CODEBOOKS, marker_value, values_torch
 from fq.codec.exact import div, tree_sum
 from fq.codec.hadamard import HAD
@@ -46,10 +46,9 @@ def check_args(W, K, codebook, seed, name: str = "W", device=None) -> torch.Tens
         raise FqError(f"{name}: shape (out={out_f}, in={in_f}); both dims must be positive multiples of {TILE} (EXL3 "
                       f"codes 16x16 tiles, and a matrix is stored zero-padded to multiples of {HAD}, as exllamav3 "
                       "pads it)")
-    if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= 8:
-        raise FqError(f"K: expected an integer in 1..8, got {K!r}")
     if codebook not in CODEBOOKS:
         raise FqError(f"codebook: unknown codebook {codebook!r}; expected one of {', '.join(CODEBOOKS)}")
+    rate.check_k(K, codebook)  # an integer 1..8, or 1.5/2.5/3.5 with mul1 (fq.codec.rate)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise FqError(f"seed: expected a non-negative integer, got {seed!r}")
     # move in the source dtype, widen on the device (exact either way; half the bytes of a bf16 source moved)

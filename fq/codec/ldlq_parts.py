@@ -26,7 +26,10 @@ CG_ITERS = 32
 CG_TOL = 1e-12  # stop when the residual's squared norm falls below this share of the first one (fp16 scales need far less)
 
 
-def ldlq_drift(K: int) -> float:
+def ldlq_drift(K) -> float:
+    """The drift at K; at a half-integer K the geometric mean of its integer neighbours'."""
+    if isinstance(K, float):
+        return (LDLQ_DRIFT.get(int(K), 1.0) * LDLQ_DRIFT.get(int(K) + 1, 1.0)) ** 0.5
     return LDLQ_DRIFT.get(int(K), 1.0)
 
 

@@ -7,10 +7,11 @@ format's; see docs/codec.md "Half-integer K". Integer K is the special case D(p)
 """
 from __future__ import annotations
 
+from fq.core import kbits
 from fq.errors import FqError
 
 INTEGER_KS = tuple(range(1, 9))
-HALF_KS = (1.5, 2.5, 3.5)  # the rates exllamav3 1.6.5 instantiates (quantize_tiles_frac_kernel_a{1,2,3}_maaaa)
+HALF_KS = kbits.HALF_KS  # the rates exllamav3 1.6.5 instantiates (quantize_tiles_frac_kernel_a{1,2,3}_maaaa)
 TILE_LEN = 256
 
 
@@ -58,11 +59,11 @@ def ring_ends(K) -> list[int]:
     return out
 
 
-def k_from_words(words: int, codebook: str | None = None, allow_half: bool = True):
+def k_from_words(words: int, codebook: str | None = None):
     """K from a trellis's last dimension (16*K words): int, a half-integer float, or None if neither fits."""
     if words % 16 == 0 and 1 <= words // 16 <= 8:
         return words // 16
     K = words / 16
-    if allow_half and K in HALF_KS and (codebook is None or codebook == "mul1"):
+    if K in HALF_KS and (codebook is None or codebook == "mul1"):
         return K
     return None

@@ -27,6 +27,17 @@ GAUSSIAN_BEST_SCALE = {
     "mcg": (1.425, 1.225, 1.175, 1.125, 1.1, 1.0, 0.95, 0.9),
     "mul1": (1.125, 1.0, 0.925, 0.925, 0.9, 0.85, 0.8, 0.75),
 }
+
+
+def gaussian_best_scale(codebook: str, K) -> float:
+    """GAUSSIAN_BEST_SCALE at K; a half-integer K (mul1) starts at the geometric mean of its two integer
+    neighbours' (the search walks from there: only where it starts depends on this)."""
+    if isinstance(K, float):
+        lo, hi = GAUSSIAN_BEST_SCALE[codebook][int(K) - 1], GAUSSIAN_BEST_SCALE[codebook][int(K)]
+        return (lo * hi) ** 0.5
+    return GAUSSIAN_BEST_SCALE[codebook][K - 1]
+
+
 SEARCH_STEP = 0.06  # relative spacing of the scale candidates
 SEARCH_MAX_EVALS = 8
 
@@ -111,7 +122,7 @@ def search_scales(xs: list, K: int, codebook: str, device, samples: dict | None 
     a matrix's scale does not depend on the others. ``samples``: {i: sample_tiles(xs[i])} for the matrices that
     are not all zero, when the caller made them (fq.codec.chunked: ``xs`` are then only counted)."""
     device = pipeline_device(device)
-    c = GAUSSIAN_BEST_SCALE[codebook][K - 1] / CODEBOOK_SCALE
+    c = gaussian_best_scale(codebook, K) / CODEBOOK_SCALE
     r = 1.0 + SEARCH_STEP
     # an all-zero residual keeps c: every scale codes it equally (its channel scales are zero anyway)
     if samples is None:

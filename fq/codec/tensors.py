@@ -10,9 +10,7 @@ padded reconstruction, and ``reconstruct(..., shape=(out, in))`` checks that the
 dims and trims the reconstruction to ``shape``, as exllamav3 zero-extends the input and trims the output.
 
 Half-integer K (a trellis of 16*K = 24, 40 or 56 words with the mul1 marker, exllamav3's ``frac_k`` rates) is
-decoded by ``decode_inner`` and accepted by ``validate_tensors``/``reconstruct``/``reconstruct_chain`` when the
-caller passes ``allow_half_k=True`` (Geometry.K is then the float). Off by default: the rest of fq (prices, plans,
-recipes) knows integer K only, so a consumer does not take such a tensor until it is wired to.
+decoded by ``decode_inner``; Geometry.K is then the float.
 """
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ MARKER_KEYS = tuple(MARKERS)
 
 @dataclass(frozen=True)
 class Geometry:
-    K: int | float  # a float only for a half-integer rate (allow_half_k)
+    K: int | float  # a float only for a half-integer rate
     codebook: str
     in_features: int
     out_features: int
@@ -43,10 +41,8 @@ def _where(name: str, key: str) -> str:
     return f"{name}.{key}" if name else key
 
 
-def validate_tensors(tensors: dict, name: str = "", K=None, codebook: str | None = None, *,
-                     allow_half_k: bool = False) -> Geometry:
-    """Check one linear's EXL3 tensor set; ``name`` prefixes every error. Optional K/codebook must match.
-    ``allow_half_k``: also accept a half-integer rate (1.5, 2.5, 3.5 with the mul1 marker)."""
+def validate_tensors(tensors: dict, name: str = "", K=None, codebook: str | None = None) -> Geometry:
+    """Check one linear's EXL3 tensor set; ``name`` prefixes every error. Optional K/codebook must match."""
     if not isinstance(tensors, dict):
         raise FqError(f"{name or 'tensors'}: expected a dict of tensors, got {type(tensors).__name__}")
     for key in TENSOR_KEYS:
@@ -72,11 +68,11 @@ def validate_tensors(tensors: dict, name: str = "", K=None, codebook: str | None
     if not isinstance(tr, torch.Tensor) or tr.dtype != torch.int16 or tr.dim() != 3:
         raise FqError(f"{_where(name, 'trellis')}: expected int16 (in/16, out/16, 16*K), got {_desc(tr)}")
     last = tr.shape[2]
-    found_K = rate.k_from_words(last, found_cb, allow_half_k)
+    found_K = rate.k_from_words(last, found_cb)
     if found_K is None:
-        half = rate.k_from_words(last, found_cb)
-        why = f" (it is the half-integer rate K={half}, which this caller does not accept)" if half else ""
-        raise FqError(f"{_where(name, 'trellis')}: last dimension {last} is not 16*K for K in 1..8{why}")
+        why = (f" (the half-integer rate K={last / 16} is mul1's only)" if last / 16 in rate.HALF_KS else "")
+        raise FqError(f"{_where(name, 'trellis')}: last dimension {last} is not 16*K for K in 1..8 or a "
+                      f"half-integer K 1.5, 2.5, 3.5 (mul1){why}")
     if K is not None and K != found_K:
         raise FqError(f"{_where(name, 'trellis')}: last dimension {last} means K={found_K}, expected K={K} "
                       f"(16*K={rate.tile_words(K)})")
@@ -131,18 +127,18 @@ def check_stored(stored, shape, name: str = "") -> None:
                       f"({out_f}, {in_f}){how}")
 
 
-def reconstruct(tensors: dict, name: str = "", shape=None, *, allow_half_k: bool = False) -> torch.Tensor:
+def reconstruct(tensors: dict, name: str = "", shape=None) -> torch.Tensor:
     """The dense (out, in) float32 weight of one EXL3 linear: the stored (padded) shape, or with ``shape`` (its
     matrix's own (out, in)) the stored dims checked to be ``shape``'s padded dims and the reconstruction trimmed
-    to ``shape``. ``allow_half_k``: as validate_tensors."""
-    g = validate_tensors(tensors, name, allow_half_k=allow_half_k)
+    to ``shape``."""
+    g = validate_tensors(tensors, name)
     if shape is not None:
         check_stored((g.out_features, g.in_features), shape, name)
     inner = decode_inner(tensors["trellis"], g.K, g.codebook)
     return trim(unrotate(inner, tensors["suh"].to(inner.device), tensors["svh"].to(inner.device)), shape)
 
 
-def reconstruct_chain(chain: list[dict], name: str = "", shape=None, *, allow_half_k: bool = False) -> torch.Tensor:
+def reconstruct_chain(chain: list[dict], name: str = "", shape=None) -> torch.Tensor:
     """Sum of the reconstructions of a base and its stages, added in chain order (at the stored shape; trimmed to
     ``shape`` as ``reconstruct`` trims, the sum taken on the stored shape first)."""
     if not chain:
@@ -151,7 +147,7 @@ def reconstruct_chain(chain: list[dict], name: str = "", shape=None, *, allow_ha
     stored = None
     for i, tensors in enumerate(chain):
         where = f"{name}[{i}]" if name else f"chain[{i}]"
-        w = reconstruct(tensors, where, allow_half_k=allow_half_k)
+        w = reconstruct(tensors, where)
         if shape is not None:
             check_stored(w.shape, shape, where)
         if stored is not None and w.shape != stored:

@@ -16,7 +16,7 @@ def register(sub) -> None:
     p.add_argument("--bits", required=True, type=float, action="append", metavar="B",
                    help="bits per weight over every allocated linear (stored bytes x 8 / weights); repeat for several")
     p.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
-    p.add_argument("--ks", default="1-8", metavar="LIST", help="candidate K, e.g. 2-6 or 2,3,4,16 (16: kept as "
+    p.add_argument("--ks", default="1-8", metavar="LIST", help="candidate K, e.g. 2-6 or 2,2.5,3,16 (16: kept as "
                                                                 "published; default %(default)s)")
     p.add_argument("--rows", type=positive_int, default=SENSITIVITY["rows"], metavar="N", help="calibration windows (default %(default)s)")
     p.add_argument("--columns", type=positive_int, default=SENSITIVITY["columns"], metavar="N", help="tokens per window (%(default)s)")
@@ -27,19 +27,29 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def parse_ks(text: str) -> list[int]:
+def parse_ks(text: str, codebook: str = "mul1") -> list:
+    """Candidate K from ``--ks``: values and ranges; a range holds the half-integer rates inside it where the codebook
+    has them (mul1: 1.5, 2.5, 3.5), and a half-integer value is taken with mul1 only."""
+    from fq.allocation.error_model import candidate_ks
     from fq.errors import FqError
 
-    ks: set[int] = set()
+    have = candidate_ks(codebook)
+    ks: set = set()
     try:
         for part in text.replace(" ", "").split(","):
             lo, _, hi = part.partition("-")
-            ks.update(range(int(lo), int(hi or lo) + 1))
+            a, b = float(lo), float(hi or lo)
+            if hi:
+                ks.update(k for k in have if a <= k <= b)
+            ks.add(int(a) if a == int(a) else a)
+            if hi:
+                ks.add(int(b) if b == int(b) else b)
     except ValueError:
-        raise FqError(f"--ks {text!r}: expected K values or ranges such as 2-6 or 2,3,4,16") from None
-    bad = sorted(k for k in ks if not (1 <= k <= 8 or k == 16))
+        raise FqError(f"--ks {text!r}: expected K values or ranges such as 2-6 or 2,2.5,3,16") from None
+    bad = sorted(k for k in ks if k not in have and k != 16)
     if bad or not ks:
-        raise FqError(f"--ks {text!r}: K must be 1..8 or 16 (kept as published); got {bad or 'none'}")
+        raise FqError(f"--ks {text!r}: K must be 1..8, 16 (kept as published) or, with codebook mul1, 1.5, 2.5, "
+                      f"3.5 (codebook {codebook}); got {bad or 'none'}")
     return sorted(ks)
 
 
@@ -59,7 +69,7 @@ def run(args) -> int:
     check_checkpoint_dir(args.model, "--model")
     check_output_file(args.out, "--out")
     text = read_text_arg(args.text, "--text")
-    ks = parse_ks(args.ks)
+    ks = parse_ks(args.ks, args.codebook)
     for b in args.bits:
         solve.budget_from_bits(b, 1)
     if args.threads:

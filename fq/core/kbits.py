@@ -24,14 +24,29 @@ from fq.errors import FqError
 PROJECTIONS = ("gate", "up", "down")  # as fq.model.source.PROJECTIONS (not imported: core sits below model)
 K_RANGE = range(1, 9)
 
-FragmentK = Union[int, Mapping[str, int]]
-NodeK = Union[int, Mapping[int, FragmentK]]
+# exllamav3 1.6.5's half-integer rates (mul1 codebook only: fq.codec.rate checks that where the codebook is known)
+HALF_KS = (1.5, 2.5, 3.5)
+
+FragmentK = Union[int, float, Mapping[str, Union[int, float]]]
+NodeK = Union[int, float, Mapping[int, FragmentK]]
 
 
-def _k(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in K_RANGE:
-        raise FqError(f"{where}: expected an integer K in 1..8, got {value!r}")
+def is_one(spec) -> bool:
+    """Whether a spec is one K (an int, or a half-integer float), not a mapping."""
+    return isinstance(spec, (int, float)) and not isinstance(spec, bool)
+
+
+def _k(value, where: str) -> int | float:
+    """An integer K in 1..8 or a half-integer 1.5, 2.5, 3.5 (a float; 2.0 is refused, so an integer K stays an int)."""
+    if isinstance(value, bool) or not (isinstance(value, int) and value in K_RANGE
+                                       or isinstance(value, float) and value in HALF_KS):
+        raise FqError(f"{where}: expected an integer K in 1..8 or a half-integer K 1.5, 2.5, 3.5, got {value!r}")
     return value
+
+
+def fmt(K) -> str:
+    """K as written in names and headers: ``3``, ``1.5``."""
+    return str(K)
 
 
 def fragment(spec, where: str = "K") -> FragmentK:
@@ -52,12 +67,12 @@ def _per_projection(spec) -> bool:
 
 def proj(spec: FragmentK, projection: str) -> int:
     """The K of one canonical projection (gate, up, down) under a fragment spec."""
-    return spec if isinstance(spec, int) else spec[projection]
+    return spec if is_one(spec) else spec[projection]
 
 
 def at_layer(spec: NodeK, layer: int, where: str = "K") -> FragmentK:
     """A node spec's fragment spec at ``layer``."""
-    if isinstance(spec, int):
+    if is_one(spec):
         return spec
     try:
         return spec[layer]
@@ -86,13 +101,13 @@ def node(spec, where: str = "K") -> NodeK:
         if not out:
             raise FqError(f"{where}: expected K per layer, got an empty mapping")
         values = {json.dumps(v, sort_keys=True) for v in out.values()}
-        return next(iter(out.values())) if len(values) == 1 and isinstance(next(iter(out.values())), int) else out
+        return next(iter(out.values())) if len(values) == 1 and is_one(next(iter(out.values()))) else out
     return _k(spec, where)
 
 
 def to_json(spec):
     """A fragment or node spec as JSON data (layers as string keys, in layer order)."""
-    if isinstance(spec, int):
+    if is_one(spec):
         return spec
     if _per_projection(spec):
         return {p: spec[p] for p in PROJECTIONS}
@@ -101,15 +116,16 @@ def to_json(spec):
 
 def to_meta(spec: FragmentK) -> str:
     """A fragment spec as a safetensors header string."""
-    return str(spec) if isinstance(spec, int) else json.dumps(to_json(spec), sort_keys=True, separators=(",", ":"))
+    return str(spec) if is_one(spec) else json.dumps(to_json(spec), sort_keys=True, separators=(",", ":"))
 
 
 def from_meta(text: str, where: str = "K") -> FragmentK:
     """The inverse of ``to_meta``, refusing anything else."""
-    if isinstance(text, str) and re.fullmatch(r"[0-9]+", text):
-        if text != str(int(text)):
+    if isinstance(text, str) and re.fullmatch(r"[0-9]+(\.5)?", text):
+        value = float(text) if "." in text else int(text)
+        if text != str(value):
             raise FqError(f"{where}: expected an integer K or the canonical JSON of K per projection, got {text!r}")
-        return fragment(int(text), where)
+        return fragment(value, where)
     try:
         data = json.loads(text)
     except (TypeError, ValueError):
@@ -121,7 +137,7 @@ def from_meta(text: str, where: str = "K") -> FragmentK:
 
 def bits(spec) -> float:
     """Mean trellis bits per expert weight: gate, up and down hold equally many weights (intermediate x hidden)."""
-    if isinstance(spec, int):
+    if is_one(spec):
         return float(spec)
     if _per_projection(spec):
         return sum(spec[p] for p in PROJECTIONS) / len(PROJECTIONS)
@@ -130,7 +146,7 @@ def bits(spec) -> float:
 
 def describe(spec) -> str:
     """``K3``, ``gate/up K2, down K3``, or per layer ``L1 K2 / L2 gate/up K2, down K3``."""
-    if isinstance(spec, int):
+    if is_one(spec):
         return f"K{spec}"
     if _per_projection(spec):
         if spec["gate"] == spec["up"]:
@@ -158,6 +174,6 @@ def chain_bits(specs: Iterable) -> Union[int, float]:
     """The bits per weight of a chain of nodes (node specs, as JSON or checked): the sum of each node's ``bits``; an
     int when every node is one int K (a fixed-K chain's sum of K, as before)."""
     nodes = [node(s) for s in specs]
-    if all(isinstance(n, int) for n in nodes):
+    if all(is_one(n) for n in nodes):
         return sum(nodes)
     return sum(bits(n) for n in nodes)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from fq.codec.codebook import CODEBOOKS, MARKERS, marker_value as _marker_int32
+from fq.core import kbits
 from fq.errors import FqError
 
 SIGN_SUFFIXES = ("trellis", "suh", "svh")
@@ -132,7 +133,7 @@ def check_codebook(codebook: object, where: str) -> str:
 class Linear:
     """Runtime constants of one EXL3 linear, as its tensors imply them."""
 
-    K: int
+    K: int | float  # a float for a half-integer rate (1.5, 2.5, 3.5: mul1)
     codebook: str
     in_features: int
     out_features: int
@@ -159,8 +160,10 @@ def derive_linear(specs: Mapping[str, tuple[str, tuple[int, ...]]], where: str,
     if t_dtype != "I16" or len(t_shape) != 3:
         raise FqError(f"{where}.trellis: expected int16 (in/16, out/16, 16*K), got {t_dtype} {list(t_shape)}")
     rows, cols, words = t_shape
-    if words % 16 or not 1 <= words // 16 <= 8:
-        raise FqError(f"{where}.trellis: last dimension {words} is not 16*K for K in 1..8")
+    half = words / 16 in kbits.HALF_KS  # exllamav3's half-integer rates: mul1 only (checked with the marker below)
+    if not half and (words % 16 or not 1 <= words // 16 <= 8):
+        raise FqError(f"{where}.trellis: last dimension {words} is not 16*K for K in 1..8 or a half-integer K 1.5, "
+                      "2.5, 3.5")
     n_in, n_out = rows * 16, cols * 16
     if n_in == 0 or n_out == 0 or n_in % 128 or n_out % 128:
         raise FqError(f"{where}.trellis: implies in={n_in}, out={n_out}; both must be positive multiples of 128")
@@ -177,4 +180,7 @@ def derive_linear(specs: Mapping[str, tuple[str, tuple[int, ...]]], where: str,
         if marker_value is not None and _MARKER_BY_VALUE.get(marker_value) != codebook:
             raise FqError(f"{where}.{codebook}: marker value {marker_value:#x} is not the {codebook} constant "
                           f"{MARKERS[codebook]:#x}")
-    return Linear(words // 16, codebook, n_in, n_out)
+    if half and codebook != "mul1":
+        raise FqError(f"{where}.trellis: last dimension {words} is the half-integer K {words / 16}, which is mul1's "
+                      f"only; the marker says {codebook}")
+    return Linear(words / 16 if half else words // 16, codebook, n_in, n_out)

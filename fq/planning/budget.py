@@ -197,7 +197,7 @@ def allocation_table(recipe: Recipe, source) -> str:
             v = skel.get(cls)
             if v is None:
                 return "-"
-            return str(v) if isinstance(v, int) else str(dict(v).get(layer, "-"))
+            return str(v) if kbits.is_one(v) else str(dict(v).get(layer, "-"))
 
         stages = [s for s in recipe.budgeted_stages if s.parent == n.name and s.experts.mode == "layers"]
         head = f"  {'layer':>5} {'attention':>9} {'dense':>5} {'shared':>6} {'gate/up':>7} {'down':>4}"

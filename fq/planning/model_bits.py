@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from fq.core import kbits
+
 from fq.model.linears import HEAD, source_linears
 from fq.planning.recipe import UNQUANTIZED
 
@@ -41,7 +43,7 @@ def class_bits(recipe, product, layer_weights: Mapping | None = None) -> dict[st
         out = {}
         for cls in (*BODY, "head"):
             K = base.skeleton_bits(cls)
-            if not isinstance(K, int):
+            if not kbits.is_one(K):
                 w = layer_weights[cls]
                 K = round(sum(w[layer] * k for layer, k in K) / sum(w[layer] for layer, _ in K), 4)
             out[cls] = K

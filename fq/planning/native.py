@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass
 from typing import Mapping
 
+from fq.core import kbits
+
 
 @dataclass(frozen=True)
 class Like:
@@ -75,6 +77,6 @@ def plan_likes(plans: Mapping[str, Mapping]) -> dict[str, tuple[int, Like]]:
 
 def _bits(Ks: list):
     """K summed over a chain, or where a node's K is per unit (fq.core.kbits) the chain's K as JSON."""
-    if all(isinstance(k, int) for k in Ks):
+    if all(kbits.is_one(k) for k in Ks):
         return sum(Ks)
     return json.dumps(Ks, sort_keys=True)

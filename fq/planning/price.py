@@ -53,15 +53,19 @@ class CostTable:
     source: str
     sha256: str
 
-    def seconds(self, codebook: str, K: int, shape: tuple[int, int]) -> tuple[float, bool]:
+    def seconds(self, codebook: str, K, shape: tuple[int, int]) -> tuple[float, bool]:
         """Seconds of one pass over an (out, in) matrix, and whether it was scaled from other shapes.
 
         A shape the table lacks is priced per tile (out*in/256) from the table's shapes at the same
-        codebook and K: fixed costs then scale with size, so calibrate on the model's own shapes.
+        codebook and K: fixed costs then scale with size, so calibrate on the model's own shapes. A half-integer K
+        (1.5, 2.5, 3.5) is priced as the integer K above it and marked scaled: a floor, since fq's search at those
+        rates runs on the CPU kernel even on a GPU (fq.codec.viterbi: no CUDA frac kernel yet).
         """
         key = (codebook, K, shape[0], shape[1])
         if key in self.seconds_by_key:
             return self.seconds_by_key[key], False
+        if isinstance(K, float):  # a half-integer K: not in the tables fq ships; priced as the K above, scaled
+            return self.seconds(codebook, int(K) + 1, shape)[0], True
         same = [(o * i // 256, s) for (cb, k, o, i), s in self.seconds_by_key.items() if cb == codebook and k == K]
         if not same:
             have = sorted({f"{cb} K{k}" for cb, k, _, _ in self.seconds_by_key})
@@ -481,7 +485,7 @@ def price_table(price: Price) -> str:
              f"{'node':<14} {'K':>2} {'codebook':<8} {'experts':>8} {'matrices':>9} {'s/matrix':>9} {'GPU-h':>8} {'output':>11}"]
     for n in price.nodes:
         mark = "*" if n.scaled else ""
-        K = n.K if isinstance(n.K, int) else "b"  # a budgeted base: K per layer and projection (fq plan shows them)
+        K = n.K if kbits.is_one(n.K) else "b"  # a budgeted base: K per layer and projection (fq plan shows them)
         lines.append(f"{n.name:<14} {K:>2} {n.codebook:<8} {n.experts:>8} {3 * n.experts:>9} "
                      f"{n.seconds_per_expert / 3:>8.4f}{mark or ' '} {n.gpu_seconds / 3600:>8.2f} {fmt_bytes(n.output_bytes):>11}"
                      + (f"  (the experts of {n.experts_from}, encoded once)" if n.experts_from else ""))

@@ -247,7 +247,7 @@ class Recipe:
             return tuple((cls, LinearNode(cls, K, n.codebook, below[cls][-1]), None) for cls, K in n.skeleton)
         out = []
         for cls, K in n.skeleton:
-            if isinstance(K, int):
+            if kbits.is_one(K):
                 out.append((cls, LinearNode(cls, K, n.codebook), None))
                 continue
             for k in sorted({k for _, k in K}):
@@ -366,6 +366,15 @@ class Recipe:
 # -- parsing and validation ------------------------------------------------------------------
 
 
+def _check_half_k(node: "Node", i: int, err: str) -> None:
+    """A half-integer K (1.5, 2.5, 3.5) is exllamav3's mul1-only rate: refuse it with another codebook."""
+    ks = [("K", node.K)] + [(f"skeleton.{c}", k) for c, k in node.skeleton]
+    for field, k in ks:
+        if isinstance(k, float) and node.codebook != "mul1":
+            raise FqError(f"{err}: nodes[{i}] ({node.name!r}) {field} {k}: a half-integer K needs codebook mul1 (as "
+                          f"exllamav3 1.6.5 codes it), got {node.codebook!r}")
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe file."""
     path = Path(path)
@@ -400,6 +409,7 @@ def parse_recipe(doc, source: str = "<recipe>") -> Recipe:
             skel = tuple((c, raw["skeleton"][c]) for c in LINEAR_CLASSES if c in raw.get("skeleton", {}))
             node = Node(name, "stage", raw["K"], raw["codebook"], raw["parent"],
                         _selection(raw["experts"]), raw.get("description", ""), skel)
+        _check_half_k(node, i, err)
         nodes[name] = node
         file_index[name] = i
 
@@ -657,7 +667,7 @@ def recipe_table(recipe: Recipe) -> str:
     lines = [f"recipe {recipe.name}  sha256 {recipe.sha256[:16]}", "",
              f"{'node':<16} {'kind':<6} {'parent':<14} {'K':>2} {'codebook':<8} experts"]
     for n in recipe.nodes:
-        skel = ("; " + ", ".join(f"{c} K{k}" for c, k in n.skeleton if isinstance(k, int))) if n.skeleton else ""
+        skel = ("; " + ", ".join(f"{c} K{k}" for c, k in n.skeleton if kbits.is_one(k))) if n.skeleton else ""
         skel += f"; experts encoded once, as {n.experts_from}'s" if n.experts_from else ""
         if n.is_budgeted:
             skel += f"; budget {n.bits:g} bits, " + ("K per unit from the allocation" if n.K is not None

@@ -273,7 +273,7 @@ def build_assembly(root: str | os.PathLike, *, product: str, chain: list[dict], 
         for proj, K in want.items():  # exllamav3: one K per projection of a layer, for all its experts
             derived = {(lin.K, lin.codebook) for (_, pr), lin in att.info.linears.items() if pr == proj}
             if derived != {(K, node["codebook"])}:
-                at = "" if isinstance(kbits.node(node["K"]), int) else f" {proj} at layer {p['layer']}"
+                at = "" if kbits.is_one(kbits.node(node["K"])) else f" {proj} at layer {p['layer']}"
                 raise FqError(f"{name}: tensors are {sorted(derived)}, the chain says{at} K={K} {node['codebook']}")
         if p["role"] != node["role"]:
             raise FqError(f"{name}: fragment role {p['role']}, the chain says {node['role']}")

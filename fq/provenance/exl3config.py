@@ -191,7 +191,7 @@ def _want_K(key: str, cls: str, bits, linears: dict | None, where: str):
     layer = int(m.group(1)) if m else None
     if cls == "expert":
         spec = kbits.node(bits, "bits")
-        if isinstance(spec, int):
+        if kbits.is_one(spec):
             return spec
         proj = _PROJECTION.get(key.rsplit(".", 1)[-1])
         if layer is None or proj is None:
@@ -225,6 +225,11 @@ def storage_bits(modules: dict) -> float:
     return round(8 * n_bytes / n_weights, 4) if n_weights else 0.0
 
 
+def _one_k(k) -> bool:
+    """An integer K 1..8 or a half-integer 1.5, 2.5, 3.5 (fq.core.kbits), not a bool nor 2.0."""
+    return kbits.is_one(k) and (type(k) is int and 1 <= k <= 8 or type(k) is float and k in kbits.HALF_KS)
+
+
 def _check_params(params: dict, where: str) -> None:
     bits, codebook = params.get("bits"), params.get("codebook")
     if isinstance(bits, dict):  # a budgeted base: K per layer (and projection) of its routed experts
@@ -232,8 +237,8 @@ def _check_params(params: dict, where: str) -> None:
             raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8, or K per layer "
                           "{\"<layer>\": K or {gate, up, down: K}}")
         kbits.node(bits, f"{where}: bits")
-    elif type(bits) is not int or not 1 <= bits <= 8:
-        raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8")
+    elif not _one_k(bits):
+        raise FqError(f"{where}: bits {bits!r}: expected an integer K in 1..8 or a half-integer K 1.5, 2.5, 3.5")
     if codebook not in CODEBOOKS:
         raise FqError(f"{where}: codebook {codebook!r}: expected one of {', '.join(CODEBOOKS)}")
     extra = sorted(set(params) - {"bits", "codebook", "calibration", "linears", "model_bits"})
@@ -245,8 +250,7 @@ def _check_params(params: dict, where: str) -> None:
     if "linears" in params:
         lin = params["linears"]
         classes = ("attention", "shared", "dense", "head")
-        def ok(k):
-            return type(k) is int and 1 <= k <= 8
+        ok = _one_k
 
         def ok_class(cls, v):  # K, or (a budgeted base) K per layer: {"<layer>": K}, the head's {"head": K}
             if isinstance(v, dict):
@@ -257,7 +261,7 @@ def _check_params(params: dict, where: str) -> None:
         if not isinstance(lin, dict) or not lin or not set(lin) <= set(classes) or not all(
                 ok_class(c, v) for c, v in lin.items()):
             raise FqError(f"{where}: linears {lin!r}: expected {{class: K}} (a budgeted base: K per layer "
-                          f"{{\"<layer>\": K}}), classes among {', '.join(classes)}, K in 1..8")
+                          f"{{\"<layer>\": K}}), classes among {', '.join(classes)}, K in 1..8 or 1.5, 2.5, 3.5")
     if "model_bits" in params:
         mb = params["model_bits"]
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb <= 32:
@@ -331,9 +335,10 @@ def tensor_storage(base_dir: str | os.PathLike, shards: list[str], bits: int, co
         exl3 += 1
         where = f"{base_dir}/{owner[f'{key}.trellis']}: {key}"
         shape = trellis["shape"]
-        if trellis["dtype"] != "torch.int16" or len(shape) != 3 or shape[-1] % 16:
+        half = len(shape) == 3 and shape[-1] / 16 in kbits.HALF_KS
+        if trellis["dtype"] != "torch.int16" or len(shape) != 3 or (shape[-1] % 16 and not half):
             raise FqError(f"{where}.trellis: {trellis['dtype']} {shape}, an EXL3 trellis is int16 (in/16, out/16, 16*K)")
-        K = shape[-1] // 16
+        K = shape[-1] / 16 if half else shape[-1] // 16  # as exllamav3's converter: 1.5, 2.5, 3.5 stay floats
         cls = _class_of(key)
         want = _want_K(key, cls, bits, linears, where)
         if want is None:

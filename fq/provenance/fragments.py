@@ -144,8 +144,11 @@ def fragment_meta(header: Header) -> dict:
         if (layer is None) != (m["class"] == "head"):
             raise FqError(f"{src}: header metadata layer {m['layer']!r} for class {m['class']!r} (the head's fragment "
                           f"says layer 'head', every other class a decoder layer)")
+        K = kbits.from_meta(m["K"], f"{src}: header metadata K")
+        if not kbits.is_one(K):
+            raise FqError(f"{src}: header metadata K {m['K']!r}: a linear fragment holds one K")
         return {"kind": kind, "node": check_node(m["node"], f"{src}: node"), "class": m["class"], "layer": layer,
-                "K": _int(m, "K", src), "codebook": m["codebook"]}
+                "K": K, "codebook": m["codebook"]}
     if kind != "expert":
         raise FqError(f"{src}: header metadata kind is {kind!r}, expected 'expert', 'linear' or 'skeleton'")
     want = {"format", "kind", "node", "role", "layer", "block", "K", "codebook", "layout"}
@@ -202,7 +205,7 @@ def expert_structure(header: Header, meta: dict) -> tuple[list[int], dict]:
 
 def _k_of(spec, proj: str, want_K: dict) -> str:
     """How messages state a projection's K under a fragment spec: ``2``, or ``2 for gate_proj (gate/up K2, down K3)``."""
-    return str(want_K[proj]) if isinstance(spec, int) else f"{want_K[proj]} for {proj} ({kbits.describe(spec)})"
+    return str(want_K[proj]) if kbits.is_one(spec) else f"{want_K[proj]} for {proj} ({kbits.describe(spec)})"
 
 
 def linear_structure(header: Header, meta: dict) -> tuple[list[str], dict]:

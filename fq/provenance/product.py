@@ -78,7 +78,7 @@ class Product:
         if (p["role"], got_K, p["codebook"]) != (node["role"], want_K, node["codebook"]):
             raise FqError(f"{where}: attested {p['role']} {k_text(got_K)} {p['codebook']}, the plan's chain "
                           f"says {node['role']} {k_text(want_K)} {node['codebook']}"
-                          + (f" at layer {p['layer']}" if not isinstance(kbits.node(node["K"]), int) else ""))
+                          + (f" at layer {p['layer']}" if not kbits.is_one(kbits.node(node["K"])) else ""))
         got = objective(p)
         first = self.objectives.setdefault(p["layer"], (got, att.name))
         if first[0] != got:
@@ -127,7 +127,7 @@ class Product:
 
 def k_text(spec) -> str:
     """A fragment spec in messages: ``K=3``, or per projection ``gate/up K2, down K3``."""
-    return f"K={spec}" if isinstance(spec, int) else kbits.describe(spec)
+    return f"K={spec}" if kbits.is_one(spec) else kbits.describe(spec)
 
 
 # (plan entry field, attested predicate field) of a linear fragment

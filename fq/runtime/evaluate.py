@@ -74,7 +74,7 @@ def effective_bpw(plan: dict) -> float:
     out = 0
     for n in plan["chain"]:
         spec, cov = kbits.node(n["K"]), covered.get(n["node"], ())
-        if isinstance(spec, int):
+        if kbits.is_one(spec):
             out += spec * len(cov) / total
         else:
             out += sum(kbits.bits(kbits.at_layer(spec, layer)) for layer, _ in sorted(cov)) / total

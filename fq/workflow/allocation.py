@@ -21,18 +21,21 @@ from fq.allocation.document import FORMAT, METHOD, SENSITIVITY
 from fq.core import atomic, canonical
 
 
-def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9)), rows: int = SENSITIVITY["rows"],
+def measure(model_dir, text: str, *, codebook: str = "mul1", ks=None, rows: int = SENSITIVITY["rows"],
             columns: int = SENSITIVITY["columns"], samples: int = SENSITIVITY["samples"],
             seed: int = SENSITIVITY["seed"], progress=None) -> dict:
-    """Measure every allocation unit of the checkpoint at ``model_dir`` on ``text`` (rows x columns tokens)."""
+    """Measure every allocation unit of the checkpoint at ``model_dir`` on ``text`` (rows x columns tokens), at
+    candidate ``ks`` (default: every K of the codebook, fq.allocation.error_model.candidate_ks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fq.allocation import units
+    from fq.allocation.error_model import candidate_ks
     from fq.allocation.measure import unit_options
     from fq.runtime.evaluate import tokenize
     from fq.runtime.quality import token_windows
 
+    ks = candidate_ks(codebook) if ks is None else ks
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, tok_sha = tokenize(Path(model_dir), text)
     windows = token_windows(ids, columns, rows * columns)
@@ -66,15 +69,15 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=tuple(range(1, 9
 
 
 def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, rows: int, columns: int,
-                    samples: int, seed: int, threads: int = 1) -> None:
+                    samples: int, seed: int, ks=None, threads: int = 1) -> None:
     import torch
     from tqdm import tqdm
 
     torch.set_num_threads(max(1, threads))
     text = Path(text_path).read_text(encoding="utf-8")
     bar = tqdm(total=rows, desc="sensitivity", unit="window", file=sys.stderr)
-    doc = measure(Path(model_dir), text, codebook=codebook, rows=rows, columns=columns, samples=samples, seed=seed,
-                  progress=lambda done, total: bar.update(1))
+    doc = measure(Path(model_dir), text, codebook=codebook, ks=None if ks is None else tuple(ks), rows=rows,
+                  columns=columns, samples=samples, seed=seed, progress=lambda done, total: bar.update(1))
     bar.close()
     atomic.write_text(out, canonical.pretty(doc))
     print(f"{out}: {len(doc['units'])} units measured on {doc['calibration']['positions']} positions",

@@ -238,7 +238,23 @@ class Campaign:
         from fq.allocation.document import SENSITIVITY
 
         cfg = self.config.get("allocation") or {}
-        return {"file": cfg.get("file"), **{k: int(cfg.get(k, v)) for k, v in SENSITIVITY.items()}}
+        return {"file": cfg.get("file"), **{k: int(cfg.get(k, v)) for k, v in SENSITIVITY.items()},
+                "ks": self._allocation_ks(cfg.get("ks"))}
+
+    def _allocation_ks(self, ks) -> list | None:
+        """allocation.ks checked against the budgeted nodes' codebook (None: every K of it)."""
+        if ks is None:
+            return None
+        from fq.allocation.error_model import candidate_ks
+
+        cbs = {n.codebook for n in self.recipe.nodes if n.is_budgeted} or {"mul1"}
+        have = set.intersection(*(set(candidate_ks(cb)) for cb in cbs)) | {16}
+        out = sorted({int(k) if float(k).is_integer() else float(k) for k in ks})
+        bad = [k for k in out if k not in have]
+        if bad:
+            raise FqError(f"config allocation.ks {ks!r}: {', '.join(map(str, bad))} not a candidate K of "
+                          f"codebook {', '.join(sorted(cbs))} (1..8, 16 kept as published; mul1 also 1.5, 2.5, 3.5)")
+        return out
 
     @property
     def measures_allocation(self) -> bool:

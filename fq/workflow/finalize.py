@@ -305,7 +305,7 @@ def _base_index(c: Campaign, base: str, root: Path) -> bytes:
 def _linear_bits(base) -> dict:
     """A base's quantized non-expert classes as its derived files' ``linears`` param: {class: K}, a budgeted base's
     class whose K varies per layer {"<layer>"|"head": K}."""
-    return {cls: K if isinstance(K, int) else {("head" if layer is None else str(layer)): k for layer, k in K}
+    return {cls: K if kbits.is_one(K) else {("head" if layer is None else str(layer)): k for layer, k in K}
             for cls, K in base.skeleton}
 
 

@@ -278,7 +278,7 @@ def plot_allocation(c: Campaign, path: str) -> None:
         for j, layer in enumerate(layers):
             for i, cls in enumerate(rows[:3]):
                 v = skel.get(cls)
-                k = v if isinstance(v, int) else dict(v or ()).get(layer)
+                k = v if kbits.is_one(v) else dict(v or ()).get(layer)
                 if k is not None and f"L{layer}.{cls}" in units:
                     grid[i, j] = k
             if layer in c.source.moe_layers:
@@ -296,7 +296,7 @@ def plot_allocation(c: Campaign, path: str) -> None:
         ax.set_xticks(range(len(layers)), ticks, fontsize=8)
         ax.set_yticks(range(len(rows)), rows)
         head = skel.get("head")
-        ax.set_title(f"{n.name}: {n.bits:g} bits; head K{head if isinstance(head, int) else dict(head or ())[None]}"
+        ax.set_title(f"{n.name}: {n.bits:g} bits; head K{head if kbits.is_one(head) else dict(head or ())[None]}"
                      + "".join(f"; {s.name}: K{s.K} residual on {sum(len(e) for _, e in s.experts.layers)} experts"
                                for s in stages), fontsize=9)
         ax.set_xlabel("decoder layer")
