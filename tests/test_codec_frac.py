@@ -270,3 +270,23 @@ def test_a_header_at_half_k_implies_its_rate_with_mul1_only():
         derive_linear(mcg, "w")
     with pytest.raises(FqError, match=r"last dimension 44 is not 16\*K for K in 1..8 or a half-integer K"):
         derive_linear(dict(specs, trellis=("I16", (8, 16, 44))), "w")
+
+
+@pytest.mark.parametrize("K", HALF)
+def test_the_torch_frac_path_gives_the_c_kernels_states(K):
+    """viterbi_torch at a half-integer K (what a CUDA device runs: there is no CUDA frac kernel yet) is the C
+    kernel's frac pass batched: the same states, bit for bit. One tile on the CPU here (the torch path is slow on a
+    CPU); many on a GPU in the CUDA case below."""
+    from fq.codec.viterbi import viterbi_torch
+
+    x = _tiles(1, seed=7)
+    assert torch.equal(viterbi_torch(x, K, "mul1", "cpu"), viterbi(x, K, "mul1", threads=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("K", HALF)
+def test_the_torch_frac_path_on_cuda_gives_the_c_kernels_states(K):
+    from fq.codec.viterbi import viterbi_gpu
+
+    x = _tiles(64, seed=8)
+    assert torch.equal(viterbi_gpu(x, K, "mul1", "cuda").cpu(), viterbi(x, K, "mul1"))

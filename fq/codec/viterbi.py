@@ -12,9 +12,9 @@ one unsigned min -- so they return the same states.
 ``_trellis.isa()`` says which runs); every one gives the same states (tests/test_codec_isa.py).
 
 Half-integer K (1.5, 2.5, 3.5; mul1 only; fq.codec.rate): ``viterbi`` takes K as a float and runs the C kernel's
-frac passes (``_trellis.viterbi_frac``: the same arithmetic, with the step width alternating KA, KA+1). There is no
-CUDA or torch frac path yet: on a CUDA device the search runs on the CPU and the states are moved there (same
-states, CPU speed). Integer K takes exactly the paths it always did.
+frac passes (``_trellis.viterbi_frac``: the same arithmetic, with the step width alternating KA, KA+1). On a CUDA
+device the torch frac path runs it (``_frac_chunk``: the C kernel's generic frac pass, batched; the same states);
+there is no CUDA kernel for it yet. Integer K takes exactly the paths it always did.
 """
 from __future__ import annotations
 
@@ -46,8 +46,6 @@ def viterbi(tiles: torch.Tensor, K, codebook: str, device=None, threads: int | N
     K: an int 1..8, or a float 1.5, 2.5, 3.5 with codebook mul1 (else FqError)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     tiles = tiles.reshape(-1, TILE_LEN)
-    if isinstance(K, float):  # half-integer: the CPU kernel on every device (states come back on the CPU)
-        return viterbi_cpu(tiles, K, codebook, threads)
     if device.type == "cpu":
         return viterbi_cpu(tiles, K, codebook, threads)
     return viterbi_gpu(tiles, K, codebook, device).cpu()
@@ -56,8 +54,8 @@ def viterbi(tiles: torch.Tensor, K, codebook: str, device=None, threads: int | N
 def viterbi_gpu(tiles: torch.Tensor, K: int, codebook: str, device, check: bool = True) -> torch.Tensor:
     """States on ``device``: the CUDA kernel, or the torch path (with a warning, once) if it cannot be built."""
     device = torch.device(device)
-    if isinstance(K, float):  # no GPU frac search yet: the CPU kernel's states, moved
-        return viterbi_cpu(tiles, K, codebook).to(device)
+    if isinstance(K, float):  # no CUDA frac kernel yet: the torch frac path, on the device
+        return viterbi_torch(tiles, K, codebook, device)
     if device.type == "cuda" and os.environ.get("FQ_VITERBI_CUDA", "kernel") != "torch":
         from fq.codec import viterbi_cuda  # imported only here: CPU use never needs nvcc
 
@@ -85,14 +83,18 @@ def viterbi_cpu(tiles: torch.Tensor, K: int, codebook: str, threads: int | None 
     return torch.from_numpy(out.astype(np.int32))
 
 
-def viterbi_torch(tiles: torch.Tensor, K: int, codebook: str, device) -> torch.Tensor:
-    """Batched torch implementation; returns states on ``device``."""
+def viterbi_torch(tiles: torch.Tensor, K, codebook: str, device) -> torch.Tensor:
+    """Batched torch implementation; returns states on ``device``. A half-integer K runs the frac passes."""
     device = torch.device(device)
     v = values_torch(codebook, device)
-    x = tiles.to(device=device, dtype=torch.float32)
-    E = 1 << (16 - K)
+    x = tiles.reshape(-1, TILE_LEN).to(device=device, dtype=torch.float32)
+    frac = isinstance(K, float)
+    if frac:
+        rate.check_k(K, codebook)
+    E = 1 << (16 - rate.ka(K))
     chunk = max(1, _CUDA_BP_BYTES // (TILE_LEN * E)) if device.type == "cuda" else 64
-    return torch.cat([_viterbi_chunk(x[i : i + chunk], K, v) for i in range(0, x.shape[0], chunk)])
+    run = (lambda t: _frac_chunk(t, rate.ka(K), v)) if frac else (lambda t: _viterbi_chunk(t, K, v))
+    return torch.cat([run(x[i : i + chunk]) for i in range(0, x.shape[0], chunk)])
 
 
 BIG = 2.0**126  # an unreachable predecessor's cost (pass 2's first position); d*d never moves it
@@ -165,4 +167,61 @@ def _viterbi_chunk(x: torch.Tensor, K: int, v: torch.Tensor) -> torch.Tensor:
     h = C.view(n, Q, E)[rows, :, pre].argmin(dim=1)  # distinct keys (h in the low bits)
     out = torch.empty((n, TILE_LEN), dtype=torch.long, device=x.device)
     _backtrack(K, 0, h * E + pre, 0, bp, out)
+    return out.to(torch.int32)
+
+
+# -- half-integer K: _trellis.c's frac_pass_generic and backtrack, batched ----------------------------------------
+
+
+def _frac_pass(x, KA, v, roll, pre):
+    """One frac pass over the ring from position ``roll``: the step into position p adds D(p) = KA + (p & 1) bits.
+    At each position the candidates are the 65536 states s = h*E + j, E = 2^(16-KOUT) for KOUT = D(p+1) (the next
+    step's width), each tagged with its h; its predecessor node is s >> KIN, KIN = D(p). Returns (M, bp): the last
+    position's minima (int64 keys, 2^(16-KA) of them) and the back pointers (256, n, 2^(16-KA)) uint8."""
+    n = x.shape[0]
+    dev = x.device
+    ROW = 65536 >> KA
+    bp = torch.zeros((TILE_LEN, n, ROW), dtype=torch.uint8, device=dev)
+    states = torch.arange(65536, device=dev)
+    M = torch.zeros((n, ROW), dtype=torch.float32, device=dev)
+    if pre is not None:
+        M = M.masked_fill(torch.arange(ROW, device=dev)[None, :] != pre[:, None], BIG)
+    for i in range(TILE_LEN):
+        pos = (i + roll) % TILE_LEN
+        kin, kout = KA + (pos & 1), KA + ((pos + 1) & 1)
+        E, Q = 65536 >> kout, 1 << kout
+        d = v[None, :] - x[:, pos, None]
+        key = _keys(d, M[:, states >> kin], kout, states // E).view(n, Q, E).amin(dim=1)
+        bp[pos, :, :E] = key.to(torch.uint8)
+        M = key.to(torch.int32).view(torch.float32)
+    return key, bp
+
+
+def _frac_backtrack(KA, roll, s, stop, bp, out=None):
+    rows = torch.arange(s.shape[0], device=s.device)
+    for i in range(TILE_LEN - 1, -1, -1):
+        pos = (i + roll) % TILE_LEN
+        if out is not None:
+            out[:, pos] = s
+        if i == stop:
+            return s
+        din = KA + (pos & 1)
+        j = s >> din
+        s = (bp[(i - 1 + roll) % TILE_LEN][rows, j].long() & ((1 << din) - 1)) * (65536 >> din) + j
+
+
+def _frac_chunk(x: torch.Tensor, KA: int, v: torch.Tensor) -> torch.Tensor:
+    """_trellis.c's encode_tile at K = KA + 0.5: both passes end on an odd position, whose successor adds KA bits,
+    so the ends and the seam are the integer K = KA's."""
+    n = x.shape[0]
+    E, Q = 65536 >> KA, 1 << KA
+    half = TILE_LEN // 2
+    M, bp = _frac_pass(x, KA, v, half, None)
+    jbest = M.argmin(dim=1)  # the lowest j of minimal key
+    rows = torch.arange(n, device=x.device)
+    best = (M[rows, jbest] & (Q - 1)) * E + jbest
+    pre = _frac_backtrack(KA, half, best, half - 1, bp) & (E - 1)
+    M, bp = _frac_pass(x, KA, v, 0, pre)
+    out = torch.empty((n, TILE_LEN), dtype=torch.long, device=x.device)
+    _frac_backtrack(KA, 0, (M[rows, pre] & (Q - 1)) * E + pre, 0, bp, out)
     return out.to(torch.int32)
