@@ -234,6 +234,16 @@ def test_campaign_measures_then_plans_from_its_allocation(tmp_path, source):
         load_campaign(_cfg(tmp_path))
 
 
+def test_allocation_ks_are_the_codebooks_candidates(tmp_path, source):
+    """config allocation.ks: the sensitivity job's candidate K (default every K of the codebook), checked against the
+    budgeted nodes' codebook (the demo's b3: mul1, which has the half-integer rates)."""
+    assert load_campaign(_cfg(tmp_path)).allocation_config["ks"] is None
+    c = load_campaign(_cfg(tmp_path, allocation={"ks": [4, 2, 2.5, 16, 2.0]}))
+    assert c.allocation_config["ks"] == [2, 2.5, 4, 16] and isinstance(c.allocation_config["ks"][0], int)
+    with pytest.raises(FqError, match=r"config allocation.ks \[2, 4.5, 9\]: 4.5, 9 not a candidate K of codebook mul1"):
+        load_campaign(_cfg(tmp_path, allocation={"ks": [2, 4.5, 9]})).allocation_config
+
+
 def test_campaign_takes_an_allocation_file_and_refuses_a_missing_one(tmp_path, source):
     path = tmp_path / "alloc.json"
     path.write_bytes(canonical.pretty(synthetic_allocation(source)).encode())
