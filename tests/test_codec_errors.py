@@ -17,7 +17,7 @@ def good():
         (torch.randn(100, 128), 2, "mul1", r"W: shape \(out=100, in=128\).*multiples of 128"),
         (torch.randn(128, 200), 2, "mul1", r"in=200"),
         (torch.randn(128), 2, "mul1", r"2-D"),
-        (torch.randn(128, 128), 0, "mul1", r"K: expected an integer in 1\.\.8, got 0"),
+        (torch.randn(128, 128), 0, "mul1", r"K: expected an integer in 1\.\.8 or a half-integer rate 1\.5, 2\.5 or 3\.5, got 0"),
         (torch.randn(128, 128), 9, "mul1", r"K: .* got 9"),
         (torch.randn(128, 128), 2.0, "mul1", r"K: "),
         (torch.randn(128, 128), 2, "qtip", r"codebook: unknown codebook 'qtip'"),
@@ -49,7 +49,7 @@ def test_fqerror_is_a_valueerror():
         (dict(suh="float32"), r"w\.suh: expected float16 \(256,\), got float32 \(256,\)"),
         (dict(svh="short"), r"w\.svh: expected float16 \(128,\), got float16 \(64,\)"),
         (dict(trellis="int32"), r"w\.trellis: expected int16"),
-        (dict(trellis="lastdim"), r"w\.trellis: last dimension 40 is not 16\*K"),
+        (dict(trellis="lastdim"), r"w\.trellis: last dimension 44 is not 16\*K"),
         (dict(mul1="value"), r"w\.mul1: marker value 0x00000001, expected 0x83dcd12d"),
         (dict(mcg="both"), r"both mcg and mul1"),
         (dict(extra="x"), r"unexpected keys \['extra'\]"),
@@ -67,7 +67,7 @@ def test_bad_tensor_sets(good, change, match):
     elif how == "int32":
         t[key] = t[key].int()
     elif how == "lastdim":
-        t[key] = torch.zeros(16, 8, 40, dtype=torch.int16)
+        t[key] = torch.zeros(16, 8, 44, dtype=torch.int16)
     elif how == "value":
         t[key] = torch.tensor(1, dtype=torch.int32)
     elif how == "both":
