@@ -9,6 +9,9 @@ from pathlib import Path
 _STATE_ROOT = Path(tempfile.mkdtemp(prefix="fq-test-state-"))
 os.environ["XDG_STATE_HOME"] = str(_STATE_ROOT / "session")
 _STATE_DIRS = itertools.count()
+# fq's per-user cache (fq.core.cache: linear shapes, CUDA builds) in one place per test process, never the user's:
+# warm after its first campaign, as a user's is after their first parse
+os.environ["XDG_CACHE_HOME"] = str(_STATE_ROOT / "cache")
 
 # Under `make test` two xdist workers share the machine's cores (CI: 2), and each Snakemake job they start is
 # another process: one intra-op thread each. Left at torch's default (a thread per core) every process spins

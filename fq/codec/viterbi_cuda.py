@@ -75,8 +75,9 @@ def cache_dir() -> Path:
     base = os.environ.get("FQ_CUDA_CACHE")
     if base:
         return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "fq" / "cuda"
+    from fq.core import cache
+
+    return cache.root() / "cuda"
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,9 +23,10 @@ bits (trellis, scales and markers: a few hundredths above K).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
-from fq.core import kbits
+from fq.core import cache, kbits
 
 from fq.model.linears import HEAD, source_linears
 from fq.planning.recipe import UNQUANTIZED
@@ -71,17 +72,62 @@ def linear_shapes(source) -> dict[str, tuple[str, tuple[int, int]]]:
     class one of LINEAR_CLASSES or ``other`` (a DSA indexer, linear-attention projections, ...: stored as
     published). Shapes come from transformers' own decoder layer built from the config on the meta device (no
     weights read), so a hub source is counted from its config.json alone. Next-token-prediction layers are not
-    listed (exllamav3 does not load them)."""
+    listed (exllamav3 does not load them).
+
+    Building that layer imports torch and the family's transformers module: about 4 s, in every Snakemake parse and
+    every job that plans. The shapes are a function of config.json, the transformers and torch versions and the fq
+    code that derives them, so they are cached under a key of all four (fq.core.cache)."""
+    by_name = {lin.name: lin.cls for d in source_linears(source).values() for v in d.values() for lin in v}
+    config = dict(source.config)
+    key = _shapes_key(config)
+    cached = cache.get_json("linear-shapes", key)
+    if not (isinstance(cached, dict) and isinstance(cached.get("linears"), dict) and _is_shape(cached.get("head"))
+            and all(_is_shape(v) for v in cached["linears"].values())):
+        cached = _built_shapes(config, f"{source.origin}/config.json")
+        cache.put_json("linear-shapes", key, cached)
+    out = {name: (by_name.get(name, "other"), (int(o), int(i))) for name, (o, i) in cached["linears"].items()}
+    if not source.tied_embeddings:
+        out[HEAD] = ("head", tuple(int(x) for x in cached["head"]))
+    return out
+
+
+def _is_shape(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(type(x) is int and x > 0 for x in v)
+
+
+_SHAPE_CODE = ("planning/model_bits.py", "hessian/layer.py", "model/linears.py", "model/families")
+
+
+def _shapes_key(config: dict) -> str:
+    """sha256 of config.json (canonical), the transformers and torch versions, and fq's code that derives the shapes."""
+    import hashlib
+    from importlib import metadata
+
+    from fq.core import canonical
+
+    h = hashlib.sha256(canonical.dumps(config))
+    for dist in ("transformers", "torch"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)};".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=?;".encode())
+    root = Path(__file__).resolve().parents[1]
+    for rel in _SHAPE_CODE:
+        for f in sorted((root / rel).rglob("*.py")) if (root / rel).is_dir() else [root / rel]:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def _built_shapes(config: dict, where: str) -> dict:
+    """{"linears": {tensor prefix: [out, in]}, "head": [vocab, hidden]} from transformers' decoder layers built on
+    the meta device (``linear_shapes``)."""
     import torch
 
     from fq.hessian import layer as layer_mod
 
-    config = dict(source.config)
-    where = f"{source.origin}/config.json"
     arch = layer_mod.architecture(config, where)
     hfc = layer_mod.hf_config(config)
     layer_cls, _ = arch.classes()
-    by_name = {lin.name: lin.cls for d in source_linears(source).values() for v in d.values() for lin in v}
     out: dict = {}
     built: dict = {}
     for layer in range(arch.n_layers(config, where)):
@@ -98,11 +144,8 @@ def linear_shapes(source) -> dict[str, tuple[str, tuple[int, int]]]:
             if len(shape) != 2 or ".experts." in name or not name.endswith(".weight") \
                     or name.endswith(ROUTER_SUFFIXES):
                 continue
-            prefix_name = name[: -len(".weight")]
-            out[prefix_name] = (by_name.get(prefix_name, "other"), (int(shape[0]), int(shape[1])))
-    if not source.tied_embeddings:
-        out[HEAD] = ("head", (int(hfc.vocab_size), int(hfc.hidden_size)))
-    return out
+            out[name[: -len(".weight")]] = [int(shape[0]), int(shape[1])]
+    return {"linears": out, "head": [int(hfc.vocab_size), int(hfc.hidden_size)]}
 
 
 def linear_layer_weights(source, shapes: dict | None = None) -> dict[str, dict]:
