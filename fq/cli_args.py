@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+from fq.core.targets import EXLLAMAV3
 from fq.core.units import is_decimal, parse_bytes
 from fq.model.source import SourceModel, load_sizes, load_source
 from fq.planning.plan import DEFAULT_WINDOWS_ON_DISK
@@ -22,7 +23,7 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="source revision recorded in the run identity (default: the hub commit, or a "
                                       "digest of config.json and the index for a local directory)")
     p.add_argument("--allow-unloadable", action="store_true",
-                   help="plan bases of a family no EXL3 runtime loads (exllamav3 1.6.5 has no class for it)")
+                   help=f"plan bases of a family no EXL3 runtime loads (exllamav3 {EXLLAMAV3} has no class for it)")
 
 
 def source_from_args(args) -> SourceModel:

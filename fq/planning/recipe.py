@@ -21,6 +21,7 @@ from pathlib import Path
 from fq.core import canonical, kbits
 from fq.core.layer_ranges import format_layers
 from fq.core.schema_check import validate
+from fq.core.targets import EXLLAMAV3
 from fq.errors import FqError
 
 FORMAT = "fq-cartridge/2"
@@ -372,7 +373,7 @@ def _check_half_k(node: "Node", i: int, err: str) -> None:
     for field, k in ks:
         if isinstance(k, float) and node.codebook != "mul1":
             raise FqError(f"{err}: nodes[{i}] ({node.name!r}) {field} {k}: a half-integer K needs codebook mul1 (as "
-                          f"exllamav3 1.6.5 codes it), got {node.codebook!r}")
+                          f"exllamav3 {EXLLAMAV3} codes it), got {node.codebook!r}")
 
 
 def load_recipe(path: str | Path) -> Recipe:

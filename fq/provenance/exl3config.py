@@ -103,6 +103,7 @@ from pathlib import Path
 from fq.codec.codebook import CODEBOOKS, MARKERS
 from fq.core import atomic, canonical, kbits
 from fq.core.safepath import open_regular
+from fq.core.targets import EXLLAMAV3
 from fq.errors import FqError
 from fq.model import families
 from fq.model.experts import LANGUAGE_MODEL, MIXTRAL, STANDARD
@@ -121,7 +122,6 @@ TENSOR_ALIASES = "tensor_aliases.safetensors"
 RULE_TENSOR_ALIASES = "fq-exl3-tensor-aliases/1"
 MAX_TENSOR_ALIASES_BYTES = 1 << 24  # MiniMax-M2's: 62 layers x 256 float32 router biases = 64 KB
 TENSOR_OUTPUTS = (EXPERT_BIAS, TENSOR_ALIASES)  # the derived safetensors files (TensorRule), never a rule's input
-EXLLAMAV3 = "1.6.5"
 VERSION = f"{EXLLAMAV3}+fq.exl3config.1"  # a label in every published config: it names the rule, not the module path
 HEAD_BITS = 16
 MAX_DERIVED_BYTES = canonical.MAX_JSON_BYTES  # a file fq would derive larger than this is refused

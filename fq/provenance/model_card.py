@@ -41,9 +41,10 @@ from pathlib import Path
 
 from fq.core import atomic, canonical
 from fq.core.safepath import open_regular
+from fq.core.targets import EXLLAMAV3
 from fq.errors import FqError
 from fq.model import families
-from fq.provenance.exl3config import EXLLAMAV3, MAX_DERIVED_BYTES, QUANTIZATION_CONFIG, SOURCE_CONFIG, Rule
+from fq.provenance.exl3config import MAX_DERIVED_BYTES, QUANTIZATION_CONFIG, SOURCE_CONFIG, Rule
 
 README = "README.md"
 RULE = "fq-model-card/1"

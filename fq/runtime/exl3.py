@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fq.core.targets import EXLLAMAV3
 from fq.errors import FqError
 from fq.runtime.load import (VerifiedChain, check_base_fragments, check_tensor_file, read_verified, verify_adapter_product,
                              verify_product)
@@ -252,7 +253,7 @@ def _runtime():
     try:
         import exllamav3 as ex
     except ImportError as e:
-        raise FqError(f"exllamav3 is not installed ({e}): pip install exllamav3==1.6.5") from e
+        raise FqError(f"exllamav3 is not installed ({e}): pip install exllamav3=={EXLLAMAV3}") from e
     return ex
 
 

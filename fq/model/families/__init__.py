@@ -14,6 +14,7 @@ with the list of supported architectures.
 """
 from __future__ import annotations
 
+from fq.core.targets import EXLLAMAV3
 from fq.errors import FqError
 from fq.model.families import deepseek, dots, ernie, glm, gpt_oss, mixtral, qwen, solar
 from fq.model.families.base import Calibration, Family
@@ -77,7 +78,7 @@ def check_publishable(family: Family, problems, allow_unloadable: bool, where: s
     """A base that no EXL3 runtime loads (``problems``: SourceModel.exl3_problems) is published only when the
     operator says so."""
     if problems and not allow_unloadable:
-        raise FqError(f"{where}: exllamav3 1.6.5 would not load a {family.architectures[0]} ({family.title}) base of "
+        raise FqError(f"{where}: exllamav3 {EXLLAMAV3} would not load a {family.architectures[0]} ({family.title}) base of "
                       f"this checkpoint: {'; '.join(problems)}. Set allow_unloadable: true (fq plan/price: "
                       f"--allow-unloadable) to publish it anyway")
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fq.core.targets import EXLLAMAV3
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout
 
@@ -316,7 +317,7 @@ class Family:
     def exl3_problems(self, config: dict, moe_layers, n_layers: int) -> list[str]:
         """Why exllamav3 1.6.5 would not load (or would misread) a base of this config; empty: it loads."""
         if self.exl3 is None:
-            return [f"exllamav3 1.6.5 has no class for {self.architectures[0]}"]
+            return [f"exllamav3 {EXLLAMAV3} has no class for {self.architectures[0]}"]
         return exl3_assert_problems(self.exl3, {**config, **self.exl3_needs.derived_keys(config)}) + \
             self.exl3_needs.problems(config, moe_layers, n_layers)
 

@@ -10,6 +10,7 @@ layers under ``model.language_model.layers.*`` (its routed experts fused per lay
 (E, 2I, hidden) with gate then up, and ``mlp.experts.down_proj`` (E, hidden, I); transformers 5.24 saves them one
 matrix per expert), the vision tower under ``model.visual.*`` and the MTP head under ``mtp.*``, both skeleton; its
 config nests the language model's under ``text_config``."""
+from fq.core.targets import EXLLAMAV3
 from fq.model.experts import LANGUAGE_MODEL, STANDARD
 from fq.model.families.base import (AllLayers, Calibration, Exl3Needs, Family, FusedExperts, SparseStep,
                                      per_layer_types, sliding_if_window)
@@ -59,7 +60,7 @@ QWEN3_5_MOE = Family(
     name="qwen3_5_moe", title="Qwen3.5-MoE (text)", architectures=("Qwen3_5MoeForCausalLM",),
     model_types=("qwen3_5_moe_text",), layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
     moe_rule=AllLayers(), exl3="Qwen3_5MoeForCausalLM", calibration=_QWEN3_5_CHAIN,
-    exl3_needs=Exl3Needs(always="exllamav3 1.6.5's Qwen3_5MoeForCausalLM reads model.language_model.layers.*; the text "
+    exl3_needs=Exl3Needs(always=f"exllamav3 {EXLLAMAV3}'s Qwen3_5MoeForCausalLM reads model.language_model.layers.*; the text "
                                 "model as transformers saves it names its layers model.layers.*"))
 
 # exllamav3 1.6.5's Qwen3_5MoeForConditionalGeneration builds the vision tower's config even to run text: these
@@ -72,9 +73,9 @@ _VISION_KEYS = ("deepstack_visual_indexes", "depth", "hidden_act", "hidden_size"
 def _vision_config(config: dict, n_layers: int) -> list[str]:
     vision = config.get("vision_config")
     if not isinstance(vision, dict):
-        return ["vision_config is not stated (exllamav3 1.6.5 reads the vision tower's config)"]
+        return [f"vision_config is not stated (exllamav3 {EXLLAMAV3} reads the vision tower's config)"]
     missing = [k for k in _VISION_KEYS if vision.get(k) is None]
-    return [f"vision_config lacks {', '.join(missing)} (exllamav3 1.6.5 reads them without a default)"] if missing else []
+    return [f"vision_config lacks {', '.join(missing)} (exllamav3 {EXLLAMAV3} reads them without a default)"] if missing else []
 
 
 QWEN3_5_MOE_VL = Family(
