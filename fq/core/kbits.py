@@ -12,6 +12,9 @@ A uniform mapping is normalised to its ``int``, so a budgeted base whose allocat
 same bytes as a fixed-K base. In JSON (plans, predicates, assemblies) a fragment spec is the int or the mapping; a
 node spec's layers are string keys. In a safetensors header (strings only) a fragment spec is ``"3"`` or the
 canonical JSON of the mapping.
+
+"One K" is an ``int`` 1..8 or one of exllamav3's half-integer rates 1.5, 2.5, 3.5 (a ``float``; mul1 only, checked
+where the codebook is known: recipes and the encoder); ``is_one`` tells it from a mapping. A header writes ``"1.5"``.
 """
 from __future__ import annotations
 
@@ -42,11 +45,6 @@ def _k(value, where: str) -> int | float:
                                        or isinstance(value, float) and value in HALF_KS):
         raise FqError(f"{where}: expected an integer K in 1..8 or a half-integer K 1.5, 2.5, 3.5, got {value!r}")
     return value
-
-
-def fmt(K) -> str:
-    """K as written in names and headers: ``3``, ``1.5``."""
-    return str(K)
 
 
 def fragment(spec, where: str = "K") -> FragmentK:
