@@ -115,4 +115,9 @@ def test_plan_and_price_show_the_allocation_before_a_gpu_is_rented(phases, capsy
     plan = capsys.readouterr().out
     assert "budgeted base b: 2.5 bits; K per unit" in plan and "stage b.up: +0.4 bits buy" in plan
     assert main(["price", str(d / "recipe.json"), *args]) == 0, capsys.readouterr().err
-    assert "sensitivity (budgeted bases' allocation" in capsys.readouterr().out
+    price = capsys.readouterr().out
+    assert "sensitivity (budgeted bases' allocation" in price
+    ks = canonical.load(out / "allocation" / "allocation.json")["allocations"][0]["ks"].values()
+    # a half-integer K is priced as a floor, and says so (no CUDA kernel for it yet)
+    assert ("half-integer K (1.5, 2.5, 3.5) priced at the next integer K's cost" in price) == \
+        any(isinstance(k, float) for k in ks)

@@ -478,6 +478,13 @@ def assumptions_line(a: Mapping) -> str:
             f"{a['windows_on_disk']} window(s) on disk; {win}")
 
 
+def _has_half(spec) -> bool:
+    """Whether a K spec (one K, or per layer / projection mappings) holds a half-integer K anywhere."""
+    if isinstance(spec, Mapping):
+        return any(_has_half(v) for v in spec.values())
+    return isinstance(spec, float)
+
+
 def price_table(price: Price) -> str:
     r = price.recipe
     lines = [f"== {r['recipe']} (sha256 {r['sha256'][:16]}): {r['passes']} passes emitting {r['encoded_bpw']} bpw; "
@@ -503,6 +510,9 @@ def price_table(price: Price) -> str:
                  f"{fmt_bytes(sum(n.output_bytes for n in price.nodes)):>11}")
     if any(n.scaled for n in price.nodes):
         lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq calibrate --shape)")
+    if any(_has_half(n.K) for n in price.nodes) or any(_has_half(ln.K) for ln in price.linears or ()):
+        lines.append("  half-integer K (1.5, 2.5, 3.5) priced at the next integer K's cost: a floor, fq has no CUDA "
+                     "kernel for them yet (their search runs on the slower torch path on a GPU)")
     if price.calibration is not None:
         lines += calibration_lines(price.calibration)
     if price.sensitivity is not None:
