@@ -32,7 +32,7 @@ onstart:
 
 onsuccess:
     if C.allocation_pending:
-        print(f"fq: allocation measured ({C.allocation_file}); run snakemake again to encode the budgeted bases")
+        print(f"fq: allocation measured ({C.alloc.file}); run snakemake again to encode the budgeted bases")
 
 
 rule all:

@@ -6,7 +6,7 @@ matrices' whole-pipeline timings (pipeline_s per GLM-5 expert matrix, mul1).
 
 Model: seconds per matrix pass = overhead_s(shape) + tiles / tiles_per_s(codebook, K), tiles =
 out*in/256. Every input and entry says whether it was measured or derived, and from what.
-The default table of `fq price` (fq/data/cost_table.json) is fq's own encoder measured by `fq calibrate`.
+The default table of `fq price` (fq/data/cost_table.json) is fq's own encoder measured by `fq cost-table`.
 """
 from __future__ import annotations
 

@@ -3,14 +3,14 @@
 # when the Snakefile is parsed, so a campaign whose allocation is not there yet has it as its only target: the next
 # run plans the encode jobs from it (make demo and fq.commands.demo run both). allocation.file names one made by
 # fq allocate instead (a hub source, or a model too big for this machine): then neither job exists.
-if C.measures_allocation:
+if C.alloc.measures:
 
     rule sensitivity:
         input:
             model=ancient(source_files()),
-            text=ancient(C.sensitivity_text),
+            text=ancient(C.alloc.sensitivity_text),
         output:
-            sensitivity=C.sensitivity_file,
+            sensitivity=C.alloc.sensitivity_file,
         conda:
             "../envs/fq.yaml"
         log:
@@ -20,20 +20,20 @@ if C.measures_allocation:
         params:
             model=lambda wc, input: str(Path(input.model[0]).parent),
             codebook=next(n.codebook for n in C.recipe.nodes if n.is_budgeted),
-            rows=C.allocation_config["rows"],
-            columns=C.allocation_config["columns"],
-            samples=C.allocation_config["samples"],
-            seed=C.allocation_config["seed"],
-            ks=C.allocation_config["ks"],
+            rows=C.alloc.settings["rows"],
+            columns=C.alloc.settings["columns"],
+            samples=C.alloc.settings["samples"],
+            seed=C.alloc.settings["seed"],
+            ks=C.alloc.settings["ks"],
         threads: 2
         script:
             "../scripts/sensitivity.py"
 
     rule allocate:
         input:
-            sensitivity=C.sensitivity_file,
+            sensitivity=C.alloc.sensitivity_file,
         output:
-            allocation=C.allocation_file,
+            allocation=C.alloc.file,
         conda:
             "../envs/fq.yaml"
         log:
@@ -41,6 +41,6 @@ if C.measures_allocation:
         benchmark:
             f"{OUT}/benchmarks/allocation/allocate.tsv"
         params:
-            budgets=C.allocation_budgets,
+            budgets=C.alloc.budgets,
         script:
             "../scripts/allocate.py"

@@ -2,15 +2,15 @@
 # calibrated MoE layer writing its Hessian, which that layer's encode jobs read (fq.workflow.calibration). The
 # chain's hidden states are temp (each is read by the next layer's job only); the Hessians and their bindings
 # stay. Encode jobs of layer L wait for layer L's Hessian only, so encoding L overlaps calibrating L+1.
-if C.calibration:
+if C.calib.settings:
 
     rule calib_tokens:
         input:
-            text=[C.calibration_text] if not C.calibration["tokens"] else [],
-            tokens=[C.calibration["tokens"]] if C.calibration["tokens"] else [],
-            tokenizer=[str(C.source_dir / "tokenizer.json")] if not C.calibration["tokens"] else [],
+            text=[C.calib.text] if not C.calib.settings["tokens"] else [],
+            tokens=[C.calib.settings["tokens"]] if C.calib.settings["tokens"] else [],
+            tokenizer=[str(C.source_dir / "tokenizer.json")] if not C.calib.settings["tokens"] else [],
         output:
-            tokens=C.calib_tokens,
+            tokens=C.calib.tokens,
         conda:
             "../envs/fq.yaml"
         log:
@@ -18,9 +18,9 @@ if C.calibration:
         benchmark:
             f"{OUT}/benchmarks/calibration/tokens.tsv"
         params:
-            rows=C.calibration["rows"],
-            cols=C.calibration["columns"],
-            sha256=C.calibration["sha256"],
+            rows=C.calib.settings["rows"],
+            cols=C.calib.settings["columns"],
+            sha256=C.calib.settings["sha256"],
             text=lambda wc, input: input.text[0] if input.text else None,
             tokens=lambda wc, input: input.tokens[0] if input.tokens else None,
             tokenizer_dir=lambda wc, input: str(Path(input.tokenizer[0]).parent) if input.tokenizer else None,
@@ -31,8 +31,8 @@ if C.calibration:
         input:
             unpack(calib_embed_inputs),
         output:
-            hidden=temp(C.calib_hidden(None)),
-            record=C.calib_record(None),
+            hidden=temp(C.calib.hidden(None)),
+            record=C.calib.record(None),
         conda:
             "../envs/fq.yaml"
         log:
@@ -42,8 +42,8 @@ if C.calibration:
         params:
             source_dir=str(C.source_dir),
             staging=f"{OUT}/staging",
-            rows=C.calibration["rows"],
-            cols=C.calibration["columns"],
+            rows=C.calib.settings["rows"],
+            cols=C.calib.settings["columns"],
         script:
             "../scripts/calib_embed.py"
 
@@ -75,18 +75,18 @@ if C.calibration:
             script:
                 "../scripts/calib_layer.py"
 
-    if None in C.linear_capture:
+    if None in C.calib.linear_capture:
 
         # the head's input: the last decoder layer's output through the final norm (read from the skeleton)
         rule calib_head:
             input:
                 campaign=ancient(C.campaign_json),
                 key=ancient(KEY),
-                hidden=C.calib_hidden(C.source.num_hidden_layers - 1),
-                skeleton=lambda wc: C.head_norm_skeleton(),
+                hidden=C.calib.hidden(C.source.num_hidden_layers - 1),
+                skeleton=lambda wc: C.calib.head_norm_skeleton(),
             output:
-                linears=C.linear_hessian(None),
-                record=C.calib_path("head.json"),
+                linears=C.calib.linear_hessian(None),
+                record=C.calib.path("head.json"),
             conda:
                 "../envs/fq.yaml"
             log:
@@ -95,8 +95,8 @@ if C.calibration:
                 f"{OUT}/benchmarks/calibration/head.tsv"
             params:
                 source_dir=str(C.source_dir),
-                binding=C.linear_hessian_binding(None),
-                capture=C.calibration["capture"],
+                binding=C.calib.linear_hessian_binding(None),
+                capture=C.calib.settings["capture"],
                 device=config["encode"]["device"],
                 devices=config["encode"].get("devices", []),
                 locks=f"{OUT}/locks",

@@ -4,7 +4,6 @@ import re
 import sys
 from pathlib import Path
 
-from fq.core import kbits
 from fq.model.demo_model import SIDE_FILES as DEMO_SIDE_FILES, TEXT_SPLITS as DEMO_TEXT_SPLITS
 from fq.provenance.publication import NAME as PUBLICATION_NAME
 from fq.errors import FqError
@@ -72,26 +71,26 @@ def encode_inputs(wc):
 def calib_will_run(layer):
     """Whether the chain's job for ``layer`` (None: embed) will run: a kept output of it is missing, or the next
     job will run and this job's hidden states (temp, deleted once read) are gone."""
-    chain = [None, *C.calibration_layers]
-    if not all(Path(p).is_file() for p in C.calib_outputs(layer)[1:]):
+    chain = [None, *C.calib.chain_layers]
+    if not all(Path(p).is_file() for p in C.calib.outputs(layer)[1:]):
         return True
     i = chain.index(layer)
-    return i + 1 < len(chain) and calib_will_run(chain[i + 1]) and not Path(C.calib_hidden(layer)).is_file()
+    return i + 1 < len(chain) and calib_will_run(chain[i + 1]) and not Path(C.calib.hidden(layer)).is_file()
 
 
 def calib_staged(layer):
     """The staged shards a chain job reads, asked for only when it will run (as skeleton_inputs: a finished chain
     never makes Snakemake stage a retired window again)."""
-    return [ancient(C.staged(s)) for s in C.calib_shards(layer)] if calib_will_run(layer) else []
+    return [ancient(C.staged(s)) for s in C.calib.shards(layer)] if calib_will_run(layer) else []
 
 
 def calib_embed_inputs(wc):
-    return {"campaign": ancient(C.campaign_json), "tokens": ancient(C.calib_tokens), "shards": calib_staged(None)}
+    return {"campaign": ancient(C.campaign_json), "tokens": ancient(C.calib.tokens), "shards": calib_staged(None)}
 
 
 def calib_layer_inputs(wc):
     layer = int(wc.layer)
-    return {"campaign": ancient(C.campaign_json), "hidden": C.calib_hidden(layer - 1 if layer else None),
+    return {"campaign": ancient(C.campaign_json), "hidden": C.calib.hidden(layer - 1 if layer else None),
             "shards": calib_staged(layer)}
 
 
@@ -101,8 +100,8 @@ def calib_layer_rules():
     out = []
     for moe in (False, True):
         for lin in (False, True):
-            layers = [l for l in C.calibration_layers
-                      if (l in C.calibrated_layers) == moe and (l in C.linear_capture) == lin]
+            layers = [l for l in C.calib.chain_layers
+                      if (l in C.calib.calibrated_layers) == moe and (l in C.calib.linear_capture) == lin]
             if not layers:
                 continue
             outputs = {"hidden": temp(f"{OUT}/calibration/hidden-layer{{layer}}.safetensors")}
@@ -120,68 +119,44 @@ CALIB_LAYER_PARAMS = {
     "source_dir": str(C.source_dir),
     "staging": f"{OUT}/staging",
     "layer": lambda wc: int(wc.layer),
-    "binding": lambda wc: C.hessian_binding(int(wc.layer)) if int(wc.layer) in C.calibrated_layers else None,
-    "capture": (C.calibration or {}).get("capture"),
-    "linears": lambda wc: list(C.linear_capture.get(int(wc.layer), ())),
-    "linear_binding": lambda wc: C.linear_hessian_binding(int(wc.layer)) if int(wc.layer) in C.linear_capture else None,
+    "binding": lambda wc: (C.calib.hessian_binding(int(wc.layer)) if int(wc.layer) in C.calib.calibrated_layers
+                           else None),
+    "capture": (C.calib.settings or {}).get("capture"),
+    "linears": lambda wc: list(C.calib.linear_capture.get(int(wc.layer), ())),
+    "linear_binding": lambda wc: (C.calib.linear_hessian_binding(int(wc.layer))
+                                  if int(wc.layer) in C.calib.linear_capture else None),
     "device": config["encode"]["device"],
     "devices": config["encode"].get("devices", []),
     "locks": f"{OUT}/locks",
 }
 
 
-def hessian_spec(layer):
-    """Where an encode job of ``layer`` finds its Hessian and the campaign's binding of it (None: weight-only)."""
-    if layer not in C.calibrated_layers:
-        return None
-    return {"path": C.hessian(layer), "binding": C.hessian_binding(layer)}
+# the params every encoding job takes (encode, encode_layer*, native, weight_only, encode_linears): where it runs and
+# the lock directory of its device slots (fq.workflow.devices), and the seed of its encodes
+ENCODE_PARAMS = {
+    "device": config["encode"]["device"],
+    "devices": config["encode"].get("devices", []),
+    "seed": config["encode"].get("seed", 0),
+    "locks": f"{OUT}/locks",
+}
 
 
 def hessian_inputs(layer):
     """Asked for only by a job that will encode (as the staged shards are); ancient: the binding (its sha256)
     decides whether a Hessian is the right one, not the file's age."""
-    return {"hessian": ancient(C.hessian(layer))} if layer in C.calibrated_layers else {}
+    return {"hessian": ancient(C.calib.hessian(layer))} if layer in C.calib.calibrated_layers else {}
 
 
 def encode_spec(wc, output):
-    """What the job encodes: its node, and per output fragment the block, experts, sources and ancestors.
-    Derived from the outputs, so Snakemake neither stores nor compares it (a layer's spec is large); the rerun
-    key is encode_key (below)."""
-    node = C.recipe.node(wc.node)
-    mine = {str(Path(p)) for p in ([output.fragment] if isinstance(output.fragment, str) else output.fragment)}
-    frags = [f for f in C.layer_fragments(wc.node, int(wc.layer)) if str(Path(C.fragment(wc.node, f.block))) in mine]
-    return {
-        "node": wc.node,
-        "role": "base" if node.is_base else "stage",
-        "K": kbits.to_json(node.K_at(int(wc.layer))),  # per projection for a budgeted base (fq.core.kbits)
-        "codebook": node.codebook,
-        "node_digest": C.recipe.node_digest(wc.node),
-        "layer": int(wc.layer),
-        "blocks": [
-            {
-                "block": C.block_index(f.block),
-                "experts": list(f.experts),
-                "sources": C.expert_sources(f.block.layer, f.experts),
-                "ancestors": [
-                    {
-                        "node": a,
-                        "codebook": C.recipe.node(a).codebook,
-                        "digest": C.recipe.node_digest(a),
-                        "path": C.fragment(a, f.block),
-                    }
-                    for a in C.ancestors(wc.node)
-                ],
-            }
-            for f in frags
-        ],
-        "layout": C.layout.to_json(),
-        "hessian": hessian_spec(int(wc.layer)),
-    }
+    """What the job encodes (Campaign.encode_spec, fq.workflow.specs.EncodeSpec as JSON). Derived from the outputs,
+    so Snakemake neither stores nor compares it (a layer's spec is large); the rerun key is encode_key (below)."""
+    paths = [output.fragment] if isinstance(output.fragment, str) else output.fragment
+    return C.encode_spec(wc.node, int(wc.layer), paths).to_json()
 
 
 def share_spec(wc):
     """A share job's base, owner base, digests and paths (Campaign.share_spec): also its rerun key."""
-    return C.share_spec(wc.node, int(wc.layer), int(wc.block))
+    return C.share_spec(wc.node, int(wc.layer), int(wc.block)).to_json()
 
 
 def share_inputs(wc):
@@ -200,38 +175,27 @@ def linear_inputs(wc):
     """The committed skeleton shards it reads (with attestations), a stage residual's parent linear fragments (with
     theirs), and its Hessian in a calibrated campaign."""
     node, layer = linear_job(wc)
-    shards = C.linear_skeletons(node, layer)
-    parents = [a["path"] for a in C.linear_ancestors(node, layer)]  # a stage's residual: the fragments it corrects
+    shards = C.linears.skeletons(node, layer)
+    parents = [a["path"] for a in C.linears.ancestors(node, layer)]  # a stage's residual: the fragments it corrects
     inputs = {"campaign": ancient(C.campaign_json), "key": ancient(KEY), "skeleton": shards,
               "attestations": [C.attestation(s) for s in shards + parents]}
     if parents:
         inputs["parents"] = parents
-    spec = linear_hessian_spec(layer)
-    if spec is not None:
-        inputs["hessian"] = ancient(spec["path"])
+    ref = C.calib.linear_hessian_ref(layer)
+    if ref is not None:
+        inputs["hessian"] = ancient(ref.path)
     return inputs
 
 
-def linear_hessian_spec(layer):
-    """Where a linear job of ``layer`` (None: the head) finds its linear Hessians (None: weight-only)."""
-    if not C.calibration:
-        return None
-    return {"path": C.linear_hessian(layer), "binding": C.linear_hessian_binding(layer)}
-
-
 def linear_spec(wc):
-    node, layer = linear_job(wc)
-    ln = C.plan.linear(node)
-    return {"node": node, "class": ln["class"], "K": ln["K"], "codebook": ln["codebook"], "node_digest": ln["digest"],
-            "layer": layer, "sources": C.linear_sources(node, layer), "hessian": linear_hessian_spec(layer),
-            "ancestors": C.linear_ancestors(node, layer)}
+    return C.linears.spec(*linear_job(wc)).to_json()
 
 
 def linear_key(wc):
     """The rerun key: the linear node's digest, its linears, and whether it is calibrated."""
     node, layer = linear_job(wc)
-    return {"node_digest": C.plan.linear(node)["digest"], "linears": list(C.linear_names(node, layer)),
-            "calibrated": bool(C.calibration)}
+    return {"node_digest": C.plan.linear(node)["digest"], "linears": list(C.linears.names(node, layer)),
+            "calibrated": bool(C.calib.settings)}
 
 
 def encode_key(wc):
@@ -241,7 +205,7 @@ def encode_key(wc):
     return {
         "node_digest": C.recipe.node_digest(wc.node),
         "experts": [e for f in C.layer_fragments(wc.node, int(wc.layer)) for e in f.experts],
-        "calibrated": int(wc.layer) in C.calibrated_layers,
+        "calibrated": int(wc.layer) in C.calib.calibrated_layers,
     }
 
 
@@ -264,45 +228,35 @@ def native_block(wc):
 def native_inputs(wc):
     b = native_block(wc)
     K = int(wc.K)
-    done = Path(C.native_metrics(K, wc.codebook, b)).is_file() and Path(C.native_tensors(K, wc.codebook, b)).is_file()
+    done = all(Path(p).is_file() for p in (C.compare.native_metrics(K, wc.codebook, b),
+                                           C.compare.native_tensors(K, wc.codebook, b)))
     inputs = {"usage": ancient(C.usage_file)} if C.usage_file else {}  # its experts may be a hot stage's
     return {**inputs, "shards": staged_shards(b), **hessian_inputs(b.layer)} if not done else inputs
 
 
 def native_spec(wc):
-    b = native_block(wc)
-    experts = list(C.native_jobs[(int(wc.K), wc.codebook)][b])
-    return {"K": int(wc.K), "codebook": wc.codebook, "layer": b.layer, "block": C.block_index(b), "experts": experts,
-            "sources": C.expert_sources(b.layer, experts), "layout": C.layout.to_json(), "hessian": hessian_spec(b.layer)}
+    return C.compare.native_spec(int(wc.K), wc.codebook, native_block(wc)).to_json()
 
 
 def weight_only_inputs(wc):
     """A twin's ancestors' twins (the chain is weight-only all the way), and the staged shards only when it will
     run (as native_inputs: a finished twin never makes Snakemake stage a retired window again)."""
     f = fragment_of(wc)
-    inputs = {"ancestors": [C.weight_only_tensors(a, f.block) for a in C.ancestors(wc.node)]}
+    inputs = {"ancestors": [C.compare.weight_only_tensors(a, f.block) for a in C.ancestors(wc.node)]}
     if C.usage_file and C.reads_usage(wc.node):
         inputs["usage"] = ancient(C.usage_file)  # a hot stage's experts are the measurement's first
-    if C.weight_only_needs_source(wc.node, f.block):
+    if C.compare.weight_only_needs_source(wc.node, f.block):
         inputs["shards"] = staged_shards(f.block)
     return inputs
 
 
 def weight_only_spec(wc):
-    f = fragment_of(wc)
-    node = C.recipe.node(wc.node)
-    return {"node": wc.node, "role": "base" if node.is_base else "stage", "K": kbits.to_json(node.K_at(f.block.layer)),
-            "codebook": node.codebook,
-            "node_digest": C.recipe.node_digest(wc.node), "layer": f.block.layer, "block": C.block_index(f.block),
-            "experts": list(f.experts), "sources": C.expert_sources(f.block.layer, f.experts),
-            "ancestors": [{"node": a, "codebook": C.recipe.node(a).codebook, "path": C.weight_only_tensors(a, f.block)}
-                          for a in C.ancestors(wc.node)],
-            "layout": C.layout.to_json()}
+    return C.compare.weight_only_spec(wc.node, fragment_of(wc).block).to_json()
 
 
 def weight_only_files():
-    return [p for f in C.weight_only_jobs
-            for p in (C.weight_only_tensors(f.node, f.block), C.weight_only_metrics(f.node, f.block))]
+    return [p for f in C.compare.weight_only_jobs
+            for p in (C.compare.weight_only_tensors(f.node, f.block), C.compare.weight_only_metrics(f.node, f.block))]
 
 
 def skeleton_inputs(wc):
@@ -351,21 +305,21 @@ def skeleton_files():
     out = []
     for s in C.skeleton_shards:
         out += [C.skeleton(s), C.attestation(C.skeleton(s))]
-    return out + C.variant_files()
+    return out + C.linears.variant_files()
 
 
 def linear_files():
-    return C.linear_files()
+    return C.linears.files()
 
 
 def metrics_files():
     return [C.metrics(f.node, f.block) for f in C.fragments] + [
-        C.native_metrics(K, cb, b) for (K, cb), blocks in C.native_jobs.items() for b in blocks
+        C.compare.native_metrics(K, cb, b) for (K, cb), blocks in C.compare.native_jobs.items() for b in blocks
     ]
 
 
 def native_tensor_files():
-    return [C.native_tensors(K, cb, b) for (K, cb), blocks in C.native_jobs.items() for b in blocks]
+    return [C.compare.native_tensors(K, cb, b) for (K, cb), blocks in C.compare.native_jobs.items() for b in blocks]
 
 
 def assembly_files():
@@ -373,8 +327,8 @@ def assembly_files():
 
 
 def report_files():
-    names = ("products.tsv", "quality.png", "layers.png", "products.json") + (("kl.png",) if C.eval_config else ())
-    names += ("proxy.png",) if C.calibration else ()
+    names = ("products.tsv", "quality.png", "layers.png", "products.json") + (("kl.png",) if C.evals.settings else ())
+    names += ("proxy.png",) if C.calib.settings else ()
     names += ("allocation.png",) if C.recipe.budgeted else ()
     return [f"{OUT}/report/{name}" for name in names]
 
@@ -383,12 +337,12 @@ def all_targets():
     # a budgeted base's allocation not measured yet: it is the only target (rules/allocate.smk); the plan this run
     # parsed is provisional, and the next run plans the encode jobs from the allocation
     if C.allocation_pending:
-        return [C.allocation_file]
+        return [C.alloc.file]
     # the repair marker is a target too: Snakemake starts re-running only from a target that is out of date
     return [
         f"{OUT}/{SUMMARY}",
         f"{OUT}/published.verified",
         *report_files(),
-        *C.eval_files(),
+        *C.evals.files(),
         *repair_marker(),
     ]

@@ -52,10 +52,7 @@ if C.per_job == "block":
         params:
             spec=encode_spec,
             key=encode_key,
-            device=config["encode"]["device"],
-            devices=config["encode"].get("devices", []),
-            seed=config["encode"].get("seed", 0),
-            locks=f"{OUT}/locks",
+            **ENCODE_PARAMS,
         threads: config["encode"].get("threads", 1) or workflow.cores
         resources:
             gpu=1 if config["encode"]["device"] == "cuda" else 0,
@@ -94,10 +91,7 @@ else:
             params:
                 spec=encode_spec,
                 key=encode_key,
-                device=config["encode"]["device"],
-                devices=config["encode"].get("devices", []),
-                seed=config["encode"].get("seed", 0),
-                locks=f"{OUT}/locks",
+                **ENCODE_PARAMS,
             threads: encode_layer_threads() or config["encode"].get("threads", 1) or workflow.cores
             resources:
                 gpu=1 if config["encode"]["device"] == "cuda" else 0,
@@ -147,10 +141,7 @@ rule native:
         f"{OUT}/benchmarks/native/K{{K}}-{{codebook}}-layer{{layer}}-block{{block}}.tsv"
     params:
         spec=native_spec,
-        device=config["encode"]["device"],
-        devices=config["encode"].get("devices", []),
-        seed=config["encode"].get("seed", 0),
-        locks=f"{OUT}/locks",
+        **ENCODE_PARAMS,
     threads: config["encode"].get("threads", 1) or workflow.cores
     resources:
         gpu=1 if config["encode"]["device"] == "cuda" else 0,
@@ -161,7 +152,7 @@ rule native:
 # Weight-only twins (calibration.compare_weight_only): every fragment encoded again without its Hessian, a stage
 # against its parent's twin, for fq eval's calibrated-vs-weight-only comparison. Comparison material like the
 # natives: unsigned, never published; one job per (node, layer, block) whatever encode.per_job says.
-if C.weight_only_jobs:
+if C.compare.weight_only_jobs:
 
     rule weight_only:
         input:
@@ -177,10 +168,7 @@ if C.weight_only_jobs:
             f"{OUT}/benchmarks/weight-only/{{node}}-layer{{layer}}-block{{block}}.tsv"
         params:
             spec=weight_only_spec,
-            device=config["encode"]["device"],
-            devices=config["encode"].get("devices", []),
-            seed=config["encode"].get("seed", 0),
-            locks=f"{OUT}/locks",
+            **ENCODE_PARAMS,
         threads: config["encode"].get("threads", 1) or workflow.cores
         resources:
             gpu=1 if config["encode"]["device"] == "cuda" else 0,
@@ -191,7 +179,7 @@ if C.weight_only_jobs:
 # Whole-model bases: one job per (linear node, layer) encodes one class of non-expert linears (attention, shared,
 # dense) of one layer, or the head, reading the committed skeleton (fq.workflow.encode_linears); bases quantizing
 # that class at those bits share it. Each such base publishes a skeleton variant without those linears.
-if C.linear_jobs:
+if C.linears.jobs:
 
     rule encode_linears:
         input:
@@ -212,10 +200,7 @@ if C.linear_jobs:
         params:
             spec=linear_spec,
             key=linear_key,
-            device=config["encode"]["device"],
-            devices=config["encode"].get("devices", []),
-            seed=config["encode"].get("seed", 0),
-            locks=f"{OUT}/locks",
+            **ENCODE_PARAMS,
         threads: config["encode"].get("threads", 1) or workflow.cores
         resources:
             gpu=1 if config["encode"]["device"] == "cuda" else 0,
@@ -240,7 +225,7 @@ if C.linear_jobs:
         benchmark:
             f"{OUT}/benchmarks/skeleton/{{variant}}/{{shard}}.tsv"
         params:
-            tensors=lambda wc: list(C.skeleton_variants[wc.variant][wc.shard]),
+            tensors=lambda wc: list(C.linears.variants[wc.variant][wc.shard]),
             locks=f"{OUT}/locks",
         script:
             "../scripts/skeleton_variant.py"

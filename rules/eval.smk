@@ -1,7 +1,7 @@
 # Quality at the model's output (fq eval): after finalize and the consumer's verification, every product and every
 # native comparison point (and weight-only twin) loaded on the CPU (verified under the pinned key first) and measured against the source
 # on held-out text. Only with eval: in the config (a source on local disk).
-if C.eval_config:
+if C.evals.settings:
 
     rule eval:
         input:
@@ -10,12 +10,12 @@ if C.eval_config:
             assemblies=assembly_files(),
             campaign=ancient(C.campaign_json),
             source=source_files() + [str(C.source_dir / name) for name in ("config.json", "tokenizer.json")],
-            text=C.eval_text,
+            text=C.evals.text,
             native=native_tensor_files(),
             weight_only=weight_only_files(),
         output:
-            json=C.eval_files()[0],
-            tsv=C.eval_files()[1],
+            json=C.evals.files()[0],
+            tsv=C.evals.files()[1],
         conda:
             "../envs/fq.yaml"
         log:
@@ -28,9 +28,9 @@ if C.eval_config:
             source=lambda wc, input: str(Path(input.source[-1]).parent),  # the directory of its tokenizer.json
             native=lambda wc, input: str(Path(input.native[0]).parent.parent) if input.native else None,
             weight_only=lambda wc, input: str(Path(input.weight_only[0]).parent.parent) if input.weight_only else None,
-            twin_aliases=C.twin_aliases,  # a base sharing another's experts is measured with that base's twins
-            tokens=C.eval_config["tokens"],
-            seq_len=C.eval_config["seq_len"],
+            twin_aliases=C.compare.twin_aliases,  # a base sharing another's experts is measured with that base's twins
+            tokens=C.evals.settings["tokens"],
+            seq_len=C.evals.settings["seq_len"],
         threads: 1  # fq.runtime.quality measures on one thread (its numbers do not depend on the machine's cores)
         script:
             "../scripts/eval.py"

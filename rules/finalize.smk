@@ -12,7 +12,7 @@ rule finalize:
         linears=linear_files(),
         retired=[C.retired(w.index) for w in C.plan.windows],
         repair=repair_marker(),
-        eval_text=[C.eval_text] if C.eval_config else [],  # the model cards name it with its sha256
+        eval_text=[C.evals.text] if C.evals.settings else [],  # the model cards name it with its sha256
         model_signing_key=[ancient(C.model_signing_key)] if C.model_signing_key else [],  # model.sig per base
     output:
         summary=f"{OUT}/{SUMMARY}",

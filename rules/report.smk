@@ -6,15 +6,16 @@ rule report:
     input:
         summary=f"{OUT}/{SUMMARY}",
         metrics=metrics_files(),
-        eval=C.eval_files()[:1],
+        eval=C.evals.files()[:1],
     output:
         table=report(f"{OUT}/report/products.tsv", caption="../report/products.rst", category="Products"),
         quality=report(f"{OUT}/report/quality.png", caption="../report/quality.rst", category="Quality"),
         layers=report(f"{OUT}/report/layers.png", caption="../report/layers.rst", category="Quality"),
         rows=f"{OUT}/report/products.json",
-        **({"kl": report(f"{OUT}/report/kl.png", caption="../report/kl.rst", category="Quality")} if C.eval_config else {}),
+        **({"kl": report(f"{OUT}/report/kl.png", caption="../report/kl.rst", category="Quality")}
+           if C.evals.settings else {}),
         **({"proxy": report(f"{OUT}/report/proxy.png", caption="../report/proxy.rst", category="Quality")}
-           if C.calibration else {}),
+           if C.calib.settings else {}),
         **({"allocation": report(f"{OUT}/report/allocation.png", caption="../report/allocation.rst",
                                  category="Allocation")} if C.recipe.budgeted else {}),
     conda:

@@ -28,7 +28,7 @@ import torch
 from fq.codec.codebook import marker_value
 from fq.core.canonical import dumps, sha256_hex
 from fq.model.experts import STANDARD
-from fq.provenance.assembly import Plan, build_assembly, write_assembly
+from fq.provenance.assembly import SignedPlan, build_assembly, write_assembly
 from fq.provenance.attest import keys
 from fq.provenance.attest.campaign import campaign_identity
 from fq.provenance.attest.fragment import attest_fragment, attest_skeleton
@@ -153,7 +153,7 @@ def sign_plan(c: Campaign, plan: dict, product: str, publish_too: bool = True) -
     return c.plans[product]
 
 
-def _read_signed_plan(path: Path, c: Campaign) -> Plan:
+def _read_signed_plan(path: Path, c: Campaign) -> SignedPlan:
     """A plan as its signer knows it: signature and statement only (a producer lists expired plans, and an
     insider what it signed, without the consumer's checks)."""
     from fq.provenance.attest import dsse
@@ -162,7 +162,7 @@ def _read_signed_plan(path: Path, c: Campaign) -> Plan:
     data = path.read_bytes()
     payload = dsse.open_envelope(data, c.pub, str(path))
     _, pred = parse_statement(payload, str(path), ASSEMBLY)
-    return Plan(str(path), sha256_hex(data), pred, sha256_hex(payload))
+    return SignedPlan(str(path), sha256_hex(data), pred, sha256_hex(payload))
 
 
 def publish(c: Campaign, version: int | None = None, key=None, recipe_name: str = "provkit",

@@ -214,8 +214,8 @@ def test_derived_params_take_K_per_layer_and_projection():
 
 def test_campaign_measures_then_plans_from_its_allocation(tmp_path, source):
     c = load_campaign(_cfg(tmp_path))
-    assert c.allocation_pending and c.measures_allocation
-    assert c.allocation_file == str(tmp_path / ALLOCATION_FILE) and c.allocation_budgets == [3.0]
+    assert c.allocation_pending and c.alloc.measures
+    assert c.alloc.file == str(tmp_path / ALLOCATION_FILE) and c.alloc.budgets == [3.0]
     alloc = synthetic_allocation(source)
     path = tmp_path / ALLOCATION_FILE
     path.parent.mkdir(parents=True)
@@ -237,18 +237,18 @@ def test_campaign_measures_then_plans_from_its_allocation(tmp_path, source):
 def test_allocation_ks_are_the_codebooks_candidates(tmp_path, source):
     """config allocation.ks: the sensitivity job's candidate K (default every K of the codebook), checked against the
     budgeted nodes' codebook (the demo's b3: mul1, which has the half-integer rates)."""
-    assert load_campaign(_cfg(tmp_path)).allocation_config["ks"] is None
+    assert load_campaign(_cfg(tmp_path)).alloc.settings["ks"] is None
     c = load_campaign(_cfg(tmp_path, allocation={"ks": [4, 2, 2.5, 16, 2.0]}))
-    assert c.allocation_config["ks"] == [2, 2.5, 4, 16] and isinstance(c.allocation_config["ks"][0], int)
+    assert c.alloc.settings["ks"] == [2, 2.5, 4, 16] and isinstance(c.alloc.settings["ks"][0], int)
     with pytest.raises(FqError, match=r"config allocation.ks \[2, 4.5, 9\]: 4.5, 9 not a candidate K of codebook mul1"):
-        load_campaign(_cfg(tmp_path, allocation={"ks": [2, 4.5, 9]})).allocation_config
+        load_campaign(_cfg(tmp_path, allocation={"ks": [2, 4.5, 9]})).alloc.settings
 
 
 def test_campaign_takes_an_allocation_file_and_refuses_a_missing_one(tmp_path, source):
     path = tmp_path / "alloc.json"
     path.write_bytes(canonical.pretty(synthetic_allocation(source)).encode())
     c = load_campaign(_cfg(tmp_path / "out", allocation={"file": str(path)}))
-    assert not c.allocation_pending and not c.measures_allocation and c.allocation_file == str(path)
+    assert not c.allocation_pending and not c.alloc.measures and c.alloc.file == str(path)
     with pytest.raises(FqError, match="allocation.file: .*not found"):
         load_campaign(_cfg(tmp_path / "out", allocation={"file": str(tmp_path / "nope.json")}))
     local = {"kind": "local", "path": str(tmp_path)}

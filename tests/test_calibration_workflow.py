@@ -79,18 +79,18 @@ JOBS: dict[str, int] = {}
 def test_a_calibrated_campaign_binds_its_hessians_and_every_fragment_names_its_own(cal):
     out = cal / "campaign"
     c = campaign(cal)
-    assert c.calibrated_layers == (1, 2) and c.calibration_layers == (0, 1, 2)
-    for layer in c.calibrated_layers:
-        h = Path(c.hessian(layer))
-        bound = canonical.load(c.hessian_binding(layer))
+    assert c.calib.calibrated_layers == (1, 2) and c.calib.chain_layers == (0, 1, 2)
+    for layer in c.calib.calibrated_layers:
+        h = Path(c.calib.hessian(layer))
+        bound = canonical.load(c.calib.hessian_binding(layer))
         assert bound["sha256"] == sha256(h) and bound["layer"] == layer and bound["capture"] == "all-experts"
-        record = canonical.load(c.calib_record(layer))
+        record = canonical.load(c.calib.record(layer))
         assert record["hessian_sha256"] == bound["sha256"]
     assert not list((out / "calibration").glob("hidden-*")), "the chain's hidden states are temp"
     for f in c.fragments:
         path = Path(c.fragment(f.node, f.block))
         qa = statement(path)["predicate"]["quant_args"]
-        bound = canonical.load(c.hessian_binding(f.block.layer))
+        bound = canonical.load(c.calib.hessian_binding(f.block.layer))
         assert qa["objective"].startswith("LDLQ") and qa["hessian"] == {
             "file": bound["file"], "sha256": bound["sha256"], "calibration": bound["calibration"],
             "capture": "all-experts"}
@@ -118,7 +118,7 @@ def test_a_recapture_that_differs_from_the_bound_hessian_is_refused(cal):
     chain up to it runs again: its hidden states were temp); a capture that is not byte-identical to the bound one
     (another machine, another torch) is refused, and the binding is left as it was."""
     c = campaign(cal)
-    h, binding = Path(c.hessian(2)), Path(c.hessian_binding(2))
+    h, binding = Path(c.calib.hessian(2)), Path(c.calib.hessian_binding(2))
     kept, bound = h.read_bytes(), binding.read_bytes()
     f = next(f for f in c.fragments if f.block.layer == 2 and f.node == "a.r1")  # a leaf: nothing descends from it
     frag = Path(c.fragment(f.node, f.block))
@@ -152,13 +152,13 @@ def test_an_encode_refuses_a_hessian_file_that_is_not_the_bound_one(cal, tmp_pat
     from fq.workflow.encode import _Hessians
 
     c = campaign(cal)
-    swapped = tmp_path / Path(c.hessian(1)).name
-    shutil.copyfile(c.hessian(2), swapped)
-    bound = canonical.load(c.hessian_binding(1))["sha256"]
+    swapped = tmp_path / Path(c.calib.hessian(1)).name
+    shutil.copyfile(c.calib.hessian(2), swapped)
+    bound = canonical.load(c.calib.hessian_binding(1))["sha256"]
     with pytest.raises(FqError, match=bound):
-        _Hessians({"path": str(swapped), "binding": c.hessian_binding(1)}, 1)
-    h, b = bound_hessians(c.hessian(1), c.hessian_binding(1), 1)
-    assert h.layer == 1 and b["sha256"] == bound == sha256(Path(c.hessian(1)))
+        _Hessians({"path": str(swapped), "binding": c.calib.hessian_binding(1)}, 1)
+    h, b = bound_hessians(c.calib.hessian(1), c.calib.hessian_binding(1), 1)
+    assert h.layer == 1 and b["sha256"] == bound == sha256(Path(c.calib.hessian(1)))
 
 
 def test_fq_verify_refuses_a_published_layer_with_two_hessians(cal, tmp_path):
@@ -194,14 +194,14 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
     out = cal / "campaign"
     c = campaign(cal)
     # one twin per encoded fragment: "a" publishes the experts of "e", whose twins are its own
-    assert c.weight_only_jobs == c.encoded_fragments and c.twin_aliases == {"a": "e"}
-    assert c.weight_only_tensors("a", c.fragments[0].block) == c.weight_only_tensors("e", c.fragments[0].block)
-    for f in c.weight_only_jobs:
-        twin, real = Path(c.weight_only_tensors(f.node, f.block)), Path(c.fragment(f.node, f.block))
+    assert c.compare.weight_only_jobs == c.encoded_fragments and c.compare.twin_aliases == {"a": "e"}
+    assert c.compare.weight_only_tensors("a", c.fragments[0].block) == c.compare.weight_only_tensors("e", c.fragments[0].block)
+    for f in c.compare.weight_only_jobs:
+        twin, real = Path(c.compare.weight_only_tensors(f.node, f.block)), Path(c.fragment(f.node, f.block))
         assert twin.is_file() and not twin.with_name(twin.name + ".intoto.jsonl").exists()
         with safe_open(str(twin), "pt") as a, safe_open(str(real), "pt") as b:
             assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
-        m = canonical.load(c.weight_only_metrics(f.node, f.block))
+        m = canonical.load(c.compare.weight_only_metrics(f.node, f.block))
         assert m["objective"] == OBJECTIVE_WEIGHT and m["node_digest"] == c.recipe.node_digest(f.node)
     assert not any("weight-only" in str(p) for p in (out / "published").rglob("*"))
 
@@ -211,8 +211,8 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
     base = next(f for f in c.fragments if f.node == "a" and f.block == stage.block)
     layer, e = stage.block.layer, stage.experts[0]
     lp = dict(zip(PROJECTIONS, c.layout.projections))
-    twin_a = load_sets(Path(c.weight_only_tensors("a", base.block)), c.layout, layer, [e], "mul1")[e]
-    twin_r = load_sets(Path(c.weight_only_tensors("a.r1", base.block)), c.layout, layer, [e], "mul1")[e]
+    twin_a = load_sets(Path(c.compare.weight_only_tensors("a", base.block)), c.layout, layer, [e], "mul1")[e]
+    twin_r = load_sets(Path(c.compare.weight_only_tensors("a.r1", base.block)), c.layout, layer, [e], "mul1")[e]
     real_a = load_sets(Path(c.fragment("a", base.block)), c.layout, layer, [e], "mul1")[e]
     for p in ("gate", "down"):
         name = c.source.expert_tensor(layer, e, p)
@@ -279,20 +279,20 @@ def test_one_linear_job_per_class_and_layer_shared_by_the_bases(cal, tmp_path):
     nodes = {n["name"]: n for n in c2.plan.to_json()["nodes"]}
     assert nodes["v"]["skeleton"] == {"attention": "attention-K4-mul1"}
     assert nodes["a"]["skeleton"]["attention"] == "attention-K4-mul1"
-    assert set(c2.base_linear_fragments("v")) < set(c2.base_linear_fragments("a"))
+    assert set(c2.linears.base_fragments("v")) < set(c2.linears.base_fragments("a"))
 
 
 def test_linear_fragments_are_ldlq_against_their_bound_hessians(cal):
     d = cal
     c = campaign(d)
-    for node, layer in c.linear_jobs:
-        path = Path(c.linear_fragment(node, layer))
+    for node, layer in c.linears.jobs:
+        path = Path(c.linears.fragment(node, layer))
         pred = statement(path)["predicate"]
-        bound = canonical.load(c.linear_hessian_binding(layer))
+        bound = canonical.load(c.calib.linear_hessian_binding(layer))
         assert pred["kind"] == "linear" and pred["quant_args"]["objective"].startswith("LDLQ")
         assert pred["quant_args"]["hessian"]["sha256"] == bound["sha256"] == hashlib.sha256(
-            Path(c.linear_hessian(layer)).read_bytes()).hexdigest()
-        metrics = canonical.load(c.linear_metrics(node, layer))
+            Path(c.calib.linear_hessian(layer)).read_bytes()).hexdigest()
+        metrics = canonical.load(c.linears.metrics(node, layer))
         bound = 1 if "parent" in c.plan.linear(node) else 0.05  # a residual's error is relative to the residual
         assert all(0 < m["proxy_err"] < bound for m in metrics["linears"].values()), metrics
 
@@ -462,7 +462,7 @@ def test_the_stages_attention_residual_is_ldlq_against_the_committed_base_linear
     c = campaign(cal)
     out = cal / "campaign"
     pub = out / "published"
-    jobs = [(n, l) for n, l in c.linear_jobs if n == RESIDUAL]
+    jobs = [(n, l) for n, l in c.linears.jobs if n == RESIDUAL]
     assert [l for _, l in jobs] == [0, 1, 2] and c.plan.linear(RESIDUAL)["parent"] == "attention-K4-mul1"
     plans = {p: canonical.loads(base64.b64decode(canonical.loads((pub / "assemblies" / f"{p}.assembly.intoto.jsonl")
                                                                  .read_bytes())["payload"]))["predicate"]
@@ -470,7 +470,7 @@ def test_the_stages_attention_residual_is_ldlq_against_the_committed_base_linear
     listed = {f["name"]: f for f in plans["a.r1"]["stage_linears"]}
     assert "stage_linears" not in plans["a"] and len(listed) == 3
     for node, layer in jobs:
-        path, parent = Path(c.linear_fragment(node, layer)), Path(c.linear_fragment("attention-K4-mul1", layer))
+        path, parent = Path(c.linears.fragment(node, layer)), Path(c.linears.fragment("attention-K4-mul1", layer))
         pred, base = statement(path)["predicate"], statement(parent)["predicate"]
         assert pred["role"] == "stage" and pred["K"] == 2 and pred["parent"] == {"name": parent.name,
                                                                                  "sha256": sha256(parent)}
@@ -478,7 +478,7 @@ def test_the_stages_attention_residual_is_ldlq_against_the_committed_base_linear
         assert pred["quant_args"]["objective"].startswith("LDLQ")
         assert pred["quant_args"]["hessian"] == base["quant_args"]["hessian"]
         assert [t["name"] for t in pred["linears"]] == [t["name"] for t in base["linears"]]
-        metrics = canonical.load(c.linear_metrics(node, layer))
+        metrics = canonical.load(c.linears.metrics(node, layer))
         assert metrics["parent"] == pred["parent"] and all(0 < m["proxy_err"] < 1 for m in metrics["linears"].values())
         published = pub / "stages" / "a.r1" / path.name
         assert published.read_bytes() == path.read_bytes() and not (pub / "base" / "a" / path.name).exists()
@@ -504,11 +504,11 @@ def test_eval_pairs_from_the_signed_plans_as_the_report_from_the_recipe(cal):
     rule (fq.planning.native) over the same facts, equal product by product (a: its linear nodes, e: none, a.r1:
     a's and the attention residual, its last node on the hot experts only: no base is its like)."""
     from fq.planning.native import native_bases, plan_likes, recipe_likes
-    from fq.planning.plan import Plan
+    from fq.planning.plan import CampaignPlan
     from fq.planning.recipe import load_recipe
 
     out = cal / "campaign"
-    plan = Plan.from_json(canonical.load(out / "plan.json"))
+    plan = CampaignPlan.from_json(canonical.load(out / "plan.json"))
     plans = {p: statement(out / "published" / "assemblies" / f"{p}.assembly")["predicate"] for p in ("a", "a.r1", "e")}
     likes = plan_likes(plans)
     assert likes == recipe_likes(load_recipe(cal / "recipe.json"), plan.selections)
@@ -644,7 +644,7 @@ def test_bases_of_one_K_share_one_expert_encoding_and_each_publishes_it(cal):
     # "a"'s directory: its skeleton variant, its linear fragments, the shared expert fragments; "e"'s the whole skeleton
     names = {p.name for p in (pub / "base" / "a").glob("*.safetensors")}
     assert {Path(c.fragment("a", b)).name for b in c.plan.blocks} <= names
-    assert {Path(p).name for p in c.base_linear_fragments("a")} <= names
+    assert {Path(p).name for p in c.linears.base_fragments("a")} <= names
     assert not any("K4" in p.name for p in (pub / "base" / "e").glob("*.safetensors"))
     p = subprocess.run([sys.executable, "-m", "fq", "verify", str(pub), "--key", str(out / "signer.pub")],
                        capture_output=True, text=True)
@@ -942,6 +942,6 @@ def test_finalize_refuses_a_fragment_attesting_another_hessian(cal):
         assert p.returncode != 0
         log = (cal / "campaign" / "logs" / "finalize.log").read_text()
         assert frag.name in log and "encoded against Hessian " + "f" * 64 in log
-        assert canonical.load(c.hessian_binding(f.block.layer))["sha256"] in log
+        assert canonical.load(c.calib.hessian_binding(f.block.layer))["sha256"] in log
     finally:
         att.write_bytes(kept)  # the module's last test: no repair run (finalize's outputs went with its failure)

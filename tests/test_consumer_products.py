@@ -319,8 +319,8 @@ def test_every_consumer_refuses_an_insider_signed_plan_with_a_wrong_fragment_siz
 
 
 def test_every_consumer_refuses_an_insider_signed_plan_with_a_wrong_header_digest(c, tmp_path, capsys):
-    """The attestation-against-plan checks are one function (fq.provenance.product.Product.check_fragment): verify
-    did not compare the header digest either."""
+    """The attestation-against-plan checks are one function (fq.provenance.product.VerifiedProduct.check_fragment):
+    verify did not compare the header digest either."""
     plan = read_assembly(c.plans["k2r1r2"], c.pub, now=NOW).predicate
     victim = next(f for f in plan["fragments"] if f["node"] == "k2")  # a base fragment: mesh-plan reads it too
     attested = victim["header_sha256"]

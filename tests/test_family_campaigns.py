@@ -132,7 +132,7 @@ def test_kimi_k2_fp8_campaign_is_published_and_verified(kimi):
     c = campaign(d)
     assert c.source.family == "deepseek_v3" and c.source.model_type == "kimi_k2"
     assert c.source.source_format == formats.SourceFormat("fp8", (128, 128))
-    assert c.calibrated_layers == (1,) and len(c.fragments) == 1  # one block of 8 experts in the MoE layer
+    assert c.calib.calibrated_layers == (1,) and len(c.fragments) == 1  # one block of 8 experts in the MoE layer
 
 
 def test_fragment_attestations_name_the_fp8_experts_and_their_scales(kimi):
@@ -204,8 +204,8 @@ def test_ldlq_fragments_name_their_bound_hessian(kimi):
     c = campaign(d)
     for f in c.fragments:
         qa = statement(Path(c.fragment(f.node, f.block)))["predicate"]["quant_args"]
-        bound = canonical.load(c.hessian_binding(f.block.layer))
-        assert bound["sha256"] == hashlib.sha256(Path(c.hessian(f.block.layer)).read_bytes()).hexdigest()
+        bound = canonical.load(c.calib.hessian_binding(f.block.layer))
+        assert bound["sha256"] == hashlib.sha256(Path(c.calib.hessian(f.block.layer)).read_bytes()).hexdigest()
         assert qa["objective"].startswith("LDLQ") and qa["hessian"] == {
             "file": bound["file"], "sha256": bound["sha256"], "calibration": bound["calibration"],
             "capture": "all-experts"}
@@ -307,7 +307,7 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
     write_config(d, src, calibrated=calibrated, allow_unloadable=bool(s.exl3_problems), weight_only_twins=calibrated,
                  tokens=(8, 128))
     c = campaign(d)
-    twins = [str(Path(c.weight_only_tensors(f.node, f.block)).relative_to(d)) for f in c.weight_only_jobs]
+    twins = [str(Path(c.compare.weight_only_tensors(f.node, f.block)).relative_to(d)) for f in c.compare.weight_only_jobs]
     assert bool(twins) == calibrated
     smk(d, *TARGETS, *twins)
     out = d / "campaign"

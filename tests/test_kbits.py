@@ -163,8 +163,8 @@ def _files(out: Path) -> dict:
 
 def _product(att, K) -> "object":
     """A one-node chain whose node has K ``K`` (a node spec as JSON), naming the fragment ``att`` as its plan would."""
-    from fq.provenance.assembly import Plan
-    from fq.provenance.product import Product
+    from fq.provenance.assembly import SignedPlan
+    from fq.provenance.product import VerifiedProduct
 
     p = att.predicate
     chain = [{"node": p["node"], "role": "base", "K": K, "codebook": "mul1", "parent": None,
@@ -172,7 +172,7 @@ def _product(att, K) -> "object":
     entry = {"name": att.name, "sha256": att.sha256, "attestation_sha256": att.attestation_sha256,
              "node": p["node"], "layer": p["layer"], "block": p["block"], "size": p["shard"]["size"],
              "header_sha256": p["shard"]["header_sha256"], "parent": None, "experts": p["experts"]}
-    return Product(Plan("plan", "0" * 64, {"chain": chain, "fragments": [entry]}), Path("."), None), entry
+    return VerifiedProduct(SignedPlan("plan", "0" * 64, {"chain": chain, "fragments": [entry]}), Path("."), None), entry
 
 
 def test_an_encode_with_K_per_projection_commits_what_verify_accepts(synth, tmp_path):

@@ -137,12 +137,12 @@ def test_a_plans_stage_linears_must_chain_onto_the_linears_they_correct(entry, l
 
 
 def test_consumers_of_expert_stages_only_refuse_a_product_with_stage_linears():
-    from fq.provenance.assembly import Plan
-    from fq.provenance.product import Product
+    from fq.provenance.assembly import SignedPlan
+    from fq.provenance.product import VerifiedProduct
 
-    p = Product(Plan("x/assemblies/a.r1.assembly.intoto.jsonl", "0" * 64, {"product": "a.r1",
+    p = VerifiedProduct(SignedPlan("x/assemblies/a.r1.assembly.intoto.jsonl", "0" * 64, {"product": "a.r1",
                                                                            "stage_linears": [_res()]}), None, None)
     with pytest.raises(FqError, match="stage.s. a.r1 also correct non-expert linears.*fq combine's adapter carries "
                                       "routed-expert stages only.*CPU runtime"):
         p.refuse_stage_linears("fq combine's adapter")
-    Product(Plan("p", "0" * 64, {"product": "a"}), None, None).refuse_stage_linears("anything")
+    VerifiedProduct(SignedPlan("p", "0" * 64, {"product": "a"}), None, None).refuse_stage_linears("anything")

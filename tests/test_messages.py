@@ -3,7 +3,7 @@
 A consumer reading ``fq verify``'s lines must see one line per problem, not the same cause repeated per plan or
 followed by lines for files it explains; each line says what happened (re-encoded, stale, a plan of another
 publication, a swapped base), and names its file by one rule: the PATH given joined with the file's name in the
-tree. Python-API errors name no command-line option that was not given; ``fq calibrate --k`` is about K values.
+tree. Python-API errors name no command-line option that was not given; ``fq cost-table --k`` is about K values.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import provkit
 from fq.cli import main
 from fq.errors import FqError
-from fq.planning.calibrate import parse_ks
+from fq.planning.cost_table import parse_ks
 from fq.provenance.attest.fragment import attest_fragment
 from fq.provenance.combine import combine
 from fq.provenance.manifest import MANIFEST_NAME
@@ -170,9 +170,9 @@ def test_calibrate_k_is_called_k_not_a_layer_range(tmp_path, capsys):
         parse_ks("abc")
     assert str(e.value) == "--k 'abc': 'abc' is not a K value or range (expected K or A-B, e.g. 1-4,8)"
     assert "layer" not in str(e.value)
-    assert main(["calibrate", "--out", str(tmp_path / "t.json"), "--device", "cpu", "--k", "1-2,x"]) == 2
+    assert main(["cost-table", "--out", str(tmp_path / "t.json"), "--device", "cpu", "--k", "1-2,x"]) == 2
     err = capsys.readouterr().err
-    assert err == "fq calibrate: --k '1-2,x': 'x' is not a K value or range (expected K or A-B, e.g. 1-4,8)\n"
+    assert err == "fq cost-table: --k '1-2,x': 'x' is not a K value or range (expected K or A-B, e.g. 1-4,8)\n"
 
 
 def test_python_api_errors_name_no_option_that_was_not_given(c, tmp_path, capsys):

@@ -119,6 +119,6 @@ def test_the_campaign_encodes_a_native_point_for_a_chain_no_base_is_like(tmp_pat
            "block_size": 4, "windows": "1,2", "windows_on_disk": 1, "encode": {"device": "cpu"},
            "compare_native": True, "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}}
     c = load_campaign(cfg)
-    assert c.native_bases == {"k2.r1": "k3"}
-    assert list(c.native_jobs) == [(3, "mul1"), (5, "mul1")]
-    assert all(e == (0, 1, 2, 3) or e == (4, 5, 6, 7) for e in c.native_jobs[(3, "mul1")].values())
+    assert c.compare.native_bases == {"k2.r1": "k3"}
+    assert list(c.compare.native_jobs) == [(3, "mul1"), (5, "mul1")]
+    assert all(e == (0, 1, 2, 3) or e == (4, 5, 6, 7) for e in c.compare.native_jobs[(3, "mul1")].values())

@@ -266,9 +266,9 @@ def test_whole_model_bases_plan_one_linear_job_per_class_and_layer(glm5):
 
 
 def load_plan_json(plan):
-    from fq.planning.plan import Plan
+    from fq.planning.plan import CampaignPlan
 
-    return Plan.from_json(canonical.loads(canonical.dumps(plan.to_json())))
+    return CampaignPlan.from_json(canonical.loads(canonical.dumps(plan.to_json())))
 
 
 def test_a_class_the_source_lacks_is_refused_by_name():

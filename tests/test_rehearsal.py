@@ -268,7 +268,7 @@ def test_the_twin_goes_through_the_rehearsal_campaign(tmp_path):
     print(f"\nrehearsal twin campaign: {time.monotonic() - t0:.1f} s (Snakemake, through finalize and its verification)")
     out = d / "campaign"
     c = campaign(d)
-    assert c.calibrated_layers == (1, 2)
+    assert c.calib.calibrated_layers == (1, 2)
     assert len(c.fragments) == 4  # 2 MoE layers x one block x 2 nodes
     assert (out / "campaign_summary.json").is_file()  # finalize published
     base = out / "published" / "base" / "k2.w4"

@@ -3,7 +3,7 @@ import pytest
 
 from fq.errors import FqError
 from fq.model.experts import MIXTRAL, STANDARD
-from fq.tp.manifest import (EXL3, Collective, ExpertParallel, Manifest, Pinned, Replicate, SplitInput, SplitOutput,
+from fq.tp.manifest import (EXL3, Collective, ExpertParallel, TpManifest, Pinned, Replicate, SplitInput, SplitOutput,
                             Tied, WeightEntry, check_mesh, split_sizes_that_work)
 from fq.tp.moe import MoeLayer, MoeSpec, moe_manifest, moe_prefix, router_name
 
@@ -109,12 +109,12 @@ def test_mesh_sizes_and_stages_checked():
 ])
 def test_manifest_validation(entries, collectives, message):
     with pytest.raises(FqError) as e:
-        Manifest(tuple(entries), tuple(collectives))
+        TpManifest(tuple(entries), tuple(collectives))
     assert message in str(e.value)
 
 
 def test_pinned_rank_must_exist_on_the_mesh():
-    m = Manifest((dense("a", policy=Pinned(5)),))
+    m = TpManifest((dense("a", policy=Pinned(5)),))
     check_mesh(m, 2, 3, 1)
     with pytest.raises(FqError, match="pinned to rank 5, the mesh has 4 ranks"):
         check_mesh(m, 2, 2, 1)

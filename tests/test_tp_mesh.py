@@ -7,7 +7,7 @@ import torch
 
 from fq.errors import FqError
 from fq.model.experts import STANDARD
-from fq.tp.manifest import Collective, Manifest, Pinned, Replicate, SplitInput, SplitOutput, Tied, WeightEntry
+from fq.tp.manifest import Collective, TpManifest, Pinned, Replicate, SplitInput, SplitOutput, Tied, WeightEntry
 from fq.tp.mesh import DeviceMesh, Slice, check_coverage, describe, plan
 from fq.tp.moe import MoeLayer, MoeSpec, moe_manifest, router_name
 
@@ -93,7 +93,7 @@ def test_schedule_has_one_step_per_declared_operation_never_merged():
     entries = (WeightEntry("attn.o", 0, None, (256, 512), "BF16", "dense", SplitInput("attn.o.reduce")),
                WeightEntry("mlp.down", 0, None, (256, 512), "BF16", "dense", SplitInput("mlp.down.reduce")),
                WeightEntry("mlp.up", 0, None, (512, 256), "BF16", "dense", SplitOutput()))
-    m = Manifest(entries, (Collective("attn.o.reduce", 0), Collective("mlp.down.reduce", 0)))
+    m = TpManifest(entries, (Collective("attn.o.reduce", 0), Collective("mlp.down.reduce", 0)))
     p = plan(m, DeviceMesh(tp=2, ep=2))
     assert [(s.index, s.op, s.contributors) for s in p.schedule] == [
         (0, "attn.o.reduce", ("attn.o",)), (1, "mlp.down.reduce", ("mlp.down",))]
@@ -110,7 +110,7 @@ def test_ties_and_pins():
                WeightEntry("w", 0, None, (256, 256), "F16", "dense", Replicate()),
                WeightEntry("w1", 1, None, (256, 256), "F16", "dense", Replicate()),
                WeightEntry("stats", None, None, (4,), "F32", "dense", Pinned(3)))
-    m = Manifest(entries)
+    m = TpManifest(entries)
     one = plan(m, DeviceMesh(tp=2, ep=2))
     heads = [pl for pl in one.placements if pl.entry == "lm_head"]
     assert [(pl.rank, pl.source, pl.alias) for pl in heads] == [(r, "embed", True) for r in range(4)]
@@ -157,5 +157,5 @@ def test_coverage_check_catches_a_broken_plan():
 def test_plan_refuses_a_mesh_it_cannot_cut():
     with pytest.raises(FqError, match=r"512 / 8 = 64 is not a multiple of 128"):
         plan(manifest(), DeviceMesh(tp=8))
-    with pytest.raises(FqError, match="expected a Manifest"):
+    with pytest.raises(FqError, match="expected a TpManifest"):
         plan({"entries": []}, DeviceMesh())

@@ -9,7 +9,7 @@ from fq.codec import reconstruct_chain
 from fq.errors import FqError
 from fq.model.shards import torch_dtype
 from fq.tp import sources
-from fq.tp.manifest import Manifest, Pinned, Replicate, SplitOutput, Tied, WeightEntry
+from fq.tp.manifest import TpManifest, Pinned, Replicate, SplitOutput, Tied, WeightEntry
 from fq.tp.mesh import DeviceMesh, plan
 from fq.tp.slicing import assemble
 from fq.tp.sources import ExportSource, TensorSource
@@ -227,8 +227,9 @@ def test_declared_dtypes_and_shapes_are_enforced(world):
     c, _ = world
     src = tpkit.product_source(c)
     p = tpkit.mesh_plan(src, 2)
-    m = Manifest(tuple(e if e.role != "router" else WeightEntry(e.name, e.layer, None, e.shape, "F16", e.role, e.policy)
-                       for e in p.manifest.entries), p.manifest.collectives)
+    m = TpManifest(tuple(e if e.role != "router" else WeightEntry(e.name, e.layer, None, e.shape, "F16", e.role,
+                                                                  e.policy)
+                         for e in p.manifest.entries), p.manifest.collectives)
     lying = plan(m, p.mesh)
     store = WeightStore(p.mesh)
     with pytest.raises(FqError, match=r"admission: model.layers.1.mlp.gate.weight on rank 0: source has BF16 \[8, 128\], "
@@ -268,7 +269,7 @@ def test_ties_pins_and_aliases_from_tensors_in_memory():
                WeightEntry("stats", None, None, (4,), "F32", "dense", Pinned(1)),
                WeightEntry("norm", 1, None, (128,), "F32", "dense", Replicate()))
     src = TensorSource({"embed": embed, "up": up, "stats": stats, "norm": torch.ones(128)})
-    p = plan(Manifest(entries), DeviceMesh(tp=2))
+    p = plan(TpManifest(entries), DeviceMesh(tp=2))
     store = WeightStore(p.mesh)
     loaded = store.fulfill(p, src, ["cpu", "cpu"])
     assert store.allocations == 2 + 2 + 1 + 2  # embed, up and norm per rank, stats once; lm_head is an alias
@@ -279,7 +280,7 @@ def test_ties_pins_and_aliases_from_tensors_in_memory():
     assert torch.equal(loaded.tensors(1, "stats"), stats)
     with pytest.raises(FqError, match="not placed on rank 0"):
         loaded.tensors(0, "stats")
-    p2 = plan(Manifest(entries), DeviceMesh(tp=2, pp=2))  # head on the last stage: a real copy of embed's bytes
+    p2 = plan(TpManifest(entries), DeviceMesh(tp=2, pp=2))  # head on the last stage: a real copy of embed's bytes
     loaded2 = WeightStore(p2.mesh).fulfill(p2, src, ["cpu"] * 4)
     assert torch.equal(loaded2.tensors(3, "lm_head"), embed) and loaded2.handle(3, "lm_head").alias_of is None
     with pytest.raises(FqError, match="no tensor for entry 'up'"):

@@ -20,7 +20,7 @@ from fq.core.canonical import loads, sha256_hex
 from fq.errors import FqError
 from fq.provenance.attest import dsse
 from fq.tp import records
-from fq.tp.manifest import Manifest, Replicate, SplitInput, SplitOutput, WeightEntry
+from fq.tp.manifest import TpManifest, Replicate, SplitInput, SplitOutput, WeightEntry
 from fq.tp.mesh import DeviceMesh, plan
 from fq.tp.moe import moe_manifest
 from fq.tp.slicing import assemble
@@ -275,8 +275,9 @@ def test_a_plan_declaring_another_linear_geometry_is_refused_before_allocation(w
     src = tpkit.product_source(c)
     p = tpkit.whole_plan(src, 2)
     name = "lm_head.weight"
-    m = Manifest(tuple(e if e.name != name else WeightEntry(name, None, None, (512, 128), e.dtype, e.role, e.policy)
-                       for e in p.manifest.entries), p.manifest.collectives, p.manifest.tp)
+    m = TpManifest(tuple(e if e.name != name else WeightEntry(name, None, None, (512, 128), e.dtype, e.role,
+                                                              e.policy)
+                         for e in p.manifest.entries), p.manifest.collectives, p.manifest.tp)
     store = WeightStore(p.mesh)
     with pytest.raises(FqError, match=r"admission: lm_head.weight on rank 0 part 0: EXL3 tensors are \(out, in\) = "
                                       r"\(384, 128\), the plan needs \(512, 128\)"):

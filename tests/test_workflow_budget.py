@@ -51,7 +51,7 @@ def phases(tmp_path_factory):
     from fq.workflow.allocation import allocate_job
 
     again = d / "allocation-again.json"
-    allocate_job(str(out / "allocation" / "sensitivity.json"), campaign(d).allocation_budgets, str(again))
+    allocate_job(str(out / "allocation" / "sensitivity.json"), campaign(d).alloc.budgets, str(again))
     rerun = {"sensitivity.json": (out / "allocation" / "sensitivity.json").read_bytes(),
              "allocation.json": again.read_bytes()}
     fragments_after_rerun = sorted((out / "fragments").rglob("*")) if (out / "fragments").exists() else []

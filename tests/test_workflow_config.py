@@ -26,7 +26,7 @@ def test_demo_campaign_plan_and_native_jobs():
     assert c.source.moe_layers == (1, 2) or list(c.source.moe_layers) == [1, 2]
     # the budgeted base b3 has no allocation in this campaign yet: the allocation is its only target, and the plan
     # (parsed for the DAG's measurement phase) resolves b3 provisionally, every unit at K3
-    assert c.allocation_pending and c.measures_allocation and c.allocation_budgets == [3.0]
+    assert c.allocation_pending and c.alloc.measures and c.alloc.budgets == [3.0]
     assert c.recipe.node("b3").K == 3 and dict(c.recipe.node("b3").skeleton) == {
         "attention": 3, "shared": 3, "dense": 3, "head": 3}
     # k2, k3, k2.w4, k3.w4, b3, k2.r1 over 2 layers x 2 blocks; k2.r1.h2 on hot experts; b3.up provisionally on
@@ -36,13 +36,13 @@ def test_demo_campaign_plan_and_native_jobs():
     # the whole-model bases publish the experts of the experts-only bases of their K (Node.experts_from): copied
     # by share jobs, never encoded again (b3 at its provisional K3 too: k3's experts)
     assert {f.node for f in c.shared_fragments} == {"k2.w4", "k3.w4", "b3"} and len(c.shared_fragments) == 3 * 4
-    assert len(c.encoded_fragments) == 3 * 4 + 2 + 2 and c.share_spec("k2.w4", 1, 0)["owner"] == "k2"
+    assert len(c.encoded_fragments) == 3 * 4 + 2 + 2 and c.share_spec("k2.w4", 1, 0).owner == "k2"
     assert c.shard_consumers_window(0) == [p for p in c.shard_consumers_window(0) if "/k2.w4/" not in p]
     # attention, shared, dense, head: K4 shared by k2.w4 and k3.w4, K3 b3's
-    assert len(c.linear_jobs) == 2 * (3 + 2 + 1 + 1)
+    assert len(c.linears.jobs) == 2 * (3 + 2 + 1 + 1)
     # k2.r1 (3 bits) is compared with the k3 base (experts-only, as k2.r1: not k3.w4, whose linears are K4); k2.r1.h2
     # (5 bits) needs a native K5 encode of its experts
-    assert c.native_bases == {"k2.r1": "k3"} and list(c.native_jobs) == [(5, "mul1")]
+    assert c.compare.native_bases == {"k2.r1": "k3"} and list(c.compare.native_jobs) == [(5, "mul1")]
     assert c.skeleton_shards == ("model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
                                  "model-00004-of-00004.safetensors")
     assert c.plan.straddling == {"model-00003-of-00004.safetensors": (0, 1)}
@@ -72,17 +72,17 @@ def test_layer_rules_cover_every_node_and_layer_once_with_its_blocks():
 def test_eval_config():
     """eval: an eval job (fq eval after finalize) only where the source is on disk; the demo brings its own text."""
     c = load_campaign(_cfg())
-    assert c.eval_config is None and c.eval_files() == []
+    assert c.evals.settings is None and c.evals.files() == []
     c = load_campaign(_cfg(eval={"text": None, "tokens": 1024, "seq_len": 128}))
-    assert c.eval_config == {"text": None, "tokens": 1024, "seq_len": 128}
-    assert c.eval_text == "o/demo-text/heldout.txt" and c.eval_files() == ["o/eval/eval.json", "o/eval/eval.tsv"]
+    assert c.evals.settings == {"text": None, "tokens": 1024, "seq_len": 128}
+    assert c.evals.text == "o/demo-text/heldout.txt" and c.evals.files() == ["o/eval/eval.json", "o/eval/eval.tsv"]
     cfg = _cfg(eval={"tokens": "512"})
     normalize_config(cfg)
     assert cfg["eval"]["tokens"] == 512
     c = load_campaign(_cfg(eval={"text": None}))
     c.config["source"] = {"kind": "local", "path": "x"}
     with pytest.raises(FqError, match="eval.text"):
-        c.eval_config
+        c.evals.settings
     c.config["source"] = {"kind": "hub", "repo": "a/b", "revision": "0" * 40}
     with pytest.raises(FqError, match="local disk"):
-        c.eval_config
+        c.evals.settings

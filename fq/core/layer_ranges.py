@@ -34,7 +34,7 @@ def format_layers(layers: Iterable[int]) -> str:
 def parse_ranges(spec: str | Sequence[str], what: str = "windows", *, unit: str = "layer",
                  example: str = "3-12,13-40") -> list[tuple[int, int]]:
     """``"3-12,13-40"`` (commas and/or spaces) or ``["3-12", "13-40"]`` -> ``[(3, 12), (13, 40)]``. ``unit`` and
-    ``example`` word the refusals (``fq calibrate --k`` ranges K values, not layers)."""
+    ``example`` word the refusals (``fq cost-table --k`` ranges K values, not layers)."""
     if isinstance(spec, str):
         tokens = [t for t in re.split(r"[,\s]+", spec.strip()) if t]
     elif isinstance(spec, (list, tuple)):

@@ -14,8 +14,8 @@ else the 16-bit ``.weight``):
 Next-token-prediction layers (past ``num_hidden_layers``) keep every tensor as published. A linear's companions --
 its FP8 block scales (``weight_scale_inv``, ``weight_scale``) -- leave the skeleton with it; a ``.bias`` stays.
 
-    Linear(name, cls, layer)            name: the tensor prefix (``model.layers.3.self_attn.q_proj``)
-    source_linears(source) -> {cls: {layer: (Linear, ...)}}     layer None: the head
+    ModelLinear(name, cls, layer)       name: the tensor prefix (``model.layers.3.self_attn.q_proj``)
+    source_linears(source) -> {cls: {layer: (ModelLinear, ...)}}     layer None: the head
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ COMPANIONS = ("weight", SCALE_SUFFIX, "weight_scale")
 
 
 @dataclass(frozen=True, order=True)
-class Linear:
+class ModelLinear:
     name: str  # tensor prefix: ``{name}.weight`` in the source, ``{name}.trellis`` ... in a base
     cls: str
     layer: int | None  # None: the head
@@ -42,10 +42,10 @@ class Linear:
         return f"{self.name}.weight"
 
 
-def classify(name: str, layers_prefix: str, moe_layers, n_layers: int) -> Linear | None:
+def classify(name: str, layers_prefix: str, moe_layers, n_layers: int) -> ModelLinear | None:
     """The Linear a ``.weight`` tensor name is, or None (not a quantizable non-expert linear)."""
     if name == f"{HEAD}.weight":
-        return Linear(HEAD, "head", None)
+        return ModelLinear(HEAD, "head", None)
     m = re.fullmatch(re.escape(layers_prefix) + r"(\d+)\.(.+)\.weight", name)
     if not m:
         return None
@@ -55,15 +55,15 @@ def classify(name: str, layers_prefix: str, moe_layers, n_layers: int) -> Linear
     prefix = name[: -len(".weight")]
     parts = rest.split(".")
     if len(parts) == 2 and parts[0] == "self_attn" and parts[1] in ATTENTION:
-        return Linear(prefix, "attention", layer)
+        return ModelLinear(prefix, "attention", layer)
     if len(parts) == 3 and parts[0] == "mlp" and parts[1] in ("shared_expert", "shared_experts") and parts[2] in MLP:
-        return Linear(prefix, "shared", layer) if layer in moe_layers else None
+        return ModelLinear(prefix, "shared", layer) if layer in moe_layers else None
     if len(parts) == 2 and parts[0] == "mlp" and parts[1] in MLP and layer not in moe_layers:
-        return Linear(prefix, "dense", layer)
+        return ModelLinear(prefix, "dense", layer)
     return None
 
 
-def source_linears(source) -> dict[str, dict[int | None, tuple[Linear, ...]]]:
+def source_linears(source) -> dict[str, dict[int | None, tuple[ModelLinear, ...]]]:
     """{class: {layer: linears sorted by name}} of a SourceModel's non-expert linears (head: layer None)."""
     tied = source.tied_embeddings
     layers_prefix = source.family_entry.layout.layers

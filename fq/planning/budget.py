@@ -18,7 +18,7 @@ from fq.allocation import document
 from fq.allocation.error_model import distortion
 from fq.core import kbits
 from fq.errors import FqError
-from fq.planning.recipe import LINEAR_CLASSES, Recipe, Selection, expert_owners
+from fq.planning.recipe import LINEAR_CLASSES, Recipe, SelectionRule, expert_owners
 
 def _unit(cls: str, layer: int | None) -> str:
     return "head" if cls == "head" else f"L{layer}.{cls}"
@@ -86,7 +86,7 @@ def stage_choice(stage, parent_K, allocation: dict, where: str) -> list[tuple[in
     return chosen
 
 
-def _stage_selection(stage, parent_K, allocation: dict | None, source, where: str) -> Selection:
+def _stage_selection(stage, parent_K, allocation: dict | None, source, where: str) -> SelectionRule:
     """A budgeted stage's experts as an explicit per-layer selection (``stage_choice``); without an allocation,
     provisionally the first experts of every layer, as many as the budget would buy over the experts' weights."""
     if allocation is not None:
@@ -100,7 +100,7 @@ def _stage_selection(stage, parent_K, allocation: dict | None, source, where: st
     else:
         n = max(1, min(source.n_experts, round(source.n_experts * stage.bits / stage.K)))
         layers = {layer: list(range(n)) for layer in source.moe_layers}
-    return Selection("layers", layers=tuple((l, tuple(sorted(e))) for l, e in sorted(layers.items())))
+    return SelectionRule("layers", layers=tuple((l, tuple(sorted(e))) for l, e in sorted(layers.items())))
 
 
 def fewest_bits(source, K: int = 1) -> float:

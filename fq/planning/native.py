@@ -50,7 +50,7 @@ def native_bases(likes: Mapping[str, tuple[int, Like]]) -> dict[str, str]:
 
 def recipe_likes(recipe, selections: Mapping) -> dict[str, tuple[int, Like]]:
     """Every product of ``recipe`` (``fq.planning.recipe.Recipe``); ``selections``: node -> the plan's resolved
-    selection (``Plan.selections``: None where the node covers every expert of every MoE layer)."""
+    selection (``CampaignPlan.selections``: None where the node covers every expert of every MoE layer)."""
     out = {}
     for prod in recipe.products:
         nodes = [recipe.node(n) for n in prod.chain]

@@ -1,7 +1,7 @@
 """Campaign planning: blocks, windows, staging and retirement, peak disk, and the run identity.
 
 ``make_plan`` is pure: it takes a Recipe, a SourceModel and (for hot stages) ExpertUsage, and
-returns a Plan; no file is read and no GPU touched. ``write_plan``/``load_plan`` move a plan to
+returns a CampaignPlan; no file is read and no GPU touched. ``write_plan``/``load_plan`` move a plan to
 and from disk (canonical JSON, atomic write, digest checked on load).
 
 Disk model (W = windows_on_disk): window w's shards are fetched once window w-W has retired, so
@@ -76,7 +76,7 @@ class Window:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class CampaignPlan:
     identity: Mapping  # recipe sha256, source revision, block size, window partition, usage digest
     identity_sha256: str
     recipe: Mapping  # name, sha256, passes, encoded/nominal bpw, products
@@ -160,7 +160,7 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, doc: dict, source: str = "<plan>") -> "Plan":
+    def from_json(cls, doc: dict, source: str = "<plan>") -> "CampaignPlan":
         try:
             if doc.get("format") != PLAN_FORMAT:
                 raise FqError(f"{source}: format: expected {PLAN_FORMAT!r}, got {doc.get('format')!r}")
@@ -200,7 +200,7 @@ def encoded_expert_bytes(source: SourceModel, K) -> int:
 def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: int = DEFAULT_BLOCK_SIZE,
               windows: str | Sequence | None = None, disk_budget: int | None = None,
               windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK, allow_unloadable: bool = False,
-              allocation_sha256: str | None = None) -> Plan:
+              allocation_sha256: str | None = None) -> CampaignPlan:
     """The whole campaign as data. ``windows``: operator layer ranges ("3-12,13-40"), validated
     strictly; or ``disk_budget`` (bytes): the fewest balanced windows whose peak local bytes fit;
     neither: one window. A source family no EXL3 runtime loads is refused unless ``allow_unloadable``.
@@ -238,7 +238,7 @@ def make_plan(recipe: Recipe, source: SourceModel, *, usage=None, block_size: in
         identity["allocation_sha256"] = allocation_sha256
     everything = tuple(range(source.n_experts))
     source_summary = {k: v for k, v in source.summary().items() if k != "origin"}
-    return Plan(
+    return CampaignPlan(
         identity=identity,
         identity_sha256=canonical.sha256_hex(canonical.dumps(identity)),
         recipe={**recipe.summary(), "product_names": [p.name for p in recipe.products]},
@@ -421,7 +421,7 @@ def _positive_int(value, what: str) -> int:
 # -- files and tables -----------------------------------------------------------------------------
 
 
-def write_plan(path: str | Path, plan: Plan) -> str:
+def write_plan(path: str | Path, plan: CampaignPlan) -> str:
     """Write the plan as canonical JSON (atomically) with its own digest; returns the digest."""
     doc = plan.to_json()
     digest = canonical.sha256_hex(canonical.dumps(doc))
@@ -429,7 +429,7 @@ def write_plan(path: str | Path, plan: Plan) -> str:
     return digest
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(path: str | Path) -> CampaignPlan:
     """Read a plan file, refusing one whose digest does not match its content."""
     path = Path(path)
     doc = canonical.load(path)
@@ -439,13 +439,13 @@ def load_plan(path: str | Path) -> Plan:
     actual = canonical.sha256_hex(canonical.dumps(doc))
     if claimed != actual:
         raise FqError(f"{path}: plan_sha256 {claimed} does not match the content ({actual}): the plan was edited")
-    plan = Plan.from_json(doc, str(path))
+    plan = CampaignPlan.from_json(doc, str(path))
     if canonical.sha256_hex(canonical.dumps(dict(plan.identity))) != plan.identity_sha256:
         raise FqError(f"{path}: identity_sha256 does not match the identity it names")
     return plan
 
 
-def plan_table(plan: Plan) -> str:
+def plan_table(plan: CampaignPlan) -> str:
     r, s, b = plan.recipe, plan.source, plan.bytes
     frags = plan.fragments()
     lines = [

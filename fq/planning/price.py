@@ -57,7 +57,7 @@ class CostTable:
         """Seconds of one pass over an (out, in) matrix, and whether it was scaled from other shapes.
 
         A shape the table lacks is priced per tile (out*in/256) from the table's shapes at the same
-        codebook and K: fixed costs then scale with size, so calibrate on the model's own shapes. A half-integer K
+        codebook and K: fixed costs then scale with size, so measure on the model's own shapes. A half-integer K
         (1.5, 2.5, 3.5) is priced as the integer K above it and marked scaled: a floor, since fq's search at those
         rates runs on the CPU kernel even on a GPU (fq.codec.viterbi: no CUDA frac kernel yet).
         """
@@ -70,7 +70,7 @@ class CostTable:
         if not same:
             have = sorted({f"{cb} K{k}" for cb, k, _, _ in self.seconds_by_key})
             raise FqError(f"cost table {self.source} ({self.gpu}) has no entry for codebook {codebook} K{K} "
-                          f"(it has {', '.join(have)}); run fq calibrate for it")
+                          f"(it has {', '.join(have)}); run fq cost-table for it")
         per_tile = sum(s / t for t, s in same) / len(same)
         return per_tile * (shape[0] * shape[1] // 256), True
 
@@ -106,7 +106,7 @@ def parse_cost_table(doc, source: str = "<cost table>", gpu_model: str | None = 
 
 
 def load_cost_table(path: str | Path | None = None, gpu_model: str | None = None) -> CostTable:
-    """A cost table file, or the packaged one (fq measured on an H200 by fq calibrate) when ``path`` is None."""
+    """A cost table file, or the packaged one (fq measured on an H200 by fq cost-table) when ``path`` is None."""
     if path is None:
         return parse_cost_table(canonical.load(default_cost_table_path()), "fq/data/cost_table.json (packaged)", gpu_model)
     return parse_cost_table(canonical.load(path), str(path), gpu_model)
@@ -509,7 +509,7 @@ def price_table(price: Price) -> str:
     lines.append(f"{'total':<14} {'':>2} {'':<8} {'':>8} {total_m:>9} {'':>9} {price.gpu_hours:>8.2f} "
                  f"{fmt_bytes(sum(n.output_bytes for n in price.nodes)):>11}")
     if any(n.scaled for n in price.nodes):
-        lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq calibrate --shape)")
+        lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq cost-table --shape)")
     if any(_has_half(n.K) for n in price.nodes) or any(_has_half(ln.K) for ln in price.linears or ()):
         lines.append("  half-integer K (1.5, 2.5, 3.5) priced at the next integer K's cost: a floor, fq has no CUDA "
                      "kernel for them yet (their search runs on the slower torch path on a GPU)")

@@ -32,7 +32,7 @@ UNQUANTIZED = 16
 
 
 @dataclass(frozen=True)
-class Selection:
+class SelectionRule:
     """The experts a node encodes: ``all``, the ``hot`` N most used per layer, or explicit ``layers``."""
 
     mode: str  # "all" | "hot" | "layers" | "budget" (a budgeted stage's, before resolve_budgets makes it "layers")
@@ -62,8 +62,8 @@ class Selection:
         return f"{n} listed experts in {len(self.layers)} layers"
 
 
-ALL = Selection("all")
-BUDGET = Selection("budget")
+ALL = SelectionRule("all")
+BUDGET = SelectionRule("budget")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Node:
     K: "int | dict | None"
     codebook: str
     parent: str | None  # None for a base
-    experts: Selection  # ALL for a base
+    experts: SelectionRule  # ALL for a base
     description: str = ""
     # a base's quantized non-expert classes, ((class, K), ...) in LINEAR_CLASSES order; classes at 16 bits omitted.
     # A stage's: the classes it adds a K-bit residual to (against its chain's reconstruction of those linears).
@@ -177,7 +177,7 @@ class LinearNode:
 
 
 @dataclass(frozen=True)
-class Product:
+class ProductSpec:
     name: str
     chain: tuple[str, ...]  # base first; each element's parent is the previous one
     description: str = ""
@@ -188,7 +188,7 @@ class Recipe:
     name: str
     description: str
     nodes: tuple[Node, ...]  # topological: parents before children, file order otherwise
-    products: tuple[Product, ...]
+    products: tuple[ProductSpec, ...]
     sha256: str  # of the canonical JSON document: formatting does not change a recipe's identity
     source: str  # where it came from, for messages
 
@@ -318,7 +318,7 @@ class Recipe:
         fully; a budgeted base its mean over layers and projections): an int unless a budgeted base is in it."""
         return _bits_sum(self.node(n.name) for n in self.encoding_nodes)
 
-    def product_bpw(self, product: Product):
+    def product_bpw(self, product: ProductSpec):
         return _bits_sum(self.node(n) for n in product.chain)
 
     @property
@@ -471,13 +471,13 @@ def _describe(doc, path: tuple) -> str:
     return ""
 
 
-def _selection(raw) -> Selection:
+def _selection(raw) -> SelectionRule:
     if raw == "all":
         return ALL
     if "hot" in raw:
-        return Selection("hot", hot=raw["hot"])
+        return SelectionRule("hot", hot=raw["hot"])
     layers = tuple(sorted((int(k), tuple(sorted(v))) for k, v in raw["layers"].items()))
-    return Selection("layers", layers=layers)
+    return SelectionRule("layers", layers=layers)
 
 
 def _topological(nodes: dict[str, Node], file_index: dict[str, int], err: str) -> list[Node]:
@@ -547,8 +547,8 @@ def _check_subset_static(node: Node, parent: Node, err: str) -> None:
                 raise FqError(f"{what}: layer {layer} experts {_ints(extra)} are not in parent {parent.name!r}'s selection")
 
 
-def _products(raw_products, nodes: dict[str, Node], err: str) -> tuple[Product, ...]:
-    out: list[Product] = []
+def _products(raw_products, nodes: dict[str, Node], err: str) -> tuple[ProductSpec, ...]:
+    out: list[ProductSpec] = []
     seen_names: dict[str, int] = {}
     seen_chains: dict[tuple[str, ...], str] = {}
     for i, raw in enumerate(raw_products):
@@ -570,7 +570,7 @@ def _products(raw_products, nodes: dict[str, Node], err: str) -> tuple[Product, 
         if chain in seen_chains:
             raise FqError(f"{where} repeats the chain of product {seen_chains[chain]!r} ({' -> '.join(chain)})")
         seen_chains[chain] = name
-        out.append(Product(name, chain, raw.get("description", "")))
+        out.append(ProductSpec(name, chain, raw.get("description", "")))
     used = {n for p in out for n in p.chain}
     unused = [n for n in nodes if n not in used]
     if unused:

@@ -68,7 +68,7 @@ class Publication:
         return cached
 
     def adopt(self, report) -> None:
-        """Take the digests a successful ``verify_path(self.published)`` checked (``Report.digests``): the files are
+        """Take the digests a successful ``verify_path(self.published)`` checked (``VerifyReport.digests``): the files are
         not hashed a second time, and nothing is hashed before its listed size was compared."""
         if not report.ok:
             raise FqError(f"promote {self.campaign}: adopting digests of a tree that did not verify")

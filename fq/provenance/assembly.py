@@ -16,7 +16,7 @@ to ROOT.
     build_assembly(root, product=, chain=, fragments=, base_dir=, campaign=, recipe_sha256=, version=, expires=,
                    public_key=) -> dict
     write_assembly(root, plan, key) -> Path
-    read_assembly(path, public_key, now=, state=None, min_version=None) -> Plan
+    read_assembly(path, public_key, now=, state=None, min_version=None) -> SignedPlan
     PlanState(path)   # highest version seen per (signer, product) and per signer's publication: refuses
                       # rollback (across campaigns) and same-version swaps
     check_product_name(plan)  # the file name PRODUCT.assembly.intoto.jsonl is the product the signed plan names
@@ -328,7 +328,7 @@ def write_assembly(root: str | os.PathLike, plan: dict, key: Ed25519PrivateKey) 
 
 
 @dataclass(frozen=True)
-class Plan:
+class SignedPlan:
     path: str
     sha256: str  # of the envelope line: what state files, adapters and the publication statement record
     predicate: dict
@@ -377,7 +377,7 @@ class PlanState:
         self._load()
 
     @staticmethod
-    def plan_key(plan: Plan) -> str:
+    def plan_key(plan: SignedPlan) -> str:
         return f"{plan.signer}/product/{plan.predicate['product']}"
 
     @staticmethod
@@ -400,7 +400,7 @@ class PlanState:
             raise FqError(f"{where}: a different {what} with the same version {version} was already seen "
                           f"for {label}; a changed {what} needs a higher version")
 
-    def check(self, plan: Plan) -> None:
+    def check(self, plan: SignedPlan) -> None:
         self._check(self.plan_key(plan), plan.predicate["version"], plan.sha256, plan.statement_sha256, plan.path,
                     "plan", plan.predicate["product"])
 
@@ -415,7 +415,7 @@ class PlanState:
             state[key] = {"version": version, "sha256": sha256, "statement_sha256": statement_sha256}
             atomic.write_text(self.path, pretty(state))
 
-    def record(self, plan: Plan) -> None:
+    def record(self, plan: SignedPlan) -> None:
         self._record(self.plan_key(plan), plan.predicate["version"], plan.sha256, plan.statement_sha256)
 
     def record_publication(self, pub) -> None:
@@ -423,7 +423,7 @@ class PlanState:
 
 
 def read_assembly(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
-                  state: PlanState | None = None, min_version: int | None = None) -> Plan:
+                  state: PlanState | None = None, min_version: int | None = None) -> SignedPlan:
     """Verify a plan: signature first, then statement and schema, signer, chain, expiry, version."""
     directory, name = split_path(path)
     where = str(path)
@@ -443,7 +443,7 @@ def read_assembly(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now:
         raise FqError(f"{where}: plan expired at {plan['expires']} (now {now.strftime(TIME_FORMAT)})")
     if min_version is not None and plan["version"] < min_version:
         raise FqError(f"{where}: plan version {plan['version']} is older than the required minimum {min_version}")
-    result = Plan(where, sha256_hex(data), plan, sha256_hex(payload), is_canonical_line(data))
+    result = SignedPlan(where, sha256_hex(data), plan, sha256_hex(payload), is_canonical_line(data))
     if state is not None:
         state.check(result)
     return result
@@ -461,7 +461,7 @@ def is_canonical_line(data: bytes) -> bool:
         return False
 
 
-def check_product_name(plan: Plan) -> None:
+def check_product_name(plan: SignedPlan) -> None:
     """The consumer names the product it wants by the plan's file name, ``PRODUCT.assembly.intoto.jsonl``:
     a plan signed for another product (copied over this one's file) is refused, naming what it is."""
     name = Path(plan.path).name

@@ -58,9 +58,9 @@ from fq.provenance.attest.statement import ADAPTER, statement
 from fq.provenance.fragments import expert_structure, fragment_meta
 from fq.provenance.complete import BaseShard, check_base, check_published_base
 from fq.provenance.manifest import VerifiedBase, read_verified, verify_base
-from fq.provenance.product import Product, open_product
+from fq.provenance.product import VerifiedProduct, open_product
 from fq.provenance.scales import SCALE_SUFFIXES, check_scale
-from fq.provenance.selection import Selection, parse_selection
+from fq.provenance.selection import ExpertSelection, parse_selection
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Combined:
     payload_bytes_read: int = 0
 
 
-def narrow(plan: dict, sel: Selection) -> tuple[list[tuple[dict, list[dict]]], list[tuple[int, int]]]:
+def narrow(plan: dict, sel: ExpertSelection) -> tuple[list[tuple[dict, list[dict]]], list[tuple[int, int]]]:
     """(fragment, chosen expert ranges) for every fragment holding a chosen expert; from the plan alone."""
     base = plan["chain"][0]["node"]
     in_base: dict[int, set[int]] = {}
@@ -117,7 +117,7 @@ class Verified:
     payload_bytes_read: int = 0
 
 
-def verify_fragments(product: Product, public_key: Ed25519PublicKey, work: list[tuple[dict, list[dict]]],
+def verify_fragments(product: VerifiedProduct, public_key: Ed25519PublicKey, work: list[tuple[dict, list[dict]]],
                      chosen: list[tuple[int, int]], *, base_dir: str | os.PathLike | None = None,
                      base_option: str | None = None) -> Verified:
     """Steps 3-5 of the module docstring for the fragments ``work`` names (``narrow``), in the plan's order: what
@@ -208,7 +208,7 @@ def check_stage_linear(raws: dict[str, RawTensor], node: dict, layer: int, proje
         check_scale(raws[s].data, f"{where} {s}")
 
 
-def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) -> Verified:
+def verify_adapter(path: str | os.PathLike, product: VerifiedProduct, geometry: dict) -> Verified:
     """An adapter ``fq combine`` wrote, checked against the signed plan it was built from (``product``, opened by
     ``open_product``) before any of it is used: the adapter is a copy its holder made, so what vouches for its
     bytes is the plan. Its header metadata must name that plan (product, version, sha256, layout; stages equal to
@@ -300,7 +300,7 @@ def verify_adapter(path: str | os.PathLike, product: Product, geometry: dict) ->
 
 
 def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *,
-            experts: str | Selection = "all", base_dir: str | os.PathLike | None = None,
+            experts: str | ExpertSelection = "all", base_dir: str | os.PathLike | None = None,
             root: str | os.PathLike | None = None, now: dt.datetime | None = None, state: PlanState | None = None,
             min_version: int | None = None, sign_key: Ed25519PrivateKey | None = None,
             base_option: str | None = None) -> Combined:
@@ -345,7 +345,7 @@ def combine(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str
 
 
 
-def check_complete(product: Product, base: VerifiedBase, base_dir: Path, public_key: Ed25519PublicKey,
+def check_complete(product: VerifiedProduct, base: VerifiedBase, base_dir: Path, public_key: Ed25519PublicKey,
                    base_option: str | None = None) -> None:
     """The verified base as one model (``fq.provenance.complete``: what ``fq verify`` checks of it too)."""
     files = base.manifest.files

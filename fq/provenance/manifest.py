@@ -7,7 +7,7 @@ digest* that plans pin is the sha256 of this line's bytes; ``fq combine --base D
 the base actually on disk.
 
     write_base_manifest(base_dir, node=, campaign=, key=, derived=) -> (path, sha256)
-    read_base_manifest(base_dir, public_key, campaign=None, sha256=None) -> Manifest   # digest pin, then signature
+    read_base_manifest(base_dir, public_key, campaign=None, sha256=None) -> BaseManifest   # digest pin, then signature
     check_base_files(base_dir, manifest, public_key=None) -> list[str]  # re-hash; strays and misses
     verify_base(base_dir, public_key, campaign=None, sha256=None) -> VerifiedBase     # all of it, or raise
 
@@ -49,7 +49,7 @@ DERIVED_FILES = (CONFIG, QUANTIZATION_CONFIG)
 
 
 @dataclass(frozen=True)
-class Manifest:
+class BaseManifest:
     sha256: str
     node: str
     campaign: dict
@@ -136,7 +136,8 @@ def write_base_manifest(base_dir: str | os.PathLike, *, node: str, campaign: dic
 
 
 def read_base_manifest(base_dir: str | os.PathLike, public_key: Ed25519PublicKey,
-                       campaign: dict | None = None, *, sha256: str | None = None, label: str | None = None) -> Manifest:
+                       campaign: dict | None = None, *, sha256: str | None = None,
+                       label: str | None = None) -> BaseManifest:
     """``sha256``: the manifest digest a plan pins, compared before the signature is checked or the line
     parsed (``label`` names the base in that error; default the manifest's path)."""
     where = f"{base_dir}/{MANIFEST_NAME}"
@@ -149,7 +150,7 @@ def read_base_manifest(base_dir: str | os.PathLike, public_key: Ed25519PublicKey
     return _parse_manifest(data, where, public_key, campaign)
 
 
-def _parse_manifest(data: bytes, where: str, public_key: Ed25519PublicKey, campaign: dict | None) -> Manifest:
+def _parse_manifest(data: bytes, where: str, public_key: Ed25519PublicKey, campaign: dict | None) -> BaseManifest:
     subjects, pred = parse_statement(dsse.open_envelope(data, public_key, where), where, MANIFEST)
     if pred["campaign"]["signer"] != fingerprint(public_key):
         raise FqError(f"{where}: campaign identity names another signer than the pinned key")
@@ -161,8 +162,8 @@ def _parse_manifest(data: bytes, where: str, public_key: Ed25519PublicKey, campa
     for n, _ in subjects:
         check_name(n, f"{where}: subject")
     files = {n: (d, sizes[n]) for n, d in subjects}
-    return Manifest(sha256_hex(data), pred["node"], pred["campaign"], files, _check_declared(pred["derived"], files, where),
-                    pred.get("model_signing"))
+    return BaseManifest(sha256_hex(data), pred["node"], pred["campaign"], files,
+                        _check_declared(pred["derived"], files, where), pred.get("model_signing"))
 
 
 def _check_declared(derived: list[dict], files: dict, where: str) -> tuple:
@@ -206,11 +207,11 @@ def _check_declared(derived: list[dict], files: dict, where: str) -> tuple:
 
 @dataclass(frozen=True)
 class VerifiedBase:
-    manifest: Manifest
+    manifest: BaseManifest
     shards: dict  # name -> Attested (with .info: the one pass over the file) of every attested shard
 
 
-def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | None) -> tuple[list[str], dict]:
+def _check_files(base_dir, manifest: BaseManifest, public_key: Ed25519PublicKey | None) -> tuple[list[str], dict]:
     present, problems = _walk(base_dir)
     present = set(present)
     shards = {}
@@ -272,7 +273,7 @@ def _check_files(base_dir, manifest: Manifest, public_key: Ed25519PublicKey | No
     return problems, shards
 
 
-def _signature_problems(base_dir, manifest: Manifest) -> list[str]:
+def _signature_problems(base_dir, manifest: BaseManifest) -> list[str]:
     """``model.sig`` against the manifest: present exactly when the manifest declares a model-signing key, signed by
     that key over exactly the manifest's files and the manifest (fq.provenance.model_sig)."""
     where = f"{base_dir}/{SIGNATURE}"
@@ -285,7 +286,7 @@ def _signature_problems(base_dir, manifest: Manifest) -> list[str]:
     return check_signature(base_dir, manifest.digests(), manifest.model_signing["public_key"], where)
 
 
-def check_base_files(base_dir: str | os.PathLike, manifest: Manifest,
+def check_base_files(base_dir: str | os.PathLike, manifest: BaseManifest,
                      public_key: Ed25519PublicKey | None = None) -> list[str]:
     """One line per problem: a listed file missing or different, or a file the manifest does not list.
     With ``public_key``, attested shards are also verified against their attestations (same pass)."""

@@ -13,15 +13,15 @@
    its version passes the state too. Absent, the plan stands on its own signature: a consumer of one plan
    reads nothing the plan does not vouch for, and withheld *other* products are ``fq verify``'s concern.
 
-Then, per fragment a consumer uses, ``Product.check_fragment`` (its attestation against the plan entry and
+Then, per fragment a consumer uses, ``VerifiedProduct.check_fragment`` (its attestation against the plan entry and
 the chain node: digests, node, layer, block, parent, experts, size, header digest, node digest, role, K,
 codebook; and one objective per layer: every fragment of a layer names the same Hessian, or none) and
-``Product.check_header`` (the shard's header against the attestation, its size against the plan). What each
+``VerifiedProduct.check_header`` (the shard's header against the attestation, its size against the plan). What each
 attestation's ``quant_args`` says agrees with the rest of it already (``attest.fragment.check_quant_args``, run
 on every attestation read).
 
     open_product(plan_path, public_key, *, root=None, now=None, state=None, min_version=None,
-                 publication=BESIDE) -> Product
+                 publication=BESIDE) -> VerifiedProduct
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fq.core import kbits
 from fq.errors import FqError
-from fq.provenance.assembly import Plan, PlanState, campaign_root, check_product_name, read_assembly
+from fq.provenance.assembly import SignedPlan, PlanState, campaign_root, check_product_name, read_assembly
 from fq.provenance.attest.fragment import Attested, check_header, check_node_digest
 from fq.provenance.publication import NAME as PUBLICATION_NAME, Statement, read_publication
 
@@ -42,8 +42,8 @@ BESIDE = "beside"  # read ROOT/publication.intoto.jsonl when it is there
 
 
 @dataclass
-class Product:
-    plan: Plan
+class VerifiedProduct:
+    plan: SignedPlan
     root: Path
     publication: Statement | None
     objectives: dict = field(default_factory=dict)  # layer -> (objective, first fragment checked): one per layer
@@ -179,7 +179,7 @@ def objective(pred: dict) -> str:
 
 def open_product(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, root: str | os.PathLike | None = None,
                  now: dt.datetime | None = None, state: PlanState | None = None, min_version: int | None = None,
-                 publication: str | Statement | None = BESIDE) -> Product:
+                 publication: str | Statement | None = BESIDE) -> VerifiedProduct:
     """``publication``: ``BESIDE`` (the statement at ROOT when present), a verified ``Statement`` (``fq verify``
     of a tree, which reads it once), or None (not consulted)."""
     plan = read_assembly(plan_path, public_key, now=now, min_version=min_version)
@@ -198,4 +198,4 @@ def open_product(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, *, 
         stmt = publication
     if stmt is not None:
         stmt.require_plan(plan)
-    return Product(plan, root, stmt)
+    return VerifiedProduct(plan, root, stmt)

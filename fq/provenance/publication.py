@@ -43,7 +43,7 @@ from fq.core import atomic, kbits
 from fq.core.canonical import sha256_hex
 from fq.core.safepath import check_name, open_regular, read_regular, sha256_stream
 from fq.errors import FqError
-from fq.provenance.assembly import SUFFIX, Plan, payload_bytes
+from fq.provenance.assembly import SUFFIX, SignedPlan, payload_bytes
 from fq.provenance.attest import dsse
 from fq.provenance.attest.campaign import require_same
 from fq.provenance.attest.keys import fingerprint
@@ -72,7 +72,7 @@ class Statement:
     def signer(self) -> str:
         return self.predicate["campaign"]["signer"]
 
-    def require_plan(self, plan: Plan) -> None:
+    def require_plan(self, plan: SignedPlan) -> None:
         """The plan a consumer opened must be the one this statement lists for its product (and of its campaign:
         a plan of another campaign is named as such, not the statement)."""
         product = plan.predicate["product"]
@@ -107,7 +107,7 @@ def other_campaign(ident: dict, expected: dict) -> str | None:
     return None
 
 
-def product_entry(plan: Plan, file: str) -> dict:
+def product_entry(plan: SignedPlan, file: str) -> dict:
     """What a publication states about one product, derived from its verified plan."""
     p = plan.predicate
     return {"file": file, "sha256": plan.sha256, "version": p["version"], "chain": [n["node"] for n in p["chain"]],
@@ -115,7 +115,7 @@ def product_entry(plan: Plan, file: str) -> dict:
             "recipe_sha256": p["recipe_sha256"]}
 
 
-def entry_problems(stmt: Statement, entry: dict, plan: Plan, file: str) -> list[str]:
+def entry_problems(stmt: Statement, entry: dict, plan: SignedPlan, file: str) -> list[str]:
     """How a product entry differs from the verified plan it names (one line per field)."""
     product = plan.predicate["product"]
     want = product_entry(plan, file)
@@ -154,7 +154,7 @@ def _files(root: Path) -> list[str]:
 
 
 def build_publication(root: str | os.PathLike, *, version: int, campaign: dict, recipe: dict,
-                      plan_identity_sha256: str, plans: list[Plan], public_key: Ed25519PublicKey
+                      plan_identity_sha256: str, plans: list[SignedPlan], public_key: Ed25519PublicKey
                       ) -> tuple[list[tuple[str, str]], dict]:
     """(subjects, predicate) of the publication under ``root``: ``plans`` are its verified plans (their
     files under ``root/assemblies/``); each base manifest they pin is read (signature first). A file's
@@ -253,8 +253,8 @@ def read_publication(root: str | os.PathLike, public_key: Ed25519PublicKey, camp
     return Statement(where, sha256_hex(data), sha256_hex(payload), pred, files)
 
 
-def plan_problems(stmt: Statement, plans: dict[str, Plan]) -> list[str]:
-    """Every verified plan (tree-relative file -> Plan) against its product entry; a plan file the statement
+def plan_problems(stmt: Statement, plans: dict[str, SignedPlan]) -> list[str]:
+    """Every verified plan (tree-relative file -> SignedPlan) against its product entry; a plan file the statement
     does not list at all is left to ``file_problems`` (reported there once)."""
     out = []
     for file, plan in sorted(plans.items()):

@@ -19,7 +19,7 @@ _LIST = re.compile(rf"{_NUM}(?:-{_NUM})?(?:,{_NUM}(?:-{_NUM})?)*")
 
 
 @dataclass(frozen=True)
-class Selection:
+class ExpertSelection:
     every_layer: frozenset[int] | None  # experts chosen in every layer; None with per_layer
     per_layer: dict[int, frozenset[int]] | None
     all: bool = False
@@ -70,12 +70,12 @@ def _parse_list(text: str, where: str) -> frozenset[int]:
     return frozenset(out)
 
 
-def parse_selection(text: str) -> Selection:
+def parse_selection(text: str) -> ExpertSelection:
     where = "--experts"
     if text == "all":
-        return Selection(None, None, all=True)
+        return ExpertSelection(None, None, all=True)
     if ":" not in text:
-        return Selection(_parse_list(text, where), None)
+        return ExpertSelection(_parse_list(text, where), None)
     per_layer: dict[int, frozenset[int]] = {}
     for group in text.split(";"):
         layer, sep, experts = group.partition(":")
@@ -84,4 +84,4 @@ def parse_selection(text: str) -> Selection:
         if _number(layer, where) in per_layer:
             raise FqError(f"{where}: layer {layer} named twice")
         per_layer[int(layer)] = _parse_list(experts, f"{where} layer {layer}")
-    return Selection(None, per_layer)
+    return ExpertSelection(None, per_layer)

@@ -13,7 +13,7 @@ base's manifest digest, and the products must be exactly the plans in ``assembli
 from __future__ import annotations
 
 from fq.core import canonical
-from fq.provenance.assembly import SUFFIX, Plan, payload_bytes
+from fq.provenance.assembly import SUFFIX, SignedPlan, payload_bytes
 
 SUMMARY_NAME = "campaign_summary.json"
 FORMAT = "fq-campaign-summary/1"
@@ -86,7 +86,7 @@ def _plan_name(product: str) -> str:
     return f"assemblies/{product}{SUFFIX}"
 
 
-def check_summary(data: bytes, where: str, plans: dict[str, Plan], campaign: dict | None,
+def check_summary(data: bytes, where: str, plans: dict[str, SignedPlan], campaign: dict | None,
                   unverified: set[str] = frozenset()) -> list[str]:
     """Problems of a summary against ``plans`` (tree-relative plan name -> verified Plan) and the tree's
     campaign identity; one line each. ``unverified``: plan files present but refused (already reported

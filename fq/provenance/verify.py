@@ -8,7 +8,7 @@ Every file in a verified tree must be accounted for:
 - ``fq-manifest.intoto.jsonl``: a base manifest; every file under its directory is listed and re-hashed;
 - ``assemblies/*.assembly.intoto.jsonl``: a plan, opened as every consumer opens it
   (``fq.provenance.product.open_product``: signature, chain, expiry, file name, version state), and each fragment it
-  names must be present under the campaign root and pass ``Product.check_fragment`` (the checks fq combine
+  names must be present under the campaign root and pass ``VerifiedProduct.check_fragment`` (the checks fq combine
   makes); a fragment that is missing is one problem naming the plans that need it;
 - ``publication.intoto.jsonl`` (``fq.provenance.publication``): required at the root of a published tree (one holding
   ``base/``, ``stages/`` or ``assemblies/``) and beside every ``assemblies/``; the tree is checked against it
@@ -37,7 +37,7 @@ tree (``PATH/stages/r1/r1-layer001-block000.safetensors: ...``), whichever check
 to inside it are named as the tree and its signed documents name them (relative to the tree root). Lines about a
 node or a layer start with ``node N:`` / ``layer L:``.
 
-    verify_path(path, public_key, now=None, state=None, summary=None) -> Report
+    verify_path(path, public_key, now=None, state=None, summary=None) -> VerifyReport
 """
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ from fq.provenance.attest.fragment import Attested, verify_shard
 from fq.provenance.attest.keys import fingerprint
 from fq.provenance.fragments import attestation_name
 from fq.provenance.complete import BaseShard, base_problems, check_published_base
-from fq.provenance.manifest import MANIFEST_NAME, Manifest, check_base_files, read_base_manifest, read_verified
+from fq.provenance.manifest import MANIFEST_NAME, BaseManifest, check_base_files, read_base_manifest, read_verified
 from fq.provenance.model_sig import MAX_BYTES as SIGNATURE_MAX_BYTES, SIGNATURE
-from fq.provenance.product import Product, objective, open_product
+from fq.provenance.product import VerifiedProduct, objective, open_product
 from fq.provenance.publication import (NAME as PUBLICATION_NAME, Statement, file_problems, other_campaign,
                                        plan_problems, read_publication, replaced_bases)
 from fq.provenance.summary import SUMMARY_NAME, check_summary, check_summary_publication
@@ -70,13 +70,13 @@ PUBLICATION_DIRS = ("base", "stages", "assemblies")  # a directory holding one o
 
 
 @dataclass
-class Report:
+class VerifyReport:
     problems: list[str] = field(default_factory=list)
     shards: int = 0
     manifests: int = 0
     assemblies: int = 0
     publications: list = field(default_factory=list)  # verified publication statements
-    plans: list = field(default_factory=list)  # verified plans (fq.provenance.assembly.Plan)
+    plans: list = field(default_factory=list)  # verified plans (fq.provenance.assembly.SignedPlan)
     digests: dict = field(default_factory=dict)  # tree mode: name -> sha256 a verified signed document states for it
     campaigns: dict = field(default_factory=dict)  # campaign digest -> (first document naming it, identity)
     wrong_key: list = field(default_factory=list)  # SignatureErrors: documents with no signature by the pinned key
@@ -158,9 +158,9 @@ def _kind(path: Path) -> str:
     return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else describe_mode(mode)
 
 
-def _check_plan(report: Report, product: Product, path: Path, root: Path, public_key, verified: dict[str, Attested],
-                skip=lambda name: False, missing: dict[str, list[str]] | None = None,
-                manifests: dict[str, Manifest | None] | None = None):
+def _check_plan(report: VerifyReport, product: VerifiedProduct, path: Path, root: Path, public_key,
+                verified: dict[str, Attested], skip=lambda name: False, missing: dict[str, list[str]] | None = None,
+                manifests: dict[str, BaseManifest | None] | None = None):
     """Each fragment an opened plan names, and the base manifest it pins. ``verified``: fragments already checked
     on their own; ``skip(name)``: names whose problem is already reported (a refused fragment, a stale one, one
     under a symlinked directory); ``missing`` (tree mode): file name -> products needing it, filled here (fragments
@@ -215,7 +215,7 @@ def _check_plan(report: Report, product: Product, path: Path, root: Path, public
     return product.plan
 
 
-def _check_complete(report: Report, product: Product, root: Path, public_key, manifest: Manifest,
+def _check_complete(report: VerifyReport, product: VerifiedProduct, root: Path, public_key, manifest: BaseManifest,
                     verified: dict[str, Attested], skip) -> None:
     """The plan's base as one model (``fq.provenance.complete``), once every shard it lists verified on its own
     (a shard refused or missing is its own problem already); a problem another plan of the base found is not
@@ -242,11 +242,11 @@ def _check_complete(report: Report, product: Product, root: Path, public_key, ma
 
 
 def verify_path(path: str | os.PathLike, public_key: Ed25519PublicKey, *, now: dt.datetime | None = None,
-                state: PlanState | None = None, summary: str | os.PathLike | None = None) -> Report:
+                state: PlanState | None = None, summary: str | os.PathLike | None = None) -> VerifyReport:
     """``summary``: a campaign summary kept outside the tree (``OUT/campaign_summary.json`` beside
     ``OUT/published``), checked as if it lay at the tree's root."""
     path = Path(path)
-    report = Report()
+    report = VerifyReport()
     if not os.path.lexists(path):
         raise FqError(f"{path}: does not exist")
     if os.path.islink(path) and os.path.isdir(path):
@@ -298,7 +298,7 @@ def _scoped(names, prefix: str) -> dict[str, str]:
     return {n: n[len(prefix) + 1:] for n in names if n.startswith(prefix + "/")}
 
 
-def _verify_tree(report: Report, root: Path, public_key, now, state, summary=None) -> None:
+def _verify_tree(report: VerifyReport, root: Path, public_key, now, state, summary=None) -> None:
     files: list[str] = []
     unusable: set[str] = set()  # symlinks and special files: reported once, not again as missing
     unusable_dirs: set[str] = set()  # symlinked directories: nothing under them is reported again
@@ -327,7 +327,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
     verified: dict[str, Attested] = {}
     failed: set[str] = set(unusable)
     digests: dict[str, str] = {}  # tree-relative name -> sha256 the signed document covering it states
-    manifests: dict[str, Manifest | None] = {}  # tree-relative base manifest -> what it verified as (None: refused)
+    manifests: dict[str, BaseManifest | None] = {}  # tree-relative base manifest -> what it verified as (None: refused)
     orphans: list[str] = []  # attestations without their shard
     derived: set[str] = set()  # tree-relative names a verified base manifest declares derived (recomputed, unattested)
     signatures_said: set[str] = set()  # tree-relative model.sig files check_base_files reported (missing, refused)
@@ -417,7 +417,7 @@ def _verify_tree(report: Report, root: Path, public_key, now, state, summary=Non
 
     # plans: opened first (signature, chain, expiry, state), so that the node digests their chains name are known
     # before any fragment is checked against them
-    opened: dict[str, tuple[Product, str]] = {}  # plan file -> (product, its root relative to the tree's)
+    opened: dict[str, tuple[VerifiedProduct, str]] = {}  # plan file -> (product, its root relative to the tree's)
     chains: dict[str, dict[str, list[str]]] = {}  # node -> node_digest the plans' chains name -> their products
     for rel in plan_files:
         covered.add(rel)
@@ -558,7 +558,7 @@ def _missing_groups(missing: dict[str, list[str]], present: set[str]) -> dict[st
     return groups
 
 
-def _check_node_digests(report: Report, verified: dict[str, Attested], chains: dict[str, dict[str, list[str]]]
+def _check_node_digests(report: VerifyReport, verified: dict[str, Attested], chains: dict[str, dict[str, list[str]]]
                         ) -> set[str]:
     """One node, one definition: every fragment of a node in a tree must attest the node_digest the plans' chains
     name for it (``chains``: node -> digest -> products). When they name one, a fragment attesting another is stale:
@@ -599,7 +599,7 @@ def _check_node_digests(report: Report, verified: dict[str, Attested], chains: d
     return stale
 
 
-def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
+def _check_hessians(report: VerifyReport, verified: dict[str, Attested]) -> None:
     """One layer, one objective: every fragment of a layer in a tree attests the same Hessian (file sha256, token
     digest, capture mode), or none (weight-only); a consumer sees a campaign that mixed two, whatever it signed."""
     by_layer: dict[int, dict[str, list[str]]] = {}
@@ -617,7 +617,7 @@ def _check_hessians(report: Report, verified: dict[str, Attested]) -> None:
                                    f"objectives ({listed}); a campaign binds one Hessian per layer")
 
 
-def _check_linear_nodes(report: Report, verified: dict[str, Attested]) -> None:
+def _check_linear_nodes(report: VerifyReport, verified: dict[str, Attested]) -> None:
     """One linear node, one definition, in the whole tree: the copies of a linear node's fragments in the bases that
     share it attest one node digest, and no digest is attested by two linear nodes; and the linear fragments of one
     layer, in every base, name one Hessian (the campaign's per-layer linear Hessian) or none."""
@@ -652,7 +652,7 @@ def _check_linear_nodes(report: Report, verified: dict[str, Attested]) -> None:
                        f"({listed}); a campaign binds one Hessian per layer")
 
 
-def _check_edges(report: Report, root: Path, verified: dict[str, Attested]) -> None:
+def _check_edges(report: VerifyReport, root: Path, verified: dict[str, Attested]) -> None:
     """A stage's recorded parent digest must be the parent fragment's, wherever that is in the tree; a base fragment
     holding another base's encoding (``experts_from``) must hold that fragment's expert bytes."""
     by_base = {}

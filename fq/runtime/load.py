@@ -35,7 +35,7 @@ when it has one, else its ``config.json``; a ``quantization_config`` is dropped 
     product_state(plan_path, public_key, *, root=None, now=None, state=None, min_version=None) -> ProductState
     adapter_state(base_dir, adapter, plan_path, public_key, *, root=None, now=None, state=None,
                   min_version=None) -> ProductState
-    load_product(...) / load_adapter(...) -> Loaded      # the same, built into a model
+    load_product(...) / load_adapter(...) -> LoadedProduct   # the same, built into a model
     build_model(config, tensors) -> transformers model (float32, eval mode)
     checkpoint_state(directory, sha256=None) -> (config, tensors)   # a source checkpoint (the reference)
 """
@@ -59,7 +59,7 @@ from fq.model.checkpoint_model import build_model, checkpoint_state, load_checkp
 from fq.model import families
 from fq.model.formats import dense_state, fuse_experts
 from fq.provenance.manifest import VerifiedBase, read_verified  # noqa: F401  (fq.runtime.exl3 imports it from here)
-from fq.provenance.product import Product, open_product
+from fq.provenance.product import VerifiedProduct, open_product
 from fq.provenance.selection import parse_selection
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class ProductState:
 
 
 @dataclass
-class Loaded:
+class LoadedProduct:
     model: object
     state: ProductState
 
@@ -177,7 +177,7 @@ def stage_sets(v: Verified, chain: list[dict]) -> dict:
     return {k: sorted(d.items()) for k, d in out.items()}
 
 
-def stage_linear_sets(product: Product, public_key: Ed25519PublicKey) -> dict:
+def stage_linear_sets(product: VerifiedProduct, public_key: Ed25519PublicKey) -> dict:
     """weight name (``{linear}.weight``) -> [(chain index, tensor set)] of the product's stages' residuals on
     non-expert linears (plan ``stage_linears``), in chain order: each fragment verified (attestation against the plan
     entry: bytes, node digest, parent edge) and its bytes read once, their sha256 the plan's."""
@@ -201,7 +201,7 @@ def stage_linear_sets(product: Product, public_key: Ed25519PublicKey) -> dict:
     return out
 
 
-def _state(product: Product, base_dir: Path, base: VerifiedBase, stage_sets: dict,
+def _state(product: VerifiedProduct, base_dir: Path, base: VerifiedBase, stage_sets: dict,
            stage_linears: dict | None = None) -> ProductState:
     from fq.codec import reconstruct_chain
 
@@ -257,7 +257,7 @@ def _all(plan: dict) -> tuple[list, list]:
 class VerifiedChain:
     """A product whose plan, whole base and every stage byte were verified: what a runtime builds from."""
 
-    product: Product
+    product: VerifiedProduct
     base_dir: Path
     base: VerifiedBase
     stage_sets: dict  # (layer, expert, proj) -> [(chain index, tensor set)], chain order
@@ -325,11 +325,11 @@ def adapter_state(base_dir: str | os.PathLike, adapter: str | os.PathLike, plan_
     return result
 
 
-def load_product(plan_path, public_key, **kw) -> Loaded:
+def load_product(plan_path, public_key, **kw) -> LoadedProduct:
     s = product_state(plan_path, public_key, **kw)
-    return Loaded(build_model(s.config, s.tensors), s)
+    return LoadedProduct(build_model(s.config, s.tensors), s)
 
 
-def load_adapter(base_dir, adapter, plan_path, public_key, **kw) -> Loaded:
+def load_adapter(base_dir, adapter, plan_path, public_key, **kw) -> LoadedProduct:
     s = adapter_state(base_dir, adapter, plan_path, public_key, **kw)
-    return Loaded(build_model(s.config, s.tensors), s)
+    return LoadedProduct(build_model(s.config, s.tensors), s)

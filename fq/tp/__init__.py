@@ -2,8 +2,8 @@
 export per-rank shards by whole 128-aligned tiles, and load them transactionally.
 
     fq.tp.manifest  pure declarations (WeightEntry, shard policies, collectives) and their validation
-    fq.tp.moe       the manifest of an MoE product (MoeSpec -> Manifest) and a reference MoE forward
-    fq.tp.mesh      DeviceMesh (tp x ep x pp, epoch) and plan(manifest, mesh) -> Plan: pure, deterministic
+    fq.tp.moe       the manifest of an MoE product (MoeSpec -> TpManifest) and a reference MoE forward
+    fq.tp.mesh      DeviceMesh (tp x ep x pp, epoch) and plan(manifest, mesh) -> MeshPlan: pure, deterministic
     fq.tp.slicing   EXL3 tensor sets cut along output or input by whole Hadamard blocks
     fq.tp.linears   a whole-model base's non-expert linears: the split rule, their manifest entries, their shards
     fq.tp.sources   where a load's bytes come from: a published product, a TP export, in-memory tensors

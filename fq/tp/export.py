@@ -43,7 +43,7 @@ from fq.model.shards import RawTensor, write_shard
 from fq.provenance.fragments import attestation_name
 from fq.tp import records
 from fq.tp.linears import write_linears
-from fq.tp.mesh import DeviceMesh, Plan, plan
+from fq.tp.mesh import DeviceMesh, MeshPlan, plan
 from fq.tp.moe import moe_manifest
 from fq.tp.slicing import SUFFIX_ORDER, slice_exl3
 from fq.tp.sources import INDEX, REPLICATED, ProductSource, needs
@@ -57,10 +57,10 @@ class Exported:
     path: Path
     index_sha256: str
     files: int
-    plan: Plan  # the tp x ep plan (pp=1, epoch 0) the export was cut for
-    assembly: object  # the verified product plan (fq.provenance.assembly.Plan)
+    plan: MeshPlan  # the tp x ep plan (pp=1, epoch 0) the export was cut for
+    assembly: object  # the verified product plan (fq.provenance.assembly.SignedPlan)
     bytes_per_rank: dict  # (ep, tp) -> bytes of its shards
-    product: object = None  # the opened product (fq.provenance.product.Product): what a state file records
+    product: object = None  # the opened product (fq.provenance.product.VerifiedProduct): what a state file records
 
 
 def tp_export(plan_path: str | os.PathLike, public_key: Ed25519PublicKey, out: str | os.PathLike, *, tp: int,
@@ -110,7 +110,7 @@ def _umask() -> int:
     return mask
 
 
-def _write(src: ProductSource, spec, manifest, cut: Plan, tmp: Path, key) -> list[dict]:
+def _write(src: ProductSource, spec, manifest, cut: MeshPlan, tmp: Path, key) -> list[dict]:
     pred = src.predicate
     layout = src.layout
     common = shard_common(src)

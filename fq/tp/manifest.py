@@ -162,7 +162,7 @@ def _is_int(v) -> bool:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class TpManifest:
     """Entries and collectives, validated on construction (an invalid manifest cannot exist). ``tp``: the one tp
     size the manifest was declared for, where its policies depend on it (a whole-model base's linears are split only
     where that tp divides them, ``fq.tp.linears``); None: any tp."""
@@ -199,7 +199,7 @@ class Manifest:
         return sha256_hex(dumps(self.to_json()))
 
 
-def validate(m: Manifest) -> None:
+def validate(m: TpManifest) -> None:
     """Identities, shapes, policies, ties and collectives; every error names the entry and the fix."""
     if m.tp is not None and (not _is_int(m.tp) or m.tp < 1):
         raise FqError(f"manifest: tp must be a positive integer or None, got {m.tp!r}")
@@ -269,7 +269,7 @@ def validate(m: Manifest) -> None:
                           "nothing to reduce is a mistake)")
 
 
-def _check_policy(m: Manifest, e: WeightEntry, w: str) -> None:
+def _check_policy(m: TpManifest, e: WeightEntry, w: str) -> None:
     p = e.policy
     if isinstance(p, ExpertParallel):
         if e.expert is None:
@@ -309,11 +309,11 @@ def split_sizes_that_work(n: int, exl3: bool) -> list[int]:
     return divisors(n // HAD) if exl3 else divisors(n)
 
 
-def effective(m: Manifest, e: WeightEntry) -> Policy:
+def effective(m: TpManifest, e: WeightEntry) -> Policy:
     return m.entry(e.policy.to).policy if isinstance(e.policy, Tied) else e.policy
 
 
-def check_mesh(m: Manifest, tp: int, ep: int, pp: int) -> None:
+def check_mesh(m: TpManifest, tp: int, ep: int, pp: int) -> None:
     """Refuse a mesh the manifest cannot be cut for, saying which sizes would work."""
     for label, v in (("tp", tp), ("ep", ep), ("pp", pp)):
         if not _is_int(v) or v < 1:

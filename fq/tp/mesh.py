@@ -1,4 +1,4 @@
-"""A device mesh and the pure planner: ``plan(manifest, mesh) -> Plan``.
+"""A device mesh and the pure planner: ``plan(manifest, mesh) -> MeshPlan``.
 
 ``DeviceMesh(tp, ep, pp, epoch)``: ranks are numbered ``rank = (pp_i * ep + ep_i) * tp + tp_i`` (tp
 fastest, so a tp group is a run of neighbouring ranks). The ``epoch`` names one admission of the
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from fq.core.canonical import dumps, sha256_hex
 from fq.errors import FqError
-from fq.tp.manifest import (ExpertParallel, Manifest, Pinned, Replicate, SplitInput, SplitOutput, Tied, check_mesh,
+from fq.tp.manifest import (ExpertParallel, TpManifest, Pinned, Replicate, SplitInput, SplitOutput, Tied, check_mesh,
                             effective, reduce_of)
 
 FORMAT = "fq-mesh-plan/1"
@@ -142,9 +142,9 @@ class Step:
 
 
 @dataclass(frozen=True)
-class Plan:
+class MeshPlan:
     mesh: DeviceMesh
-    manifest: Manifest
+    manifest: TpManifest
     stages: tuple[Stage, ...]
     boundaries: tuple[Boundary, ...]
     placements: tuple[Placement, ...]  # by rank, then manifest order
@@ -193,7 +193,7 @@ def tp_slice(n: int, dim: int, t: int, tp: int) -> Slice:
     return Slice(dim, t * step, (t + 1) * step)
 
 
-def _expert_owner(m: Manifest, mesh: DeviceMesh) -> dict[tuple[int, int], int]:
+def _expert_owner(m: TpManifest, mesh: DeviceMesh) -> dict[tuple[int, int], int]:
     """(layer, expert) -> ep coordinate, by each layer's experts in ascending id order."""
     per_layer: dict[int, dict[int, str]] = {}
     for e in m.entries:
@@ -208,10 +208,10 @@ def _expert_owner(m: Manifest, mesh: DeviceMesh) -> dict[tuple[int, int], int]:
     return owner
 
 
-def plan(manifest: Manifest, mesh: DeviceMesh) -> Plan:
+def plan(manifest: TpManifest, mesh: DeviceMesh) -> MeshPlan:
     """Resolve every entry on ``mesh``. Pure and deterministic; refuses a mesh the manifest cannot use."""
-    if not isinstance(manifest, Manifest):
-        raise FqError(f"plan: expected a Manifest, got {type(manifest).__name__}")
+    if not isinstance(manifest, TpManifest):
+        raise FqError(f"plan: expected a TpManifest, got {type(manifest).__name__}")
     check_mesh(manifest, mesh.tp, mesh.ep, mesh.pp)
     layers = manifest.layers
     stages = _stages(layers, mesh)
@@ -283,12 +283,12 @@ def plan(manifest: Manifest, mesh: DeviceMesh) -> Plan:
             groups.setdefault(tuple(co[a] for a in keep), []).append(r)
         schedule.append(Step(i, c.name, c.kind, c.layer, s.stage, c.axes,
                              tuple(tuple(g) for _, g in sorted(groups.items())), tuple(e.name for e in contrib)))
-    result = Plan(mesh, manifest, stages, tuple(boundaries), tuple(placements), tuple(schedule))
+    result = MeshPlan(mesh, manifest, stages, tuple(boundaries), tuple(placements), tuple(schedule))
     check_coverage(result)
     return result
 
 
-def check_coverage(p: Plan) -> None:
+def check_coverage(p: MeshPlan) -> None:
     """Every split entry's slices tile its dimension exactly once in every replica group, and every
     entry is held by at least one rank. The planner's own invariant, also used by tests."""
     by_entry: dict[str, list[Placement]] = {}
@@ -316,7 +316,7 @@ def check_coverage(p: Plan) -> None:
                 raise FqError(f"plan: {e.name} slices in group {key} end at {pos}, not {n}")
 
 
-def describe(p: Plan) -> str:
+def describe(p: MeshPlan) -> str:
     """Placements per rank (grouped by layer, role and slice) and the collective schedule, for people."""
     m = p.manifest
     lines = [f"mesh {p.mesh.describe()}: {p.mesh.size} ranks (rank = (pp*{p.mesh.ep} + ep)*{p.mesh.tp} + tp); "

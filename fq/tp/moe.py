@@ -28,7 +28,7 @@ import torch
 from fq.errors import FqError
 from fq.model.experts import ExpertLayout
 from fq.tp.linears import LinearSpec, linear_manifest
-from fq.tp.manifest import (EXL3, Collective, ExpertParallel, Manifest, Replicate, SplitInput, SplitOutput,
+from fq.tp.manifest import (EXL3, Collective, ExpertParallel, TpManifest, Replicate, SplitInput, SplitOutput,
                             WeightEntry)
 
 ROLES = ("gate", "up", "down")  # the layout's projections, in its order
@@ -105,7 +105,7 @@ class MoeSpec:
             raise FqError(f"{where}: not an MoE spec ({type(e).__name__}: {e})") from None
 
 
-def moe_manifest(spec: MoeSpec, assign: str = "contiguous", tp: int | None = None) -> Manifest:
+def moe_manifest(spec: MoeSpec, assign: str = "contiguous", tp: int | None = None) -> TpManifest:
     """The product's manifest; ``tp`` is needed (and bound into it) only where the spec has linears."""
     entries, collectives = [], []
     layout = spec.layout
@@ -121,12 +121,12 @@ def moe_manifest(spec: MoeSpec, assign: str = "contiguous", tp: int | None = Non
                 entries.append(WeightEntry(weight_name(layout, ml.layer, x, proj), ml.layer, x, tuple(dims), EXL3,
                                            role, ExpertParallel(inner, assign)))
     if not spec.linears:
-        return Manifest(tuple(entries), tuple(collectives))
+        return TpManifest(tuple(entries), tuple(collectives))
     if tp is None:
         raise FqError("a whole-model base's linears are split by what tp divides: declare its manifest for one tp "
                       "(moe_manifest(spec, assign, tp))")
     more, reductions = linear_manifest(spec.linears, spec.heads, tp)
-    return Manifest(tuple(entries + more), tuple(collectives + reductions), tp)
+    return TpManifest(tuple(entries + more), tuple(collectives + reductions), tp)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

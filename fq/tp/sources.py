@@ -39,7 +39,7 @@ from fq.provenance.product import open_product
 from fq.tp import records
 from fq.tp.linears import linear_ranges, linear_specs, read_linear_fragment, read_linear_shard
 from fq.tp.manifest import EXL3, HAD
-from fq.tp.mesh import Plan, Slice
+from fq.tp.mesh import MeshPlan, Slice
 from fq.tp.moe import MoeLayer, MoeSpec, router_name
 from fq.tp.slicing import SUFFIX_ORDER, slice_dense, slice_exl3, sliced_shape
 
@@ -88,7 +88,7 @@ class Needs:
     linears: dict = field(default_factory=dict)  # a non-expert EXL3 weight's name -> rank -> (entry, slice)
 
 
-def needs(plan: Plan, ranks, layout: ExpertLayout) -> Needs:
+def needs(plan: MeshPlan, ranks, layout: ExpertLayout) -> Needs:
     out = Needs({}, {})
     for r in ranks:
         for pl in plan.for_rank(r):
@@ -293,7 +293,7 @@ class ProductSource:
                             for p in self.layout.projections}
                     yield f, index[f["node"]], att, x, sets, digest
 
-    def admit(self, plan: Plan, ranks) -> list[Unit]:
+    def admit(self, plan: MeshPlan, ranks) -> list[Unit]:
         self._reverify()
         need = needs(plan, ranks, self.layout)
         per_rank: dict[int, list[Unit]] = {r: [] for r in ranks}
@@ -402,7 +402,7 @@ class ExportSource:
                     out[name] = got
         return out
 
-    def admit(self, plan: Plan, ranks) -> list[Unit]:
+    def admit(self, plan: MeshPlan, ranks) -> list[Unit]:
         if self.product is not None:
             self.product._reverify()
         self.index, self.index_sha256 = self._read_index()  # admission starts from the signed index again
@@ -441,7 +441,7 @@ class ExportSource:
                     per_rank[r] += self._read_linears(plan, f, p, r, wanted, need)
         return [u for r in sorted(per_rank) for u in per_rank[r]]
 
-    def _read_linears(self, plan: Plan, f: dict, p: dict, rank: int, wanted: dict, need: Needs) -> list[Unit]:
+    def _read_linears(self, plan: MeshPlan, f: dict, p: dict, rank: int, wanted: dict, need: Needs) -> list[Unit]:
         """One unit per wanted linear of a linear rank shard: its record's slice and shape, and its tensors'
         geometry, checked against the rank's plan before its range is read and hashed. A linear is the base's own
         (chain part 0): products whose stages correct linears are refused on opening."""
@@ -548,7 +548,7 @@ class TensorSource:
     def __init__(self, tensors: dict):
         self.tensors = tensors
 
-    def admit(self, plan: Plan, ranks) -> list[Unit]:
+    def admit(self, plan: MeshPlan, ranks) -> list[Unit]:
         units = []
         for r in sorted(ranks):
             for pl in plan.for_rank(r):

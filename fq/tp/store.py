@@ -13,7 +13,7 @@
    (mesh epoch, rank, device); ties whose target is on the same rank become aliases;
 4. **check origins** — before publishing, every allocation must still match the live mesh epoch, its
    rank and the device that rank is bound to (the mesh may have been re-admitted during the load);
-5. **publish** — ``Loaded``: ``handle(rank, name)``, ``tensors(rank, name)``, ``weight(rank, name)``.
+5. **publish** — ``LoadedStore``: ``handle(rank, name)``, ``tensors(rank, name)``, ``weight(rank, name)``.
 
 Any failure after admission (an allocation, the fault hook, an origin mismatch, anything raised)
 releases every journaled allocation in reverse order, exactly once, and re-raises; nothing is
@@ -37,7 +37,7 @@ from fq.errors import FqError
 from fq.model.experts import derive_linear
 from fq.model.shards import DTYPES, torch_dtype
 from fq.tp.manifest import EXL3
-from fq.tp.mesh import DeviceMesh, Plan, Slice
+from fq.tp.mesh import DeviceMesh, MeshPlan, Slice
 from fq.tp.slicing import sliced_shape
 from fq.tp.sources import Unit, View
 
@@ -99,9 +99,9 @@ class Handle:
 
 
 @dataclass
-class Loaded:
+class LoadedStore:
     store: "WeightStore"
-    plan: Plan
+    plan: MeshPlan
     devices: dict[int, torch.device]
     journal: Journal
     handles: dict[tuple[int, str], Handle] = field(default_factory=dict)
@@ -155,7 +155,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 class WeightStore:
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
-        self.loaded: Loaded | None = None
+        self.loaded: LoadedStore | None = None
         self.allocations = 0  # lifetime counters: equal whenever nothing is resident
         self.releases = 0
 
@@ -165,7 +165,7 @@ class WeightStore:
             raise FqError(f"mesh re-admission: epoch {mesh.epoch} is not newer than {self.mesh.epoch}")
         self.mesh = mesh
 
-    def _check_plan(self, plan: Plan) -> None:
+    def _check_plan(self, plan: MeshPlan) -> None:
         live = self.mesh
         if not plan.mesh.same_shape(live):
             raise FqError(f"plan is for {plan.mesh.describe()}, the admitted mesh is {live.describe()}; re-plan")
@@ -173,7 +173,7 @@ class WeightStore:
             raise FqError(f"plan was made for mesh epoch {plan.mesh.epoch}, the admitted mesh is at epoch {live.epoch} "
                           "(stale plan); re-plan for the current mesh")
 
-    def _ranks(self, plan: Plan, devices) -> dict[int, torch.device]:
+    def _ranks(self, plan: MeshPlan, devices) -> dict[int, torch.device]:
         if isinstance(devices, Mapping):
             chosen = dict(devices)
         elif isinstance(devices, Sequence) and not isinstance(devices, str):
@@ -193,8 +193,8 @@ class WeightStore:
             out[r] = _device(d, r)
         return out
 
-    def fulfill(self, plan: Plan, source, devices, *, fault_after: int | None = None,
-                on_allocate: Callable[[Allocation], None] | None = None) -> Loaded:
+    def fulfill(self, plan: MeshPlan, source, devices, *, fault_after: int | None = None,
+                on_allocate: Callable[[Allocation], None] | None = None) -> LoadedStore:
         if self.loaded is not None:
             raise FqError("weight store: a load is already published; unload it first")
         self._check_plan(plan)
@@ -202,7 +202,7 @@ class WeightStore:
         units = source.admit(plan, list(devs))
         check_units(plan, list(devs), units)
 
-        loaded = Loaded(self, plan, devs, Journal(self))
+        loaded = LoadedStore(self, plan, devs, Journal(self))
         where = {(pl.rank, pl.entry): pl for r in devs for pl in plan.for_rank(r)}
         try:
             if fault_after == 0:
@@ -221,7 +221,7 @@ class WeightStore:
         self.loaded = loaded
         return loaded
 
-    def _allocate(self, loaded: Loaded, u: Unit, where: dict, hook) -> None:
+    def _allocate(self, loaded: LoadedStore, u: Unit, where: dict, hook) -> None:
         dev = loaded.devices[u.rank]
         host = torch.frombuffer(u.data, dtype=torch.uint8) if len(u.data) else torch.empty(0, dtype=torch.uint8)
         buf = torch.empty(len(u.data), dtype=torch.uint8, device=dev)
@@ -241,14 +241,14 @@ class WeightStore:
                     h.parts.append({})
                 h.parts[v.part][v.suffix] = t
 
-    def _aliases(self, loaded: Loaded) -> None:
+    def _aliases(self, loaded: LoadedStore) -> None:
         for r in loaded.devices:
             for pl in loaded.plan.for_rank(r):
                 if pl.alias:
                     t = loaded.handles[(r, pl.source)]
                     loaded.handles[(r, pl.entry)] = Handle(pl.entry, r, pl.slice, t.origin, t.parts, t.tensor, pl.source)
 
-    def _check_origins(self, loaded: Loaded) -> None:
+    def _check_origins(self, loaded: LoadedStore) -> None:
         live = self.mesh
         for a in loaded.journal.entries:
             o = a.origin
@@ -271,12 +271,12 @@ class WeightStore:
         loaded.journal.release_all()
 
 
-def fulfill(plan: Plan, source, devices, *, mesh: DeviceMesh, fault_after: int | None = None) -> Loaded:
+def fulfill(plan: MeshPlan, source, devices, *, mesh: DeviceMesh, fault_after: int | None = None) -> LoadedStore:
     """One-shot: a store for the admitted ``mesh`` and one load on it."""
     return WeightStore(mesh).fulfill(plan, source, devices, fault_after=fault_after)
 
 
-def check_units(plan: Plan, ranks: list[int], units: list[Unit]) -> None:
+def check_units(plan: MeshPlan, ranks: list[int], units: list[Unit]) -> None:
     """Admission's last word, before any allocation: the units cover exactly the non-alias placements
     of the loaded ranks, with the declared dtypes and the sliced shapes."""
     got: dict[tuple[int, str], list[tuple[View, Unit]]] = {}

@@ -97,21 +97,21 @@ def _capture_name(out: str | None) -> str | None:
 
 
 def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, hidden_in: str, out_hidden: str,
-              out_record: str, out_hessian: str | None, binding: str | None, capture_mode: str, device: str,
+              out_record: str, out_hessian: str | None, binding: str | None, capture: str, device: str,
               devices_list: list[int], lock_dir: str, threads: int = 1, linears=(), out_linears: str | None = None,
               linear_binding: str | None = None) -> dict:
     """One decoder layer of the chain; a calibrated MoE layer's Hessian (and, for a whole-model base, the layer's
     linear Hessians: ``linears``) go to a temporary name first, and replace their outputs only when they are the
-    bound ones (or the first)."""
-    from fq.hessian import capture
+    bound ones (or the first). ``capture``: the config's capture mode, all-experts or routed-only."""
+    from fq.hessian import capture as capture_mod
 
     t0 = time.perf_counter()
     dev = devices.claim(device, devices_list, lock_dir) if device != "cpu" else "cpu"
     tmp, tmp_lin = _capture_name(out_hessian), _capture_name(out_linears)
     try:
-        result = capture.capture_layer(_checkpoint(source_dir, staging), layer, hidden_in, out_hidden, tmp,
+        result = capture_mod.capture_layer(_checkpoint(source_dir, staging), layer, hidden_in, out_hidden, tmp,
                                        sha256=recorded_shards(campaign_json),
-                                       routed_only=capture_mode == "routed-only", device=dev, threads=threads,
+                                       routed_only=capture == "routed-only", device=dev, threads=threads,
                                        linears=tuple(linears), out_linears=tmp_lin)
         record = {"step": "layer", "layer": layer, "hidden_sha256": result.hidden_sha256,
                   "hessian_sha256": result.hessian_sha256 or None, "source_shards": result.source_shards}
@@ -120,12 +120,12 @@ def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, 
 
             h = store.read_hessians(tmp, expect_sha256=result.hessian_sha256)
             _bind(tmp, out_hessian, binding, result.hessian_sha256, f"layer {layer}'s Hessian",
-                  {"layer": layer, "calibration": h.meta.get("calibration"), "capture": capture_mode})
+                  {"layer": layer, "calibration": h.meta.get("calibration"), "capture": capture})
             tmp = None
         if out_linears is not None:
             record["linears_sha256"] = result.linears_sha256
             _bind(tmp_lin, out_linears, linear_binding, result.linears_sha256, f"layer {layer}'s linear Hessians",
-                  {"layer": layer, "calibration": _calibration_digest(hidden_in), "capture": capture_mode})
+                  {"layer": layer, "calibration": _calibration_digest(hidden_in), "capture": capture})
             tmp_lin = None
         record["seconds"] = round(time.perf_counter() - t0, 3)
         atomic.write_text(out_record, canonical.pretty(record))
@@ -145,12 +145,12 @@ def _calibration_digest(hidden: str) -> str:
 
 
 def head_job(*, campaign_json: str, key_path: str, source_dir: str, skeleton: list[str], hidden_in: str,
-             out_linears: str, out_record: str, binding: str, capture_mode: str, device: str, devices_list: list[int],
+             out_linears: str, out_record: str, binding: str, capture: str, device: str, devices_list: list[int],
              lock_dir: str, threads: int = 1) -> dict:
     """The head's input Hessian: the last decoder layer's output through the final norm (``capture.capture_head``).
     The norm is read from the committed skeleton (``skeleton``: its shards, each verified under the campaign key
     first): the source shard holding it may have retired with its window long before the chain ends."""
-    from fq.hessian import capture
+    from fq.hessian import capture as capture_mod
     from fq.provenance.attest import keys
     from fq.provenance.attest.fragment import verify_shard
 
@@ -165,9 +165,9 @@ def head_job(*, campaign_json: str, key_path: str, source_dir: str, skeleton: li
     dev = devices.claim(device, devices_list, lock_dir) if device != "cpu" else "cpu"
     tmp = _capture_name(out_linears)
     try:
-        sha = capture.capture_head(_checkpoint(source_dir, dirs.pop()), hidden_in, tmp, device=dev, threads=threads)
+        sha = capture_mod.capture_head(_checkpoint(source_dir, dirs.pop()), hidden_in, tmp, device=dev, threads=threads)
         _bind(tmp, out_linears, binding, sha, "the head's Hessian",
-              {"layer": None, "calibration": _calibration_digest(hidden_in), "capture": capture_mode})
+              {"layer": None, "calibration": _calibration_digest(hidden_in), "capture": capture})
         tmp = None
         record = {"step": "head", "linears_sha256": sha, "seconds": round(time.perf_counter() - t0, 3)}
         atomic.write_text(out_record, canonical.pretty(record))

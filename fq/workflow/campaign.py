@@ -1,6 +1,16 @@
 """A campaign as the workflow sees it: the validated config, the source model, the recipe, the plan,
 and the path of every file target. Built at Snakefile parse time from metadata only (config.json and
 the shard index), so ``snakemake -n`` lists every job before a byte of payload is fetched.
+
+``Campaign`` holds what every job shares (identity, paths, the plan's blocks and fragments, the encode jobs and
+whether each still needs its source, the skeleton, the committed files); each further concern's targets are one
+object of its own module, reached through the campaign:
+
+    C.calib     fq.workflow.campaign_calibration.CalibrationTargets   the calibration chain and its Hessians
+    C.alloc     fq.workflow.campaign_allocation.AllocationTargets     budgeted bases: sensitivity and allocate
+    C.linears   fq.workflow.campaign_linears.LinearTargets            whole-model bases: linear jobs, skeleton variants
+    C.compare   fq.workflow.campaign_comparisons.Comparisons          natives and weight-only twins (for fq eval)
+    C.evals     fq.workflow.campaign_eval.EvalTargets                 fq eval of every product
 """
 from __future__ import annotations
 
@@ -11,21 +21,27 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fq.core import canonical
+from fq.core import canonical, kbits
 from fq.core.units import is_decimal
 from fq.errors import FqError
-from fq.hessian import store
 from fq.model import families
 from fq.model.experts import ExpertLayout
 from fq.model.source import PROJECTIONS, SourceModel, load_source, parse_source
 from fq.model.usage import ExpertUsage, load_usage, parse_usage
-from fq.planning import native
-from fq.planning.plan import Block, Fragment, Plan, make_plan
+from fq.planning.plan import Block, Fragment, CampaignPlan, make_plan
 from fq.planning.recipe import Recipe, load_recipe
-from fq.provenance.fragments import attestation_name, fragment_filename, linear_filename
+from fq.provenance.fragments import attestation_name, fragment_filename
+from fq.workflow.campaign_allocation import ALLOCATION_FILE, SENSITIVITY_FILE, AllocationTargets
+from fq.workflow.campaign_calibration import CALIB_COLUMNS, CALIB_ROWS, CalibrationTargets
+from fq.workflow.campaign_comparisons import Comparisons
+from fq.workflow.campaign_eval import EvalTargets
+from fq.workflow.campaign_linears import LinearTargets
+from fq.workflow.specs import AncestorRef, BlockSpec, EncodeSpec, ShareSpec
 
 SOURCE_KINDS = ("demo", "local", "hub")
-CALIB_ROWS, CALIB_COLUMNS = 250, 2048  # calibration tokens per campaign by default (as exllamav3's converter)
+__all__ = ["ALLOCATION_FILE", "CALIB_COLUMNS", "CALIB_ROWS", "SENSITIVITY_FILE", "SOURCE_KINDS", "USAGE_FILE",
+           "Campaign", "LayerRule", "attested_node_digest", "campaign_plan", "is_encode_rule", "load_campaign",
+           "load_campaign_json", "normalize_config"]
 
 
 def is_encode_rule(name: str) -> bool:
@@ -49,12 +65,33 @@ class Campaign:
     source: SourceModel
     recipe: Recipe
     usage: ExpertUsage | None
-    plan: Plan
+    plan: CampaignPlan
     # budgeted bases (recipe ``bits``): the fq-allocation/1 document they were resolved with; None with
     # ``allocation_pending`` while the campaign's own sensitivity/allocate jobs have not written it (the DAG's
     # targets are then the allocation alone: fq.planning.budget.resolve_budgets' provisional plan is never encoded)
     allocation: dict | None = None
     allocation_pending: bool = False
+
+    # -- each concern's targets ------------------------------------------------------------------------------
+    @cached_property
+    def calib(self) -> CalibrationTargets:
+        return CalibrationTargets(self)
+
+    @cached_property
+    def alloc(self) -> AllocationTargets:
+        return AllocationTargets(self)
+
+    @cached_property
+    def linears(self) -> LinearTargets:
+        return LinearTargets(self)
+
+    @cached_property
+    def compare(self) -> Comparisons:
+        return Comparisons(self)
+
+    @cached_property
+    def evals(self) -> EvalTargets:
+        return EvalTargets(self)
 
     # -- identity -----------------------------------------------------------------------------------
     @property
@@ -123,56 +160,6 @@ class Campaign:
     def metrics(self, node: str, block: Block) -> str:
         return self.p("metrics", node, f"{node}-layer{block.layer:03d}-block{self.block_index(block):03d}.json")
 
-    def native_metrics(self, K: int, codebook: str, block: Block) -> str:
-        return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.json")
-
-    def native_tensors(self, K: int, codebook: str, block: Block) -> str:
-        """The one-pass encode's tensor sets (an unsigned fragment of node ``native_node(K, codebook)``), for fq eval."""
-        return self.p("native", f"K{K}-{codebook}", f"layer{block.layer:03d}-block{self.block_index(block):03d}.safetensors")
-
-    # -- weight-only twins (calibration.compare_weight_only): each fragment encoded without its Hessian ----------
-    @property
-    def weight_only_jobs(self) -> tuple[Fragment, ...]:
-        """The fragments that get a weight-only twin: every one, in a calibrated campaign with
-        calibration.compare_weight_only (comparison material for fq eval, like the natives: unsigned, never
-        published); none otherwise."""
-        if not (self.calibration and self.calibration["compare_weight_only"]):
-            return ()
-        return self.encoded_fragments  # a base sharing another's experts has that base's twin (twin_aliases)
-
-    @property
-    def twin_aliases(self) -> dict[str, str]:
-        """base -> the base whose weight-only twins are its own (it publishes that base's expert encoding)."""
-        return {n.name: n.experts_from for n in self.recipe.nodes if n.experts_from}
-
-    def weight_only_tensors(self, node: str, block: Block) -> str:
-        """The twin's tensor sets: an unsigned fragment of node ``node`` (same layout and metadata as the real one);
-        a base sharing another base's experts has that base's twin."""
-        node = self.recipe.expert_owner(node)
-        return self.p("weight-only", node, fragment_filename(node, block.layer, self.block_index(block)))
-
-    def weight_only_metrics(self, node: str, block: Block) -> str:
-        """The twin's metrics (written last: the job is done)."""
-        node = self.recipe.expert_owner(node)
-        return self.p("weight-only", node, f"{node}-layer{block.layer:03d}-block{self.block_index(block):03d}.json")
-
-    def weight_only_needs_source(self, node: str, block: Block, _memo=None) -> bool:
-        """True when this twin will be (re)encoded: an output missing, its metrics recording another definition of
-        its node, older than an ancestor's twin, or an ancestor's twin will be re-encoded (as
-        fragment_needs_source: the rule asks for the staged shards only then)."""
-        return self._chain_needs(node, block, self._weight_only_stale, self.weight_only_tensors,
-                                 {} if _memo is None else _memo)
-
-    def _weight_only_stale(self, node: str, block: Block) -> bool:
-        path, metrics = Path(self.weight_only_tensors(node, block)), Path(self.weight_only_metrics(node, block))
-        if not path.is_file() or not metrics.is_file():
-            return True
-        try:
-            return json.loads(metrics.read_bytes()).get("node_digest") != \
-                self.recipe.node_digest(self.recipe.expert_owner(node))
-        except (OSError, ValueError, AttributeError):
-            return True
-
     # -- the OpenSSF model signature of each published base (fq.provenance.model_sig) ----------------------------
     @property
     def model_signing_key(self) -> str | None:
@@ -185,225 +172,6 @@ class Campaign:
         if value:
             return str(value)
         return None if self.config.get("signer_key") else self.p("keys", "model-signing.key")
-
-    # -- output-level evaluation (fq eval) -----------------------------------------------------------
-    @property
-    def eval_config(self) -> dict | None:
-        """``eval:`` of the config (None: no eval job). It needs the source checkpoint on disk, and text."""
-        cfg = self.config.get("eval")
-        if not cfg:
-            return None
-        if self.source_kind == "hub":
-            raise FqError("eval: needs the source checkpoint on local disk (source.kind demo or local); a hub source's "
-                          "shards are staged per window and deleted: set eval: null, or run fq eval where it fits")
-        if not cfg.get("text") and self.source_kind != "demo":
-            raise FqError("eval.text: name a held-out text file (only the demo source brings its own)")
-        return {"tokens": cfg.get("tokens", 4096), "seq_len": cfg.get("seq_len", 256), "text": cfg.get("text")}
-
-    @property
-    def eval_text(self) -> str:
-        """The held-out text fq eval measures on: eval.text, or the demo's held-out split."""
-        cfg = self.eval_config
-        return cfg["text"] or self.p("demo-text", "heldout.txt")
-
-    def eval_files(self) -> list[str]:
-        return [self.p("eval", "eval.json"), self.p("eval", "eval.tsv")] if self.eval_config else []
-
-    # -- calibration (issue 18): tokens -> embed -> layer by layer through the source, Hessians per MoE layer ----
-    @cached_property
-    def calibration(self) -> dict | None:
-        """``calibration:`` of the config with its defaults (None: weight-only encoding, the attestations say so)."""
-        cfg = self.config.get("calibration")
-        if not cfg:
-            return None
-        text, tokens = cfg.get("text"), cfg.get("tokens")
-        if text and tokens:
-            raise FqError("calibration: name text or tokens, not both")
-        if (text or tokens) and not cfg.get("sha256"):
-            raise FqError(f"calibration.sha256: required with calibration.{'text' if text else 'tokens'} (the file's "
-                          "sha256: the Hessians, and every fragment encoded against them, are bound to those bytes)")
-        if not (text or tokens) and self.source_kind != "demo":
-            raise FqError("calibration.text: name a calibration text (or calibration.tokens); only the demo source "
-                          "brings its own")
-        if text and self.source_kind == "hub":
-            raise FqError("calibration.text: a hub source's tokenizer is not on disk; give calibration.tokens "
-                          "(fq.hessian.calibration.save_tokens) instead")
-        return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", CALIB_ROWS)),
-                "columns": int(cfg.get("columns", CALIB_COLUMNS)), "capture": cfg.get("capture", "all-experts"),
-                "compare_weight_only": bool(cfg.get("compare_weight_only", False))}
-
-    # -- budgeted bases: the sensitivity and allocate jobs -------------------------------------------------------
-    @property
-    def allocation_config(self) -> dict:
-        from fq.allocation.document import SENSITIVITY
-
-        cfg = self.config.get("allocation") or {}
-        return {"file": cfg.get("file"), **{k: int(cfg.get(k, v)) for k, v in SENSITIVITY.items()},
-                "ks": self._allocation_ks(cfg.get("ks"))}
-
-    def _allocation_ks(self, ks) -> list | None:
-        """allocation.ks checked against the budgeted nodes' codebook (None: every K of it)."""
-        if ks is None:
-            return None
-        from fq.allocation.error_model import candidate_ks
-
-        cbs = {n.codebook for n in self.recipe.nodes if n.is_budgeted} or {"mul1"}
-        have = set.intersection(*(set(candidate_ks(cb)) for cb in cbs)) | {16}
-        out = sorted({int(k) if float(k).is_integer() else float(k) for k in ks})
-        bad = [k for k in out if k not in have]
-        if bad:
-            raise FqError(f"config allocation.ks {ks!r}: {', '.join(map(str, bad))} not a candidate K of "
-                          f"codebook {', '.join(sorted(cbs))} (1..8, 16 kept as published; mul1 also 1.5, 2.5, 3.5)")
-        return out
-
-    @property
-    def measures_allocation(self) -> bool:
-        """Whether this campaign measures its own allocation (budgeted bases and no allocation.file)."""
-        return self.recipe.needs_allocation and not self.allocation_config["file"]
-
-    @property
-    def sensitivity_file(self) -> str:
-        return self.p(SENSITIVITY_FILE)
-
-    @property
-    def allocation_file(self) -> str:
-        return self.allocation_config["file"] or self.p(ALLOCATION_FILE)
-
-    @property
-    def sensitivity_text(self) -> str:
-        """The text the sensitivity job measures on: the calibration text (the demo's split in a weight-only demo)."""
-        return self.calibration_text if self.calibration else self.p("demo-text", "calibration.txt")
-
-    @property
-    def allocation_budgets(self) -> list[float]:
-        return sorted({n.bits for n in self.recipe.budgeted})
-
-    @property
-    def calibration_text(self) -> str:
-        return self.calibration["text"] or self.p("demo-text", "calibration.txt")
-
-    @cached_property
-    def calibrated_layers(self) -> tuple[int, ...]:
-        """MoE layers whose fragments are encoded against a Hessian (next-token layers stay weight-only: the
-        calibration chain runs the decoder stack, which they are not part of)."""
-        if not self.calibration:
-            return ()
-        return tuple(l for l in self.source.moe_layers if l not in self.source.mtp_layers)
-
-    @property
-    def calibration_layers(self) -> tuple[int, ...]:
-        """Every decoder layer the chain runs: 0 .. the last calibrated layer (every decoder layer when the head's
-        Hessian is captured: it reads the last layer's output)."""
-        if not self.calibrated_layers:
-            return ()
-        if None in self.linear_capture:
-            return tuple(range(self.source.num_hidden_layers))
-        last = max([*self.calibrated_layers, *(l for l in self.linear_capture if l is not None)])
-        return tuple(range(last + 1))
-
-    def calib_path(self, name: str) -> str:
-        return self.p("calibration", name)
-
-    @property
-    def calib_tokens(self) -> str:
-        return self.calib_path("tokens.safetensors")
-
-    def calib_hidden(self, layer: int | None) -> str:
-        """The hidden states entering layer ``layer + 1`` (None: the embeddings, entering layer 0)."""
-        return self.calib_path("hidden-embed.safetensors" if layer is None else f"hidden-layer{layer:03d}.safetensors")
-
-    def hessian(self, layer: int) -> str:
-        return self.calib_path(store.file_name(layer))
-
-    def hessian_binding(self, layer: int) -> str:
-        return self.calib_path(f"hessian-layer{layer:03d}.bound.json")
-
-    def linear_hessian(self, layer: int | None) -> str:
-        """The input Hessians of a layer's (None: the head's) quantized non-expert linears (fq.hessian.linear_store)."""
-        from fq.hessian.linear_store import linear_file_name
-
-        return self.calib_path(linear_file_name(layer))
-
-    def linear_hessian_binding(self, layer: int | None) -> str:
-        return self.calib_path(Path(Path(self.linear_hessian(layer)).name).stem + ".bound.json")
-
-    def head_norm_skeleton(self) -> list[str]:
-        """The committed skeleton shard holding the final norm (what the head's calibration job reads)."""
-        norm = self.layout.layers.removesuffix("layers.") + "norm.weight"
-        if norm not in self.source.weight_map:
-            raise FqError(f"campaign {self.name}: the source has no final norm {norm}; the head's Hessian needs it")
-        return [self.skeleton(self.source.weight_map[norm])]
-
-    @cached_property
-    def linear_capture(self) -> dict[int | None, tuple[str, ...]]:
-        """layer (None: the head) -> the quantized linears whose input Hessians its calibration job captures
-        (calibrated campaigns with whole-model bases; every class any base quantizes)."""
-        if not self.calibration:
-            return {}
-        out: dict = {}
-        for node, layer in self.linear_jobs:
-            out.setdefault(layer, set()).update(self.linear_names(node, layer))
-        return {l: tuple(sorted(v)) for l, v in out.items()}
-
-    @cached_property
-    def _layer_tensor_shards(self) -> dict[int | None, tuple[str, ...]]:
-        import re
-
-        layout = self.layout  # model.layers.*, or a vision-language checkpoint's model.language_model.layers.*
-        layer_re = re.compile(re.escape(layout.layers) + r"(\d+)\.")
-        embed = layout.embed.removesuffix("weight")
-        out: dict = {}
-        for name, shard in self.source.weight_map.items():
-            m = layer_re.match(name)
-            if m:
-                out.setdefault(int(m.group(1)), set()).add(shard)
-            elif name.startswith(embed):
-                out.setdefault(None, set()).add(shard)
-        return {k: tuple(sorted(v)) for k, v in out.items()}
-
-    def calib_shards(self, layer: int | None) -> tuple[str, ...]:
-        """Source shards the chain's job for ``layer`` reads (None: the embedding job)."""
-        shards = self._layer_tensor_shards.get(layer, ())
-        if not shards:
-            embed = self.layout.embed.removesuffix(".weight")
-            raise FqError(f"campaign {self.name}: the source has no tensors for "
-                          f"{embed if layer is None else f'layer {layer}'}")
-        return shards
-
-    def calib_record(self, layer: int | None) -> str:
-        """The job's record (what it read and wrote, with digests): small, kept; what retirement waits for."""
-        return self.calib_path("embed.json" if layer is None else f"layer{layer:03d}.json")
-
-    def calib_outputs(self, layer: int | None) -> list[str]:
-        """hidden (temp: the next job's input), the Hessian file (calibrated MoE layers), the linear Hessians (layers
-        with quantized non-expert linears), the record."""
-        hessian = [self.hessian(layer)] if layer is not None and layer in self.calibrated_layers else []
-        if layer is not None and layer in self.linear_capture:
-            hessian.append(self.linear_hessian(layer))
-        return [self.calib_hidden(layer)] + hessian + [self.calib_record(layer)]
-
-    def _retiring_window(self, shard: str) -> int:
-        for w in self.plan.windows:
-            if shard in w.retire:
-                return w.index
-        return self.shard_window(shard)
-
-    @cached_property
-    def calib_windows(self) -> dict:
-        """Per chain job (None: embed), the windows that retire the shards it reads. Refuses a layout where a job
-        would need a shard that is staged only after one it reads is retired (the chain could never run)."""
-        out = {}
-        W = self.plan.windows_on_disk
-        for layer in (None,) + self.calibration_layers:
-            shards = self.calib_shards(layer)
-            staged = max(self.shard_window(s) for s in shards)
-            retired = min(self._retiring_window(s) for s in shards)
-            if staged - W >= retired:
-                raise FqError(f"campaign {self.name}: calibration of {'the embeddings' if layer is None else f'layer {layer}'} "
-                              f"reads shards {list(shards)} staged by windows {retired}..{staged}, more than "
-                              f"windows_on_disk={W} apart; raise windows_on_disk or merge those windows")
-            out[layer] = {self._retiring_window(s) for s in shards}
-        return out
 
     def retired(self, window: int) -> str:
         return self.p("windows", f"window-{window}.retired")
@@ -441,14 +209,32 @@ class Campaign:
     def encoding_nodes(self) -> tuple[str, ...]:
         return tuple(n.name for n in self.recipe.encoding_nodes)
 
-    def share_spec(self, node: str, layer: int, index: int) -> dict:
+    def share_spec(self, node: str, layer: int, index: int) -> ShareSpec:
         """A share job's params: the base, the owner base whose committed fragment it copies, and the paths."""
         block = self.block(layer, index)
         owner = self.recipe.expert_owner(node)
-        return {"node": node, "node_digest": self.recipe.node_digest(node), "owner": owner,
-                "owner_digest": self.recipe.node_digest(owner), "layer": layer, "block": index,
-                "owner_fragment": self.fragment(owner, block), "owner_metrics": self.metrics(owner, block),
-                "layout": self.layout.to_json()}
+        return ShareSpec(node=node, node_digest=self.recipe.node_digest(node), owner=owner,
+                         owner_digest=self.recipe.node_digest(owner), layer=layer, block=index,
+                         owner_fragment=self.fragment(owner, block), owner_metrics=self.metrics(owner, block),
+                         layout=self.layout.to_json())
+
+    def encode_spec(self, node: str, layer: int, fragment_paths) -> EncodeSpec:
+        """What an encode job encodes: ``node``'s fragments of ``layer`` whose paths are among ``fragment_paths``
+        (the job's outputs: one block, or the whole layer), each with its experts, sources and ancestors."""
+        recipe_node = self.recipe.node(node)
+        mine = {str(Path(p)) for p in fragment_paths}
+        frags = [f for f in self.layer_fragments(node, layer) if str(Path(self.fragment(node, f.block))) in mine]
+        blocks = tuple(BlockSpec(block=self.block_index(f.block), experts=tuple(f.experts),
+                                 sources=self.expert_sources(f.block.layer, f.experts),
+                                 ancestors=tuple(AncestorRef(node=a, codebook=self.recipe.node(a).codebook,
+                                                             path=self.fragment(a, f.block),
+                                                             digest=self.recipe.node_digest(a))
+                                                 for a in self.ancestors(node)))
+                       for f in frags)
+        return EncodeSpec(node=node, role="base" if recipe_node.is_base else "stage",
+                          K=kbits.to_json(recipe_node.K_at(layer)),  # per projection for a budgeted base
+                          codebook=recipe_node.codebook, node_digest=self.recipe.node_digest(node), layer=layer,
+                          blocks=blocks, layout=self.layout.to_json(), hessian=self.calib.hessian_ref(layer))
 
     def expert_inputs(self, node: str) -> tuple[str, ...]:
         """The nodes whose committed fragments ``node``'s fragment of a block is made from: its chain up to its
@@ -533,11 +319,12 @@ class Campaign:
         w = self.plan.windows[window]
         outs = [self.skeleton(s) for s in w.stage if s in self.skeleton_shards]
         outs += [self.fragment(f.node, f.block) for f in self.encoded_fragments if f.block.window == window]
-        outs += [self.native_metrics(K, cb, b) for (K, cb), blocks in self.native_jobs.items() for b in blocks
+        cmp = self.compare
+        outs += [cmp.native_metrics(K, cb, b) for (K, cb), blocks in cmp.native_jobs.items() for b in blocks
                  if b.window == window]
-        outs += [self.weight_only_metrics(f.node, f.block) for f in self.weight_only_jobs if f.block.window == window]
-        if self.calibration:  # the chain's jobs that read a shard this window deletes
-            outs += [self.calib_outputs(l)[-1] for l, ws in self.calib_windows.items() if window in ws]
+        outs += [cmp.weight_only_metrics(f.node, f.block) for f in cmp.weight_only_jobs if f.block.window == window]
+        if self.calib.settings:  # the chain's jobs that read a shard this window deletes
+            outs += [self.calib.outputs(l)[-1] for l, ws in self.calib.windows.items() if window in ws]
         return outs
 
     @cached_property
@@ -553,154 +340,10 @@ class Campaign:
         """Source shards that hold at least one non-expert tensor."""
         return tuple(self.skeleton_tensors)
 
-    # -- whole-model bases: linear nodes and skeleton variants ---------------------------------------------------
-    @property
-    def linear_jobs(self) -> tuple[tuple[str, int | None], ...]:
-        """(linear node, layer) of every linear fragment (None: the head): one job each."""
-        return self.plan.linear_jobs()
-
-    def linear_fragment(self, node: str, layer: int | None) -> str:
-        return self.p("linears", node, linear_filename(node, layer))
-
-    def linear_metrics(self, node: str, layer: int | None) -> str:
-        return self.p("metrics", "linears", Path(linear_filename(node, layer)).stem + ".json")
-
-    def linear_names(self, node: str, layer: int | None) -> tuple[str, ...]:
-        """The linears (tensor prefixes) of one linear job."""
-        return tuple(self.plan.linear(node)["layers"]["head" if layer is None else str(layer)])
-
-    def linear_sources(self, node: str, layer: int | None) -> dict:
-        """{linear: fq.model.formats.ExpertSource as JSON} read from the committed skeleton shards (verbatim copies of
-        the source, attested): a linear job needs no staged shard, so it never holds a window open."""
-        from fq.model.formats import SCALE_SUFFIX, ExpertSource
-
-        out = {}
-        for name in self.linear_names(node, layer):
-            weight, scale = f"{name}.weight", f"{name}.{SCALE_SUFFIX}"
-            shard = self.skeleton(self.source.weight_map[weight])
-            if scale in self.source.weight_map:
-                src = ExpertSource(shard, weight, None, self.skeleton(self.source.weight_map[scale]), scale,
-                                   self.source.source_format.block)
-            else:
-                src = ExpertSource(shard, weight)
-            out[name] = src.to_json()
-        return out
-
-    def linear_skeletons(self, node: str, layer: int | None) -> list[str]:
-        """The committed skeleton shards a linear job reads."""
-        refs = self.linear_sources(node, layer).values()
-        return sorted({ref["shard"] for ref in refs} | {ref["scale_shard"] for ref in refs if "scale_shard" in ref})
-
-    def linear_files(self) -> list[str]:
-        """Every linear fragment with its attestation and metrics."""
-        out = []
-        for node, layer in self.linear_jobs:
-            p = self.linear_fragment(node, layer)
-            out += [p, self.attestation(p), self.linear_metrics(node, layer)]
-        return out
-
-    @staticmethod
-    def variant_name(classes) -> str:
-        """The skeleton variant of a base quantizing ``classes``: ``without-attention+head``."""
-        return "without-" + "+".join(classes)
-
-    def base_variant(self, base: str) -> str | None:
-        """The skeleton variant a base publishes (None: the whole skeleton, as copied)."""
-        node = self.recipe.node(base)
-        return self.variant_name([c for c, _ in node.skeleton]) if node.skeleton else None
-
-    @cached_property
-    def skeleton_variants(self) -> dict[str, dict[str, tuple[str, ...]]]:
-        """variant -> {source shard: the skeleton tensors it keeps} (shards left with nothing are omitted): the
-        skeleton without the tensors a whole-model base replaces by its linear fragments."""
-        from fq.model.linears import removed_tensors
-
-        out = {}
-        for base in self.recipe.bases:
-            v = self.base_variant(base.name)
-            if v is None or v in out:
-                continue
-            gone, have = set(), set(self.source.skeleton_tensors)
-            for _, ln, layers in self.recipe.linear_assignments(base.name):
-                for layer, names in self.plan.linear(ln.name)["layers"].items():
-                    if layers is None or (None if layer == "head" else int(layer)) in layers:
-                        for name in names:
-                            gone.update(removed_tensors(name, have))
-            out[v] = {s: kept for s, ts in self.skeleton_tensors.items() if (kept := tuple(t for t in ts if t not in gone))}
-        return out
-
-    def variant_skeleton(self, variant: str, shard: str) -> str:
-        return self.p("skeleton", variant, shard)
-
-    def base_skeletons(self, base: str) -> list[str]:
-        """The committed skeleton shards a base publishes: the whole skeleton, or its variant's."""
-        v = self.base_variant(base)
-        if v is None:
-            return [self.skeleton(s) for s in self.skeleton_shards]
-        return [self.variant_skeleton(v, s) for s in self.skeleton_variants[v]]
-
-    def base_linear_fragments(self, base: str) -> list[str]:
-        """The linear fragments a whole-model base publishes (none for an experts-only base)."""
-        if not self.recipe.node(base).is_base:
-            raise FqError(f"recipe {self.recipe.source}: {base!r} is a stage, not a base")
-        return self.node_linear_fragments(base)
-
-    def node_linear_fragments(self, node: str) -> list[str]:
-        """The linear fragments a node publishes: a whole-model base's quantized linears, or a stage's residuals on
-        non-expert classes (recipe ``skeleton`` on a stage: published in its stage directory)."""
-        out = []
-        for _, ln, layers in self.recipe.linear_assignments(node):
-            out += [self.linear_fragment(ln.name, layer) for n, layer in self.linear_jobs
-                    if n == ln.name and (layers is None or layer in layers)]
-        return out
-
-    def linear_ancestors(self, node: str, layer: int | None) -> list[dict]:
-        """The committed linear fragments a stage's residual on a class corrects, as its job reads them (base first):
-        [{node, codebook, digest, path}]; empty for a base's linear node."""
-        out, entry = [], self.plan.linear(node)
-        while "parent" in entry:
-            entry = self.plan.linear(entry["parent"])
-            out.append({"node": entry["name"], "codebook": entry["codebook"], "digest": entry["digest"],
-                        "path": self.linear_fragment(entry["name"], layer)})
-        return out[::-1]
-
-    def variant_files(self) -> list[str]:
-        return [p for v, shards in self.skeleton_variants.items() for s in shards
-                for p in (self.variant_skeleton(v, s), self.attestation(self.variant_skeleton(v, s)))]
-
     def expert_sources(self, layer: int, experts) -> dict:
         """{expert: {proj: fq.model.formats.ExpertSource as JSON}} (staged paths) for the encode job's params."""
         return {str(e): {p: self.source.expert_source(layer, e, p, self.staged).to_json() for p in PROJECTIONS}
                 for e in experts}
-
-    # -- native comparisons (report) ----------------------------------------------------------------
-    @cached_property
-    def native_bases(self) -> dict[str, str]:
-        """product -> the published base it is compared with (``fq.planning.native``: the same bits, codebook and
-        linear nodes, the chain's last node on every expert), for each chain that has one."""
-        return native.native_bases(native.recipe_likes(self.recipe, self.plan.selections))
-
-    @cached_property
-    def native_jobs(self) -> dict[tuple[int, str], dict[Block, tuple[int, ...]]]:
-        """One-pass encodes at each multi-node product's bits, over the experts its last node encodes,
-        unless the recipe publishes a base it is compared with (``native_bases``: like with like):
-        (K, codebook) -> {block: experts}. Only with compare_native; K above 8 has no one-pass counterpart."""
-        if not self.config.get("compare_native"):
-            return {}
-        paired = self.native_bases
-        want: dict[tuple[int, str], dict[Block, set[int]]] = {}
-        for prod in self.recipe.products:
-            chain = [self.recipe.node(n) for n in prod.chain]
-            if len(chain) == 1 or prod.name in paired or any(not isinstance(n.K, int) for n in chain):
-                continue  # a budgeted chain's K varies per unit: no one-pass counterpart
-            bits, cb = sum(n.K for n in chain), chain[0].codebook
-            if bits > 8:
-                continue
-            for f in self.fragments:
-                if f.node == prod.chain[-1]:
-                    want.setdefault((bits, cb), {}).setdefault(f.block, set()).update(f.experts)
-        return {k: {b: tuple(sorted(e)) for b, e in sorted(v.items(), key=lambda kv: (kv[0].layer, kv[0].first_expert))}
-                for k, v in sorted(want.items())}
 
     # -- does a job still need its source? ------------------------------------------------------------
     def fragment_needs_source(self, node: str, block: Block, _memo=None) -> bool:
@@ -742,7 +385,7 @@ class Campaign:
             out += [p, self.attestation(p), self.metrics(f.node, f.block)]
         for s in self.skeleton_shards:
             out += [self.skeleton(s), self.attestation(self.skeleton(s))]
-        return out + self.linear_files() + self.variant_files()
+        return out + self.linears.files() + self.linears.variant_files()
 
     def missing_committed(self) -> list[str]:
         """Planned outputs that are absent although the campaign was finalized: deleted by hand, or lost.
@@ -750,10 +393,11 @@ class Campaign:
         turns a non-empty list into a fresh input of finalize (a repair marker), which re-runs the jobs
         that produce the missing files, their descendants, and finalize itself."""
         expected = self.committed_files()
-        for (K, cb), blocks in self.native_jobs.items():
-            expected += [self.native_metrics(K, cb, b) for b in blocks] + [self.native_tensors(K, cb, b) for b in blocks]
-        for f in self.weight_only_jobs:
-            expected += [self.weight_only_tensors(f.node, f.block), self.weight_only_metrics(f.node, f.block)]
+        cmp = self.compare
+        for (K, cb), blocks in cmp.native_jobs.items():
+            expected += [cmp.native_metrics(K, cb, b) for b in blocks] + [cmp.native_tensors(K, cb, b) for b in blocks]
+        for f in cmp.weight_only_jobs:
+            expected += [cmp.weight_only_tensors(f.node, f.block), cmp.weight_only_metrics(f.node, f.block)]
         expected += [self.p("published", "base", b.name, "fq-manifest.intoto.jsonl") for b in self.recipe.bases]
         return sorted(p for p in expected if not Path(p).is_file())
 
@@ -769,8 +413,6 @@ def attested_node_digest(att_path: Path) -> str | None:
 
 
 USAGE_FILE = "usage/expert_usage.json"  # the demo campaign's measured expert usage, under OUT (rule usage)
-SENSITIVITY_FILE = "allocation/sensitivity.json"  # the units measured (rule sensitivity), under OUT
-ALLOCATION_FILE = "allocation/allocation.json"  # the allocations solved from it (rule allocate): what plans read
 
 
 def _demo_source(out: Path) -> tuple[SourceModel, ExpertUsage]:

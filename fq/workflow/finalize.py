@@ -45,7 +45,7 @@ from pathlib import Path
 from fq.core import atomic, canonical, kbits
 from fq.core.safepath import sha256_file
 from fq.errors import FqError
-from fq.provenance.assembly import Plan, build_assembly, write_assembly
+from fq.provenance.assembly import SignedPlan, build_assembly, write_assembly
 from fq.provenance.attest import keys
 from fq.provenance.attest.fragment import check_node_digest, verify_shard
 from fq.provenance.derived import DERIVED_ORDER
@@ -79,12 +79,12 @@ def _expected_committed(c: Campaign) -> dict[str, dict[str, str]]:
         p = Path(c.fragment(f.node, f.block))
         exp.setdefault(str(p.parent), {})[p.name] = "fragment"
         exp[str(p.parent)][attestation_name(p.name)] = "attestation"
-    for s in [c.skeleton(s) for s in c.skeleton_shards] + c.variant_files()[::2]:
+    for s in [c.skeleton(s) for s in c.skeleton_shards] + c.linears.variant_files()[::2]:
         p = Path(s)
         exp.setdefault(str(p.parent), {})[p.name] = "skeleton"
         exp[str(p.parent)][attestation_name(p.name)] = "attestation"
-    for node, layer in c.linear_jobs:
-        p = Path(c.linear_fragment(node, layer))
+    for node, layer in c.linears.jobs:
+        p = Path(c.linears.fragment(node, layer))
         exp.setdefault(str(p.parent), {})[p.name] = "linear"
         exp[str(p.parent)][attestation_name(p.name)] = "attestation"
     return exp
@@ -154,19 +154,19 @@ def check_objective(c: Campaign, att, layer: int, where: str) -> None:
     capture mode); one of any other layer must attest weight-only encoding. So no published product mixes
     fragments of a layer encoded against two different Hessians, or against none where one was bound."""
     qa = att.predicate.get("quant_args") or {}
-    if layer not in c.calibrated_layers:
+    if layer not in c.calib.calibrated_layers:
         if qa.get("objective") != OBJECTIVE_WEIGHT or "hessian" in qa:
             raise FqError(f"{where}: attests objective {qa.get('objective')!r}; layer {layer} of this campaign is "
                           f"encoded weight-only ({OBJECTIVE_WEIGHT!r}); re-encode it")
         return
-    bound = read_binding(c.hessian_binding(layer))
+    bound = read_binding(c.calib.hessian_binding(layer))
     if bound is None:
         raise FqError(f"{where}: layer {layer} is calibrated but has no bound Hessian "
-                      f"({c.hessian_binding(layer)} missing); run its calibration job")
+                      f"({c.calib.hessian_binding(layer)} missing); run its calibration job")
     if qa.get("hessian") != quant_hessian(bound):
         got = (qa.get("hessian") or {}).get("sha256") if isinstance(qa.get("hessian"), dict) else None
         raise FqError(f"{where}: encoded against Hessian {got or 'none'}, but the campaign bound layer {layer}'s "
-                      f"Hessian to {bound['sha256']} ({c.hessian_binding(layer)}); re-encode it")
+                      f"Hessian to {bound['sha256']} ({c.calib.hessian_binding(layer)}); re-encode it")
 
 
 def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
@@ -205,14 +205,14 @@ def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
             problems.append(f"{c.fragment(f.node, f.block)}: should hold the experts of {owner}'s committed "
                             f"{src.name.rsplit('/', 1)[-1]} sha256 {src.sha256[:16]}…, it names {got['name']} sha256 "
                             f"{got['sha256'][:16]}…; share it again")
-    for s in [c.skeleton(s) for s in c.skeleton_shards] + c.variant_files()[::2]:
+    for s in [c.skeleton(s) for s in c.skeleton_shards] + c.linears.variant_files()[::2]:
         p = Path(s)
         try:
             done[("skeleton", str(p))] = verify_shard(p.parent, p.name, pub, campaign=ident)
         except FqError as e:
             problems.append(str(e))
-    for node, layer in c.linear_jobs:
-        p = Path(c.linear_fragment(node, layer))
+    for node, layer in c.linears.jobs:
+        p = Path(c.linears.fragment(node, layer))
         try:
             att = verify_shard(p.parent, p.name, pub, campaign=ident)
             entry = c.plan.linear(node)
@@ -239,11 +239,11 @@ def verify_committed(c: Campaign, pub, ident: dict) -> dict[tuple, object]:
 def check_linear_objective(c: Campaign, att, layer: int | None, where: str) -> None:
     """A linear fragment of a calibrated campaign attests its layer's bound linear Hessians; otherwise weight-only."""
     qa = att.predicate.get("quant_args") or {}
-    if not c.calibration:
+    if not c.calib.settings:
         if qa.get("objective") != OBJECTIVE_WEIGHT or "hessian" in qa:
             raise FqError(f"{where}: attests objective {qa.get('objective')!r}; this campaign encodes weight-only")
         return
-    binding = c.linear_hessian_binding(layer)
+    binding = c.calib.linear_hessian_binding(layer)
     bound = read_binding(binding)
     if bound is None:
         raise FqError(f"{where}: has no bound linear Hessians ({binding} missing); run its calibration job")
@@ -274,12 +274,12 @@ def _published_plan(c: Campaign) -> dict[str, Path]:
         out[f"{rel_dir}/{p.name}"] = p
         out[f"{rel_dir}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
     for stage in c.recipe.stages:  # a stage's residuals on non-expert linears go with its expert fragments
-        for s in c.node_linear_fragments(stage.name):
+        for s in c.linears.node_fragments(stage.name):
             p = Path(s)
             out[f"stages/{stage.name}/{p.name}"] = p
             out[f"stages/{stage.name}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
     for base in c.recipe.bases:
-        for s in c.base_skeletons(base.name) + c.base_linear_fragments(base.name):
+        for s in c.linears.base_skeletons(base.name) + c.linears.base_fragments(base.name):
             p = Path(s)
             out[f"base/{base.name}/{p.name}"] = p
             out[f"base/{base.name}/{attestation_name(p.name)}"] = Path(c.attestation(str(p)))
@@ -312,17 +312,17 @@ def _linear_bits(base) -> dict:
 def _calibration_block(c: Campaign) -> dict | None:
     """The bases' ``quantization_config.calibration`` (exllamav3's rows and cols): the token rows and columns the
     Hessians were captured from, None for a weight-only campaign."""
-    cal = c.calibration
+    cal = c.calib.settings
     return {"rows": cal["rows"], "cols": cal["columns"]} if cal else None
 
 
 def _eval_params(c: Campaign) -> dict | None:
     """How the campaign's eval job measures each base (its card says so): the text's name and sha256, tokens and
     window; None without an eval job."""
-    cfg = c.eval_config
+    cfg = c.evals.settings
     if not cfg:
         return None
-    text = Path(c.eval_text)
+    text = Path(c.evals.text)
     try:
         digest = sha256_file(text)
     except OSError as e:
@@ -353,8 +353,8 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
     pub = priv.public_key()
     check_signer(doc, pub, key_path)
     check_strays(c).raise_if_any(f"finalize {c.out}")
-    _log(f"verifying {len(c.fragments)} fragments, {len(c.linear_jobs)} linear fragments and "
-         f"{len(c.skeleton_shards)} skeleton shards (+ {len(c.variant_files()) // 2} in variants)")
+    _log(f"verifying {len(c.fragments)} fragments, {len(c.linears.jobs)} linear fragments and "
+         f"{len(c.skeleton_shards)} skeleton shards (+ {len(c.linears.variant_files()) // 2} in variants)")
     verify_committed(c, pub, ident)
 
     root = c.out / "published"
@@ -412,15 +412,15 @@ def finalize(c: Campaign, key_path: str, version: int, expires: str) -> dict:
             names += [f"{rel_dir}/{Path(c.fragment(f.node, f.block)).name}" for f in c.fragments if f.node == n]
         base = prod.chain[0]
         linears = [{"name": f"base/{base}/{Path(p).name}", "digest": c.plan.linear(Path(p).parent.name)["digest"]}
-                   for p in c.base_linear_fragments(base)]
+                   for p in c.linears.base_fragments(base)]
         stage_linears = [{"name": f"stages/{n}/{Path(p).name}", "digest": c.plan.linear(Path(p).parent.name)["digest"],
-                          "stage": n} for n in prod.chain[1:] for p in c.node_linear_fragments(n)]
+                          "stage": n} for n in prod.chain[1:] for p in c.linears.node_fragments(n)]
         plan_doc = build_assembly(root, product=prod.name, chain=chain, fragments=names, base_dir=f"base/{base}",
                                   campaign=ident, recipe_sha256=c.recipe.sha256, version=version, expires=expires,
                                   public_key=pub, linears=linears, stage_linears=stage_linears)
         with disk_full_is_one_line(root / "assemblies" / f"{prod.name}.assembly.intoto.jsonl"):
             path = write_assembly(root, plan_doc, priv)
-        plans.append(Plan(str(path), sha256_file(path), plan_doc))
+        plans.append(SignedPlan(str(path), sha256_file(path), plan_doc))
     _log(f"signing the publication statement (version {version})")
     subjects, publication = build_publication(
         root, version=version, campaign=ident, recipe={"name": c.recipe.name, "sha256": c.recipe.sha256},

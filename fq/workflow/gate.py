@@ -33,7 +33,7 @@ TOOLS = ("fq", "snakemake")
 
 
 @dataclass
-class Report:
+class GateReport:
     lines: list[tuple[str, str, str]] = field(default_factory=list)  # (status, what, detail)
     rehearsal: bool = False
 
@@ -78,7 +78,7 @@ def mount_of(path: Path) -> tuple[str, str]:
 class Gate:
     def __init__(self, out: Path, rehearsal: bool):
         self.out = out
-        self.report = Report(rehearsal=rehearsal)
+        self.report = GateReport(rehearsal=rehearsal)
         self.dev = _dev(out)
         self.mount, self.fstype = mount_of(out)
 
@@ -155,7 +155,7 @@ def _interpreter(script: Path) -> Path | None:
     return Path(parts[0]) if parts else None
 
 
-def run_gate(snakefile: Path, configfiles: list[Path], rehearsal: bool) -> Report:
+def run_gate(snakefile: Path, configfiles: list[Path], rehearsal: bool) -> GateReport:
     """Every check, in order; never stops at the first failure (the operator fixes them all at once)."""
     from fq.workflow import locks
 
@@ -191,7 +191,7 @@ def run_gate(snakefile: Path, configfiles: list[Path], rehearsal: bool) -> Repor
     return r
 
 
-def _check_key(r: Report, key: Path, campaign_json: Path) -> None:
+def _check_key(r: GateReport, key: Path, campaign_json: Path) -> None:
     from fq.core import canonical
     from fq.provenance.attest import keys
 
@@ -270,7 +270,7 @@ def _check_software(g: Gate, snakefile: Path) -> None:
                 g.report.add(FAIL, f"tool {tool}", f"{where}: its interpreter {interp} does not exist")
 
 
-def _check_processes(r: Report, out: Path, locks) -> None:
+def _check_processes(r: GateReport, out: Path, locks) -> None:
     lock_dir = locks.lock_dir(out)
     camp = lock_dir / locks.CAMPAIGN
     if camp.exists() and locks.is_held(camp):
@@ -286,7 +286,7 @@ def _check_processes(r: Report, out: Path, locks) -> None:
     r.add(OK, "processes", "no launcher and no worker is running on this campaign")
 
 
-def _check_committed(r: Report, cfg: dict) -> None:
+def _check_committed(r: GateReport, cfg: dict) -> None:
     from fq.workflow.campaign import load_campaign
 
     try:
@@ -305,7 +305,7 @@ def _check_committed(r: Report, cfg: dict) -> None:
                                     f"each with its attestation")
 
 
-def main_report(rep: Report, out=None) -> int:
+def main_report(rep: GateReport, out=None) -> int:
     out = out or sys.stdout
     print(rep.render(), file=out)
     fails = rep.failed

@@ -33,9 +33,9 @@ def _load_metrics(c: Campaign) -> dict:
         for e, projs in doc["experts"].items():
             for p, m in projs.items():
                 out[f.node][(f.block.layer, int(e), p)] = (m["sum_sq_w"], m["sum_sq_err"])
-    for (K, cb), blocks in c.native_jobs.items():
+    for (K, cb), blocks in c.compare.native_jobs.items():
         for b in blocks:
-            doc = canonical.load(c.native_metrics(K, cb, b))
+            doc = canonical.load(c.compare.native_metrics(K, cb, b))
             for e, projs in doc["experts"].items():
                 for p, m in projs.items():
                     out[f"native K{K} {cb}"][(b.layer, int(e), p)] = (m["sum_sq_w"], m["sum_sq_err"])
@@ -80,7 +80,7 @@ def stored_bytes(c: Campaign, chain) -> int:
 
 def build_rows(c: Campaign, summary: dict) -> list[dict]:
     metrics = _load_metrics(c)
-    paired = c.native_bases  # chain -> the published base it is compared with, like with like (fq.planning.native)
+    paired = c.compare.native_bases  # chain -> the published base it is compared with, like with like (fq.planning.native)
     chains = {p.name: p.chain for p in c.recipe.products}
     # where a base runs: the family's exllamav3 class, or why none loads it (published with allow_unloadable)
     runtime = c.source.family_entry.exl3 if not c.source.exl3_problems else \

@@ -90,7 +90,7 @@ def check_quant_args(pred: dict, where: str) -> None:
     with a Hessian, which must be the artifact of the fragment's own layer (``fq.hessian.store.file_name``). Run
     for every attestation signed (``attest_fragment``) and every one read (``read_attestation``), so every consumer
     applies it whatever its entry point; that all fragments of one layer name one Hessian is
-    ``Product.check_fragment``'s (per plan) and ``fq verify``'s (per tree)."""
+    ``VerifiedProduct.check_fragment``'s (per plan) and ``fq verify``'s (per tree)."""
     qa = pred["quant_args"]
     for k in ("K", "codebook"):
         if k in qa and qa[k] != pred[k]:

@@ -1,4 +1,5 @@
-"""`fq calibrate`: timing logic with a fake encoder and clock, table merging, refusals, one real CPU run."""
+"""`fq cost-table` (formerly `fq calibrate`, still an alias): timing logic with a fake encoder and clock, table
+merging, refusals, one real CPU run."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,7 +9,7 @@ import pytest
 
 from fq.cli import main
 from fq.errors import FqError
-from fq.planning.calibrate import measure, merge_table, parse_ks, parse_shapes, table_section
+from fq.planning.cost_table import measure, merge_table, parse_ks, parse_shapes, table_section
 from fq.planning.price import default_cost_table_path, load_cost_table, parse_cost_table
 
 
@@ -69,10 +70,10 @@ def test_cli_refuses_without_cuda(tmp_path, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
-    rc = main(["calibrate", "--out", str(tmp_path / "t.json")])
+    rc = main(["cost-table", "--out", str(tmp_path / "t.json")])
     assert rc == 2
     assert "no CUDA device visible" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
-    rc = main(["calibrate", "--out", str(tmp_path / "t.json"), "--device", "tpu"])
+    rc = main(["cost-table", "--out", str(tmp_path / "t.json"), "--device", "tpu"])
     assert rc == 2 and "--device: expected cuda, cuda:N or cpu" in capsys.readouterr().err
 
 
@@ -82,19 +83,25 @@ def test_cli_cpu_keeps_other_sections(tmp_path, capsys, monkeypatch):
     q, clock, _ = fake_encoder(lambda *a: 0.0)
     monkeypatch.setattr(fq.codec, "quantize", q)
     out = tmp_path / "t.json"
-    assert main(["calibrate", "--out", str(out), "--device", "cpu", "--k", "2", "--codebook", "mul1",
+    assert main(["cost-table", "--out", str(out), "--device", "cpu", "--k", "2", "--codebook", "mul1",
                  "--shape", "128x128", "--repeats", "1", "--warmup", "0", "--gpu-model", "first"]) == 0
-    assert main(["calibrate", "--out", str(out), "--device", "cpu", "--k", "3", "--codebook", "mcg",
+    assert main(["cost-table", "--out", str(out), "--device", "cpu", "--k", "3", "--codebook", "mcg",
                  "--shape", "128x256", "--repeats", "1", "--warmup", "0", "--gpu-model", "second"]) == 0
     doc = json.loads(out.read_text())
     assert set(doc["gpus"]) == {"first", "second"}
     assert doc["gpus"]["second"]["entries"][0]["K"] == 3
+    # the old name still runs for one release, and says it is the old name
+    capsys.readouterr()
+    assert main(["calibrate", "--out", str(out), "--device", "cpu", "--k", "2", "--codebook", "mul1",
+                 "--shape", "128x128", "--repeats", "1", "--warmup", "0", "--gpu-model", "third"]) == 0
+    assert "fq calibrate is now fq cost-table" in capsys.readouterr().err
+    assert set(json.loads(out.read_text())["gpus"]) == {"first", "second", "third"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fq.codec.encoder") is None, reason="codec not built")
 def test_cli_cpu_real_codec_tiny_matrix(tmp_path, capsys):
     out = tmp_path / "cpu.json"
-    rc = main(["calibrate", "--out", str(out), "--device", "cpu", "--k", "1", "--codebook", "mul1",
+    rc = main(["cost-table", "--out", str(out), "--device", "cpu", "--k", "1", "--codebook", "mul1",
                "--shape", "128x128", "--repeats", "1", "--warmup", "0"])
     assert rc == 0, capsys.readouterr().err
     t = load_cost_table(out)

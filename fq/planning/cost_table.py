@@ -3,7 +3,7 @@
 Each entry is the median wall time of ``quantize(W, K, codebook, device=...)`` on a seeded
 Gaussian matrix of a given (out, in) shape, after warm-up runs (kernel compilation, caches). On
 CUDA the clock is read after a device synchronize, so queued work is counted. The default
-shapes are GLM-5's expert matrices (gate/up 2048x6144, down 6144x2048); calibrate on the shapes
+shapes are GLM-5's expert matrices (gate/up 2048x6144, down 6144x2048); measure on the shapes
 of the model you will price, or pricing scales per tile from other shapes.
 """
 from __future__ import annotations
@@ -27,16 +27,16 @@ def measure(quantize: Callable, *, ks: Sequence[int], codebooks: Sequence[str], 
     import torch
 
     if repeats < 1 or warmup < 0:
-        raise FqError(f"calibrate: repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+        raise FqError(f"cost table: repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     for K in ks:
         if not (isinstance(K, int) and 1 <= K <= 8):
-            raise FqError(f"calibrate: K {K!r} out of range (1..8)")
+            raise FqError(f"cost table: K {K!r} out of range (1..8)")
     for cb in codebooks:
         if cb not in CODEBOOKS:
-            raise FqError(f"calibrate: codebook {cb!r} is not one of {', '.join(CODEBOOKS)}")
+            raise FqError(f"cost table: codebook {cb!r} is not one of {', '.join(CODEBOOKS)}")
     for out_f, in_f in shapes:
         if out_f % 128 or in_f % 128 or out_f <= 0 or in_f <= 0:
-            raise FqError(f"calibrate: shape {out_f}x{in_f} is not a multiple of 128 in both dims (a cost table is "
+            raise FqError(f"cost table: shape {out_f}x{in_f} is not a multiple of 128 in both dims (a cost table is "
                           "keyed by the stored shape: a matrix's dims zero-padded to multiples of 128)")
     sync = synchronize or (lambda: None)
     entries = []
@@ -56,7 +56,7 @@ def measure(quantize: Callable, *, ks: Sequence[int], codebooks: Sequence[str], 
                     samples.append(clock() - t0)
                 entries.append({"codebook": cb, "K": K, "shape": [out_f, in_f],
                                 "seconds": round(statistics.median(samples), 6), "origin": "measured",
-                                "basis": f"fq calibrate: median of {repeats} timed runs after {warmup} warm-up, "
+                                "basis": f"fq cost-table: median of {repeats} timed runs after {warmup} warm-up, "
                                          f"fq.codec.quantize on {device}",
                                 "samples": [round(s, 6) for s in samples]})
     entries.sort(key=lambda e: (e["codebook"], e["K"], e["shape"]))
@@ -64,7 +64,7 @@ def measure(quantize: Callable, *, ks: Sequence[int], codebooks: Sequence[str], 
 
 
 def table_section(entries: list[dict], encoder: str, measured_with: dict) -> dict:
-    return {"encoder": encoder, "model": "every entry measured whole by fq calibrate (no model)",
+    return {"encoder": encoder, "model": "every entry measured whole by fq cost-table (no model)",
             "measured_with": measured_with, "entries": entries}
 
 

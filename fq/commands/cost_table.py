@@ -1,8 +1,10 @@
-"""``fq calibrate``: measure the cost table of ``fq price`` on the GPU at hand (or, with --device
-cpu, on this CPU) by timing fq.codec.quantize, and write it atomically."""
+"""``fq cost-table``: measure the cost table of ``fq price`` on the GPU at hand (or, with --device
+cpu, on this CPU) by timing fq.codec.quantize, and write it atomically. Formerly ``fq calibrate`` (a name every other
+part of fq gives Hessian capture): that spelling is kept as an alias for one release and says so."""
 from __future__ import annotations
 
 import platform
+import sys
 from pathlib import Path
 
 import fq
@@ -10,13 +12,13 @@ from fq.core import canonical
 from fq.core.atomic import write_text
 from fq.core.schema_check import validate
 from fq.errors import FqError
-from fq.planning.calibrate import DEFAULT_SHAPES, measure, merge_table, parse_ks, parse_shapes, table_section
+from fq.planning.cost_table import DEFAULT_SHAPES, measure, merge_table, parse_ks, parse_shapes, table_section
 from fq.planning.recipe import CODEBOOKS
 
 
 def register(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure seconds per matrix pass by K on this GPU into a cost table",
-                       description=__doc__)
+    p = sub.add_parser("cost-table", aliases=["calibrate"],
+                       help="measure seconds per matrix pass by K on this GPU into a cost table", description=__doc__)
     p.add_argument("--out", required=True, metavar="FILE",
                    help="cost table to write; an existing table keeps its other GPU models")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda; refused without CUDA)")
@@ -33,13 +35,16 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
+    if args.command == "calibrate":
+        print("fq calibrate is now fq cost-table (it measures the cost table, not calibration); the old name goes in "
+              "the next release", file=sys.stderr)
     device = args.device
     if device == "cpu":
         name = "cpu: " + _cpu_name()
         sync = None
     elif device == "cuda" or device.startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise FqError("no CUDA device visible: fq calibrate measures the GPU at hand; run it on the GPU machine, "
+            raise FqError("no CUDA device visible: fq cost-table measures the GPU at hand; run it on the GPU machine, "
                           "or pass --device cpu for a CPU table")
         dev = torch.device(device)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
