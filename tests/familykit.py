@@ -3,7 +3,7 @@
 Every family is transformers' own config class and modeling code (transformers 5.24), at one tiny size: vocab 512,
 hidden 256, 3 decoder layers (layer 0 dense where the family has dense layers), 8 routed experts of intermediate size
 128, top-2, 4 attention heads / 4 KV heads of 64 (MLA families: small LoRA ranks and head dims; GLM-5 at its published
-latent and rope widths, 512 and 64), n_group = topk_group
+latent and rope widths, 512 and 64; Laguna 8 heads on its sliding layers, as XS.2 has more there), n_group = topk_group
 = 1, no next-token-prediction layers, untied embeddings. Nothing is downloaded. Qwen3.5-MoE is also built as Qwen
 publishes it, the vision-language ``Qwen3_5MoeForConditionalGeneration`` (the language model's config nested under
 ``text_config``, its layers under ``model.language_model.layers.*``, a one-block vision tower under ``model.visual.*``,
@@ -34,7 +34,8 @@ caught), so two builds are byte-identical and a
 ...)``, a size that gives 11-16 shards, in the checkpoint's original (published) tensor names: transformers reverts
 its fused-expert conversion on save (gpt-oss is natively fused). Every tensor is bfloat16 except the routers
 transformers keeps in float32 (``_keep_in_fp32_modules_strict``: ``mlp.gate.weight`` and ``e_score_correction_bias``
-of the DeepSeek-style families and Ernie).
+of the DeepSeek-style families and Ernie; AFMoE's ``mlp.expert_bias``; Hy3's, saved as ``mlp.router.gate.weight`` and
+``mlp.expert_bias``).
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ class Recipe:
     renames: dict = field(default_factory=dict)
     rotary_dim: bool = False  # legacy_keys=True: partial RoPE as ``rotary_dim`` (MiniMax-M2), not partial_rotary_factor
     text_config: str | None = None  # a vision-language wrapper: the key its config nests the language model's under
-    # buffers (name suffixes) that start at zero and get seeded noise, so a runtime that skips them is caught
+    # buffers or parameters (name suffixes) that start at zero and get seeded noise, so a runtime that skips them is
+    # caught (and a router transformers initializes to zero routes tokens apart)
     noisy_buffers: tuple[str, ...] = ()
 
 
@@ -168,6 +170,29 @@ ARCHS: dict[str, Recipe] = {
         vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64),
         tie_word_embeddings=False), "num_experts", text_config="text_config"),
+    # Trinity (AFMoE): sliding (RoPE) and full (no RoPE) attention with an output gate, four norms per layer, muP
+    # embedding scale, a sigmoid router whose weight transformers initializes to zero (seeded noise here, as the
+    # score bias)
+    "AfmoeForCausalLM": Recipe("afmoe", dict(
+        _COMMON, head_dim=HEAD_DIM, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, num_shared_experts=1, num_dense_layers=1, route_scale=2.826,
+        global_attn_every_n_layers=2, mup_enabled=True, rms_norm_eps=1e-5), "num_experts", dense_layers=(0,),
+        noisy_buffers=("expert_bias", "router.gate.weight")),
+    # Laguna XS.2's pattern at tiny size: layer 0 full attention with fewer heads, the rest sliding, the score bias
+    # under the experts prefix
+    "LagunaForCausalLM": Recipe("laguna", dict(
+        _COMMON, head_dim=HEAD_DIM, num_attention_heads_per_layer=[HEADS, 2 * HEADS, 2 * HEADS],
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], intermediate_size=DENSE_INTER,
+        moe_intermediate_size=EXPERT_INTER, shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, mlp_layer_types=["dense", "sparse", "sparse"], moe_routed_scaling_factor=2.5,
+        gating="per-head", rms_norm_eps=1e-6), "num_experts", dense_layers=(0,),
+        noisy_buffers=("e_score_correction_bias",)),
+    # Hy3: layer 0 dense, the router, its score bias and the shared expert under their published names
+    "HYV3ForCausalLM": Recipe("hy_v3", dict(
+        _COMMON, head_dim=HEAD_DIM, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, num_shared_experts=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], router_scaling_factor=2.826, rms_norm_eps=1e-5), "num_experts",
+        dense_layers=(0,), noisy_buffers=("e_score_correction_bias",)),
     "Qwen2MoeForCausalLM": Recipe("qwen2_moe", dict(
         _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
         shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
@@ -219,7 +244,7 @@ def model_of(arch: str, seed: int = 0, **keys):
         for name, param in model.named_parameters():
             if ".experts." in name and name.endswith("bias") and not param.any():
                 param.normal_(0.0, 0.05)
-        for name, buf in model.named_buffers():
+        for name, buf in list(model.named_buffers()) + list(model.named_parameters()):
             if name.endswith(ARCHS[arch].noisy_buffers) and not buf.any():
                 buf.normal_(0.0, 0.05)
     return model
@@ -555,7 +580,16 @@ PADDED_KEYS = {"GptOssForCausalLM": {"hidden_size": 160, "intermediate_size": 96
 PUBLISHED_KEYS = {"SolarOpenForCausalLM": {"intermediate_size": DENSE_INTER},
                   "Qwen3NextForCausalLM": {"full_attention_interval": 3},  # transformers derives layer_types from it
                   # Qwen3.5's vision_config states it (no deepstack); exllamav3 reads it without a default
-                  "Qwen3_5MoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": []}}}
+                  "Qwen3_5MoeForConditionalGeneration": {"vision_config": {"deepstack_visual_indexes": []}},
+                  # Trinity's router keys (transformers' router is sigmoid and normalizes, keyless)
+                  "AfmoeForCausalLM": {"route_norm": True, "score_func": "sigmoid", "n_group": 1, "topk_group": 1},
+                  # exllamav3 requires norm_topk_prob (transformers' router always normalizes, keyless) and reads
+                  # the dense layers from mlp_only_layers
+                  "LagunaForCausalLM": {"norm_topk_prob": True, "mlp_only_layers": [0], "decoder_sparse_step": 1},
+                  # Hy3's router and layer keys, which exllamav3 reads and transformers does not define
+                  "HYV3ForCausalLM": {"first_k_dense_replace": 1, "num_nextn_predict_layers": 0, "qk_norm": True,
+                                      "route_norm": True, "moe_router_use_sigmoid": True,
+                                      "moe_router_enable_expert_bias": True}}
 
 
 # --- one-node campaigns of a kit checkpoint (tests/test_family_campaigns.py, benchmarks/family_campaigns.py) -----

@@ -24,7 +24,7 @@ E2M1_MAX_STEP = 1.0  # widest half-gap of e2m1 (between 4 and 6), in units of th
 _EXPERT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)"
                      r"\.weight$")
 _BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
-_FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias")
+_FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias", ".mlp.router.gate.weight", ".mlp.expert_bias")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 

@@ -100,7 +100,27 @@ FAMILIES = {
                              short_factor=[1.0 + 0.05 * i for i in range(32)],
                              long_factor=[2.0 + 0.25 * i for i in range(32)], short_mscale=1.1, long_mscale=1.3)),
         [0, 1, 2]),
+    # Trinity (AFMoE): layer 0 dense, sliding (RoPE) and full (no RoPE) attention with an output gate, four norms per
+    # layer, the muP embedding scale, a sigmoid router with its score bias (mlp.expert_bias), a shared expert
+    "afmoe": ("AfmoeForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_shared_experts=1,
+        num_dense_layers=1, head_dim=64, sliding_window=16, global_attn_every_n_layers=2, mup_enabled=True,
+        route_scale=2.5), [1, 2]),
+    # Laguna: sliding (layers 0, 2) and full (layer 1) attention, each type with its own RoPE (full: partial, another
+    # theta) and its own head count, a softplus gate per head; the score bias stored under the experts prefix
+    "laguna": ("LagunaForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, shared_expert_intermediate_size=INTER,
+        num_experts=N_EXPERTS, head_dim=64, gating="per-head", num_attention_heads_per_layer=[4, 8, 4],
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=16,
+        moe_routed_scaling_factor=2.5), [1, 2]),
+    # Hy3: layer 0 dense (mlp_layer_types), the router and its score bias under their published names
+    # (mlp.router.gate, mlp.expert_bias), the shared expert mlp.shared_mlp, q/k norms
+    "hy_v3": ("HYV3ForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_shared_experts=1, head_dim=64,
+        router_scaling_factor=2.826), [1, 2]),
 }
+# parameters transformers' _init_weights starts at zero, made non-zero so that they act (AFMoE's router)
+NOISY = {"afmoe": ("router.gate.weight",)}
 # layer -> the derived buffers (Calibration.derived_buffers) removed from the saved checkpoint
 DERIVED_LEFT_OUT = {"minimax": {0: ("self_attn.slope_rate", "self_attn.query_decay", "self_attn.key_decay",
                                     "self_attn.diagonal_decay")}}
@@ -130,7 +150,7 @@ def _save_tiny(case: str, d: Path) -> Path:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, t in list(m.named_parameters()) + list(m.named_buffers()):
-            if name.endswith(("bias", "sinks")):
+            if name.endswith(("bias", "sinks") + NOISY.get(case, ())):
                 t.add_(0.05 * torch.randn(t.shape, generator=g))
     m.save_pretrained(d, max_shard_size="1MB")
     index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -177,12 +197,18 @@ def _reference(d: Path, arch, tokens=None):
 
 
 def hooked_forward(m, layers, arch, tokens) -> dict:
-    """``m`` run on ``tokens``, hooked on its decoder ``layers``: the position embeddings they get, each layer's
-    output, each MoE block's input, its router's top-k and its experts module's inputs and output."""
-    seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
-    handles = [layers[0].register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(
-        "pos_emb", kw["position_embeddings"]), with_kwargs=True)]
+    """``m`` run on ``tokens``, hooked on its decoder ``layers``: the position embeddings each gets, layer 0's input,
+    each layer's output, each MoE block's input, its router's top-k and its experts module's inputs and output."""
+    seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}, "pos_embs": {}}
+
+    def pre(L, args, kw):
+        seen["pos_embs"][L] = kw["position_embeddings"]
+        if L == 0:
+            seen["pos_emb"], seen["in"] = kw["position_embeddings"], (args[0] if args else kw["hidden_states"]).detach()
+
+    handles = []
     for L, lay in enumerate(layers):
+        handles.append(lay.register_forward_pre_hook(lambda _m, a, kw, L=L: pre(L, a, kw), with_kwargs=True))
         handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
             L, (out[0] if isinstance(out, tuple) else out).detach())))
         block = getattr(lay, arch.moe_block)
@@ -200,13 +226,14 @@ def hooked_forward(m, layers, arch, tokens) -> dict:
     return seen
 
 
-def _same_position_embeddings(hfc, arch, hidden, seen) -> bool:
-    """The chain's rotary call (a fresh rotary module, positions 0..cols-1 of one row, as ``capture.advance``
-    makes it) gives the position embeddings the full model's layers got (broadcast over its rows)."""
+def _same_position_embeddings(hfc, arch, hidden, seen, layer: int = 0) -> bool:
+    """The chain's rotary call for ``layer`` (a fresh rotary module, positions 0..cols-1 of one row, the layer's own
+    arguments, as ``capture.advance`` makes it) gives the position embeddings the full model's layer got (broadcast
+    over its rows)."""
     pos = torch.arange(hidden.shape[1]).unsqueeze(0)
     with torch.no_grad():
-        mine = layer_mod.rotary(hfc, arch)(hidden[:1], pos)
-    theirs = seen["pos_emb"]
+        mine = layer_mod.position_embeddings(layer_mod.rotary(hfc, arch), hfc, arch, layer, hidden[:1], pos)
+    theirs = seen["pos_embs"][layer]
     pairs = zip(mine, theirs) if isinstance(theirs, tuple) else [(mine, theirs)]
     return all(torch.equal(a.expand_as(b), b) for a, b in pairs)
 
@@ -241,11 +268,15 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
     # the chain's attention and experts implementations are what from_pretrained picked on the CPU
     assert (hfc._attn_implementation, hfc._experts_implementation) == \
         (m.config._attn_implementation, m.config._experts_implementation)
-    assert torch.equal(layer_mod.rotary(hfc, arch).inv_freq, m.model.rotary_emb.original_inv_freq)
+    # the rotary's frequencies (each layer type's, where it has one per type: Laguna)
+    rot, theirs = layer_mod.rotary(hfc, arch), dict(m.model.rotary_emb.named_buffers())
+    originals = [n for n in theirs if n.endswith("original_inv_freq")]
+    assert originals and all(torch.equal(getattr(rot, n.replace("original_inv_freq", "inv_freq")), theirs[n])
+                             for n in originals)
 
     hidden = capture.embed(ckpt, _tokens())
-    assert torch.equal(hidden, m.model.embed_tokens(_tokens()).detach())
-    assert _same_position_embeddings(hfc, arch, hidden, seen)
+    assert torch.equal(hidden, seen["in"])  # the embeddings as the model's forward hands them to layer 0 (muP)
+    assert all(_same_position_embeddings(hfc, arch, hidden, seen, L) for L in range(3))
     for L in range(3):
         tensors, shards = layer_mod.layer_tensors(ckpt, L)
         assert set(shards) == {ckpt.weight_map[n] for n in tensors}
@@ -394,6 +425,12 @@ RULE_CASES = [
      [{}, {"first_k_dense_replace": 1}, {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
     ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", {"num_experts": 4}, [{}]),
     ("minimax", "MiniMaxForCausalLM", {"num_local_experts": 4}, [{}]),
+    ("afmoe", "AfmoeForCausalLM", {"num_experts": 4}, [{}, {"num_dense_layers": 0}, {"num_dense_layers": 2}]),
+    ("laguna", "LagunaForCausalLM", {"num_experts": 4},
+     [{}, {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
+    ("hy_v3", "HYV3ForCausalLM", {"num_experts": 4},
+     [{}, {"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]},
+      {"num_experts": None, "num_local_experts": 4}]),  # the spelling transformers' attribute_map accepts
 ]
 
 

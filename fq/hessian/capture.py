@@ -1,7 +1,9 @@
 """The calibration chain: calibration tokens embedded and advanced through the SOURCE model one decoder layer at a
 time, summing each MoE layer's routed-expert input Hessians on the way.
 
-- ``embed``: the embedding rows of the tokens (``model.embed_tokens.weight`` only), float32 [rows, cols, hidden].
+- ``embed``: the embedding rows of the tokens (``model.embed_tokens.weight`` only), float32 [rows, cols, hidden],
+  times the factor the model's forward scales them by where the family has one (``Calibration.embed_scale``: AFMoE's
+  muP).
 - ``advance``: one layer. transformers' own decoder layer (``fq.hessian.layer``: built from that layer's tensors
   only, float32, the attention (sdpa; eager for gpt-oss) and grouped_mm experts as ``from_pretrained`` picks them
   on the CPU, position embeddings from the model's rotary module, the layer's mask from ``transformers.masking_utils``
@@ -146,7 +148,10 @@ def embed(source, tokens: "torch.Tensor", sha256: Mapping[str, str] | None = Non
         arch = layer_mod.architecture(config, f"{ckpt.dir}/config.json")
         weight = layer_mod.read_tensors(ckpt, [arch.embed], sha256)[0][arch.embed]
     tokens = _check_tokens(tokens, int(weight.shape[0]))
-    return torch.nn.functional.embedding(tokens, weight).contiguous()
+    hidden = torch.nn.functional.embedding(tokens, weight)
+    if arch.embed_scale is not None:  # what the model's forward multiplies the embeddings by (AFMoE's muP)
+        hidden = hidden * arch.embed_scale(layer_mod.hf_config(config))
+    return hidden.contiguous()
 
 
 def _act_inputs(arch: layer_mod.Arch, experts, x: "torch.Tensor", e: int) -> "torch.Tensor":
@@ -310,7 +315,7 @@ def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[s
         with torch.no_grad(), torch_threads(threads if str(device) == "cpu" else None):
             for lo in range(0, rows, row_batch):
                 h = hidden[lo: lo + row_batch].to(device)
-                pos_emb = rot(h, position_ids)
+                pos_emb = layer_mod.position_embeddings(rot, hfc, arch, layer, h, position_ids)
                 mask = make_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None,
                                  position_ids=position_ids, **mask_kwargs)
                 y = module(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb)

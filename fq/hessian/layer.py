@@ -35,6 +35,7 @@
     layer_tensors(checkpoint, layer, sha256=None) -> (tensors, shard digests)
     build_layer(hf_cfg, arch, layer, tensors) -> torch.nn.Module (float32, eval)
     rotary(hf_cfg, arch) -> the model's rotary-embedding module
+    position_embeddings(rot, hf_cfg, arch, layer, hidden, position_ids) -> what the model hands that layer
 """
 from __future__ import annotations
 
@@ -107,6 +108,8 @@ class Arch:
     router = property(lambda self: self.cal.router)
     mask_type = property(lambda self: self.cal.mask_type)
     attn_implementation = property(lambda self: self.cal.attn_implementation)
+    rotary_kwargs = property(lambda self: self.cal.rotary_kwargs)
+    embed_scale = property(lambda self: self.cal.embed_scale)
     model_types = property(lambda self: self.family.model_types)
 
     @property
@@ -371,6 +374,13 @@ def build_layer(hf_cfg, arch: Arch, layer: int, tensors: Mapping[str, "object"])
 
 
 def rotary(hf_cfg, arch: Arch):
-    """The model's rotary-embedding module (position embeddings every layer of the model shares)."""
+    """The model's rotary-embedding module (position embeddings every layer of the model shares, or, where the
+    family's rotary takes the layer's type, those of each type: ``position_embeddings``)."""
     _, rot_cls = arch.classes()
     return rot_cls(config=hf_cfg).eval()
+
+
+def position_embeddings(rot, hf_cfg, arch: Arch, layer: int, hidden, position_ids):
+    """What the model's forward hands decoder layer ``layer``: ``rot(hidden, position_ids)``, with the layer's own
+    arguments where the family declares them (``Calibration.rotary_kwargs``)."""
+    return rot(hidden, position_ids, **(arch.rotary_kwargs(hf_cfg, layer) if arch.rotary_kwargs else {}))

@@ -536,7 +536,8 @@ def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.Source
     for name in sorted(weight_map):
         parsed = layout.parse(name)
         if parsed is None:
-            if under_experts.match(name):
+            m = under_experts.fullmatch(name)
+            if m and m["rest"] not in family.experts_skeleton:
                 # A fused 3-D tensor, a bias, or names of another layout would silently become skeleton: refuse.
                 raise FqError(f"{idx}: tensor {name!r} is under the routed experts ({prefix}) but is not one expert's "
                               f"{'/'.join(layout.projections)} matrix; a {family.architectures[0]} checkpoint stores "

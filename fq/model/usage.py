@@ -63,13 +63,14 @@ def _layer_of(module_name: str, layers: str | None = None) -> int | None:
 
 def routers(model, layers: str | None = None) -> dict[int, object]:
     """layer -> router module of a transformers 5.x MoE model: the ``*TopkRouter``/``*TopKRouter`` modules
-    (GLM-4-MoE, GLM-5, DeepSeek-V3, Qwen3-MoE, Mixtral), whose forward returns (logits, weights, indices).
+    (GLM-4-MoE, GLM-5, DeepSeek-V3, Qwen3-MoE, Mixtral) and AFMoE's ``AfmoeTokenChoiceRouter``, whose forward returns
+    (logits, weights, indices).
     ``layers``: the layers prefix of the family's layout (``fq.model.experts.ExpertLayout.layers``); a router
     outside it (a head that is not one of the decoder's layers) is not counted."""
     out = {}
     for name, mod in model.named_modules():
         cls = type(mod).__name__
-        if cls.endswith("TopkRouter") or cls.endswith("TopKRouter"):
+        if cls.endswith(("TopkRouter", "TopKRouter", "TokenChoiceRouter")):
             if layers and not name.startswith(layers):
                 continue
             layer = _layer_of(name, layers)
@@ -88,7 +89,8 @@ def count_selections(model, ids, *, seq_len: int = 256, batch: int = 8, progress
     import torch
 
     rs = routers(model, layers)
-    n_experts = {L: int(r.weight.shape[0]) for L, r in rs.items()}
+    # the router's own weight [experts, hidden], or AFMoE's, a linear inside it (router.gate)
+    n_experts = {L: int((r.weight if hasattr(r, "weight") else r.gate.weight).shape[0]) for L, r in rs.items()}
     counts = {L: torch.zeros(n, dtype=torch.int64) for L, n in n_experts.items()}
     handles = []
     for L, r in rs.items():

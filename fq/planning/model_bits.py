@@ -131,10 +131,11 @@ def _built_shapes(config: dict, where: str) -> dict:
     out: dict = {}
     built: dict = {}
     for layer in range(arch.n_layers(config, where)):
-        # layers alike in what shapes them (MoE or dense, per-layer attention and indexer types) are built once
+        # layers alike in what shapes them (MoE or dense, per-layer attention and indexer types, Laguna's per-layer
+        # head counts) are built once
         key = (arch.is_moe(config, layer),) + tuple(
             getattr(hfc, k)[layer] if isinstance(getattr(hfc, k, None), (list, tuple)) else None
-            for k in ("layer_types", "indexer_types"))
+            for k in ("layer_types", "indexer_types", "num_attention_heads_per_layer"))
         if key not in built:
             with torch.device("meta"):
                 built[key] = {k: tuple(v.shape) for k, v in layer_cls(hfc, layer).state_dict().items()}

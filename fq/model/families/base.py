@@ -50,13 +50,15 @@ def _int_list(config: dict, key: str, cfg: str) -> list[int]:
 # -- which layers are MoE: each rule is what the family's transformers decoder layer tests ----------------------
 @dataclass(frozen=True)
 class DenseFirst:
-    """MoE from layer ``first_k_dense_replace`` on (DeepSeek's original code also skips layers off ``freq_key``)."""
+    """MoE from layer ``first_k_dense_replace`` on (AFMoE's ``num_dense_layers``: ``key``; DeepSeek's original code
+    also skips layers off ``freq_key``)."""
 
     default: int
     freq_key: str | None = None
+    key: str = "first_k_dense_replace"
 
     def layers(self, config: dict, n_layers: int, cfg: str, title: str) -> list[int]:
-        first = read_int(config, ("first_k_dense_replace",), cfg, title, minimum=0, default=self.default)
+        first = read_int(config, (self.key,), cfg, title, minimum=0, default=self.default)
         freq = read_int(config, (self.freq_key,), cfg, title, default=1) if self.freq_key else 1
         return [l for l in range(n_layers) if l >= first and l % freq == 0]
 
@@ -239,6 +241,12 @@ class Calibration:
     # (transformers config, layer) -> the layer's attention type as masking_utils names it (its mask function)
     mask_type: Callable[[object, int], str] = full_attention
     attn_implementation: str = "sdpa"  # what from_pretrained picks on the CPU for this model class
+    # (transformers config, layer) -> the keyword arguments the rotary module's forward takes for that layer (Laguna:
+    # its layer type, each with a RoPE of its own); None: the one rotary call every layer of the model shares
+    rotary_kwargs: Callable[[object, int], dict] | None = None
+    # (transformers config) -> the factor the model's forward multiplies the token embeddings by before layer 0
+    # (AFMoE's muP: sqrt(hidden_size) when mup_enabled); None: the embedding rows as they are
+    embed_scale: Callable[[object], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -297,6 +305,9 @@ class Family:
     # the key of config.json that holds the language model's config (a vision-language wrapper's text_config);
     # None: the top level. Every config value of the family is read from ``text_view``
     text_config: str | None = None
+    # tensors under the routed-experts prefix, named relative to it, that are no expert's matrix and stay skeleton
+    # (Laguna's router score bias ``mlp.experts.e_score_correction_bias``); any other such tensor is refused
+    experts_skeleton: tuple[str, ...] = ()
 
     @property
     def transformers_model_type(self) -> str:
