@@ -45,15 +45,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from fq.core import canonical
 from fq.errors import FqError
 
 if TYPE_CHECKING:  # the registry imports the codec's constants (numpy): loaded when a chain is built, not here
     from fq.model.families import Calibration, Family
 
 CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 def _glu_act_inputs(experts, x: "torch.Tensor", e: int) -> "torch.Tensor":
@@ -212,24 +209,12 @@ class Checkpoint:
 
 
 def read_checkpoint(source_dir: str | os.PathLike) -> Checkpoint:
-    """config.json and the weight map (the index, or one model.safetensors' header) of a checkpoint directory."""
-    from fq.core.safepath import open_regular, read_regular
-    from fq.model.shards import read_header
+    """config.json and the weight map (the index, or one model.safetensors' header) of a checkpoint directory, read by
+    fq's one reader of a source directory (``fq.model.checkpoint.read_meta``)."""
+    from fq.model.checkpoint import read_meta
 
-    d = Path(source_dir)
-    raw = read_regular(d, CONFIG, f"{d}/{CONFIG}")
-    config = canonical.loads(raw, f"{d}/{CONFIG}")
-    if not isinstance(config, dict):
-        raise FqError(f"{d}/{CONFIG}: not a JSON object")
-    if (d / INDEX).is_file():
-        index = canonical.loads(read_regular(d, INDEX, f"{d}/{INDEX}"), f"{d}/{INDEX}")
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-            raise FqError(f"{d}/{INDEX}: weight_map must map tensor names to shard files")
-    else:
-        with open_regular(d, SINGLE, f"{d}/{SINGLE}") as fh:
-            wm = {e.name: SINGLE for e in read_header(fh, f"{d}/{SINGLE}").entries}
-    return Checkpoint(d, config, canonical.sha256_hex(raw), dict(wm))
+    meta = read_meta(source_dir)
+    return Checkpoint(meta.dir, meta.config, meta.config_sha256, meta.weight_map)
 
 
 def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = None) -> tuple[dict, dict[str, str]]:
@@ -239,7 +224,8 @@ def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = Non
 
     from fq.model import formats
 
-    from fq.core.safepath import open_regular, sha256_stream
+    from fq.core.safepath import sha256_stream
+    from fq.model.checkpoint import open_file
     from fq.model.shards import read_header, torch_dtype
 
     names = sorted(set(names))
@@ -253,7 +239,7 @@ def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = Non
     digests: dict[str, str] = {}
     for shard in sorted(by_shard):
         where = f"{ckpt.dir}/{shard}"
-        with open_regular(ckpt.dir, shard, where) as fh:
+        with open_file(ckpt.dir, shard, where) as fh:
             header = read_header(fh, where)
             entries = sorted((header.entry(n) for n in by_shard[shard]), key=lambda e: e.start)
             bufs = {e.name: bytearray(e.length) for e in entries}

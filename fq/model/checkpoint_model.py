@@ -10,16 +10,13 @@ transformers does not know but the family registry maps (Kimi-K2's ``kimi_k2``) 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from fq.core.canonical import loads, sha256_hex
-from fq.core.safepath import open_regular
+from fq.core.canonical import sha256_hex
 from fq.errors import FqError
+from fq.model.checkpoint import open_file, read_meta
 from fq.model.families import transformers_model_type
 from fq.model.formats import dense_state
 from fq.model.shards import read_header
-
-CONFIG = "config.json"
 
 
 def tensor_from(dtype: str, shape, data) -> "torch.Tensor":
@@ -92,17 +89,12 @@ def checkpoint_state(directory: str | os.PathLike, sha256: dict[str, str] | None
     """(config, float32 tensors) of a Hugging Face checkpoint directory (config.json, the shard index or one
     model.safetensors). ``sha256``: shard name -> digest (what ``fq init`` recorded): each shard is read once and
     compared before it is parsed."""
-    d = Path(directory)
-    config = loads((d / CONFIG).read_bytes(), str(d / CONFIG))
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(loads(index.read_bytes(), str(index))["weight_map"].values()))
-    else:
-        shards = ["model.safetensors"]
+    meta = read_meta(directory)
+    d, config = meta.dir, meta.config
     raw: dict = {}
-    for name in shards:
+    for name in meta.shards:
         where = f"{d}/{name}"
-        with open_regular(d, name, where) as fh:
+        with open_file(d, name, where) as fh:
             header = read_header(fh, where)
             fh.seek(0)
             data = fh.read()

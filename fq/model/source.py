@@ -23,10 +23,9 @@ from fq.core import canonical
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
 from fq.model import families, formats
+from fq.model.checkpoint import INDEX as INDEX_NAME, check_weight_map, open_file, read_meta
 from fq.model.families import Family
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 PROJECTIONS = ("gate", "up", "down")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -234,23 +233,19 @@ def load_source(spec: str | Path, *, revision: str | None = None, sizes: Mapping
     """
     path = Path(spec)
     if path.is_dir():
-        config_bytes = _read(path / "config.json")
-        if (path / INDEX_NAME).is_file():
-            index_bytes = _read(path / INDEX_NAME)
+        meta = read_meta(path)  # fq.model.checkpoint: the one reader of a checkpoint directory
+        index = {"weight_map": meta.weight_map}
+        if meta.single_header is None:
+            index_bytes = meta.index_bytes
             index = canonical.loads(index_bytes, str(path / INDEX_NAME))
-            tensors = shard_tensors(path, _weight_map(index, str(path / INDEX_NAME)), str(path / INDEX_NAME))
-        elif (path / SINGLE_NAME).is_file():
-            header = _read_shard_header(path / SINGLE_NAME)
-            index = {"weight_map": {e.name: SINGLE_NAME for e in header.entries}}
-            index_bytes = canonical.dumps(index)
-            tensors = {e.name: (e.dtype, e.shape) for e in header.entries}
+            tensors = shard_tensors(path, meta.weight_map, str(path / INDEX_NAME))
         else:
-            raise FqError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found (fq reads a Hugging Face safetensors checkpoint)")
+            index_bytes = canonical.dumps(index)
+            tensors = {e.name: (e.dtype, e.shape) for e in meta.single_header.entries}
         if sizes is None:
             sizes = _sizes_from_disk(path, index, str(path / INDEX_NAME))
-        return parse_source(canonical.loads(config_bytes, str(path / "config.json")), index, sizes,
-                            origin=str(path), revision=revision, config_bytes=config_bytes, index_bytes=index_bytes,
-                            tensors=tensors)
+        return parse_source(meta.config, index, sizes, origin=str(path), revision=revision,
+                            config_bytes=meta.config_bytes, index_bytes=index_bytes, tensors=tensors)
     if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*", str(spec)) and not path.exists():
         config_bytes, index_bytes, hub_sizes, commit = _hub_metadata(str(spec), revision)
         return parse_source(canonical.loads(config_bytes, f"{spec}/config.json"),
@@ -303,7 +298,7 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     idx = f"{origin}/{INDEX_NAME}"
     if not isinstance(config, dict):
         raise FqError(f"{cfg}: expected a JSON object")
-    weight_map = _weight_map(index, idx)
+    weight_map = check_weight_map(index, idx)
     family = families.for_config(config, cfg)
     if family.unread:
         raise FqError(f"{cfg}: {family.architectures[0]} ({family.title}) checkpoints are not read yet: "
@@ -383,33 +378,13 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise FqError(f"{path}: cannot read: {e.strerror}") from None
-
-
-def _weight_map(index, idx: str) -> dict[str, str]:
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict) or not index["weight_map"]:
-        raise FqError(f"{idx}: weight_map: expected a non-empty object tensor name -> shard file")
-    for name, shard in index["weight_map"].items():
-        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
-            # Shard names become staging and deletion paths: plain file names only.
-            raise FqError(f"{idx}: weight_map[{name!r}]: expected a plain shard file name, got {shard!r}")
-    return index["weight_map"]
-
-
 def _read_shard_header(path: Path):
     """A shard's header, read and validated by fq's own reader (``fq.model.shards.read_header``: a length, dtype,
     shape or offset that lies is refused naming the file), never a payload."""
     from fq.model.shards import read_header
 
-    try:
-        with open(path, "rb") as fh:
-            return read_header(fh, str(path))
-    except OSError as e:
-        raise FqError(f"{path}: cannot read: {e.strerror}") from None
+    with open_file(path.parent, path.name) as fh:
+        return read_header(fh, str(path))
 
 
 def shard_tensors(path: Path, weight_map: Mapping[str, str], idx: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -424,7 +399,7 @@ def shard_tensors(path: Path, weight_map: Mapping[str, str], idx: str) -> dict[s
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for shard in sorted(names):
         p = path / shard
-        if not p.is_file():
+        if not p.exists():  # a plan from a sizes listing; a FIFO or a directory is refused by open_file
             continue
         for e in _read_shard_header(p).entries:
             owner = weight_map.get(e.name)
@@ -433,7 +408,7 @@ def shard_tensors(path: Path, weight_map: Mapping[str, str], idx: str) -> dict[s
                               f"shard each tensor is in")
             out[e.name] = (e.dtype, e.shape)
     for shard in sorted(names):
-        if not (path / shard).is_file():
+        if not (path / shard).exists():
             continue
         missing = sorted(n for n in names[shard] if n not in out)
         if missing:
@@ -445,7 +420,7 @@ def shard_tensors(path: Path, weight_map: Mapping[str, str], idx: str) -> dict[s
 
 def _sizes_from_disk(path: Path, index: dict, idx: str) -> dict[str, int]:
     out = {}
-    for shard in sorted(set(_weight_map(index, idx).values())):
+    for shard in sorted(set(check_weight_map(index, idx).values())):
         try:
             out[shard] = (path / shard).stat().st_size
         except FileNotFoundError:
