@@ -100,6 +100,17 @@ FAMILIES = {
                              short_factor=[1.0 + 0.05 * i for i in range(32)],
                              long_factor=[2.0 + 0.25 * i for i in range(32)], short_mscale=1.1, long_mscale=1.3)),
         [0, 1, 2]),
+    # full attention (layer 0, theta 5e6) and sliding attention with sinks and twice the KV heads (layers 1, 2,
+    # theta 1e4), a window shorter than the rows, Q/K wider than V, a value scale; layer 0 dense; sigmoid routing
+    # with a score bias
+    "mimo_v2_flash": ("MiMoV2FlashForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, n_routed_experts=N_EXPERTS, head_dim=96, v_head_dim=64,
+        sliding_window=16), [1, 2]),
+    # short convolutions (layers 0, 2) and attention with q/k norms (layer 1); layer 0 dense (num_dense_layers);
+    # sigmoid routing with a score bias (feed_forward.expert_bias)
+    "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_dense_layers=1,
+        layer_types=["conv", "full_attention", "conv"]), [1, 2]),
 }
 # layer -> the derived buffers (Calibration.derived_buffers) removed from the saved checkpoint
 DERIVED_LEFT_OUT = {"minimax": {0: ("self_attn.slope_rate", "self_attn.query_decay", "self_attn.key_decay",
@@ -179,10 +190,12 @@ def _reference(d: Path, arch, tokens=None):
 def hooked_forward(m, layers, arch, tokens) -> dict:
     """``m`` run on ``tokens``, hooked on its decoder ``layers``: the position embeddings they get, each layer's
     output, each MoE block's input, its router's top-k and its experts module's inputs and output."""
-    seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
+    seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}, "pos_embs": {}}
     handles = [layers[0].register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(
         "pos_emb", kw["position_embeddings"]), with_kwargs=True)]
     for L, lay in enumerate(layers):
+        handles.append(lay.register_forward_pre_hook(lambda _m, _a, kw, L=L: seen["pos_embs"].__setitem__(
+            L, kw["position_embeddings"]), with_kwargs=True))
         handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
             L, (out[0] if isinstance(out, tuple) else out).detach())))
         block = getattr(lay, arch.moe_block)
@@ -200,13 +213,13 @@ def hooked_forward(m, layers, arch, tokens) -> dict:
     return seen
 
 
-def _same_position_embeddings(hfc, arch, hidden, seen) -> bool:
+def _same_position_embeddings(hfc, arch, hidden, seen, layer: int = 0) -> bool:
     """The chain's rotary call (a fresh rotary module, positions 0..cols-1 of one row, as ``capture.advance``
-    makes it) gives the position embeddings the full model's layers got (broadcast over its rows)."""
+    makes it) gives the position embeddings the full model's layer got (broadcast over its rows)."""
     pos = torch.arange(hidden.shape[1]).unsqueeze(0)
     with torch.no_grad():
-        mine = layer_mod.rotary(hfc, arch)(hidden[:1], pos)
-    theirs = seen["pos_emb"]
+        mine = layer_mod.position_embeddings(layer_mod.rotary(hfc, arch), hfc, arch, layer, hidden[:1], pos)
+    theirs = seen["pos_embs"][layer]
     pairs = zip(mine, theirs) if isinstance(theirs, tuple) else [(mine, theirs)]
     return all(torch.equal(a.expand_as(b), b) for a, b in pairs)
 
@@ -241,11 +254,18 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
     # the chain's attention and experts implementations are what from_pretrained picked on the CPU
     assert (hfc._attn_implementation, hfc._experts_implementation) == \
         (m.config._attn_implementation, m.config._experts_implementation)
-    assert torch.equal(layer_mod.rotary(hfc, arch).inv_freq, m.model.rotary_emb.original_inv_freq)
+    # every inverse frequency of the chain's rotary module (one per attention type where it keeps several) is the
+    # full model's, as it built it (LFM2-MoE names its rotary module pos_emb)
+    _, rot_cls = arch.classes()
+    (theirs,) = [mod for mod in m.model.modules() if isinstance(mod, rot_cls)]
+    mine = dict(layer_mod.rotary(hfc, arch).named_buffers())
+    assert mine and all(torch.equal(v, theirs.get_buffer(k.replace("inv_freq", "original_inv_freq")))
+                        for k, v in mine.items() if k.endswith("inv_freq") and "original" not in k)
 
     hidden = capture.embed(ckpt, _tokens())
     assert torch.equal(hidden, m.model.embed_tokens(_tokens()).detach())
-    assert _same_position_embeddings(hfc, arch, hidden, seen)
+    for L in range(3):
+        assert _same_position_embeddings(hfc, arch, hidden, seen, L), L
     for L in range(3):
         tensors, shards = layer_mod.layer_tensors(ckpt, L)
         assert set(shards) == {ckpt.weight_map[n] for n in tensors}
@@ -394,6 +414,11 @@ RULE_CASES = [
      [{}, {"first_k_dense_replace": 1}, {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
     ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", {"num_experts": 4}, [{}]),
     ("minimax", "MiniMaxForCausalLM", {"num_local_experts": 4}, [{}]),
+    ("mimo_v2_flash", "MiMoV2FlashForCausalLM", {"n_routed_experts": 4},
+     [{}, {"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}, {"mlp_layer_types": ["sparse"] * 4},
+      {"first_k_dense_replace": 3}]),  # a key its config class does not read
+    ("lfm2_moe", "Lfm2MoeForCausalLM", {"num_experts": 4, "layer_types": ["conv", "full_attention"] * 2},
+     [{}, {"num_dense_layers": 0}, {"num_dense_layers": 3}]),
 ]
 
 

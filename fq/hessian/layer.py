@@ -35,6 +35,7 @@
     layer_tensors(checkpoint, layer, sha256=None) -> (tensors, shard digests)
     build_layer(hf_cfg, arch, layer, tensors) -> torch.nn.Module (float32, eval)
     rotary(hf_cfg, arch) -> the model's rotary-embedding module
+    position_embeddings(rot, hf_cfg, arch, layer, x, position_ids) -> what the model hands that layer
 """
 from __future__ import annotations
 
@@ -374,3 +375,11 @@ def rotary(hf_cfg, arch: Arch):
     """The model's rotary-embedding module (position embeddings every layer of the model shares)."""
     _, rot_cls = arch.classes()
     return rot_cls(config=hf_cfg).eval()
+
+
+def position_embeddings(rot, hf_cfg, arch: Arch, layer: int, x, position_ids):
+    """What the model's forward hands decoder layer ``layer``: its rotary call, with the layer's type where the rotary
+    module keeps one rope per attention type (``Calibration.rotary_layer_type``)."""
+    if arch.cal.rotary_layer_type:
+        return rot(x, position_ids, hf_cfg.layer_types[layer])
+    return rot(x, position_ids)

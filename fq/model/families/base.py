@@ -50,13 +50,15 @@ def _int_list(config: dict, key: str, cfg: str) -> list[int]:
 # -- which layers are MoE: each rule is what the family's transformers decoder layer tests ----------------------
 @dataclass(frozen=True)
 class DenseFirst:
-    """MoE from layer ``first_k_dense_replace`` on (DeepSeek's original code also skips layers off ``freq_key``)."""
+    """MoE from layer ``first_k_dense_replace`` on (LFM2-MoE: ``num_dense_layers``; DeepSeek's original code also
+    skips layers off ``freq_key``)."""
 
     default: int
     freq_key: str | None = None
+    key: str = "first_k_dense_replace"
 
     def layers(self, config: dict, n_layers: int, cfg: str, title: str) -> list[int]:
-        first = read_int(config, ("first_k_dense_replace",), cfg, title, minimum=0, default=self.default)
+        first = read_int(config, (self.key,), cfg, title, minimum=0, default=self.default)
         freq = read_int(config, (self.freq_key,), cfg, title, default=1) if self.freq_key else 1
         return [l for l in range(n_layers) if l >= first and l % freq == 0]
 
@@ -239,6 +241,11 @@ class Calibration:
     # (transformers config, layer) -> the layer's attention type as masking_utils names it (its mask function)
     mask_type: Callable[[object, int], str] = full_attention
     attn_implementation: str = "sdpa"  # what from_pretrained picks on the CPU for this model class
+    # the rotary module's forward takes the layer's type (config.layer_types[layer]): one rope per attention type
+    # (MiMo-V2-Flash: full and sliding layers of other thetas)
+    rotary_layer_type: bool = False
+    # (the model's final norm beside its decoder layers, a decoder-layer norm of the same class): the head's input
+    final_norm: tuple[str, str] = ("norm", "input_layernorm")
 
 
 @dataclass(frozen=True)
