@@ -3,8 +3,9 @@
 Every family is transformers' own config class and modeling code (transformers 5.24), at one tiny size: vocab 512,
 hidden 256, 3 decoder layers (layer 0 dense where the family has dense layers), 8 routed experts of intermediate size
 128, top-2, 4 attention heads / 4 KV heads of 64 (MLA families: small LoRA ranks and head dims; GLM-5 at its published
-latent and rope widths, 512 and 64; Laguna 8 heads on its sliding layers, as XS.2 has more there), n_group = topk_group
-= 1, no next-token-prediction layers, untied embeddings. Nothing is downloaded. Qwen3.5-MoE is also built as Qwen
+latent and rope widths, 512 and 64; Laguna 8 heads on its sliding layers, as XS.2 has more there; MiMo-V2-Flash: 2 KV
+heads, 4 on its sliding layers, Q/K 96 and V 64 wide), n_group = topk_group = 1, no next-token-prediction layers,
+untied embeddings. Nothing is downloaded. Qwen3.5-MoE is also built as Qwen
 publishes it, the vision-language ``Qwen3_5MoeForConditionalGeneration`` (the language model's config nested under
 ``text_config``, its layers under ``model.language_model.layers.*``, a one-block vision tower under ``model.visual.*``,
 and the ``preprocessor_config.json`` the release ships).
@@ -197,6 +198,20 @@ ARCHS: dict[str, Recipe] = {
         _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
         shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, rms_norm_eps=1e-6), "num_experts"),
+    # full attention (layer 0) and sliding attention with sinks and twice the KV heads (layers 1, 2: layer_types'
+    # default), Q/K heads wider than V; layer 0 dense (mlp_layer_types' default); sigmoid routing with a score bias
+    "MiMoV2FlashForCausalLM": Recipe("mimo_v2_flash", dict(
+        _COMMON, num_key_value_heads=2, head_dim=96, v_head_dim=64, intermediate_size=DENSE_INTER,
+        moe_intermediate_size=EXPERT_INTER, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=1,
+        topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5), "n_routed_experts", dense_layers=(0,),
+        noisy_buffers=("e_score_correction_bias",)),
+    # short-convolution layers 0, 2 and an attention layer 1; layer 0 dense (num_dense_layers); the router's score
+    # bias feed_forward.expert_bias
+    "Lfm2MoeForCausalLM": Recipe("lfm2_moe", dict(
+        _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, num_dense_layers=1, norm_topk_prob=True, use_expert_bias=True, norm_eps=1e-5,
+        layer_types=["conv", "full_attention", "conv"]), "num_experts", dense_layers=(0,),
+        noisy_buffers=("expert_bias",)),
 }
 
 

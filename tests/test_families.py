@@ -24,10 +24,11 @@ from fq.planning.recipe import parse_recipe
 
 REGISTERED = sorted(a for a in fk.ARCHS
                     if a in {x for f in families.REGISTRY.values() if not f.unread for x in f.architectures})
-FP8_ARCHS = ["DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"]
+FP8_ARCHS = ["DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
+             "MiMoV2FlashForCausalLM"]
 # exllamav3 1.6.5 has no class for these, or misreads the kit's configs (docs/families.md says why)
 UNLOADABLE = {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "PhimoeForCausalLM",
-              "MiniMaxForCausalLM"}
+              "MiniMaxForCausalLM", "MiMoV2FlashForCausalLM"}
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
 RECIPE = {"format": "fq-cartridge/2", "name": "one", "nodes": [{"name": "k3", "kind": "base", "K": 3,
                                                                   "codebook": "mul1"}],

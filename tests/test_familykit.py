@@ -21,10 +21,11 @@ ARCHS = sorted(fk.ARCHS)
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
 E2M1_MAX_STEP = 1.0  # widest half-gap of e2m1 (between 4 and 6), in units of the group scale
 
-_EXPERT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)"
-                     r"\.weight$")
+_EXPERT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\."
+                     r"(\d+)\.(\w+)\.weight$")
 _BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
-_FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias", ".mlp.router.gate.weight", ".mlp.expert_bias")
+_FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias", ".mlp.router.gate.weight", ".mlp.expert_bias",
+                ".feed_forward.expert_bias")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -89,7 +90,7 @@ def test_build_is_tiny_moe_in_several_bf16_shards(arch, built):
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (512, 256, 3)
     assert cfg[r.expert_count_key] == 8 and cfg[r.expert_inter_key] == 128 and full["tie_word_embeddings"] is False
     assert cfg.get("num_experts_per_tok", cfg.get("moe_k")) == 2
-    assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 4
+    assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == r.keys.get("num_key_value_heads", 4)
     assert full == fk.config_of(arch)
     index = json.loads((d / fk.INDEX).read_text())
     head = _header(d)
@@ -116,8 +117,10 @@ def test_build_is_tiny_moe_in_several_bf16_shards(arch, built):
         for proj, got in per.items():
             down = proj in ("down_proj", "w2")
             assert got == {(e, (256, 128) if down else (128, 256)) for e in range(8)}, proj
-    for l in r.dense_layers:
-        assert head[f"model.layers.{l}.mlp.gate_proj.weight"][1] == (512, 256)
+    for l in r.dense_layers:  # LFM2-MoE's dense MLP is feed_forward.w1/w3/w2
+        gate = next(n for n in (f"model.layers.{l}.mlp.gate_proj.weight", f"model.layers.{l}.feed_forward.w1.weight")
+                    if n in head)
+        assert head[gate][1] == (512, 256)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

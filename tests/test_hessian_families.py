@@ -118,6 +118,17 @@ FAMILIES = {
     "hy_v3": ("HYV3ForCausalLM", dict(
         intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_shared_experts=1, head_dim=64,
         router_scaling_factor=2.826), [1, 2]),
+    # full attention (layer 0, theta 5e6) and sliding attention with sinks and twice the KV heads (layers 1, 2,
+    # theta 1e4), a window shorter than the rows, Q/K wider than V, a value scale; layer 0 dense; sigmoid routing
+    # with a score bias
+    "mimo_v2_flash": ("MiMoV2FlashForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, n_routed_experts=N_EXPERTS, head_dim=96, v_head_dim=64,
+        sliding_window=16), [1, 2]),
+    # short convolutions (layers 0, 2) and attention with q/k norms (layer 1); layer 0 dense (num_dense_layers);
+    # sigmoid routing with a score bias (feed_forward.expert_bias)
+    "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_dense_layers=1,
+        layer_types=["conv", "full_attention", "conv"]), [1, 2]),
 }
 # parameters transformers' _init_weights starts at zero, made non-zero so that they act (AFMoE's router)
 NOISY = {"afmoe": ("router.gate.weight",)}
@@ -268,11 +279,13 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
     # the chain's attention and experts implementations are what from_pretrained picked on the CPU
     assert (hfc._attn_implementation, hfc._experts_implementation) == \
         (m.config._attn_implementation, m.config._experts_implementation)
-    # the rotary's frequencies (each layer type's, where it has one per type: Laguna)
-    rot, theirs = layer_mod.rotary(hfc, arch), dict(m.model.rotary_emb.named_buffers())
-    originals = [n for n in theirs if n.endswith("original_inv_freq")]
-    assert originals and all(torch.equal(getattr(rot, n.replace("original_inv_freq", "inv_freq")), theirs[n])
-                             for n in originals)
+    # every inverse frequency of the chain's rotary module (one per attention type where it keeps several) is the
+    # full model's, as it built it (LFM2-MoE names its rotary module pos_emb)
+    _, rot_cls = arch.classes()
+    (theirs,) = [mod for mod in m.model.modules() if isinstance(mod, rot_cls)]
+    mine = dict(layer_mod.rotary(hfc, arch).named_buffers())
+    assert mine and all(torch.equal(v, theirs.get_buffer(k.replace("inv_freq", "original_inv_freq")))
+                        for k, v in mine.items() if k.endswith("inv_freq") and "original" not in k)
 
     hidden = capture.embed(ckpt, _tokens())
     assert torch.equal(hidden, seen["in"])  # the embeddings as the model's forward hands them to layer 0 (muP)
@@ -431,6 +444,11 @@ RULE_CASES = [
     ("hy_v3", "HYV3ForCausalLM", {"num_experts": 4},
      [{}, {"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]},
       {"num_experts": None, "num_local_experts": 4}]),  # the spelling transformers' attribute_map accepts
+    ("mimo_v2_flash", "MiMoV2FlashForCausalLM", {"n_routed_experts": 4},
+     [{}, {"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}, {"mlp_layer_types": ["sparse"] * 4},
+      {"first_k_dense_replace": 3}]),  # a key its config class does not read
+    ("lfm2_moe", "Lfm2MoeForCausalLM", {"num_experts": 4, "layer_types": ["conv", "full_attention"] * 2},
+     [{}, {"num_dense_layers": 0}, {"num_dense_layers": 3}]),
 ]
 
 

@@ -485,22 +485,24 @@ def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidd
 
 
 def final_norm(ckpt: layer_mod.Checkpoint, sha256: Mapping[str, str] | None = None):
-    """The model's final norm (``{layers prefix minus 'layers.'}norm.weight``) as transformers builds it: the class of
-    the decoder layer's ``input_layernorm`` (every registered family uses one norm class for both), float32."""
+    """The model's final norm (``{layers prefix minus 'layers.'}norm.weight``; LFM2-MoE's ``embedding_norm``:
+    ``Calibration.final_norm``) as transformers builds it: a decoder-layer norm's class and epsilon
+    (``input_layernorm``, LFM2-MoE's ``operator_norm``; every registered family builds both alike), float32."""
+    import copy
+
     import torch
 
     arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
     hfc = layer_mod.hf_config(ckpt.config)
-    name = arch.family.layout.layers.removesuffix("layers.") + "norm.weight"
+    norm_name, layer_norm = arch.cal.final_norm
+    name = arch.family.layout.layers.removesuffix("layers.") + norm_name + ".weight"
     if name not in ckpt.weight_map:
         raise FqError(f"{ckpt.dir}: no final norm {name} in the weight map; the head's Hessian needs it")
     layer_cls, _ = arch.classes()
     with torch.device("meta"):
-        norm_cls = type(layer_cls(hfc, 0).input_layernorm)
-    eps = getattr(hfc, "rms_norm_eps", None)
-    norm = norm_cls(hfc.hidden_size, eps=eps) if eps is not None else norm_cls(hfc.hidden_size)
+        norm = copy.deepcopy(layer_cls(hfc, 0).get_submodule(layer_norm))
     tensors, shards = layer_mod.read_tensors(ckpt, [name], sha256)
-    norm.load_state_dict({"weight": tensors[name].float()}, strict=True)
+    norm.load_state_dict({"weight": tensors[name].float()}, strict=True, assign=True)
     return norm.eval(), shards
 
 

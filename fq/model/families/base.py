@@ -50,8 +50,8 @@ def _int_list(config: dict, key: str, cfg: str) -> list[int]:
 # -- which layers are MoE: each rule is what the family's transformers decoder layer tests ----------------------
 @dataclass(frozen=True)
 class DenseFirst:
-    """MoE from layer ``first_k_dense_replace`` on (AFMoE's ``num_dense_layers``: ``key``; DeepSeek's original code
-    also skips layers off ``freq_key``)."""
+    """MoE from layer ``first_k_dense_replace`` on (AFMoE's and LFM2-MoE's ``num_dense_layers``: ``key``; DeepSeek's
+    original code also skips layers off ``freq_key``)."""
 
     default: int
     freq_key: str | None = None
@@ -203,6 +203,11 @@ def per_layer_types(hf_cfg, layer: int) -> str:
     return hf_cfg.layer_types[layer]
 
 
+def rope_per_layer_type(hf_cfg, layer: int) -> dict:
+    # Laguna / MiMo-V2-Flash: the rotary module keeps one RoPE per attention type and takes the layer's
+    return {"layer_type": hf_cfg.layer_types[layer]}
+
+
 def linear_or_sliding_if_window(hf_cfg, layer: int) -> str:
     # MiniMaxModel: a lightning-attention layer (config.layer_types) gets no mask, every softmax-attention layer the
     # one mask of the model, sliding when the config has a window
@@ -247,6 +252,8 @@ class Calibration:
     # (transformers config) -> the factor the model's forward multiplies the token embeddings by before layer 0
     # (AFMoE's muP: sqrt(hidden_size) when mup_enabled); None: the embedding rows as they are
     embed_scale: Callable[[object], float] | None = None
+    # (the model's final norm beside its decoder layers, a decoder-layer norm of the same class): the head's input
+    final_norm: tuple[str, str] = ("norm", "input_layernorm")
 
 
 @dataclass(frozen=True)

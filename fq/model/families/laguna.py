@@ -5,7 +5,7 @@ under the experts prefix, ``mlp.experts.e_score_correction_bias`` (skeleton; tra
 ``mlp_layer_types``, sliding and full attention layers each with a RoPE of its own (``rope_parameters`` keyed by layer
 type) and a head count of its own (``num_attention_heads_per_layer``), a softplus output gate per head."""
 from fq.model.experts import STANDARD
-from fq.model.families.base import Calibration, Exl3Needs, Family, LayerTypes, per_layer_types
+from fq.model.families.base import Calibration, Exl3Needs, Family, LayerTypes, per_layer_types, rope_per_layer_type
 
 _MOE = LayerTypes(default_dense=1, reads_first_k=False)  # LagunaConfig: mlp_layer_types, else layer 0 dense
 # top-level RoPE keys exllamav3 reads before each type's rope_parameters, and the type's value when it states none
@@ -58,4 +58,4 @@ LAGUNA = Family(
                                                                "mlp.gate.e_score_correction_bias"),
                                                               ("mlp.shared_expert.", "mlp.shared_experts.")),
                             mask_type=per_layer_types,
-                            rotary_kwargs=lambda hf_cfg, layer: {"layer_type": hf_cfg.layer_types[layer]}))
+                            rotary_kwargs=rope_per_layer_type))
