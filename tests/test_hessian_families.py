@@ -100,6 +100,14 @@ FAMILIES = {
                              short_factor=[1.0 + 0.05 * i for i in range(32)],
                              long_factor=[2.0 + 0.25 * i for i in range(32)], short_mscale=1.1, long_mscale=1.3)),
         [0, 1, 2]),
+    # KDA (layers 0, 2: one chunk of 64 with 32 columns) and MLA without positional encoding (layer 1), layer 0 dense
+    # (first_k_dense_replace), group-limited sigmoid routing (4 groups of 2, the best 2) with a score bias, a shared
+    # expert; saved by transformers, so layer 0's dense MLP is block_sparse_moe.* (Moonshot's mlp.*: tests/familykit)
+    "kimi_linear": ("KimiLinearForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_shared_experts=1,
+        num_expert_group=4, topk_group=2, first_k_dense_replace=1, **dict(MLA, q_lora_rank=None),
+        linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2], num_heads=2, head_dim=32,
+                                short_conv_kernel_size=4)), [1, 2]),
 }
 # layer -> the derived buffers (Calibration.derived_buffers) removed from the saved checkpoint
 DERIVED_LEFT_OUT = {"minimax": {0: ("self_attn.slope_rate", "self_attn.query_decay", "self_attn.key_decay",
@@ -181,7 +189,7 @@ def hooked_forward(m, layers, arch, tokens) -> dict:
     output, each MoE block's input, its router's top-k and its experts module's inputs and output."""
     seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}}
     handles = [layers[0].register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(
-        "pos_emb", kw["position_embeddings"]), with_kwargs=True)]
+        "pos_emb", kw.get("position_embeddings")), with_kwargs=True)]
     for L, lay in enumerate(layers):
         handles.append(lay.register_forward_hook(lambda _m, _i, out, L=L: seen["layer"].__setitem__(
             L, (out[0] if isinstance(out, tuple) else out).detach())))
@@ -202,7 +210,10 @@ def hooked_forward(m, layers, arch, tokens) -> dict:
 
 def _same_position_embeddings(hfc, arch, hidden, seen) -> bool:
     """The chain's rotary call (a fresh rotary module, positions 0..cols-1 of one row, as ``capture.advance``
-    makes it) gives the position embeddings the full model's layers got (broadcast over its rows)."""
+    makes it) gives the position embeddings the full model's layers got (broadcast over its rows); none where the
+    model has no rotary module (Kimi-Linear)."""
+    if arch.rotary_class is None:
+        return seen["pos_emb"] is None
     pos = torch.arange(hidden.shape[1]).unsqueeze(0)
     with torch.no_grad():
         mine = layer_mod.rotary(hfc, arch)(hidden[:1], pos)
@@ -241,7 +252,9 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
     # the chain's attention and experts implementations are what from_pretrained picked on the CPU
     assert (hfc._attn_implementation, hfc._experts_implementation) == \
         (m.config._attn_implementation, m.config._experts_implementation)
-    assert torch.equal(layer_mod.rotary(hfc, arch).inv_freq, m.model.rotary_emb.original_inv_freq)
+    rot = layer_mod.rotary(hfc, arch)
+    assert (rot is None) == (not hasattr(m.model, "rotary_emb"))
+    assert rot is None or torch.equal(rot.inv_freq, m.model.rotary_emb.original_inv_freq)
 
     hidden = capture.embed(ckpt, _tokens())
     assert torch.equal(hidden, m.model.embed_tokens(_tokens()).detach())
@@ -299,7 +312,7 @@ def _check_hessians(layers, arch, seen, L, s, r, model_type):
     topk = ex_idx
     assert topk.shape == (ROWS * COLS, TOP_K)
     # group-limited: every token's experts within topk_group of the n_group groups
-    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open", "deepseek_v32"):
+    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open", "deepseek_v32", "kimi_linear"):
         groups = topk // (N_EXPERTS // 4)
         assert all(len(set(g.tolist())) <= 2 for g in groups)
 
@@ -394,6 +407,9 @@ RULE_CASES = [
      [{}, {"first_k_dense_replace": 1}, {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
     ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", {"num_experts": 4}, [{}]),
     ("minimax", "MiniMaxForCausalLM", {"num_local_experts": 4}, [{}]),
+    ("kimi_linear", "KimiLinearForCausalLM", {"num_experts": 4},
+     [{}, {"first_k_dense_replace": 0}, {"first_k_dense_replace": 2},
+      {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
 ]
 
 

@@ -7,9 +7,10 @@ A checkpoint names its routed experts with its own prefix; fq keeps that prefix 
     model.layers.12.mlp.experts.37.down_proj.trellis|suh|svh|mul1   (fq fragment)
 
 ``ExpertLayout`` carries the prefix template and the projection names (gate, up, down order):
-``STANDARD`` (Qwen/DeepSeek/GLM style), ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``) and
+``STANDARD`` (Qwen/DeepSeek/GLM style), ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``),
 ``LANGUAGE_MODEL`` (a vision-language checkpoint's language model: ``model.language_model.layers.{L}.mlp.experts.{E}``,
-Qwen3.5-MoE as published); each family of ``fq.model.families`` names its layout. Everything that names expert or
+Qwen3.5-MoE as published) and ``DEEPSEEK_NATIVE`` (DeepSeek-V4's own names, ``layers.{L}.ffn.experts.{E}.w1/w3/w2``);
+each family of ``fq.model.families`` names its layout. Everything that names expert or
 layer tensors asks the layout (``layers``, ``layer_prefix``, ``experts_prefix``, ``experts_pattern``, ``key``,
 ``parse``), never a literal ``model.layers.``.
 
@@ -110,6 +111,7 @@ class ExpertLayout:
 STANDARD = ExpertLayout()
 MIXTRAL = ExpertLayout("model.layers.{layer}.block_sparse_moe.experts.{expert}", ("w1", "w3", "w2"))
 LANGUAGE_MODEL = ExpertLayout("model.language_model.layers.{layer}.mlp.experts.{expert}")
+DEEPSEEK_NATIVE = ExpertLayout("layers.{layer}.ffn.experts.{expert}", ("w1", "w3", "w2"))  # DeepSeek-V4's names
 
 
 def suffixes(codebook: str) -> tuple[str, ...]:
