@@ -33,7 +33,8 @@ names (MiniMax-M2's router score bias), get seeded noise N(0, 0.05) instead of z
 caught), so two builds are byte-identical and a
 ``from_pretrained`` of the result gives exactly ``model_of``'s logits. It saves with ``save_pretrained(max_shard_size=
 ...)``, a size that gives 11-16 shards, in the checkpoint's original (published) tensor names: transformers reverts
-its fused-expert conversion on save (gpt-oss is natively fused). Every tensor is bfloat16 except the routers
+its fused-expert conversion on save (gpt-oss is natively fused; a recipe's ``published_names`` put back what it
+reverts otherwise: Kimi-Linear's dense ``mlp.``). Every tensor is bfloat16 except the routers
 transformers keeps in float32 (``_keep_in_fp32_modules_strict``: ``mlp.gate.weight`` and ``e_score_correction_bias``
 of the DeepSeek-style families and Ernie; AFMoE's ``mlp.expert_bias``; Hy3's, saved as ``mlp.router.gate.weight`` and
 ``mlp.expert_bias``).
@@ -91,6 +92,9 @@ class Recipe:
     # buffers or parameters (name suffixes) that start at zero and get seeded noise, so a runtime that skips them is
     # caught (and a router transformers initializes to zero routes tokens apart)
     noisy_buffers: tuple[str, ...] = ()
+    # (regex, replacement) of tensor names save_pretrained writes otherwise than the authors publish them, applied
+    # after it (Kimi-Linear: transformers reverts its block_sparse_moe -> mlp rename on dense layers too)
+    published_names: tuple[tuple[str, str], ...] = ()
 
 
 ARCHS: dict[str, Recipe] = {
@@ -194,6 +198,29 @@ ARCHS: dict[str, Recipe] = {
         num_experts=EXPERTS, num_experts_per_tok=TOP_K, num_shared_experts=1,
         mlp_layer_types=["dense", "sparse", "sparse"], router_scaling_factor=2.826, rms_norm_eps=1e-5), "num_experts",
         dense_layers=(0,), noisy_buffers=("e_score_correction_bias",)),
+    # KDA (layers 0, 2) and NoPE MLA (layer 1) as Moonshot's linear_attn_config states them (1-indexed), the keys in
+    # Moonshot's spelling (transformers saves them so); q_lora_rank None as published (q_proj)
+    "KimiLinearForCausalLM": Recipe("kimi_linear", dict(
+        _COMMON, **dict(_MLA, q_lora_rank=None), intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
+        num_experts=EXPERTS, num_experts_per_token=TOP_K, num_shared_experts=1, num_expert_group=1, topk_group=1,
+        moe_renormalize=True, moe_router_activation_func="sigmoid", routed_scaling_factor=2.446,
+        first_k_dense_replace=1, moe_layer_freq=1, mla_use_nope=True, num_nextn_predict_layers=0, rms_norm_eps=1e-5,
+        linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2], num_heads=4, head_dim=32,
+                                short_conv_kernel_size=4),
+        pad_token_id=None, bos_token_id=1, eos_token_id=2), "num_experts", dense_layers=(0,),
+        noisy_buffers=("e_score_correction_bias",),
+        published_names=((r"model\.layers\.(\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.weight",
+                          r"model.layers.\1.mlp.\2.weight"),)),
+    # not read yet (fq.model.families.deepseek: its releases are FP4 / FP8 with ue8m0 scales, under DeepSeek's own
+    # names): one hash-routed layer, then sliding, compressed-sparse and heavily-compressed attention, 2 streams
+    "DeepseekV4ForCausalLM": Recipe("deepseek_v4", dict(
+        _COMMON, num_key_value_heads=1, head_dim=HEAD_DIM, partial_rotary_factor=0.5, q_lora_rank=128,
+        moe_intermediate_size=EXPERT_INTER, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_shared_experts=1,
+        routed_scaling_factor=1.5, o_groups=2, o_lora_rank=64, index_n_heads=2, index_head_dim=32, index_topk=4,
+        sliding_window=16, hc_mult=2, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]),
+        "n_routed_experts"),
     "Qwen2MoeForCausalLM": Recipe("qwen2_moe", dict(
         _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
         shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
@@ -307,6 +334,7 @@ def build(arch: str, out_dir, *, seed: int = 0, max_shard_size: int | str | None
     out.mkdir(parents=True, exist_ok=True)
     model = model_of(arch, seed, **(keys or {}))
     model.save_pretrained(out, max_shard_size=max_shard_size or _shard_size(model))
+    _rename_tensors(out, ARCHS[arch].published_names)
     cfg = json.loads((out / CONFIG).read_text())
     cfg.setdefault("dtype", DTYPE)
     if legacy_keys:
@@ -317,6 +345,24 @@ def build(arch: str, out_dir, *, seed: int = 0, max_shard_size: int | str | None
     if ARCHS[arch].text_config:  # a vision-language checkpoint ships its image processor's config
         _write_json(out / PREPROCESSOR, QWEN3_VL_PREPROCESSOR)
     return out
+
+
+def _rename_tensors(d: Path, renames) -> None:
+    """The tensors of the checkpoint in ``d`` renamed by ``renames`` ((regex, replacement), the first that matches the
+    whole name), in place: their shards rewritten, the index too."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    wmap = weight_map(d)
+    new = {n: next((re.sub(p, r, n) for p, r in renames if re.fullmatch(p, n)), n) for n in wmap}
+    for shard in sorted({wmap[n] for n in wmap if new[n] != n}):
+        with safe_open(d / shard, "pt") as f:
+            meta, tensors = f.metadata(), {new[k]: f.get_tensor(k) for k in f.keys()}
+        save_file(tensors, d / shard, metadata=meta or {"format": "pt"})
+    if any(new[n] != n for n in wmap):
+        index = json.loads((d / INDEX).read_text())
+        index["weight_map"] = dict(sorted((new[n], s) for n, s in wmap.items()))
+        _write_json(d / INDEX, index)
 
 
 def _merged(cfg: dict, extra: dict) -> dict:
@@ -604,7 +650,10 @@ PUBLISHED_KEYS = {"SolarOpenForCausalLM": {"intermediate_size": DENSE_INTER},
                   # Hy3's router and layer keys, which exllamav3 reads and transformers does not define
                   "HYV3ForCausalLM": {"first_k_dense_replace": 1, "num_nextn_predict_layers": 0, "qk_norm": True,
                                       "route_norm": True, "moe_router_use_sigmoid": True,
-                                      "moe_router_enable_expert_bias": True}}
+                                      "moe_router_enable_expert_bias": True},
+                  # DeepSeek-V4 states its schedule as exllamav3 reads it (transformers writes layer_types and
+                  # mlp_layer_types instead)
+                  "DeepseekV4ForCausalLM": {"compress_ratios": [0, 4, 128], "num_hash_layers": 1}}
 
 
 # --- one-node campaigns of a kit checkpoint (tests/test_family_campaigns.py, benchmarks/family_campaigns.py) -----

@@ -128,6 +128,40 @@ def test_registry_is_consistent():
         families.for_config({"architectures": ["Llama4ForCausalLM"]}, "c")
 
 
+def test_deepseek_v4_is_refused_by_name_with_its_reason(tmp_path):
+    """DeepSeek-V4 is declared but not read (its releases' FP4 experts and ue8m0 scales): a checkpoint is refused when
+    its config is read, saying why; the schedule exllamav3 reads (compress_ratios, num_hash_layers) is checked against
+    transformers' (layer_types, mlp_layer_types), which is all a config transformers writes states."""
+    arch = "DeepseekV4ForCausalLM"
+    d = fk.build(arch, tmp_path / "v4", extra_config=fk.PUBLISHED_KEYS[arch])
+    with pytest.raises(FqError, match=r"DeepseekV4ForCausalLM \(DeepSeek-V4\) checkpoints are not read yet: .*FP4"):
+        load_source(d)
+    family = families.for_config({"architectures": [arch]}, "c")
+    cfg = json.loads((d / "config.json").read_text())
+    assert family.exl3_problems(cfg, [0, 1, 2], 3) == []
+    written = {k: v for k, v in cfg.items() if k not in fk.PUBLISHED_KEYS[arch]}
+    assert [p.split(" ")[0] for p in family.exl3_problems(written, [0, 1, 2], 3)] == ["layer_types", "mlp_layer_types"]
+
+
+def test_kimi_linear_schedule_is_checked_as_exllamav3_reads_it(built):
+    """exllamav3's KimiLinearConfig reads the attention schedule from linear_attn_config only and the MoE layers from
+    first_k_dense_replace (default 0) and moe_layer_freq; transformers from layer_types / mlp_layer_types. The kit's
+    config (Moonshot's keys) loads; one without them, or one exllamav3 would run otherwise, is an exllamav3 problem."""
+    src = load_source(built("KimiLinearForCausalLM"))
+    family, cfg = families.by_name(src.family), dict(src.config)
+    assert src.exl3_problems == () and cfg["first_k_dense_replace"] == 1 and src.moe_layers == (1, 2)
+    cases = {"linear_attn_config lacks kda_layers": {"linear_attn_config": None},
+             "exllamav3 makes layers [0, 1, 2] MoE": {"first_k_dense_replace": None},
+             "exllamav3 makes layers [2] MoE": {"moe_layer_freq": 2},
+             "is not linear_attn_config's schedule": {"layer_types": ["full_attention"] * 3},
+             "gate_lower_bound=-5.0": {"linear_attn_config": {**cfg["linear_attn_config"], "gate_lower_bound": -5.0}},
+             "num_expert_group=2": {"num_expert_group": 2}}
+    for want, over in cases.items():
+        c = {k: v for k, v in {**cfg, **over}.items() if v is not None}
+        problems = family.exl3_problems(c, src.moe_layers, 3)
+        assert any(want in p for p in problems), (want, problems)
+
+
 def test_every_config_value_exllamav3_asserts_is_checked_at_plan_time(built, tmp_path):
     """Every exllamav3 class the registry names has its assert_cfg facts in fq/data (tools/exl3_config_asserts.py
     extracts them from the wheel); a Qwen3-MoE with norm_topk_prob false (transformers builds and saves it; exllamav3
@@ -338,8 +372,9 @@ def test_refused_when_the_config_is_read_not_mid_campaign(built, tmp_path):
         p = subprocess.run(fq + [cmd, str(recipe), "--model", str(cal), "--calibration", "4x64", "--allow-unloadable"],
                            capture_output=True, text=True)
         assert p.returncode == 0 and "calibration" in p.stdout, (cmd, p.stderr)
-    # the registered families without a chain that the kit builds (none, when every family has one)
-    for f in [f for f in families.REGISTRY.values() if f.calibration is None and f.architectures[0] in fk.ARCHS]:
+    # the registered families fq reads without a chain that the kit builds (none, when every family has one)
+    for f in [f for f in families.REGISTRY.values()
+              if f.calibration is None and not f.unread and f.architectures[0] in fk.ARCHS]:
         uncal = built(f.architectures[0])
         want_cal = f"calibration: {f.architectures[0]} ({f.title}) has no calibration chain"
         for cmd in ("plan", "price"):

@@ -21,11 +21,15 @@ ARCHS = sorted(fk.ARCHS)
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
 E2M1_MAX_STEP = 1.0  # widest half-gap of e2m1 (between 4 and 6), in units of the group scale
 
-_EXPERT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\."
+_EXPERT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward|ffn)\.experts\."
                      r"(\d+)\.(\w+)\.weight$")
-_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
+_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8}
 _FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias", ".mlp.router.gate.weight", ".mlp.expert_bias",
                 ".feed_forward.expert_bias")
+# what else transformers keeps out of bfloat16 for a family (its _keep_in_fp32_modules): Kimi-Linear's router and KDA
+# dt_bias; DeepSeek-V4's (not read yet) norms, hyper-connection mixers, sinks and its hash routing table (int64)
+_OWN_DTYPES = {"KimiLinearForCausalLM": (".block_sparse_moe.gate.weight", ".self_attn.dt_bias"),
+               "DeepseekV4ForCausalLM": None}
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -77,6 +81,9 @@ def test_recipe_sets_only_keys_the_class_knows(arch):
     # besides fields and aliases: what __post_init__ / convert_rope_params_to_dict consume (MiniMax-M2's legacy
     # rotary_dim is the published key, the class reads it)
     consumed = {"partial_rotary_factor"} | ({"rotary_dim"} if r.model_type == "minimax_m2" else set())
+    if r.model_type == "kimi_linear":  # Moonshot's keys, which KimiLinearConfig reads through its kwargs and keeps
+        consumed |= {"linear_attn_config", "first_k_dense_replace", "moe_layer_freq", "mla_use_nope",
+                     "moe_router_activation_func", "num_nextn_predict_layers"}
     assert set(r.keys) <= fields | consumed, set(r.keys) - fields
     assert set(fk.config_of(arch)) <= set(cls().to_dict()) | consumed
 
@@ -89,7 +96,7 @@ def test_build_is_tiny_moe_in_several_bf16_shards(arch, built):
     cfg = fk.text_of(arch, full)  # a vision-language wrapper nests its language model's config
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (512, 256, 3)
     assert cfg[r.expert_count_key] == 8 and cfg[r.expert_inter_key] == 128 and full["tie_word_embeddings"] is False
-    assert cfg.get("num_experts_per_tok", cfg.get("moe_k")) == 2
+    assert next(cfg[k] for k in ("num_experts_per_tok", "num_experts_per_token", "moe_k") if k in cfg) == 2
     assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == r.keys.get("num_key_value_heads", 4)
     assert full == fk.config_of(arch)
     index = json.loads((d / fk.INDEX).read_text())
@@ -99,7 +106,9 @@ def test_build_is_tiny_moe_in_several_bf16_shards(arch, built):
     assert index["metadata"]["total_size"] == sum(math.prod(shape) * _BYTES[dt] for dt, shape, _ in head.values())
     # bfloat16, but for the routers transformers keeps in float32 (_keep_in_fp32_modules_strict)
     f32 = {n for n, (dt, _, _) in head.items() if dt != "BF16"}
-    assert all(dt == "F32" and n.endswith(_FP32_ROUTER) for n, (dt, _, _) in head.items() if n in f32)
+    own = _OWN_DTYPES.get(arch, ())
+    assert own is None or all(dt == "F32" and n.endswith(_FP32_ROUTER + own) for n, (dt, _, _) in head.items()
+                              if n in f32)
 
     # routed experts exactly in the MoE layers, 8 of them, (out, in) = (128, 256) / (256, 128)
     experts = {}

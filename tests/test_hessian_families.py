@@ -129,6 +129,14 @@ FAMILIES = {
     "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
         intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_dense_layers=1,
         layer_types=["conv", "full_attention", "conv"]), [1, 2]),
+    # KDA (layers 0, 2: one chunk of 64 with 32 columns) and MLA without positional encoding (layer 1), layer 0 dense
+    # (first_k_dense_replace), group-limited sigmoid routing (4 groups of 2, the best 2) with a score bias, a shared
+    # expert; saved by transformers, so layer 0's dense MLP is block_sparse_moe.* (Moonshot's mlp.*: tests/familykit)
+    "kimi_linear": ("KimiLinearForCausalLM", dict(
+        intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_shared_experts=1,
+        num_expert_group=4, topk_group=2, first_k_dense_replace=1, **dict(MLA, q_lora_rank=None),
+        linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2], num_heads=2, head_dim=32,
+                                short_conv_kernel_size=4)), [1, 2]),
 }
 # parameters transformers' _init_weights starts at zero, made non-zero so that they act (AFMoE's router)
 NOISY = {"afmoe": ("router.gate.weight",)}
@@ -208,14 +216,15 @@ def _reference(d: Path, arch, tokens=None):
 
 
 def hooked_forward(m, layers, arch, tokens) -> dict:
-    """``m`` run on ``tokens``, hooked on its decoder ``layers``: the position embeddings each gets, layer 0's input,
-    each layer's output, each MoE block's input, its router's top-k and its experts module's inputs and output."""
+    """``m`` run on ``tokens``, hooked on its decoder ``layers``: the position embeddings each gets (None where the
+    model has none: Kimi-Linear), layer 0's input, each layer's output, each MoE block's input, its router's top-k and
+    its experts module's inputs and output."""
     seen: dict = {"layer": {}, "x": {}, "topk": {}, "experts": {}, "pos_embs": {}}
 
     def pre(L, args, kw):
-        seen["pos_embs"][L] = kw["position_embeddings"]
+        seen["pos_embs"][L] = kw.get("position_embeddings")
         if L == 0:
-            seen["pos_emb"], seen["in"] = kw["position_embeddings"], (args[0] if args else kw["hidden_states"]).detach()
+            seen["pos_emb"], seen["in"] = seen["pos_embs"][L], (args[0] if args else kw["hidden_states"]).detach()
 
     handles = []
     for L, lay in enumerate(layers):
@@ -240,7 +249,9 @@ def hooked_forward(m, layers, arch, tokens) -> dict:
 def _same_position_embeddings(hfc, arch, hidden, seen, layer: int = 0) -> bool:
     """The chain's rotary call for ``layer`` (a fresh rotary module, positions 0..cols-1 of one row, the layer's own
     arguments, as ``capture.advance`` makes it) gives the position embeddings the full model's layer got (broadcast
-    over its rows)."""
+    over its rows); none where the model has no rotary module (Kimi-Linear)."""
+    if arch.rotary_class is None:
+        return seen["pos_embs"][layer] is None
     pos = torch.arange(hidden.shape[1]).unsqueeze(0)
     with torch.no_grad():
         mine = layer_mod.position_embeddings(layer_mod.rotary(hfc, arch), hfc, arch, layer, hidden[:1], pos)
@@ -280,12 +291,16 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
     assert (hfc._attn_implementation, hfc._experts_implementation) == \
         (m.config._attn_implementation, m.config._experts_implementation)
     # every inverse frequency of the chain's rotary module (one per attention type where it keeps several) is the
-    # full model's, as it built it (LFM2-MoE names its rotary module pos_emb)
+    # full model's, as it built it (LFM2-MoE names its rotary module pos_emb); Kimi-Linear's layers take none
     _, rot_cls = arch.classes()
-    (theirs,) = [mod for mod in m.model.modules() if isinstance(mod, rot_cls)]
-    mine = dict(layer_mod.rotary(hfc, arch).named_buffers())
-    assert mine and all(torch.equal(v, theirs.get_buffer(k.replace("inv_freq", "original_inv_freq")))
-                        for k, v in mine.items() if k.endswith("inv_freq") and "original" not in k)
+    rot = layer_mod.rotary(hfc, arch)
+    if rot is None:
+        assert not hasattr(m.model, "rotary_emb")
+    else:
+        (theirs,) = [mod for mod in m.model.modules() if isinstance(mod, rot_cls)]
+        mine = dict(rot.named_buffers())
+        assert mine and all(torch.equal(v, theirs.get_buffer(k.replace("inv_freq", "original_inv_freq")))
+                            for k, v in mine.items() if k.endswith("inv_freq") and "original" not in k)
 
     hidden = capture.embed(ckpt, _tokens())
     assert torch.equal(hidden, seen["in"])  # the embeddings as the model's forward hands them to layer 0 (muP)
@@ -343,7 +358,7 @@ def _check_hessians(layers, arch, seen, L, s, r, model_type):
     topk = ex_idx
     assert topk.shape == (ROWS * COLS, TOP_K)
     # group-limited: every token's experts within topk_group of the n_group groups
-    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open", "deepseek_v32"):
+    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open", "deepseek_v32", "kimi_linear"):
         groups = topk // (N_EXPERTS // 4)
         assert all(len(set(g.tolist())) <= 2 for g in groups)
 
@@ -449,6 +464,9 @@ RULE_CASES = [
       {"first_k_dense_replace": 3}]),  # a key its config class does not read
     ("lfm2_moe", "Lfm2MoeForCausalLM", {"num_experts": 4, "layer_types": ["conv", "full_attention"] * 2},
      [{}, {"num_dense_layers": 0}, {"num_dense_layers": 3}]),
+    ("kimi_linear", "KimiLinearForCausalLM", {"num_experts": 4},
+     [{}, {"first_k_dense_replace": 0}, {"first_k_dense_replace": 2},
+      {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
 ]
 
 

@@ -6,12 +6,12 @@ time, summing each MoE layer's routed-expert input Hessians on the way.
   muP).
 - ``advance``: one layer. transformers' own decoder layer (``fq.hessian.layer``: built from that layer's tensors
   only, float32, the attention (sdpa; eager for gpt-oss) and grouped_mm experts as ``from_pretrained`` picks them
-  on the CPU, position embeddings from the model's rotary module, the layer's mask from ``transformers.masking_utils``
-  as the model's forward makes it for that layer's attention type: causal, sliding-window or, for a linear-attention
-  layer, none) runs the hidden states in fixed batches of ``row_batch`` rows; each row is its own sequence, positions
-  0..cols-1. Forward hooks only read: the MoE block's input x and the router's top-k choice (the family's MoE
-  block and router modules, ``layer.Arch``); the layer's output is the unchanged forward, with the model's true
-  routing. At an MoE layer, per row, in row order:
+  on the CPU, position embeddings from the model's rotary module (none for Kimi-Linear's NoPE layers), the layer's
+  mask from ``transformers.masking_utils`` as the model's forward makes it for that layer's attention type: causal,
+  sliding-window or, for a linear-attention layer, none) runs the hidden states in fixed batches of ``row_batch``
+  rows; each row is its own sequence, positions 0..cols-1. Forward hooks only read: the MoE block's input x and the
+  router's top-k choice (the family's MoE block and router modules, ``layer.Arch``); the layer's output is the
+  unchanged forward, with the model's true routing. At an MoE layer, per row, in row order:
 
       input    += xᵀx                                   (every token; float64)
       down[e]  += aᵀa,  a = act(x·gate_eᵀ)·(x·up_eᵀ)    (e ascending; every token, or with ``routed_only`` the
@@ -288,7 +288,8 @@ def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[s
     mask_kwargs = {"allow_is_causal_skip": False} if arch.materialized_mask else {}
     make_mask = _mask_function(arch, hfc, layer)
     module = layer_mod.build_layer(hfc, arch, layer, layer_tensors).to(device)
-    rot = layer_mod.rotary(hfc, arch).to(device)
+    rot = layer_mod.rotary(hfc, arch)
+    rot = None if rot is None else rot.to(device)
     moe = hasattr(getattr(module, arch.moe_block), "experts")
     if moe != arch.is_moe(config, layer):
         raise FqError(f"layer {layer}: transformers built a {'MoE' if moe else 'dense'} block where {arch.name}'s "
@@ -315,10 +316,11 @@ def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[s
         with torch.no_grad(), torch_threads(threads if str(device) == "cpu" else None):
             for lo in range(0, rows, row_batch):
                 h = hidden[lo: lo + row_batch].to(device)
-                pos_emb = layer_mod.position_embeddings(rot, hfc, arch, layer, h, position_ids)
+                pos_emb = {} if rot is None else {
+                    "position_embeddings": layer_mod.position_embeddings(rot, hfc, arch, layer, h, position_ids)}
                 mask = make_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None,
                                  position_ids=position_ids, **mask_kwargs)
-                y = module(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb)
+                y = module(h, attention_mask=mask, position_ids=position_ids, **pos_emb)
                 y = y[0] if isinstance(y, tuple) else y
                 out[lo: lo + row_batch] = y.to("cpu", torch.float32)
                 if linears:

@@ -34,7 +34,7 @@
     read_tensors(checkpoint, names, sha256=None) -> (tensors, shard digests)
     layer_tensors(checkpoint, layer, sha256=None) -> (tensors, shard digests)
     build_layer(hf_cfg, arch, layer, tensors) -> torch.nn.Module (float32, eval)
-    rotary(hf_cfg, arch) -> the model's rotary-embedding module
+    rotary(hf_cfg, arch) -> the model's rotary-embedding module (None: its layers take no position embeddings)
     position_embeddings(rot, hf_cfg, arch, layer, hidden, position_ids) -> what the model hands that layer
 """
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Arch:
     def classes(self):
         try:
             mod = importlib.import_module(self.module)
-            return getattr(mod, self.layer_class), getattr(mod, self.rotary_class)
+            return getattr(mod, self.layer_class), self.rotary_class and getattr(mod, self.rotary_class)
         except (ImportError, AttributeError) as e:
             import transformers
             raise FqError(f"{self.name}: transformers {transformers.__version__} lacks {self.module}."
@@ -290,6 +290,9 @@ def _module_state(module, arch: Arch, layer: int, tensors: Mapping[str, "object"
         if k in state:
             raise FqError(f"layer {layer}: two checkpoint tensors map to the module's {k!r}")
         state[k] = t
+    for dst, srcs in arch.cal.concats:
+        if all(s in state for s in srcs):
+            state[dst] = torch.cat([state.pop(s) for s in srcs], dim=0)
     want = module.state_dict(keep_vars=True)
     experts = getattr(getattr(module, arch.moe_block, None), "experts", None)
     base = f"{arch.moe_block}.experts."
@@ -361,9 +364,10 @@ def build_layer(hf_cfg, arch: Arch, layer: int, tensors: Mapping[str, "object"])
 
 def rotary(hf_cfg, arch: Arch):
     """The model's rotary-embedding module (position embeddings every layer of the model shares, or, where the
-    family's rotary takes the layer's type, those of each type: ``position_embeddings``)."""
+    family's rotary takes the layer's type, those of each type: ``position_embeddings``); None for a model whose
+    layers take none (Kimi-Linear)."""
     _, rot_cls = arch.classes()
-    return rot_cls(config=hf_cfg).eval()
+    return None if rot_cls is None else rot_cls(config=hf_cfg).eval()
 
 
 def position_embeddings(rot, hf_cfg, arch: Arch, layer: int, hidden, position_ids):

@@ -76,9 +76,12 @@ def build_model(config: dict, tensors: dict):
         raise FqError(f"{cls.__name__}: the verified tensors do not fill the model ({'; '.join(problems)})")
     model.eval()
     with torch.no_grad():
-        back = revert_weight_conversion(model, model.state_dict())
+        own = model.state_dict()
+        back = revert_weight_conversion(model, own)
     for name, t in tensors.items():
-        got = back.get(name)
+        # a tensor no conversion touched, under the module's own name, where the reverse conversion names it otherwise
+        # (Kimi-Linear: a dense layer's mlp.*, which transformers 5.24 reverts to block_sparse_moe.*)
+        got = back.get(name, own.get(name))
         if got is None or got.shape != t.shape or not torch.equal(got.to(t.dtype), t):
             raise FqError(f"{cls.__name__}: tensor {name} as loaded differs from the one handed over "
                           "(weight conversion changed it)")

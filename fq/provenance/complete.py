@@ -343,14 +343,15 @@ def _model_problems(tensors: dict, model: dict, where: str) -> list[str]:
     head = "lm_head.weight"
     if not model["tied"] and head not in tensors:
         out.append(f"{where}: no {head} (as skeleton or EXL3); its {model['config']} does not tie the embeddings")
-    # the MoE block (``mlp``, Mixtral's ``block_sparse_moe``) differs between MoE and dense layers; the rest of a
-    # layer (attention, norms) only between the config's layer types
-    block = model["experts_prefix"].split(".")[0]
+    # the MoE block (``mlp``, Mixtral's ``block_sparse_moe``) differs between MoE and dense layers, whose MLP is
+    # ``mlp`` (Kimi-Linear's too, beside its ``block_sparse_moe``); the rest of a layer (attention, norms) only between
+    # the config's layer types
+    blocks = {model["experts_prefix"].split(".")[0], "mlp"}
     parts: dict[tuple, dict[int, dict]] = {}
     for l in range(n):
         typ = model["types"][l] if model["types"] else None
         for rel, shape in per_layer.get(l, {}).items():
-            key = ("MoE block" if l in moe else "MLP", typ) if rel.split(".")[0] == block else ("layer", typ)
+            key = ("MoE block" if l in moe else "MLP", typ) if rel.split(".")[0] in blocks else ("layer", typ)
             parts.setdefault(key, {}).setdefault(l, {})[rel] = shape
         for key in ((("MoE block" if l in moe else "MLP"), typ), ("layer", typ)):
             if l in per_layer:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from fq.core.targets import EXLLAMAV3
 from fq.errors import FqError
-from fq.model.families import (afmoe, deepseek, dots, ernie, glm, gpt_oss, hunyuan, laguna, lfm2, mimo, mixtral, qwen,
-                                solar)
+from fq.model.families import (afmoe, deepseek, dots, ernie, glm, gpt_oss, hunyuan, kimi, laguna, lfm2, mimo, mixtral,
+                               qwen, solar)
 from fq.model.families.base import Calibration, Family
 
 REGISTRY: dict[str, Family] = {f.name: f for f in (
@@ -26,7 +26,8 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     qwen.QWEN3_MOE, qwen.QWEN3_NEXT, qwen.QWEN3_5_MOE_VL, qwen.QWEN3_5_MOE, qwen.QWEN2_MOE,
     mixtral.MIXTRAL, mixtral.MINIMAX_M2, mixtral.MINIMAX, mixtral.PHIMOE,
     gpt_oss.GPT_OSS, dots.DOTS1, ernie.ERNIE4_5_MOE, solar.SOLAR_OPEN,
-    afmoe.AFMOE, laguna.LAGUNA, hunyuan.HY_V3, mimo.MIMO_V2_FLASH, lfm2.LFM2_MOE,
+    afmoe.AFMOE, laguna.LAGUNA, hunyuan.HY_V3, mimo.MIMO_V2_FLASH, lfm2.LFM2_MOE, kimi.KIMI_LINEAR,
+    deepseek.DEEPSEEK_V4,
 )}
 _BY_ARCH = {a: f for f in REGISTRY.values() for a in f.architectures}
 _BY_MODEL_TYPE = {t: f for f in REGISTRY.values() for t in f.model_types}

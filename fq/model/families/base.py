@@ -224,7 +224,7 @@ class Calibration:
 
     module: str  # transformers modeling module
     layer_class: str
-    rotary_class: str
+    rotary_class: str | None  # None: the layers take no position embeddings (Kimi-Linear: NoPE MLA, KDA)
     # the causal mask always materialized (a sparse-attention indexer reads it; sdpa alone may skip it)
     materialized_mask: bool = False
     # layers whose attention reuses the previous layer's top-k token selection (DSA "shared" indexer): refused
@@ -235,6 +235,9 @@ class Calibration:
     # MiniMax's lightning attention does its decay factors: taken from the checkpoint where it holds them, else
     # computed by the owning module's class, (config, layer) -> module, as from_pretrained initializes missing keys
     derived_buffers: tuple[str, ...] = ()
+    # (module tensor, the checkpoint tensors it is the dim-0 concatenation of), both layer-relative after
+    # ``renames``: transformers' conversion mapping's Concatenate (Kimi-Linear's conv1d of q/k/v_conv1d)
+    concats: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the checkpoint holds the module's own fused experts (gpt-oss) instead of one matrix per expert
     fused_experts: bool = False
     # (experts module, x [tokens, hidden] float32, e) -> a [tokens, intermediate], what expert e's forward feeds its
