@@ -25,6 +25,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     qwen.QWEN3_MOE, qwen.QWEN3_NEXT, qwen.QWEN3_5_MOE_VL, qwen.QWEN3_5_MOE, qwen.QWEN2_MOE,
     mixtral.MIXTRAL, mixtral.MINIMAX_M2, mixtral.MINIMAX, mixtral.PHIMOE,
     gpt_oss.GPT_OSS, dots.DOTS1, ernie.ERNIE4_5_MOE, solar.SOLAR_OPEN,
+    qwen.QWEN3_VL_MOE, glm.GLM4V_MOE,
 )}
 _BY_ARCH = {a: f for f in REGISTRY.values() for a in f.architectures}
 _BY_MODEL_TYPE = {t: f for f in REGISTRY.values() for t in f.model_types}
