@@ -45,6 +45,7 @@ def sources() -> dict[str, tuple[str, str, bool]]:
                 "glm4_moe-fp8": ("Glm4MoeForCausalLM", "fp8", False),
                 "minimax_m2-fp8": ("MiniMaxM2ForCausalLM", "fp8", False),
                 "qwen3_5_moe_vl-fused": ("Qwen3_5MoeForConditionalGeneration", "fused", False),
+                "qwen3_vl_moe-published": ("Qwen3VLMoeForConditionalGeneration", "published", False),
                 "gpt_oss-padded": ("GptOssForCausalLM", "bf16-padded", False),
                 "gpt_oss-padded-mxfp4": ("GptOssForCausalLM", "mxfp4-padded", True)})
     return out
@@ -60,6 +61,8 @@ def checkpoint(arch: str, fmt: str, work: Path) -> Path:
         return fk.to_mxfp4_gptoss(src, work / "mxfp4")
     if fmt == "fused":
         return fk.to_fused_qwen3_5(src, work / "fused")
+    if fmt == "published":  # Qwen3-VL-MoE's fused experts as Qwen publishes them, (E, in, out)
+        return fk.to_published_qwen3_vl(src, work / "published")
     fp8 = fk.to_fp8(src, work / "fp8")
     return fk.as_kimi_k2(fp8, work / "kimi") if fmt == "kimi-fp8" else fp8
 

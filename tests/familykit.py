@@ -8,7 +8,8 @@ heads, 4 on its sliding layers, Q/K 96 and V 64 wide), n_group = topk_group = 1,
 untied embeddings. Nothing is downloaded. Qwen3.5-MoE is also built as Qwen
 publishes it, the vision-language ``Qwen3_5MoeForConditionalGeneration`` (the language model's config nested under
 ``text_config``, its layers under ``model.language_model.layers.*``, a one-block vision tower under ``model.visual.*``,
-and the ``preprocessor_config.json`` the release ships).
+and the ``preprocessor_config.json`` the release ships); Qwen3-VL-MoE and GLM-4.5V the same way
+(``Qwen3VLMoeForConditionalGeneration``, its experts fused as published; ``Glm4vMoeForConditionalGeneration``).
 
     ARCHS: architecture -> Recipe(model_type, keys, expert_count_key, expert_inter_key, dense_layers, ...)
     hf_config(arch, **keys) -> transformers config      # keys: what the config class is given (recipe, then **keys)
@@ -21,6 +22,7 @@ and the ``preprocessor_config.json`` the release ships).
     to_mxfp4_gptoss(src_dir, out_dir) -> Path               # openai/gpt-oss-20b/120b layout
     as_kimi_k2(src_dir, out_dir) -> Path                    # a DeepseekV3 checkpoint relabelled as Kimi-K2
     to_fused_qwen3_5(src_dir, out_dir) -> Path              # Qwen3.5-MoE's published fused experts (E, 2I, hidden)
+    to_published_qwen3_vl(src_dir, out_dir) -> Path         # Qwen3-VL-MoE's published fused experts (E, hidden, 2I)
     fp8_target(name, tensor) -> bool                        # what the published FP8 layout stores in fp8
     fp8_quantize(w, block=(128, 128)) -> (q float8_e4m3fn, weight_scale_inv float32 (ceil(out/b0), ceil(in/b1)))
     fp8_dequantize(q, scale_inv, block=(128, 128)) -> float32
@@ -221,6 +223,31 @@ ARCHS: dict[str, Recipe] = {
         mlp_layer_types=["hash_moe", "moe", "moe"],
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]),
         "n_routed_experts"),
+    # as Qwen publishes Qwen3-VL-MoE: Qwen3-MoE's language model in the vision-language wrapper, its experts fused
+    # (E, hidden, 2I) / (E, I, hidden) as transformers saves them too; a one-block vision tower with one deepstack
+    # merger (the releases: 27 blocks, deepstack at 8, 16, 24); interleaved multimodal rotary sections of the kit's
+    # head_dim / 2 (the releases: [24, 20, 20] of 64) at the releases' rope_theta
+    "Qwen3VLMoeForConditionalGeneration": Recipe("qwen3_vl_moe", dict(
+        text_config=dict(_COMMON, head_dim=HEAD_DIM, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
+                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1, mlp_only_layers=[],
+                         rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=5000000.0,
+                                                                 mrope_section=[12, 10, 10], mrope_interleaved=True)),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        tie_word_embeddings=False), "num_local_experts", text_config="text_config"),
+    # as Z.ai publishes GLM-4.5V: GLM-4.5-Air's language model (layer 0 dense, sigmoid routing with a score bias, a
+    # shared expert, qkv biases, partial multimodal rotary: sections of head_dim / 4, the releases' [8, 12, 12] of 32)
+    # in the vision-language wrapper, one matrix per expert; a one-block vision tower
+    "Glm4vMoeForConditionalGeneration": Recipe("glm4v_moe", dict(
+        text_config=dict(_COMMON, **_DEEPSEEK_MOE, head_dim=HEAD_DIM, intermediate_size=DENSE_INTER,
+                         first_k_dense_replace=1, routed_scaling_factor=1.0, rms_norm_eps=1e-5,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                              mrope_section=[4, 6, 6])),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, image_size=56),
+        tie_word_embeddings=False), "n_routed_experts", dense_layers=(0,), text_config="text_config",
+        noisy_buffers=("e_score_correction_bias",)),
     "Qwen2MoeForCausalLM": Recipe("qwen2_moe", dict(
         _COMMON, intermediate_size=DENSE_INTER, moe_intermediate_size=EXPERT_INTER,
         shared_expert_intermediate_size=EXPERT_INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
@@ -343,7 +370,7 @@ def build(arch: str, out_dir, *, seed: int = 0, max_shard_size: int | str | None
         cfg = _merged(cfg, extra_config)
     _write_json(out / CONFIG, cfg)
     if ARCHS[arch].text_config:  # a vision-language checkpoint ships its image processor's config
-        _write_json(out / PREPROCESSOR, QWEN3_VL_PREPROCESSOR)
+        _write_json(out / PREPROCESSOR, PREPROCESSORS.get(arch, QWEN3_VL_PREPROCESSOR))
     return out
 
 
@@ -380,6 +407,12 @@ QWEN3_VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "p
                          "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
                          "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                          "image_std": [0.5, 0.5, 0.5]}
+# GLM-4.5V's: transformers' Glm4vImageProcessor defaults (exllamav3's GLM-4V classes read these keys, the type asserted)
+GLM4V_PREPROCESSOR = {"image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor",
+                      "size": {"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 15000}, "patch_size": 14,
+                      "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                      "image_std": [0.26862954, 0.26130258, 0.27577711]}
+PREPROCESSORS = {"Glm4vMoeForConditionalGeneration": GLM4V_PREPROCESSOR}
 
 
 # --- checkpoint reading / writing ---------------------------------------------------------------------------------
@@ -631,6 +664,21 @@ def to_fused_qwen3_5(src_dir, out_dir) -> Path:
     return out
 
 
+# --- Qwen3-VL-MoE as published (fused experts, (E, in, out)) ---------------------------------------------------
+
+def to_published_qwen3_vl(src_dir, out_dir) -> Path:
+    """A Qwen3-VL-MoE checkpoint as transformers 5.24 saves it (fused experts as its module holds them,
+    ``gate_up_proj`` (E, 2I, hidden), ``down_proj`` (E, hidden, I)) in the layout Qwen publishes: dims 1 and 2 swapped,
+    (E, hidden, 2I) with gate then up along the last dim and (E, I, hidden). transformers cannot load this one at the
+    kit's sizes (hidden = 2I: its check_dims Transpose leaves the square gate_up as it is); fq reads it."""
+    def convert(name, t):
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            return {name: t.transpose(1, 2).contiguous()}
+        return {name: t}
+
+    return _rewrite(src_dir, out_dir, convert, lambda cfg: None)
+
+
 # dims that are multiples of 16 (MXFP4: of 32) but not of 128, as gpt-oss-20b/120b's 2880: build(arch, d,
 # keys=PADDED_KEYS[arch]) gives a checkpoint whose routed experts EXL3 stores zero-padded (fq.codec.shape: hidden 160
 # at 256, intermediate 96 at 128)
@@ -653,7 +701,10 @@ PUBLISHED_KEYS = {"SolarOpenForCausalLM": {"intermediate_size": DENSE_INTER},
                                       "moe_router_enable_expert_bias": True},
                   # DeepSeek-V4 states its schedule as exllamav3 reads it (transformers writes layer_types and
                   # mlp_layer_types instead)
-                  "DeepseekV4ForCausalLM": {"compress_ratios": [0, 4, 128], "num_hash_layers": 1}}
+                  "DeepseekV4ForCausalLM": {"compress_ratios": [0, 4, 128], "num_hash_layers": 1},
+                  # Qwen3-VL's releases name the vision config qwen3_vl_moe (transformers 5.24 writes
+                  # qwen3_vl_moe_vision, which exllamav3 1.6.5's vision reader refuses)
+                  "Qwen3VLMoeForConditionalGeneration": {"vision_config": {"model_type": "qwen3_vl_moe"}}}
 
 
 # --- one-node campaigns of a kit checkpoint (tests/test_family_campaigns.py, benchmarks/family_campaigns.py) -----

@@ -82,8 +82,10 @@ def test_each_family_is_read_as_transformers_saved_it(built, arch):
     for e in (0, 7):
         for p in PROJECTIONS:
             want = _saved(d, src.expert_tensor(layer, e, p))
-            if want.dim() == 3:  # gpt-oss: transformers' (E, in, out), gate and up interleaved along the output
-                want = want[e].T if p == "down" else want[e][:, {"gate": 0, "up": 1}[p]::2].T
+            if want.dim() == 3:  # fused: gpt-oss's (E, in, out), gate and up interleaved; Qwen3-VL-MoE's as saved
+                spec = family.fused_experts
+                order = src.fused_order or spec.order
+                want = formats._fused_part(want[e].T if order == "in_out" else want[e], p, spec.split)
             assert got[e][p].dtype == torch.float32 and torch.equal(got[e][p], want.float())
             assert tuple(want.shape) == src.expert_shape(p)
     recipe = parse_recipe(RECIPE, "recipe")
@@ -218,6 +220,62 @@ def test_gpt_oss_mxfp4_is_read_per_expert_as_the_reference_dequantizes_it(built)
                                                            state_dict=reference, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(build_model(config, tensors)(IDS).logits, model(IDS).logits)
+
+
+def test_qwen3_vl_moe_experts_are_read_in_both_orders_as_transformers_holds_them(built, tmp_path):
+    """Qwen3-VL-MoE's fused experts as Qwen publishes them, (E, hidden, 2I) with gate then up and (E, I, hidden), and as
+    transformers 5.24 saves them, its module's (E, 2I, hidden) and (E, hidden, I) (the kit: hidden = 2I, a square
+    gate_up that only down's shape tells apart): fq reads every expert of both as transformers' own parameter; fq's
+    runtime fuses them back as transformers saves them; fq's reference forward and the calibration chain build the same
+    model and layers from both."""
+    import transformers
+
+    from fq.hessian import layer as layer_mod
+    from fq.runtime.load import checkpoint_state
+    from fq.workflow.encode import read_source
+
+    arch = "Qwen3VLMoeForConditionalGeneration"
+    saved = built(arch)
+    published = fk.to_published_qwen3_vl(saved, tmp_path / "published")
+    experts = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(saved, dtype=torch.float32) \
+        .model.language_model.layers[2].mlp.experts
+    I = fk.EXPERT_INTER
+    for d, order in ((saved, "out_in"), (published, "in_out")):
+        src = load_source(d)
+        assert src.fused_order == order and src.exl3_problems == ()
+        got = read_source({str(e): {p: src.expert_source(2, e, p, lambda s: str(d / s)).to_json() for p in PROJECTIONS}
+                           for e in range(fk.EXPERTS)})
+        for e in range(fk.EXPERTS):
+            gu = experts.gate_up_proj[e]
+            want = {"gate": gu[:I], "up": gu[I:], "down": experts.down_proj[e]}
+            assert all(torch.equal(got[e][p], want[p]) for p in PROJECTIONS), (order, e)
+    layout = src.family_entry.layout
+    per = {layout.key(2, e, lp, "weight"): got[e][p] for e in range(fk.EXPERTS)
+           for p, lp in zip(PROJECTIONS, layout.projections)}
+    fused = formats.fuse_experts(per, layout, src.family_entry.fused_experts, "t")
+    _, tensors = checkpoint_state(saved)
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.language_model.layers.2.mlp.experts.{name}"
+        assert torch.equal(fused[key], tensors[key]), name
+    # config.json as transformers 5.24 writes it names the vision config qwen3_vl_moe_vision, which exllamav3
+    # 1.6.5's vision reader refuses (the releases say qwen3_vl_moe: fk.PUBLISHED_KEYS)
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["vision_config"]["model_type"] = fk.config_of(arch)["vision_config"]["model_type"]
+    assert src.family_entry.exl3_problems(src.family_entry.text_view(cfg, "c"), [0, 1, 2], 3) == [
+        "vision_config model_type 'qwen3_vl_moe_vision' (exllamav3 1.6.5 accepts qwen3_vl, qwen3_vl_moe, qwen3_5, "
+        "qwen3_5_moe, qwen3_5_vision, qwen3_5_moe_vision, qwen4_exp, qwen4_exp_vision)"]
+    # fq's reference forward (fq eval, fq usage) builds both as transformers builds the one it saved
+    from fq.model.checkpoint_model import load_checkpoint
+
+    with torch.no_grad():
+        assert torch.equal(load_checkpoint(published)(IDS).logits, load_checkpoint(saved)(IDS).logits)
+    a, b = layer_mod.read_checkpoint(saved), layer_mod.read_checkpoint(published)
+    hfc = layer_mod.hf_config(a.config)
+    arch_ = layer_mod.architecture(a.config)
+    for L in range(fk.LAYERS):
+        mine = layer_mod.build_layer(hfc, arch_, L, layer_mod.layer_tensors(b, L)[0]).state_dict()
+        theirs = layer_mod.build_layer(hfc, arch_, L, layer_mod.layer_tensors(a, L)[0]).state_dict()
+        assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in theirs), L
 
 
 def test_fused_experts_round_trip():

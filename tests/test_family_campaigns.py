@@ -271,7 +271,8 @@ def test_finalize_twice_publishes_identical_bytes(kimi):
 
 # -- opt-in: every family -----------------------------------------------------------------------------------------
 CASES = [(a, "bf16") for a in REGISTERED] + [(a, "fp8") for a in FP8_ARCHS if a in REGISTERED] + \
-    [("GptOssForCausalLM", "mxfp4"), ("Qwen3_5MoeForConditionalGeneration", "fused")] + \
+    [("GptOssForCausalLM", "mxfp4"), ("Qwen3_5MoeForConditionalGeneration", "fused"),
+     ("Qwen3VLMoeForConditionalGeneration", "published")] + \
     [(a, v) for a in fk.PADDED_KEYS for v in ("bf16-padded", "mxfp4-padded")]
 
 
@@ -299,6 +300,8 @@ def test_every_family_goes_through_a_campaign(tmp_path, arch, variant):
         src = fk.to_mxfp4_gptoss(src, tmp_path / "mxfp4")
     elif variant == "fused":  # Qwen3.5-MoE's experts fused per layer, as Qwen publishes them
         src = fk.to_fused_qwen3_5(src, tmp_path / "fused")
+    elif variant == "published":  # Qwen3-VL-MoE's fused experts in the order Qwen publishes them, (E, in, out)
+        src = fk.to_published_qwen3_vl(src, tmp_path / "published")
     s = load_source(src)
     assert s.padded == (keys is not None) and calibrated == (families.by_name(s.family).calibration is not None)
     d = tmp_path / "run"

@@ -30,7 +30,7 @@ _FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias", ".mlp.router.gate
 # dt_bias; DeepSeek-V4's (not read yet) norms, hyper-connection mixers, sinks and its hash routing table (int64)
 _OWN_DTYPES = {"KimiLinearForCausalLM": (".block_sparse_moe.gate.weight", ".self_attn.dt_bias"),
                "DeepseekV4ForCausalLM": None}
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +122,16 @@ def test_build_is_tiny_moe_in_several_bf16_shards(arch, built):
         if arch == "GptOssForCausalLM":  # transformers' fused layout: (E, in, out), gate/up interleaved
             assert per == {"gate_up_proj": (8, 256, 256), "down_proj": (8, 128, 256)}
             continue
+        if arch == "Qwen3VLMoeForConditionalGeneration":  # as transformers 5.24 saves it: (E, out, in), gate then up
+            assert per == {"gate_up_proj": (8, 256, 256), "down_proj": (8, 256, 128)}
+            continue
         assert len(per) == 3
         for proj, got in per.items():
             down = proj in ("down_proj", "w2")
             assert got == {(e, (256, 128) if down else (128, 256)) for e in range(8)}, proj
     for l in r.dense_layers:  # LFM2-MoE's dense MLP is feed_forward.w1/w3/w2
-        gate = next(n for n in (f"model.layers.{l}.mlp.gate_proj.weight", f"model.layers.{l}.feed_forward.w1.weight")
-                    if n in head)
+        gate = next(n for n in (f"model.layers.{l}.mlp.gate_proj.weight", f"model.layers.{l}.feed_forward.w1.weight",
+                                f"model.language_model.layers.{l}.mlp.gate_proj.weight") if n in head)
         assert head[gate][1] == (512, 256)
 
 

@@ -1,9 +1,10 @@
 """The calibration chain (fq.hessian) on every registered family besides GLM (tests/test_hessian.py covers
-Glm4MoeForCausalLM and GLM-5's GlmMoeDsaForCausalLM): on a tiny random checkpoint that transformers itself builds
-and saves in several shards, the layer modules equal the full model's layers tensor for tensor, the chain
-reproduces the full model's layer outputs, the input Hessian is XᵀX of the MoE block input hooked on the full model,
-and the down-projection Hessians (all experts and routed-only) are those of the down projection's input as the full
-model's own experts module computes it (checked against that module's output)."""
+Glm4MoeForCausalLM and GLM-5's GlmMoeDsaForCausalLM) and Qwen3.5-MoE's VL checkpoint (tests/test_qwen3_5_vl.py), the
+vision-language wrappers Qwen3-VL-MoE and GLM-4.5V run on tokens alone: on a tiny random checkpoint that
+transformers itself builds and saves in several shards, the layer modules equal the full model's layers tensor for
+tensor, the chain reproduces the full model's layer outputs, the input Hessian is XᵀX of the MoE block input hooked
+on the full model, and the down-projection Hessians (all experts and routed-only) are those of the down projection's
+input as the full model's own experts module computes it (checked against that module's output)."""
 from __future__ import annotations
 
 import json
@@ -137,6 +138,24 @@ FAMILIES = {
         num_expert_group=4, topk_group=2, first_k_dense_replace=1, **dict(MLA, q_lora_rank=None),
         linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2], num_heads=2, head_dim=32,
                                 short_conv_kernel_size=4)), [1, 2]),
+    # vision-language wrappers (text_config, vision_config: COMMON goes to the language model's), run on tokens alone:
+    # Qwen3-MoE's layers (layer 0 dense: mlp_only_layers), the fused experts stored (E, in, out), a multimodal rotary
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", dict(
+        text_config=dict(intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, head_dim=64,
+                         mlp_only_layers=[0], rope_parameters=dict(rope_type="default", rope_theta=5000000.0,
+                                                                   mrope_section=[12, 10, 10], mrope_interleaved=True)),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0])), [1, 2]),
+    # GLM-4.5-Air's layers (layer 0 dense, group-limited sigmoid routing: 4 groups of 2, the best 2, a score bias, a
+    # shared expert, qkv biases) with a partial multimodal rotary
+    "glm4v_moe": ("Glm4vMoeForConditionalGeneration", dict(
+        text_config=dict(intermediate_size=512, moe_intermediate_size=INTER, n_routed_experts=N_EXPERTS,
+                         n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, head_dim=64,
+                         routed_scaling_factor=2.5, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                         partial_rotary_factor=0.5,
+                                                                         mrope_section=[4, 6, 6])),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN,
+                           image_size=56)), [1, 2]),
 }
 # parameters transformers' _init_weights starts at zero, made non-zero so that they act (AFMoE's router)
 NOISY = {"afmoe": ("router.gate.weight",)}
@@ -160,12 +179,16 @@ def _save_tiny(case: str, d: Path) -> Path:
     made non-zero, so that they act. A longrope config.json is rewritten as published (rope_scaling, rope_theta);
     the DERIVED_LEFT_OUT buffers are removed from the shards and the index."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    _, args, _ = FAMILIES[case]
-    cfg = AutoConfig.for_model(_model_type(case), **{**COMMON, **args})
+    name, args, _ = FAMILIES[case]
+    if "text_config" in args:  # a vision-language wrapper: the common keys are its language model's
+        cfg = AutoConfig.for_model(_model_type(case), **{**args, "text_config": {**COMMON, **args["text_config"]}})
+    else:
+        cfg = AutoConfig.for_model(_model_type(case), **{**COMMON, **args})
     torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg)
+    cls = _model_class(name)
+    m = cls.from_config(cfg) if hasattr(cls, "from_config") else cls._from_config(cfg)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, t in list(m.named_parameters()) + list(m.named_buffers()):
@@ -205,14 +228,27 @@ def _tokens(cols: int = COLS):
     return torch.randint(0, VOCAB, (ROWS, cols), generator=torch.Generator().manual_seed(2))
 
 
+def _model_class(name: str):
+    """The class transformers runs a checkpoint of ``name`` with: a causal LM, or a vision-language wrapper's own."""
+    import transformers
+
+    from fq.model import families
+
+    family = families.for_config({"architectures": [name]}, "c")
+    return getattr(transformers, name) if family.text_config else transformers.AutoModelForCausalLM
+
+
+def _language_model(m):
+    """The decoder stack of ``m`` (embeddings, layers, rotary): a vision-language wrapper's language model."""
+    return getattr(m.model, "language_model", m.model)
+
+
 def _reference(d: Path, arch, tokens=None):
     """The full transformers model (from_pretrained) on the tokens, with hooks: the position embeddings its layers
     get, each layer's output, each MoE block's input, its router's top-k and its experts module's inputs and
     output."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    return m, hooked_forward(m, m.model.layers, arch, _tokens() if tokens is None else tokens)
+    m = _model_class(arch.name).from_pretrained(d, dtype=torch.float32).eval()
+    return m, hooked_forward(m, _language_model(m).layers, arch, _tokens() if tokens is None else tokens)
 
 
 def hooked_forward(m, layers, arch, tokens) -> dict:
@@ -286,18 +322,19 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
     assert arch.name == name == ckpt.config["architectures"][0]
     assert [L for L in range(3) if arch.is_moe(ckpt.config, L)] == moe_layers
     m, seen = _reference(d, arch)
+    lm = _language_model(m)
     hfc = layer_mod.hf_config(ckpt.config)
     # the chain's attention and experts implementations are what from_pretrained picked on the CPU
     assert (hfc._attn_implementation, hfc._experts_implementation) == \
-        (m.config._attn_implementation, m.config._experts_implementation)
+        (lm.config._attn_implementation, lm.config._experts_implementation)
     # every inverse frequency of the chain's rotary module (one per attention type where it keeps several) is the
     # full model's, as it built it (LFM2-MoE names its rotary module pos_emb); Kimi-Linear's layers take none
     _, rot_cls = arch.classes()
     rot = layer_mod.rotary(hfc, arch)
     if rot is None:
-        assert not hasattr(m.model, "rotary_emb")
+        assert not hasattr(lm, "rotary_emb")
     else:
-        (theirs,) = [mod for mod in m.model.modules() if isinstance(mod, rot_cls)]
+        (theirs,) = [mod for mod in lm.modules() if isinstance(mod, rot_cls)]
         mine = dict(rot.named_buffers())
         assert mine and all(torch.equal(v, theirs.get_buffer(k.replace("inv_freq", "original_inv_freq")))
                             for k, v in mine.items() if k.endswith("inv_freq") and "original" not in k)
@@ -311,7 +348,7 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
         assert not {f"model.layers.{L}.{n}" for n in DERIVED_LEFT_OUT.get(case, {}).get(L, ())} & set(tensors)
         # the layer module holds exactly the full model's layer (transformers' own checkpoint conversion)
         mine = layer_mod.build_layer(hfc, arch, L, tensors).state_dict()
-        theirs = m.model.layers[L].state_dict()
+        theirs = lm.layers[L].state_dict()
         assert sorted(mine) == sorted(theirs), L
         for k in theirs:
             assert torch.equal(mine[k], theirs[k]), (L, k)
@@ -321,7 +358,7 @@ def test_family_chain_reproduces_the_full_model(checkpoints, case):
         assert (s is not None) == (L in moe_layers), L
         if s is not None:
             _, r = capture.advance(L, hidden, tensors, ckpt.config, routed_only=True)
-            _check_hessians(m.model.layers, arch, seen, L, s, r, model_type)
+            _check_hessians(lm.layers, arch, seen, L, s, r, model_type)
         hidden = out
 
 
@@ -358,7 +395,7 @@ def _check_hessians(layers, arch, seen, L, s, r, model_type):
     topk = ex_idx
     assert topk.shape == (ROWS * COLS, TOP_K)
     # group-limited: every token's experts within topk_group of the n_group groups
-    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open", "deepseek_v32", "kimi_linear"):
+    if model_type in ("deepseek_v3", "deepseek_v2", "solar_open", "deepseek_v32", "kimi_linear", "glm4v_moe"):
         groups = topk // (N_EXPERTS // 4)
         assert all(len(set(g.tolist())) <= 2 for g in groups)
 
@@ -467,6 +504,12 @@ RULE_CASES = [
     ("kimi_linear", "KimiLinearForCausalLM", {"num_experts": 4},
      [{}, {"first_k_dense_replace": 0}, {"first_k_dense_replace": 2},
       {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}]),
+    # vision-language wrappers: the rule's keys in text_config
+    ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", {"num_experts": 4},
+     [{}, {"mlp_only_layers": [0, 2]}, {"decoder_sparse_step": 2}, {"decoder_sparse_step": 3},
+      {"num_experts": None, "num_local_experts": 4, "mlp_only_layers": [1]}]),
+    ("glm4v_moe", "Glm4vMoeForConditionalGeneration", {"n_routed_experts": 4},
+     [{}, {"first_k_dense_replace": 0}, {"first_k_dense_replace": 2}]),
 ]
 
 
@@ -483,13 +526,18 @@ def test_moe_layer_rule_matches_transformers(model_type, name, base, variants):
                  head_dim=32, intermediate_size=64, moe_intermediate_size=32, num_experts_per_tok=2)
     for over in variants:
         args = {k: v for k, v in {**small, **base, **over}.items() if v is not None}
-        hfc = AutoConfig.for_model(model_type, **args)
+        if arch.family.text_config:  # a vision-language wrapper: its language model's keys under text_config
+            wrapper = AutoConfig.for_model(model_type, text_config=args)
+            hfc, raw = wrapper.get_text_config(), {"architectures": [name], "model_type": model_type,
+                                                    "text_config": args}
+        else:
+            wrapper = hfc = AutoConfig.for_model(model_type, **args)
+            raw = {"architectures": [name], "model_type": model_type, **args}
         with torch.device("meta"):
             built = [hasattr(getattr(layer_cls(hfc, L), arch.moe_block), "experts") for L in range(4)]
         assert any(built), (model_type, over)
-        raw = {"architectures": [name], "model_type": model_type, **args}
         assert [arch.is_moe(raw, L) for L in range(4)] == built, (model_type, over)
-        written = {**hfc.to_dict(), "architectures": [name]}
+        written = {**wrapper.to_dict(), "architectures": [name]}
         assert [arch.is_moe(written, L) for L in range(4)] == built, (model_type, over, "written")
 
 

@@ -22,8 +22,9 @@
   conversion (``conversion_mapping``: "qwen2_moe", which glm4_moe, deepseek_v3, qwen3_moe, ... use:
   ``gate_up_proj[e] = cat(gate_e, up_e)``, ``down_proj[e] = down_e``; "mixtral", which minimax_m2 and minimax use too:
   ``block_sparse_moe.`` renamed ``mlp.``, then the same fusion of ``w1`` (gate), ``w3`` (up), ``w2`` (down)), done
-  here for one layer; gpt-oss checkpoints already hold the module's fused tensors. The tests check the result equals
-  the full model's layer, tensor for tensor.
+  here for one layer; gpt-oss checkpoints already hold the module's fused tensors, Qwen3-VL-MoE's as published hold
+  them with dims 1 and 2 swapped (``Calibration.fused_transposed``: transformers' "qwen3_vl_moe" Transpose(1, 2)).
+  The tests check the result equals the full model's layer, tensor for tensor.
 - ``hf_config``: the transformers config from ``config.json`` as ``fq.runtime.load.build_model`` makes it, with
   the attention and experts implementations that ``from_pretrained`` picks on the CPU (sdpa, or eager where the
   model has no sdpa attention: gpt-oss; grouped_mm).
@@ -296,6 +297,14 @@ def _module_state(module, arch: Arch, layer: int, tensors: Mapping[str, "object"
     want = module.state_dict(keep_vars=True)
     experts = getattr(getattr(module, arch.moe_block, None), "experts", None)
     base = f"{arch.moe_block}.experts."
+    fused = [k for k in (f"{base}gate_up_proj", f"{base}down_proj") if k in state and k in want]
+    # (E, in, out) on disk where the module holds (E, out, in): transformers' Transpose(1, 2), decided from both
+    # tensors (a square gate_up, hidden = 2·I, does not tell; down then does)
+    if arch.cal.fused_transposed and fused and all(state[k].dim() == 3 for k in fused) and all(
+            tuple(state[k].transpose(1, 2).shape) == tuple(want[k].shape) for k in fused) and any(
+            tuple(state[k].shape) != tuple(want[k].shape) for k in fused):
+        for k in fused:
+            state[k] = state[k].transpose(1, 2)
     names = arch.experts.per_expert
     # a checkpoint that already holds the module's fused tensors (Qwen3.5 as published) is loaded as it is
     if experts is not None and names is not None and f"{base}gate_up_proj" in want \

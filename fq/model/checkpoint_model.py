@@ -13,7 +13,7 @@ import os
 
 from fq.core.canonical import sha256_hex
 from fq.errors import FqError
-from fq.model.checkpoint import open_file, read_meta
+from fq.model.checkpoint import CONFIG, open_file, read_meta
 from fq.model.families import transformers_model_type
 from fq.model.formats import dense_state
 from fq.model.shards import read_header
@@ -43,14 +43,42 @@ def model_class(config: dict):
     return cls
 
 
+def _in_saved_order(config: dict, tensors: dict) -> dict:
+    """``tensors`` with a family's fused experts in the order transformers saves them where the checkpoint holds the
+    other one (``FusedExperts.saved_order``: Qwen3-VL-MoE as published, (E, in, out)), the order told from their
+    shapes as the source reader tells it. transformers' own load transposes such a tensor only where its shape is not
+    the module's, which leaves a square gate_up (hidden = 2I) as it is."""
+    from fq.model import families
+    from fq.model.source import fused_tensor_order
+
+    try:
+        family = families.for_config(config, CONFIG)
+    except FqError:  # not a registered family (its architecture is refused where it matters): as it is
+        return tensors
+    spec = family.fused_experts
+    if spec is None or spec.saved_order is None:
+        return tensors
+    text = family.text_view(config, CONFIG)
+    hidden, (inter, _) = text.get("hidden_size"), family.intermediate(text, CONFIG)
+    shapes = {n: ("", tuple(t.shape)) for n, t in tensors.items()}
+    order = fused_tensor_order({n: "" for n in tensors}, family, shapes, hidden, inter, CONFIG)
+    if order in (None, spec.saved_order):
+        return tensors
+    pattern = family.layout.experts_pattern()
+    return {n: t.transpose(1, 2).contiguous() if (m := pattern.fullmatch(n)) and m["rest"] in (spec.gate_up, spec.down)
+            else t for n, t in tensors.items()}
+
+
 def build_model(config: dict, tensors: dict):
     """A float32 transformers model holding exactly ``tensors`` (checkpoint names; transformers converts them to
-    its own layout on load). Refuses missing, unexpected or mismatched keys, and checks every tensor read back
-    (transformers' reverse conversion) equals the one given."""
+    its own layout on load; fused experts in the order transformers saves them, ``_in_saved_order``). Refuses
+    missing, unexpected or mismatched keys, and checks every tensor read back (transformers' reverse conversion)
+    equals the one given."""
     import torch
     import transformers
     from transformers.core_model_loading import revert_weight_conversion
 
+    tensors = _in_saved_order(config, tensors)
     cfg = {k: v for k, v in config.items() if k != "quantization_config"}  # dense weights: no quantizer
     cls = model_class(cfg)
     model_type = transformers_model_type(cfg)

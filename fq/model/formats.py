@@ -321,15 +321,14 @@ def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) 
 
 def fuse_experts(tensors: dict, layout, fused, where: str) -> dict:
     """``tensors`` with every expert's ``layout`` matrices (torch (out, in), float32) put back into the fused tensors
-    a family's checkpoint has (gpt-oss: ``{prefix}gate_up_proj`` (E, in, 2·I) with gate and up interleaved along
-    the output, ``{prefix}down_proj`` (E, I, hidden)): what transformers loads such a checkpoint from. ``fused``:
-    the family's ``FusedExperts`` (gpt-oss's layout)."""
+    a family's checkpoint has, laid out as its ``FusedExperts`` says (in the order transformers saves it,
+    ``saved_order``, where it has one): what transformers loads such a checkpoint from. gpt-oss:
+    ``{prefix}gate_up_proj`` (E, in, 2·I) with gate and up interleaved along the output and ``{prefix}down_proj``
+    (E, I, hidden); Qwen3-VL-MoE: (E, 2·I, in), gate then up (``halves``), and (E, hidden, I), torch (out, in)."""
     import torch
 
     gate_up, down = fused.gate_up, fused.down
-    if (fused.order, fused.split) != ("in_out", "interleaved"):
-        raise FqError(f"{where}: fq's runtime fuses experts as gpt-oss lays them out (in_out, interleaved), not "
-                      f"{fused.order}, {fused.split}")
+    order = fused.saved_order or fused.order
     per: dict[int, dict[int, dict[str, object]]] = {}
     out = {}
     for name, t in tensors.items():
@@ -346,11 +345,15 @@ def fuse_experts(tensors: dict, layout, fused, where: str) -> dict:
             raise FqError(f"{where}: layer {layer}: every expert 0..{n - 1} needs its {g}, {u} and {d} to be fused")
         prefix = layout.experts_prefix(layer)
         first = experts[0]
-        gu = torch.empty(n, first[g].shape[1], 2 * first[g].shape[0], dtype=first[g].dtype)
+        gu = torch.empty(n, 2 * first[g].shape[0], first[g].shape[1], dtype=first[g].dtype)  # (E, 2I, in)
         for e, m in experts.items():
-            gu[e, :, 0::2] = m[g].T
-            gu[e, :, 1::2] = m[u].T
-        out[prefix + gate_up] = gu
-        out[prefix + down] = torch.stack([experts[e][d].T for e in range(n)]).contiguous()
+            if fused.split == "halves":
+                gu[e] = torch.cat([m[g], m[u]])
+            else:
+                gu[e, 0::2], gu[e, 1::2] = m[g], m[u]
+        dn = torch.stack([experts[e][d] for e in range(n)])  # (E, hidden, I)
+        if order == "in_out":
+            gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+        out[prefix + gate_up] = gu.contiguous()
+        out[prefix + down] = dn.contiguous()
     return out
-

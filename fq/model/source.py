@@ -72,6 +72,8 @@ class SourceModel:
     expert_scales: Mapping[tuple[int, int, str], str] = field(default_factory=dict, repr=False)  # FP8: -> scale tensor
     exl3_problems: tuple[str, ...] = ()  # why exllamav3 1.6.5 would not load (or would misread) a base; () = it loads
     tied_embeddings: bool = False  # lm_head is the embedding matrix (config tie_word_embeddings)
+    # the order of the checkpoint's fused expert tensors where its family reads two (FusedExperts.saved_order)
+    fused_order: str | None = None
     config: Mapping = field(default_factory=dict, repr=False, compare=False)  # config.json as parsed
 
     @property
@@ -142,7 +144,8 @@ class SourceModel:
         shape = self.expert_shape(proj)
         spec = self.family_entry.fused_experts
         # a fused 3-D tensor (expert first): the expert's index, which matrix of it, and how the family lays it out
-        fused = (expert, proj, spec.order, spec.split) if spec and tensor.endswith(_fused_names(spec)) else ()
+        fused = (expert, proj, self.fused_order or spec.order, spec.split) \
+            if spec and tensor.endswith(_fused_names(spec)) else ()
         if scale is None:
             return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, None, None, None, *fused)
         return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, staged(self.weight_map[scale]),
@@ -321,9 +324,11 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
         _check_fused_count(weight_map, family, fmt, config, n_experts, hidden, (inter_key, inter), dtype, shard_sizes,
                            tensors, cfg, origin)
         experts, scales, skeleton = _classify_fused(weight_map, family, fmt, n_experts, idx)
+        fused_order = fused_tensor_order(weight_map, family, tensors, hidden, inter, origin)
     else:
         experts, scales, skeleton = _classify(weight_map, family, fmt, idx)
         _check_expert_count(experts, n_experts, family.experts_key(config), cfg, idx)
+        fused_order = None
     if not experts:
         raise FqError(f"{idx}: no routed expert tensors found: a {family.architectures[0]} checkpoint names them "
                       f"{family.layout.key('{L}', '{E}', family.layout.projections[0], 'weight')} and the like")
@@ -365,7 +370,7 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
         expert_names=experts, skeleton_tensors=tuple(skeleton), source_format=fmt, expert_scales=scales,
         exl3_problems=tuple(family.exl3_problems(config, [l for l in moe_layers if l < n_layers], n_layers)),
         tied_embeddings=bool(config.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
-        config=top,
+        fused_order=fused_order, config=top,
     )
     for shard in model.shards:
         if model.shard_skeleton_bytes(shard) < 0:
@@ -454,6 +459,39 @@ def _is_fused(weight_map: Mapping[str, str], family: Family) -> bool:
         return True
     pattern = family.layout.experts_pattern()
     return any((m := pattern.fullmatch(n)) and m["rest"] in (spec.gate_up, spec.down) for n in weight_map)
+
+
+def fused_tensor_order(weight_map: Mapping[str, str], family: Family,
+                 tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None, hidden: int, inter: int,
+                 origin: str) -> str | None:
+    """The order of a checkpoint's fused dense expert tensors where its family reads two (``FusedExperts.saved_order``:
+    Qwen3-VL-MoE as published, (E, in, out), or as transformers 5.x saves it, (E, out, in)), from the shard headers:
+    every layer's gate_up and down together (a square gate_up, hidden = 2·I, does not tell; down then does). Without
+    the headers (a plan from a listing), the published order; the encode job checks each slice's shape."""
+    spec = family.fused_experts
+    if spec.saved_order is None or tensors is None:
+        return None
+    pattern = family.layout.experts_pattern()
+    want = {spec.gate_up: (2 * inter, hidden), spec.down: (hidden, inter)}  # (out, in)
+    found = set()
+    for name in sorted(weight_map):
+        m = pattern.fullmatch(name)
+        if m is None or m["rest"] not in want or name not in tensors:
+            continue
+        shape, (o, i) = tuple(tensors[name][1][1:]), want[m["rest"]]
+        orders = {order for order, dims in (("out_in", (o, i)), ("in_out", (i, o))) if shape == dims}
+        if not orders:
+            raise FqError(f"{origin}/{weight_map[name]}: tensor {name!r} is {list(tensors[name][1])}; the config makes "
+                          f"each expert's slice ({o}, {i}) (out, in) or ({i}, {o}) (in, out)")
+        found.add((m["layer"], frozenset(orders)))
+    per_layer: dict[str, set[str]] = {}
+    for layer, orders in found:
+        per_layer[layer] = per_layer.get(layer, {"in_out", "out_in"}) & orders
+    told = {next(iter(o)) for o in per_layer.values() if len(o) == 1}
+    if len(told) > 1 or any(not o for o in per_layer.values()):
+        raise FqError(f"{origin}: the fused routed-expert tensors mix (E, in, out) and (E, out, in) layers; a "
+                      f"{family.architectures[0]} checkpoint holds one or the other")
+    return told.pop() if told else spec.order
 
 
 def _classify_fused(weight_map: Mapping[str, str], family: Family, fmt: formats.SourceFormat, n_experts: int,

@@ -27,7 +27,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     mixtral.MIXTRAL, mixtral.MINIMAX_M2, mixtral.MINIMAX, mixtral.PHIMOE,
     gpt_oss.GPT_OSS, dots.DOTS1, ernie.ERNIE4_5_MOE, solar.SOLAR_OPEN,
     afmoe.AFMOE, laguna.LAGUNA, hunyuan.HY_V3, mimo.MIMO_V2_FLASH, lfm2.LFM2_MOE, kimi.KIMI_LINEAR,
-    deepseek.DEEPSEEK_V4,
+    deepseek.DEEPSEEK_V4, qwen.QWEN3_VL_MOE, glm.GLM4V_MOE,
 )}
 _BY_ARCH = {a: f for f in REGISTRY.values() for a in f.architectures}
 _BY_MODEL_TYPE = {t: f for f in REGISTRY.values() for t in f.model_types}

@@ -189,6 +189,31 @@ def exl3_assert_problems(exl3_class: str, config: dict) -> list[str]:
     return out
 
 
+def stated(config: dict, key: str) -> bool:
+    """``key`` stated at the top of ``config`` or, where transformers 5.x writes RoPE keys, in its
+    ``rope_parameters`` (exllamav3 1.6.5 reads both spellings of ``rope_theta`` and ``partial_rotary_factor``)."""
+    rope = config.get("rope_parameters")
+    return config.get(key) is not None or isinstance(rope, dict) and rope.get(key) is not None
+
+
+def vision_config_check(keys: tuple[str, ...], model_types: tuple[str, ...]) -> Callable[[dict, int], list[str]]:
+    """An ``Exl3Needs.check`` for a vision-language class of exllamav3 1.6.5 that builds its vision tower's config
+    even to run text: ``vision_config`` must state ``keys`` (read without a default) and a ``model_type`` it
+    accepts (asserted)."""
+    def check(config: dict, n_layers: int) -> list[str]:
+        vision = config.get("vision_config")
+        if not isinstance(vision, dict):
+            return [f"vision_config is not stated (exllamav3 {EXLLAMAV3} reads the vision tower's config)"]
+        missing = [k for k in keys if vision.get(k) is None]
+        out = [f"vision_config lacks {', '.join(missing)} (exllamav3 {EXLLAMAV3} reads them without a default)"] \
+            if missing else []
+        if vision.get("model_type") is not None and vision["model_type"] not in model_types:
+            out.append(f"vision_config model_type {vision['model_type']!r} (exllamav3 {EXLLAMAV3} accepts "
+                       f"{', '.join(model_types)})")
+        return out
+    return check
+
+
 def full_attention(hf_cfg, layer: int) -> str:
     return "full_attention"
 
@@ -240,6 +265,10 @@ class Calibration:
     concats: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the checkpoint holds the module's own fused experts (gpt-oss) instead of one matrix per expert
     fused_experts: bool = False
+    # a checkpoint's fused gate_up_proj / down_proj may be the module's with dims 1 and 2 swapped, (E, in, out) where
+    # the module holds (E, out, in) (Qwen3-VL-MoE as published; transformers' conversion_mapping transposes them), or
+    # the module's own (as transformers 5.x saves it): told from both tensors' shapes together
+    fused_transposed: bool = False
     # (experts module, x [tokens, hidden] float32, e) -> a [tokens, intermediate], what expert e's forward feeds its
     # down projection; None: act(x·gate_eᵀ)·(x·up_eᵀ) from the fused gate_up_proj [E, 2I, hidden]
     act_inputs: Callable | None = None
@@ -280,11 +309,16 @@ class FusedExperts:
     # fq's runtime hands transformers the fused tensors (gpt-oss, whose modeling reads only those); False: the
     # per-expert names, which transformers' conversion mapping fuses on load (Qwen3.5)
     runtime_fused: bool = True
+    # the other order transformers 5.x saves the same checkpoint in (Qwen3-VL-MoE: published (E, in, out), saved as its
+    # module holds them, (E, out, in)): both are read, which one a checkpoint holds told by its shard headers; fq's
+    # runtime hands transformers this one (its Transpose(check_dims) cannot tell the two apart in a square gate_up)
+    saved_order: str | None = None
 
     def __post_init__(self):
-        if self.order not in ("in_out", "out_in") or self.split not in ("interleaved", "halves"):
-            raise FqError(f"fused experts: order {self.order!r} / split {self.split!r}: expected in_out or out_in, "
-                          "interleaved or halves")
+        if self.order not in ("in_out", "out_in") or self.split not in ("interleaved", "halves") \
+                or self.saved_order not in (None, "in_out", "out_in"):
+            raise FqError(f"fused experts: order {self.order!r} / {self.saved_order!r}, split {self.split!r}: expected "
+                          "in_out or out_in, interleaved or halves")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
-"""GLM-4.5 / 4.6 / 4.7 (Glm4Moe), GLM-4.7-Flash (Glm4MoeLite, MLA) and GLM-5 (GlmMoeDsa: MLA + DSA indexer)."""
-from fq.model.experts import STANDARD
-from fq.model.families.base import Calibration, DenseFirst, Exl3Needs, Family, LayerTypes
+"""GLM-4.5 / 4.6 / 4.7 (Glm4Moe), GLM-4.7-Flash (Glm4MoeLite, MLA), GLM-5 (GlmMoeDsa: MLA + DSA indexer) and
+GLM-4.5V (Glm4vMoe: GLM-4.5-Air's language model in a vision-language wrapper)."""
+from fq.core.targets import EXLLAMAV3
+from fq.model.experts import LANGUAGE_MODEL, STANDARD
+from fq.model.families.base import (Calibration, DenseFirst, Exl3Needs, Family, LayerTypes, stated,
+                                     vision_config_check)
 
 _EXPERTS = ("n_routed_experts", "num_local_experts")
 # exllamav3's GLM classes default n_routed_experts to 128, first_k_dense_replace to 3, routed_scaling_factor to 2.5
@@ -38,3 +41,35 @@ GLM_MOE_DSA = Family(
     exl3_needs=Exl3Needs(stated=_STATED, values=_ONE_GROUP),
     calibration=Calibration("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaDecoderLayer",
                             "GlmMoeDsaRotaryEmbedding", materialized_mask=True, shared_indexer=_dsa_shared))
+
+# exllamav3 1.6.5's Glm4vMoeForConditionalGeneration builds its vision tower's config even to run text
+# (read_glm4v_vision_config: these keys without a default, the model_type asserted; it opens preprocessor_config.json)
+_glm4v_vision = vision_config_check(
+    ("depth", "hidden_act", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
+     "spatial_merge_size", "temporal_patch_size", "model_type", "attention_bias", "image_size", "rms_norm_eps"),
+    ("glm4v", "glm4v_moe", "glm4v_moe_vision", "glm4v_vision", "glm5_next_vision"))
+
+
+def _glm4v_moe(config: dict, n_layers: int) -> list[str]:
+    out = _glm4v_vision(config, n_layers)
+    if not stated(config, "partial_rotary_factor"):  # read from text_config (or its rope_parameters)
+        out.append(f"partial_rotary_factor is not stated (exllamav3 {EXLLAMAV3}'s Glm4vMoeForConditionalGeneration "
+                   "assumes 1.0, transformers' Glm4vMoeTextConfig 0.5)")
+    return out
+
+
+# GLM-4.5V as Z.ai publishes it: the language model's layers under model.language_model.layers.* (layer 0 dense,
+# then sigmoid-routed experts with a score bias and a shared expert, one matrix per expert: transformers'
+# conversion_mapping fuses them as qwen2_moe's), the vision tower under model.visual.* (skeleton), the language
+# model's config under text_config. exllamav3 reads the text keys from text_config, defaulting first_k_dense_replace
+# to 3, routed_scaling_factor to 2.5 (transformers: 1, 1.0) and partial_rotary_factor to 1.0 (transformers: 0.5)
+GLM4V_MOE = Family(
+    name="glm4v_moe", title="GLM-4.5V / 4.6V (vision-language)", architectures=("Glm4vMoeForConditionalGeneration",),
+    model_types=("glm4v_moe",), layout=LANGUAGE_MODEL, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
+    moe_rule=DenseFirst(default=1), text_config="text_config", exl3="Glm4vMoeForConditionalGeneration",
+    exl3_needs=Exl3Needs(stated=_STATED + ("first_k_dense_replace",),
+                         values=_ONE_GROUP + (("use_qk_norm", (None, False), None),), check=_glm4v_moe),
+    # its partial multimodal rotary gets the text positions on all three axes, as the model's own forward makes them
+    # for text-only input; one causal mask
+    calibration=Calibration("transformers.models.glm4v_moe.modeling_glm4v_moe", "Glm4vMoeTextDecoderLayer",
+                            "Glm4vMoeTextRotaryEmbedding"))

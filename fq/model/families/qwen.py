@@ -1,5 +1,5 @@
 """Qwen3-MoE (30B / 235B / 480B), Qwen3-Next, Qwen3.5-MoE (the vision-language checkpoints as published, and the
-text model), Qwen2-MoE.
+text model), Qwen2-MoE, Qwen3-VL-MoE (vision-language).
 
 transformers 5.x saves Qwen3-MoE's expert count as ``num_local_experts``; the authors' configs say ``num_experts``.
 Qwen3-Next's next-token-prediction head (``mtp.*``) has experts of its own that no EXL3 runtime runs: outside the
@@ -13,7 +13,7 @@ config nests the language model's under ``text_config``."""
 from fq.core.targets import EXLLAMAV3
 from fq.model.experts import LANGUAGE_MODEL, STANDARD
 from fq.model.families.base import (AllLayers, Calibration, Exl3Needs, Family, FusedExperts, SparseStep,
-                                     per_layer_types, sliding_if_window)
+                                     per_layer_types, sliding_if_window, stated, vision_config_check)
 
 _EXPERTS = ("num_experts", "num_local_experts")
 
@@ -70,12 +70,10 @@ _VISION_KEYS = ("deepstack_visual_indexes", "depth", "hidden_act", "hidden_size"
                 "temporal_patch_size", "model_type")
 
 
-def _vision_config(config: dict, n_layers: int) -> list[str]:
-    vision = config.get("vision_config")
-    if not isinstance(vision, dict):
-        return [f"vision_config is not stated (exllamav3 {EXLLAMAV3} reads the vision tower's config)"]
-    missing = [k for k in _VISION_KEYS if vision.get(k) is None]
-    return [f"vision_config lacks {', '.join(missing)} (exllamav3 {EXLLAMAV3} reads them without a default)"] if missing else []
+# ... and asserts its model_type is one of these (read_qwen3_vl_vision_config: its Qwen3-VL and Qwen3.5 classes)
+_VISION_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_5_vision", "qwen3_5_moe_vision",
+                 "qwen4_exp", "qwen4_exp_vision")
+_vision_config = vision_config_check(_VISION_KEYS, _VISION_TYPES)
 
 
 QWEN3_5_MOE_VL = Family(
@@ -89,6 +87,39 @@ QWEN3_5_MOE_VL = Family(
     # asserts silu and a normalized top-k, each when stated)
     exl3="Qwen3_5MoeForConditionalGeneration", calibration=_QWEN3_5_CHAIN,
     exl3_needs=Exl3Needs(**_NEEDS, check=_vision_config))
+
+
+def _qwen3_vl_moe(config: dict, n_layers: int) -> list[str]:
+    out = _vision_config(config, n_layers)
+    if not stated(config, "rope_theta"):  # read from text_config (or its rope_parameters)
+        out.append(f"rope_theta is not stated (exllamav3 {EXLLAMAV3}'s Qwen3VLMoeForConditionalGeneration assumes "
+                   "5000000, transformers' Qwen3VLMoeTextConfig 500000)")
+    return out
+
+
+# Qwen3-VL-MoE as Qwen publishes it: the language model (Qwen3-MoE's layers: softmax top-k, q/k norms, no shared
+# expert) under model.language_model.layers.*, its experts fused per layer in transformers 4.57's layout,
+# mlp.experts.gate_up_proj (E, hidden, 2I) with gate then up along the last dim and mlp.experts.down_proj
+# (E, I, hidden). transformers 5.x's module holds them transposed, (E, 2I, hidden) and (E, hidden, I): its
+# conversion_mapping ("qwen3_vl_moe") transposes a tensor on load only where its shape is not the module's
+# (Transpose(1, 2, check_dims)), and on save writes the module's own, so a checkpoint transformers 5.24 saves is
+# (E, out, in). fq reads both (the order told by the shard headers). The vision tower (model.visual.*) is skeleton.
+QWEN3_VL_MOE = Family(
+    name="qwen3_vl_moe", title="Qwen3-VL-MoE 30B-A3B / 235B-A22B (vision-language)",
+    architectures=("Qwen3VLMoeForConditionalGeneration",), model_types=("qwen3_vl_moe",), layout=LANGUAGE_MODEL,
+    experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",), moe_rule=SparseStep(), text_config="text_config",
+    on_disk="`model.language_model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}` (E first, (in, out), gate then "
+            "up; as transformers saves it: (out, in))",
+    fused_experts=FusedExperts(order="in_out", split="halves", saved_order="out_in"),
+    # exllamav3's class reads the language model's keys from text_config (num_experts, num_experts_per_tok and
+    # rms_norm_eps without a default; rope_theta defaulting to 5e6) and builds every layer MoE
+    exl3="Qwen3VLMoeForConditionalGeneration",
+    exl3_needs=Exl3Needs(stated=("num_experts", "moe_intermediate_size", "num_experts_per_tok", "rms_norm_eps"),
+                         all_moe=True, aliases=(("num_experts", ("num_local_experts",)),), check=_qwen3_vl_moe),
+    # the text model's decoder layers; its rotary (interleaved multimodal sections) gets the text positions on all
+    # three axes, as the model's own forward makes them for text-only input; one causal mask (no sliding window)
+    calibration=Calibration("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextDecoderLayer",
+                            "Qwen3VLMoeTextRotaryEmbedding", fused_transposed=True))
 
 QWEN2_MOE = Family(
     name="qwen2_moe", title="Qwen1.5-MoE / Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",),
