@@ -149,7 +149,7 @@ def test_cost_table_errors(table):
         parse_cost_table(doc, "t.json")
     other = parse_cost_table(doc, "t.json", "Other GPU")
     assert other.seconds("mul1", 2, (256, 128)) == (pytest.approx(0.02), True)  # scaled per tile
-    with pytest.raises(FqError, match="no entry for codebook mcg K2 .*fq calibrate"):
+    with pytest.raises(FqError, match="no entry for codebook mcg K2 .*fq cost-table"):
         other.seconds("mcg", 2, (128, 128))
     with pytest.raises(FqError, match="no GPU model 'B200'"):
         parse_cost_table(doc, "t.json", "B200")
