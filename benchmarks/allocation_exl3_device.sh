@@ -7,7 +7,10 @@
 #   demo      the demo model and its held-out split written as `fq demo-model` writes them (the fq directories are built on the
 #             CPU beforehand and carried in $FQ, default $A41/demo/fq), then `allocation_exl3.py measure` (exllamav3's -b $B and
 #             -b -hq $HQ, $PAR conversions at a time; held-out texts: $A41/text/docs.txt and the demo's heldout split)
-#   bench     benchmarks/train_bench_moe.py (the benchmark MoE, trained here), then build (on the GPU) and measure
+#   bench     benchmarks/train_bench_moe.py (the benchmark MoE, trained here), then build (on the GPU) and measure;
+#             with CONV_BG=1 exllamav3's conversions start right after training, beside fq's build, and `measure`
+#             scores fq's directories alone (EXT_BG=1: exllamav3's extension builds meanwhile, device_setup.sh)
+#   collect   waits for CONV_BG's conversions (to $DEADLINE) and copies what they measured to $OUT/bench-conv
 #
 #   STEP="install demo" B=1.5,2,... HQ=1,1.5,... bash benchmarks/allocation_exl3_device.sh
 # from the repository root, with .devpack (site.tar.xz[, exllamav3_ext.so.xz]) and .a41 carried. Everything the
@@ -49,13 +52,36 @@ bench)
     fi
     cp /tmp/bench/training.json "$OUT/" 2>/dev/null
     sha256sum /tmp/bench/model/*.safetensors | tee "$OUT/bench_model.sha256"
-    if [ ! -f /tmp/bench/a41/fq/build.json ]; then
+    if [ -n "${CONV_BG:-}" ] && [ ! -f /tmp/bench/conv.started ]; then
+        # exllamav3's conversions in their own process session, beside fq's build on the same GPU (the converter
+        # needs only the trained model); step `collect` waits for them and brings back what they measured
+        touch /tmp/bench/conv.started
+        step "exllamav3's conversions in the background (-b ${B:-} / -b -hq ${HQ:-}, $PAR at a time)"
+        setsid bash -c "while [ -n \"\${EXT_BG:-}\" ] && [ ! -f /tmp/exl3-ext.done ]; do sleep 5; done; \
+            python3 benchmarks/allocation_exl3.py measure /tmp/bench/model /tmp/bench/conv-out \
+            --text docs=$A41/text/docs.txt --text heldout=/tmp/bench/text/heldout.txt --b '${B:-}' --hq '${HQ:-}' \
+            --parallel $PAR --tokens ${TOKENS:-32768} --scratch /tmp/bench/convert >/tmp/bench/conv.log 2>&1; \
+            touch /tmp/bench/conv.done" </dev/null >/dev/null 2>&1 &
+    fi
+    [ -n "${CONV_BG:-}" ] && B= HQ=  # measured in the background: the measure below scores fq's directories
+    build="python3 benchmarks/allocation_exl3.py build /tmp/bench/model /tmp/bench/text/calibration.txt /tmp/bench/a41 \
+        --device cuda --bits ${BITS:-2,2.5,3,4,5} --samples ${SAMPLES:-4} --models ${MODELS:-pooled}"
+    if [ -n "${CONV_BG:-}" ]; then
+        # in its own process session too, so that a call's end does not cut it: a later call waits on
+        if [ ! -f /tmp/bench/build.started ]; then
+            touch /tmp/bench/build.started
+            step "build fq's allocations on the GPU (background: /tmp/bench/build.log)"
+            setsid bash -c "$build >/tmp/bench/build.log 2>&1; touch /tmp/bench/build.done" </dev/null >/dev/null 2>&1 &
+        fi
+        while [ ! -f /tmp/bench/build.done ] && [ $(($(date +%s) - T0)) -lt $((${DEADLINE:-570} - 15)) ]; do sleep 10; done
+        stdbuf -oL tr '\r' '\n' </tmp/bench/build.log | grep -v "^encoded\|^Loading" | tail -15
+        [ -f /tmp/bench/build.done ] || { echo "build still running: call again"; exit 0; }  # ends this step (a subshell)
+    elif [ ! -f /tmp/bench/a41/fq/build.json ]; then
         step "build fq's allocations on the GPU"
-        python3 benchmarks/allocation_exl3.py build /tmp/bench/model /tmp/bench/text/calibration.txt /tmp/bench/a41 \
-            --device cuda --bits ${BITS:-2,2.5,3,4,5} --samples ${SAMPLES:-4} --models ${MODELS:-pooled} 2>&1 \
-            | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "^encoded\|^Loading"
+        $build 2>&1 | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "^encoded\|^Loading"
     fi
     cp /tmp/bench/a41/fq/build.json "$OUT/bench_build.json" 2>/dev/null
+    wait_ext
     step "measure"
     # the conversions are kept in /tmp/bench/convert: a later call scores the finished ones again and resumes the
     # others from their last checkpoint (cut at $DEADLINE, the converters are stopped first, so none runs on unseen)
@@ -64,8 +90,17 @@ bench)
         --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} --scratch /tmp/bench/convert 2>&1 \
         | grep --line-buffered -v "^Loading weights"
     echo "measure rc=${PIPESTATUS[0]}"
-    pkill -f exllamav3.conversion.convert_model && sleep 3
+    [ -n "${CONV_BG:-}" ] || { pkill -f exllamav3.conversion.convert_model && sleep 3; }
     for l in /tmp/bench/convert/*.log; do [ -f "$l" ] && { echo "--- $l"; tail -3 "$l"; }; done
+    ;;
+collect)
+    # the background conversions of `bench` with CONV_BG (scored as each finishes) until they end or $DEADLINE
+    step "collect the background conversions"
+    while [ ! -f /tmp/bench/conv.done ] && [ $(($(date +%s) - T0)) -lt $((${DEADLINE:-570} - 15)) ]; do sleep 10; done
+    [ -f /tmp/bench/conv.done ] && echo "conversions done" || echo "conversions still running"
+    mkdir -p "$OUT/bench-conv"
+    cp /tmp/bench/conv-out/measure.json /tmp/bench/conv-out/convert.log "$OUT/bench-conv/" 2>/dev/null
+    tail -5 /tmp/bench/conv.log
     ;;
 esac
 step "$s done"
