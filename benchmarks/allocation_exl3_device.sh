@@ -3,7 +3,7 @@
 # STEP names one or more steps, run in order in one device call:
 #   install   benchmarks/device_setup.sh's install_step (carried .devpack/site.tar.xz or .whl/, fq's C extension,
 #             exllamav3's extension: a carried .devpack/exllamav3_ext.so.xz, else its JIT build), then the built
-#             extension xz-compressed to $OUT/exllamav3_ext.so.xz so that a later call can carry it
+#             extension xz-compressed to $OUT/exllamav3_ext.so.xz.part* (pack_ext) so that a later call can carry it
 #   demo      the demo model and its held-out split written as `fq demo-model` writes them (the fq directories are built on the
 #             CPU beforehand and carried in $FQ, default $A41/demo/fq), then `allocation_exl3.py measure` (exllamav3's -b $B and
 #             -b -hq $HQ, $PAR conversions at a time; held-out texts: $A41/text/docs.txt and the demo's heldout split)
@@ -19,17 +19,17 @@ set -u
 A41=${A41:-.a41}
 PAR=${PAR:-4}
 . "$(dirname "$0")/device_setup.sh"
+# waits for the file $1 until $DEADLINE - 15 s after the script started; true if it is there
+wait_file() {
+    while [ ! -f "$1" ] && [ $(($(date +%s) - T0)) -lt $((${DEADLINE:-570} - 15)) ]; do sleep 10; done
+    [ -f "$1" ]
+}
 for s in ${STEP:?set STEP}; do
 {
 case "$s" in
 install)
     install_step /nonexistent
-    so=$(ls /tmp/site/exllamav3_ext*.so .exl3-ext/*/exllamav3_ext*.so 2>/dev/null | head -1)
-    if [ -n "$so" ] && [ ! -f .devpack/exllamav3_ext.so.xz ]; then
-        # in parts of 15 MiB (a file that comes back from $OUT holds at most 16 MiB): cat them into exllamav3_ext.so.xz
-        xz -T0 -c "$so" | split -b 15m -d - "$OUT/exllamav3_ext.so.xz.part" && echo "extension packed from $so:" \
-            && ls -la "$OUT"/exllamav3_ext.so.xz.part*
-    fi
+    pack_ext  # with EXT_BG still building: wait_ext packs it (PACK_EXT=1)
     ;;
 demo)
     step "demo model and text"
@@ -73,9 +73,9 @@ bench)
             step "build fq's allocations on the GPU (background: /tmp/bench/build.log)"
             setsid bash -c "$build >/tmp/bench/build.log 2>&1; touch /tmp/bench/build.done" </dev/null >/dev/null 2>&1 &
         fi
-        while [ ! -f /tmp/bench/build.done ] && [ $(($(date +%s) - T0)) -lt $((${DEADLINE:-570} - 15)) ]; do sleep 10; done
+        wait_file /tmp/bench/build.done; built=$?
         stdbuf -oL tr '\r' '\n' </tmp/bench/build.log | grep -v "^encoded\|^Loading" | tail -15
-        [ -f /tmp/bench/build.done ] || { echo "build still running: call again"; exit 0; }  # ends this step (a subshell)
+        [ $built = 0 ] || { echo "build still running: call again"; exit 0; }  # ends this step (a subshell)
     elif [ ! -f /tmp/bench/a41/fq/build.json ]; then
         step "build fq's allocations on the GPU"
         $build 2>&1 | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "^encoded\|^Loading"
@@ -96,8 +96,7 @@ bench)
 collect)
     # the background conversions of `bench` with CONV_BG (scored as each finishes) until they end or $DEADLINE
     step "collect the background conversions"
-    while [ ! -f /tmp/bench/conv.done ] && [ $(($(date +%s) - T0)) -lt $((${DEADLINE:-570} - 15)) ]; do sleep 10; done
-    [ -f /tmp/bench/conv.done ] && echo "conversions done" || echo "conversions still running"
+    wait_file /tmp/bench/conv.done && echo "conversions done" || echo "conversions still running"
     mkdir -p "$OUT/bench-conv"
     cp /tmp/bench/conv-out/measure.json /tmp/bench/conv-out/convert.log "$OUT/bench-conv/" 2>/dev/null
     tail -5 /tmp/bench/conv.log

@@ -9,6 +9,7 @@
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
+EXT_IMPORT="import exllamav3, exllamav3.ext; print('exllamav3 ext ok')"
 step() { echo; echo "=== [$(($(date +%s) - T0)) s] $*"; }
 export PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.exl3-ext MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
 export PYTHONUNBUFFERED=1
@@ -41,24 +42,29 @@ install_step() {
         # built in its own process session while the GPU trains or encodes (a JIT build is ~5 min of CPU only);
         # wait_ext blocks until it is there
         rm -f /tmp/exl3-ext.done
-        setsid bash -c "timeout 600 python3 -c \"import exllamav3, exllamav3.ext; print('exllamav3 ext ok')\" \
-            >/tmp/exl3-ext.log 2>&1; touch /tmp/exl3-ext.done" </dev/null >/dev/null 2>&1 &
+        setsid bash -c "timeout 600 python3 -c \"$EXT_IMPORT\" >/tmp/exl3-ext.log 2>&1; touch /tmp/exl3-ext.done" \
+            </dev/null >/dev/null 2>&1 &
         echo "building in the background (/tmp/exl3-ext.log)"
     else
-        timeout 480 python3 -c "import exllamav3, exllamav3.ext; print('exllamav3 ext ok')" 2>&1 | tail -3
+        timeout 480 python3 -c "$EXT_IMPORT" 2>&1 | tail -3
     fi
 }
 
 # Blocks until install_step's background build of exllamav3's extension has ended (EXT_BG); with PACK_EXT=1 it also
-# packs it into $OUT once (parts of 15 MiB: a file that comes back holds at most 16 MiB) for a later call to carry.
+# packs it into $OUT (pack_ext) for a later call to carry.
 wait_ext() {
     [ -n "${EXT_BG:-}" ] || return 0
     while [ ! -f /tmp/exl3-ext.done ]; do sleep 5; done
     tail -2 /tmp/exl3-ext.log
+    [ -z "${PACK_EXT:-}" ] || pack_ext
+}
+
+# The built extension (prebuilt or JIT), xz-compressed into $OUT once, in parts of 15 MiB (a file that comes back
+# holds at most 16 MiB): cat them into .devpack/exllamav3_ext.so.xz. Nothing when .devpack already carries one.
+pack_ext() {
     local so
-    so=$(ls .exl3-ext/*/exllamav3_ext*.so 2>/dev/null | head -1)
-    if [ -n "${PACK_EXT:-}" ] && [ -n "$so" ] && [ ! -f .devpack/exllamav3_ext.so.xz ] && [ ! -f /tmp/exl3-ext.packed ]; then
-        xz -T0 -c "$so" | split -b 15m -d - "$OUT/exllamav3_ext.so.xz.part" && touch /tmp/exl3-ext.packed \
-            && echo "extension packed from $so"
-    fi
+    so=$(ls /tmp/site/exllamav3_ext*.so .exl3-ext/*/exllamav3_ext*.so 2>/dev/null | head -1)
+    [ -n "$so" ] && [ ! -f .devpack/exllamav3_ext.so.xz ] && [ ! -f /tmp/exl3-ext.packed ] || return 0
+    xz -T0 -c "$so" | split -b 15m -d - "$OUT/exllamav3_ext.so.xz.part" && touch /tmp/exl3-ext.packed \
+        && echo "extension packed from $so:" && ls -la "$OUT"/exllamav3_ext.so.xz.part*
 }

@@ -35,13 +35,18 @@ def hook(model, log: list) -> None:
             subs += [(f"{m.key}.attn", m.attn), (f"{m.key}.mlp", m.mlp)]
             subs += [(f"{m.key}.attn.{n}", getattr(m.attn, n)) for n in SUBMODULES if getattr(m.attn, n, None)]
         for key, mod in subs:
-            def forward(*a, _orig=mod.forward, _key=key, **kw):
-                y = _orig(*a, **kw)
-                t = y[0] if isinstance(y, tuple) else y
-                if isinstance(t, torch.Tensor):
-                    log.append((_key, bool(torch.isfinite(t).all())))
-                return y
-            mod.forward = forward
+            on_output(mod, lambda t, _key=key: log.append((_key, bool(torch.isfinite(t).all()))))
+
+
+def on_output(mod, fn) -> None:
+    """Wrap an exllamav3 module's forward so that ``fn`` sees its output tensor (the first of a tuple)."""
+    def forward(*a, _orig=mod.forward, **kw):
+        y = _orig(*a, **kw)
+        t = y[0] if isinstance(y, tuple) else y
+        if isinstance(t, torch.Tensor):
+            fn(t)
+        return y
+    mod.forward = forward
 
 
 def capture_exl3(model, store: dict) -> None:
@@ -52,14 +57,13 @@ def capture_exl3(model, store: dict) -> None:
         if not isinstance(m, TransformerBlock):
             continue
         for key, mod in ((m.key, m), (f"{m.key}.self_attn", m.attn), (f"{m.key}.mlp", m.mlp)):
-            if mod is None:
-                continue
-            def forward(*a, _orig=mod.forward, _key=key, **kw):
-                y = _orig(*a, **kw)
-                t = y[0] if isinstance(y, tuple) else y
-                store[_key] = t.detach().float().reshape(-1, t.shape[-1]).clone()
-                return y
-            mod.forward = forward
+            if mod is not None:
+                on_output(mod, lambda t, _key=key: store.__setitem__(_key, flat(t)))
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A captured output as float32 rows of its last dimension, detached from the runtime's buffers."""
+    return t.detach().float().reshape(-1, t.shape[-1]).clone()
 
 
 def capture_hf(model, store: dict) -> list:
@@ -67,12 +71,11 @@ def capture_hf(model, store: dict) -> list:
     handles = []
     for name, mod in model.named_modules():
         parts = name.split(".")
-        if len(parts) >= 3 and parts[-2] == "layers" and parts[-1].isdigit() or \
-                len(parts) >= 4 and parts[-3] == "layers" and parts[-1] in ("self_attn", "mlp"):
+        if (len(parts) >= 3 and parts[-2] == "layers" and parts[-1].isdigit()) or \
+                (len(parts) >= 4 and parts[-3] == "layers" and parts[-1] in ("self_attn", "mlp")):
             key = name[name.index("layers") - len("model."):] if "model.layers" in name else name
             def hook(_m, _a, y, _key=key):
-                t = y[0] if isinstance(y, tuple) else y
-                store[_key] = t.detach().float().reshape(-1, t.shape[-1]).clone()
+                store[_key] = flat(y[0] if isinstance(y, tuple) else y)
             handles.append(mod.register_forward_hook(hook))
     return handles
 
