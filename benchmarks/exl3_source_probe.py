@@ -8,6 +8,12 @@ poisons the context); prints one ``RESULT {json}`` line. ``--layers`` also compa
 block's output and its attention's and MLP's outputs between the two runtimes (relative L2 difference, max abs
 difference), so a disagreement is located at the first module where the two part.
 
+gpt-oss as transformers saves it (16-bit fused ``mlp.experts.gate_up_proj`` with gate and up interleaved, and the
+experts' biases) is given to exllamav3 per expert (``per_expert_copy``): exllamav3 1.6.5 reads that fused 16-bit
+layout through the loader it has for Qwen3-VL-MoE (``modules/linear.py``), which takes gate and up as the two halves
+and drops the biases (KL about 0.06 on the CPU with both faults simulated); per expert it reads them as transformers
+does. fq's bases store each expert apart, so they never meet that loader; ``--as-saved`` probes it anyway.
+
     python3 benchmarks/exl3_source_probe.py NAME ARCH '{"kv_lora_rank": 64}' WORKDIR [--lengths 4 64] [--layers]
 """
 from __future__ import annotations
@@ -90,6 +96,42 @@ def compare(ref: dict, got: dict) -> list[dict]:
     return rows
 
 
+def per_expert_copy(src: Path, dst: Path) -> Path:
+    """``src`` with every fused 16-bit expert tensor of gpt-oss (``mlp.experts.gate_up_proj`` (E, in, 2·I), gate and
+    up the even and odd output columns, ``down_proj`` (E, I, hidden), and their ``_bias``) written per expert as
+    ``mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}`` (torch (out, in)); the other tensors and files as they are."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors, out = load_file(shard), {}
+        for name, t in tensors.items():
+            stem, _, kind = name.rpartition(".experts.")
+            if not stem or kind not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                out[name] = t
+                continue
+            bias = kind.endswith("_bias")
+            for e in range(t.shape[0]):
+                parts = {"down_proj": t[e]} if kind.startswith("down") else \
+                    {"gate_proj": t[e][..., 0::2], "up_proj": t[e][..., 1::2]}
+                for proj, w in parts.items():
+                    out[f"{stem}.experts.{e}.{proj}.{'bias' if bias else 'weight'}"] = \
+                        w.contiguous() if bias else w.t().contiguous()
+        save_file(out, str(shard), metadata={"format": "pt"})
+        if index is not None:
+            wm = index["weight_map"]
+            for name in tensors.keys() - out.keys():
+                del wm[name]
+            wm.update({name: shard.name for name in out.keys() - tensors.keys()})
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2))
+    return dst
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("name")
@@ -98,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("work", type=Path)
     p.add_argument("--lengths", type=int, nargs="+", default=[4, 64])
     p.add_argument("--layers", action="store_true", help="compare every block, attention and MLP output")
+    p.add_argument("--as-saved", action="store_true", help="gpt-oss: give exllamav3 the fused 16-bit experts as "
+                   "transformers saved them, not per expert")
     args = p.parse_args(argv)
     import exllamav3 as ex
     import familykit as fk
@@ -116,11 +160,13 @@ def main(argv=None) -> int:
             for h in handles:
                 h.remove()
     del ref_model
+    if args.arch == "GptOssForCausalLM" and not args.as_saved:
+        src = per_expert_copy(src, src.with_name(src.name + "-per-expert"))
     model = ex.Model.from_config(ex.Config.from_directory(str(src)))
     model.load("cuda:0")
     log: list = []
     hook(model, log)
-    out = {"name": args.name, "arch": args.arch, "keys": args.keys}
+    out = {"name": args.name, "arch": args.arch, "keys": args.keys, "as_saved": args.as_saved}
     for n, t in ids.items():
         log.clear()
         got = model.forward(t.cuda(), {"attn_mode": "flash_attn_nc"}).float()[0]

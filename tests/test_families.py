@@ -186,6 +186,25 @@ def test_every_config_value_exllamav3_asserts_is_checked_at_plan_time(built, tmp
         make_plan(parse_recipe(RECIPE, "recipe"), load_source(src))
 
 
+def test_a_yarn_factor_exllamav3_would_read_otherwise_is_an_exllamav3_problem(built, tmp_path):
+    """exllamav3 1.6.5 takes a YaRN factor of max_position_embeddings / original_max_position_embeddings where the
+    latter is stated; transformers takes ``factor``. gpt-oss as transformers saves it (factor 32, 131072 / 4096) is
+    read alike; the same rope with max_position_embeddings 4096 (a small model's) is not: a problem at plan time."""
+    d = built("GptOssForCausalLM")
+    src = shutil.copytree(d, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    assert rope["rope_type"] == "yarn" and cfg["max_position_embeddings"] / rope["original_max_position_embeddings"] \
+        == rope["factor"] == 32
+    assert load_source(src).exl3_problems == ()
+    (src / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    (problem,) = load_source(src).exl3_problems
+    assert problem.startswith("rope YaRN factor=32.0, but max_position_embeddings / original_max_position_embeddings = "
+                              "4096/4096 = 1: exllamav3 1.6.5 takes that ratio")
+    with pytest.raises(FqError, match="rope YaRN factor=32.0"):
+        make_plan(parse_recipe(RECIPE, "recipe"), load_source(src))
+
+
 def test_gpt_oss_mxfp4_is_read_per_expert_as_the_reference_dequantizes_it(built):
     """openai/gpt-oss's published layout: fused MXFP4 blocks and scales, each expert's slice read alone and
     dequantized bit for bit as transformers' convert_moe_packed_tensors (float32) does; the fused biases stay

@@ -189,6 +189,27 @@ def exl3_assert_problems(exl3_class: str, config: dict) -> list[str]:
     return out
 
 
+def yarn_problems(config: dict) -> list[str]:
+    """A YaRN rope that exllamav3 would compute otherwise than transformers: where ``original_max_position_embeddings``
+    is stated, exllamav3 1.6.5 (``util/rope.py``, ``RoPE._rope_params_yarn``) takes the factor as
+    max_position_embeddings / original_max_position_embeddings and ignores ``factor``; transformers
+    (``_compute_yarn_parameters``) reads ``factor``. Where the two differ (a small checkpoint that keeps gpt-oss's
+    rope_parameters but states a shorter max_position_embeddings; a Qwen3 given YaRN as its model card says, without
+    raising max_position_embeddings) every position is rotated with other frequencies and attention factor."""
+    rope = next((config[k] for k in ("rope_scaling", "rope_parameters") if isinstance(config.get(k), dict)), None)
+    if not rope or rope.get("rope_type", rope.get("type")) != "yarn":
+        return []
+    orig, factor, longest = rope.get("original_max_position_embeddings"), rope.get("factor"), \
+        config.get("max_position_embeddings")
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (orig, factor, longest)) or \
+            abs(longest / orig - factor) <= 1e-9 * factor:
+        return []
+    return [f"rope YaRN factor={factor!r}, but max_position_embeddings / original_max_position_embeddings = "
+            f"{longest}/{orig} = {longest / orig:g}: exllamav3 {EXLLAMAV3} takes that ratio as the factor where "
+            f"original_max_position_embeddings is stated (transformers takes factor), so it would rotate every "
+            f"position otherwise than the source model"]
+
+
 def stated(config: dict, key: str) -> bool:
     """``key`` stated at the top of ``config`` or, where transformers 5.x writes RoPE keys, in its
     ``rope_parameters`` (exllamav3 1.6.5 reads both spellings of ``rope_theta`` and ``partial_rotary_factor``)."""
@@ -374,7 +395,7 @@ class Family:
         if self.exl3 is None:
             return [f"exllamav3 {EXLLAMAV3} has no class for {self.architectures[0]}"]
         return exl3_assert_problems(self.exl3, {**config, **self.exl3_needs.derived_keys(config)}) + \
-            self.exl3_needs.problems(config, moe_layers, n_layers)
+            self.exl3_needs.problems(config, moe_layers, n_layers) + yarn_problems(config)
 
     def moe_layers(self, config: dict, n_layers: int, cfg: str) -> list[int]:
         return self.moe_rule.layers(config, n_layers, cfg, self.title)
