@@ -7,6 +7,7 @@ benchmark MoE), ``measure`` on the GPU (exllamav3 loads every directory), ``repo
         [--sens-rows 16 --sens-cols 128 --samples 8] [--hess-cols 512 --hess-tokens 65536] [--seed 0]
     python benchmarks/allocation_exl3.py measure MODEL OUT --fq OUT/fq --text NAME=PATH [--text ...]
         [--b 1.5,2,...] [--hq 1.5,2,...] [--parallel 4] [--tokens 32768] [--seq 256] [--skip-exl3]
+    python benchmarks/allocation_exl3.py check MODEL OUT/fq CHECK.json --text NAME=PATH [--text ...] [--tokens 32768]
     python benchmarks/allocation_exl3.py report OUT/measure.json [...] --json RESULT.json [--plot KL.png]
 
 ``build``: ``fq allocate``'s measurement (fq.allocation.measure.unit_options: every unit's predicted KL at every K of
@@ -31,6 +32,11 @@ calibration corpus, defaults otherwise; their logs one after another in ``OUT/co
 KL(source || model) per position; per text the mean, the standard error over positions and over windows, and the
 per-window means (for paired statistics). Sizes are the bytes of each directory's ``*.safetensors``.
 ``OUT/measure.json`` is rewritten after every model. benchmarks/allocation_exl3_device.sh runs it on the device.
+
+``check``: ``measure``'s scoring of fq's directories without a GPU: the same windows, KL(source || directory) per
+position in transformers (float32, the CPU) with the linears read back from each directory's file and decoded by fq;
+a measure.json that ``report`` reads beside exllamav3's conversions measured on a GPU (fq's side then in another
+runtime: a proxy, labelled by its ``device``).
 
 ``report``: per text and fq allocation, exllamav3's ``-b`` and ``-b -hq`` curves interpolated at fq's bytes
 (log-KL linear in bytes between the two neighbouring conversions; a size up to 1% past an end of a curve takes that
@@ -126,14 +132,39 @@ def log_probs(model, windows, device) -> torch.Tensor:
     return lp
 
 
+def read_back(dd: Path, W: dict) -> dict[str, torch.Tensor]:
+    """Every quantized linear of the EXL3 directory ``dd`` (names as fq.allocation.measure.weights), read back from
+    its file and decoded by fq (fq.codec.tensors.reconstruct) at its own shape (``W``'s)."""
+    from fq.codec.tensors import reconstruct
+
+    back = source_tensors(dd)
+    parts = ("trellis", "suh", "svh", "mcg", "mul1")
+    return {n: reconstruct({t: back[f"{n}.{t}"] for t in parts if f"{n}.{t}" in back}, n, tuple(w.shape))
+            for n, w in W.items() if f"{n}.trellis" in back}
+
+
+def window_kl(model, dd: Path, W: dict, checks: dict, dev) -> dict:
+    """KL(source || ``dd``'s weights) per window of each held-out text in ``checks`` ({name: (windows, the source's
+    log-probabilities)}), in transformers on ``model`` (whose weights are put back after)."""
+    from fq.allocation.measure import apply
+
+    orig = {n: t.clone() for n, t in W.items()}
+    apply(model, {n: w.to(dev) for n, w in read_back(dd, W).items()})
+    out = {}
+    for name, (w, ref) in checks.items():
+        per = (ref.exp() * (ref - log_probs(model, w, dev))).sum(-1).double().cpu()  # (windows, seq)
+        out[name] = per
+    apply(model, orig)
+    return out
+
+
 def build(a) -> int:
     from transformers import AutoModelForCausalLM
 
     from fq.allocation import solve, units
     from fq.allocation.document import LEAST_K
-    from fq.allocation.measure import apply, hessians, unit_options, weights
+    from fq.allocation.measure import hessians, unit_options, weights
     from fq.codec.ldlq import encode_ldlq_batch
-    from fq.codec.tensors import reconstruct
     from fq.commands.allocate import parse_ks
 
     if a.threads:
@@ -228,7 +259,6 @@ def build(a) -> int:
         ids, _ = tokenize(src, Path(path).read_text())
         w = token_windows(ids, 256, a.check_tokens)
         checks[name] = (w, log_probs(model, w, dev))
-    orig = {n: t.clone() for n, t in W.items()}
     rows = []
     for (model_kind, b), s in allocs.items():
         ks_of = {n: s.ks[u] for u, ns in groups.items() for n in ns}
@@ -248,15 +278,10 @@ def build(a) -> int:
                "proxy_err": {n: enc[(n, K)].proxy_err for n, K in sorted(ks_of.items())}}
         if checks:
             # the weights as read back from the written file (fq's decoder), not the encoder's own W_hat
-            back = source_tensors(dd)
-            apply(model, {n: reconstruct({t: back[f"{n}.{t}"] for t in coded[n]}, n, tuple(W[n].shape)).to(dev)
-                          for n in ks_of})
             row["check"] = {}
-            for name, (w, ref) in checks.items():
-                got = log_probs(model, w, dev)
-                per = (ref.exp() * (ref - got)).sum(-1).mean(-1).double().cpu()  # per window
+            for name, per in window_kl(model, dd, W, checks, dev).items():
+                per = per.mean(-1)  # per window
                 row["check"][name] = {"kl": float(per.mean()), "windows": [round(float(x), 9) for x in per]}
-            apply(model, orig)
             print(f"{row['name']}: transformers KL " + " ".join(f"{k} {v['kl']:.5f}" for k, v in row["check"].items()),
                   flush=True)
         rows.append(row)
@@ -399,6 +424,42 @@ def measure(a) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- report
+
+def check(a) -> int:
+    """Every directory of a build (its build.json rows) scored in transformers on the CPU as ``measure`` scores
+    them in exllamav3: KL(source || directory) per position on each held-out ``--text``, written as a measure.json
+    (``report`` reads it beside exllamav3's conversions measured on a GPU: fq's side in transformers, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from fq.allocation.measure import weights
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device("cpu")
+    src, fq_dir = Path(a.model), Path(a.fq)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    W = weights(model)
+    checks, texts = {}, {}
+    for spec in a.text:
+        name, path = spec.split("=", 1)
+        w = text_windows(src, Path(path), a.tokens, a.seq)
+        checks[name] = (w, log_probs(model, w, dev))
+        texts[name] = {"path": path, "positions": int(w.numel()), "windows": int(w.shape[0])}
+    doc = {"device": "cpu: fq's directories in transformers (float32), fq's decoder", "model": str(src),
+           "seq": a.seq, "texts": texts, "rows": []}
+    for row in json.loads((fq_dir / "build.json").read_text())["rows"]:
+        dd = fq_dir / row["dir"]
+        t0 = time.time()
+        per = window_kl(model, dd, W, checks, dev)
+        doc["rows"].append({"name": row["name"], "kind": "fq", "dir": str(dd), "bits": row["bits"],
+                            "bytes": sum(f.stat().st_size for f in dd.glob("*.safetensors")),
+                            "eval_seconds": round(time.time() - t0, 2),
+                            "texts": {n: stats(kl.flatten(), kl.shape[0]) for n, kl in per.items()}})
+        print(f"{row['name']}: " + " ".join(f"{n} {v['kl']:.5f}" for n, v in doc["rows"][-1]["texts"].items()),
+              flush=True)
+    _write_json(Path(a.out), doc)
+    return 0
+
 
 def _se(x: list[float]) -> float:
     n = len(x)
@@ -568,13 +629,21 @@ def main(argv=None) -> int:
     m.add_argument("--tokens", type=int, default=32768)
     m.add_argument("--seq", type=int, default=256)
     m.add_argument("--skip-exl3", action="store_true", help="no exllamav3 (a dry run of the plumbing on the CPU)")
+    c = sub.add_parser("check")
+    c.add_argument("model")
+    c.add_argument("fq", help="build's OUT/fq (build.json and the directories)")
+    c.add_argument("out", help="the measure.json to write")
+    c.add_argument("--text", action="append", required=True, help="NAME=PATH of held-out text (repeatable)")
+    c.add_argument("--tokens", type=int, default=32768)
+    c.add_argument("--seq", type=int, default=256)
+    c.add_argument("--threads", type=int, default=0)
     r = sub.add_parser("report")
     r.add_argument("measure", nargs="+")
     r.add_argument("--json")
     r.add_argument("--plot")
     r.add_argument("--title", default="demo model")
     a = ap.parse_args(argv)
-    return {"build": build, "measure": measure, "report": report}[a.cmd](a)
+    return {"build": build, "measure": measure, "check": check, "report": report}[a.cmd](a)
 
 
 if __name__ == "__main__":
