@@ -16,7 +16,7 @@ from fq.model import families
 from fq.model.families.base import Family, exl3_config_asserts
 
 HEADER = ("| architecture | releases | routed experts on disk | source formats | calibration chain | "
-          "exllamav3 1.6.5 | KL(fq ‖ exllamav3), H200 |")
+          "exllamav3 1.6.5 | KL(fq ‖ exllamav3), H200 unless noted |")
 RULE = "| --- | --- | --- | --- | --- | --- | --- |"
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The device pack, made anew on the dev machine (a fresh checkout has none: every part is ignored through
+# .git/info/exclude and never committed). Then carry what a device script needs (64 MiB in all with the tree).
+#   .whl/               the cp312 wheels the device image lacks (transformers 5.24.0, exllamav3 1.6.5, what they and
+#                       fq import there); pip download, so the package index must be reachable
+#   .devpack/site.tar.xz  the same wheels unzipped and xz-packed (15 MB where .whl/ is 30 MB): install_step unpacks it
+#   .a41/               with PARTS containing a41: the demo's half-integer-K allocations and the held-out `docs` text
+#                       (docs/benchmarks.md, "Half-integer K on the demo"; about 12 min on 2 cores)
+#   .famx/NAME.tar.xz   with PARTS containing famx: the published family campaigns of FAMILIES (benchmarks/
+#                       family_campaigns.py, 35-50 s each on 2 cores), xz-packed one per campaign
+#
+#   PARTS="site a41 famx" FAMILIES="afmoe laguna" bash benchmarks/device_pack.sh     (repository root, .venv made)
+set -euo pipefail
+PARTS=${PARTS:-site}
+PY=.venv/bin/python
+mkdir -p .git/info
+for p in .whl/ .devpack/ .a41/ .famc/ .famx/; do
+    grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >>.git/info/exclude
+done
+case " $PARTS " in *" site "*)
+    mkdir -p .whl .devpack
+    (cd .whl && pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+        exllamav3==1.6.5 transformers==5.24.0 marisa_trie==1.4.1 pydantic==2.12.5 pydantic_core==2.41.5 \
+        annotated_types==0.8.0 typing_inspection==0.4.5 llguidance==1.6.1 cryptography==50.0.2 cffi==2.1.1 \
+        pycparser==3.12 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1)
+    tmp=$(mktemp -d)
+    for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$tmp"; done
+    (cd "$tmp" && tar -cf - . | xz -T0 -9) >.devpack/site.tar.xz.tmp && mv .devpack/site.tar.xz.tmp .devpack/site.tar.xz
+    rm -rf "$tmp"; ls -la .devpack/site.tar.xz ;;
+esac
+case " $PARTS " in *" a41 "*)
+    mkdir -p .a41/text
+    .venv/bin/fq demo-model /tmp/a41/demo/model --text /tmp/a41/demo/text
+    for f in calibration codec eval families provenance tp workflow whole_model planning pricing promote runbook \
+        slurm testing; do git show 166b015:docs/$f.md; echo; echo "<|endoftext|>"; done >.a41/text/docs.txt
+    "$PY" benchmarks/allocation_exl3.py build /tmp/a41/demo/model /tmp/a41/demo/text/calibration.txt .a41/demo \
+        --bits 2,2.5,3 --ks 1-8 --samples 8 --sens-rows 32 --sens-cols 256 --hess-tokens 65536 --threads 2 ;;
+esac
+case " $PARTS " in *" famx "*)
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/family_campaigns.py .famc --only ${FAMILIES:?name the campaigns (family_campaigns.py names)}
+    mkdir -p .famx
+    for n in $FAMILIES; do tar -C .famc -cf - "$n" | xz -T0 -6 >".famx/$n.tar.xz"; done
+    du -ch .famx/* | tail -1 ;;
+esac
