@@ -167,6 +167,22 @@ def test_encoder_identity_is_deterministic_and_self_checking():
     assert "quant_args" in determinism_scope()["equal"]
 
 
+def test_a_cpu_identity_made_without_importing_torch_is_the_one_torch_gives():
+    """The launcher's check and the init job bind or compare a CPU identity without importing torch (about 2 s of
+    CPU each): the versions read from torch's own version.py, so the digest is the one an encode job computes."""
+    import subprocess
+    import sys
+
+    import torch
+
+    code = ("import json, sys; from fq.provenance.identity import encoder_identity; "
+            "print(json.dumps([encoder_identity('cpu'), 'torch' in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ident, imported = json.loads(p.stdout)
+    assert not imported
+    assert ident == encoder_identity("cpu") and ident["torch"] == torch.__version__
+    assert ident["cuda"] == torch.version.cuda
+
 def test_bundle_covers_payload_sources_and_compiled_kernel(tmp_path):
     (tmp_path / "codec").mkdir()
     (tmp_path / "model").mkdir()

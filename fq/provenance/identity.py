@@ -14,7 +14,9 @@ verification) is deliberately outside the bundle: fixing it must not invalidate 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import platform
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,9 +50,11 @@ def bundle_files(root: Path = PACKAGE_ROOT) -> list[tuple[str, str]]:
 
 def device_arch(device: str | torch.device | None) -> str:
     """``cpu-<machine>`` or ``sm_<major><minor>`` of a CUDA device; never guesses a device."""
+    if device is None or device == "cpu":  # the CPU's needs no torch (see torch_versions)
+        return f"cpu-{platform.machine() or 'unknown'}"
     import torch  # here, not at import: checking an identity (verify, finalize) needs no torch
 
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = torch.device(device)
     if dev.type == "cpu":
         return f"cpu-{platform.machine() or 'unknown'}"
     if dev.type == "cuda":
@@ -61,16 +65,33 @@ def device_arch(device: str | torch.device | None) -> str:
     raise FqError(f"encoder identity: unsupported device type {dev.type!r}; expected cpu or cuda")
 
 
-def encoder_identity(device: str | torch.device | None = None) -> dict:
+def torch_versions() -> tuple[str, str | None]:
+    """(torch's version, the CUDA version it was built for), as ``torch.__version__`` and ``torch.version.cuda`` give
+    them. Read from the installed ``torch/version.py`` (plain assignments) where torch is not imported yet: importing
+    torch costs about 2 s of CPU, and the processes that only bind or check an identity on the CPU (the init job, the
+    launcher's check before every campaign run) need nothing else of it. torch's own values otherwise."""
+    if "torch" not in sys.modules:
+        spec = importlib.util.find_spec("torch")  # locates the package without importing it
+        path = Path(spec.origin).parent / "version.py" if spec and spec.origin else None
+        if path is not None and path.is_file():
+            ns: dict = {}
+            exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), ns)  # noqa: S102 (torch's own file)
+            if isinstance(ns.get("__version__"), str):
+                return ns["__version__"], ns.get("cuda")
     import torch
 
+    return str(torch.__version__), torch.version.cuda
+
+
+def encoder_identity(device: str | torch.device | None = None) -> dict:
     files = bundle_files()
+    torch_version, cuda = torch_versions()
     ident = {
         "fq_version": fq.__version__,
         "sources_sha256": sha256_hex(dumps([[p, h] for p, h in files])),
         "sources_count": len(files),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
+        "torch": torch_version,
+        "cuda": cuda,
         "device_arch": device_arch(device),
     }
     ident["digest"] = sha256_hex(dumps(ident))
