@@ -183,6 +183,7 @@ def test_a_cpu_identity_made_without_importing_torch_is_the_one_torch_gives():
     assert ident == encoder_identity("cpu") and ident["torch"] == torch.__version__
     assert ident["cuda"] == torch.version.cuda
 
+
 def test_bundle_covers_payload_sources_and_compiled_kernel(tmp_path):
     (tmp_path / "codec").mkdir()
     (tmp_path / "model").mkdir()

@@ -50,13 +50,14 @@ def bundle_files(root: Path = PACKAGE_ROOT) -> list[tuple[str, str]]:
 
 def device_arch(device: str | torch.device | None) -> str:
     """``cpu-<machine>`` or ``sm_<major><minor>`` of a CUDA device; never guesses a device."""
+    cpu = f"cpu-{platform.machine() or 'unknown'}"
     if device is None or device == "cpu":  # the CPU's needs no torch (see torch_versions)
-        return f"cpu-{platform.machine() or 'unknown'}"
+        return cpu
     import torch  # here, not at import: checking an identity (verify, finalize) needs no torch
 
     dev = torch.device(device)
     if dev.type == "cpu":
-        return f"cpu-{platform.machine() or 'unknown'}"
+        return cpu
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise FqError(f"encoder identity: device {dev} requested but CUDA is not available")
