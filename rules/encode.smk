@@ -149,9 +149,10 @@ rule native:
         "../scripts/native.py"
 
 
-# Weight-only twins (calibration.compare_weight_only): every fragment encoded again without its Hessian, a stage
-# against its parent's twin, for fq eval's calibrated-vs-weight-only comparison. Comparison material like the
-# natives: unsigned, never published; one job per (node, layer, block) whatever encode.per_job says.
+# Weight-only twins (calibration.compare_weight_only): every fragment, or those of the named nodes' chains, encoded
+# again without its Hessian, a stage against its parent's twin, for fq eval's calibrated-vs-weight-only comparison.
+# Comparison material like the natives: unsigned, never published; one job per (node, layer, block) whatever
+# encode.per_job says.
 if C.compare.weight_only_jobs:
 
     rule weight_only:

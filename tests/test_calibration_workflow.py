@@ -247,6 +247,23 @@ def test_weight_only_twins_are_unsigned_reproducible_and_measured_beside_each_pr
     stmt = read_publication(out / "published", keys.load_public(out / "signer.pub"))
     assert canonical.load(out / "campaign_summary.json") == summary_view(stmt.predicate)
 
+
+def test_eval_compares_only_the_products_whose_chains_have_twins(cal, tmp_path):
+    """compare_weight_only naming nodes (here as if it named "e": the twins of its chain only) leaves a product
+    whose chain has a node without twins (a.r1's) without a weight-only row instead of failing; "a" publishes e's
+    experts, so it has e's."""
+    from fq.provenance.attest import keys
+    from fq.runtime.evaluate import evaluate
+
+    out, c = cal / "campaign", campaign(cal)
+    twins = tmp_path / "weight-only"
+    shutil.copytree(out / "weight-only" / "e", twins / "e")
+    doc = evaluate(out / "published", keys.load_public(out / "signer.pub"), source=c.source_dir,
+                   text=c.evals.text, out_json=tmp_path / "eval.json", weight_only_dir=twins, tokens=256, seq_len=128,
+                   twin_aliases=c.compare.twin_aliases)
+    assert set(doc["weight_only"]) == {"a (weight-only)", "e (weight-only)"}
+    assert doc["products"]["a.r1"]["weight_only"] is None and doc["products"]["a"]["weight_only"] == "a (weight-only)"
+
 # -- whole-model bases (the campaign's base "a" names skeleton FULL) ----------------------------------------------------
 # a second base naming attention at K4 too (planned only: the dry run shows the shared node)
 TWO_BASES = dict(RECIPE2, nodes=[*RECIPE2["nodes"], {"name": "v", "kind": "base", "K": 2, "codebook": "mul1",

@@ -71,3 +71,25 @@ def test_a_malformed_spec_is_refused_naming_the_field(c):
     for cls in (LinearSpec, ShareSpec, WeightOnlySpec):
         with pytest.raises(FqError, match=f"{cls.__name__} field"):
             cls.from_json({})
+
+
+def test_twins_of_named_nodes_cover_their_chains_only():
+    """calibration.compare_weight_only as a list: twins for each named node's chain (a stage's twin is taken against
+    its ancestors' twins; a base publishing another base's experts has that base's), no others; an unknown name is
+    refused naming the setting and the recipe's nodes."""
+    def twins(value):
+        c = load_campaign({"campaign": "t", "out": "o", "source": {"kind": "demo"}, "recipe": "recipes/demo.json",
+                           "block_size": 4, "windows": "1,2", "windows_on_disk": 1, "encode": {"device": "cpu"},
+                           "calibration": {"compare_weight_only": value},
+                           "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}})
+        return c, {f.node for f in c.compare.weight_only_jobs}
+
+    c, every = twins(True)
+    assert every == {f.node for f in c.encoded_fragments} and c.compare.weight_only_nodes is None
+    assert twins(False)[1] == set()
+    c, chain = twins(["k2.r1"])
+    assert chain == {"k2", "k2.r1"} and len(c.compare.weight_only_jobs) == sum(
+        f.node in chain for f in c.encoded_fragments)
+    assert twins(["k3.w4"])[1] == {"k3"}  # k3.w4 publishes k3's experts: k3's twins are its own
+    with pytest.raises(FqError, match=r"calibration.compare_weight_only: no node 'k9' in recipe demo \(its nodes: k2,"):
+        twins(["k9"])

@@ -14,8 +14,8 @@ encoded, measured at the model's output against the SOURCE model on held-out tex
   those experts, the other experts keeping the product's weights: the same bits per weight on every expert, encoded
   in one pass instead of a chain. The model is the product's verified state with those experts replaced (its
   linears, stage residuals included, the product's own).
-- Weight-only twins (a calibrated campaign with calibration.compare_weight_only): for every product P, "P
-  (weight-only)": the same chain encoded without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned
+- Weight-only twins (a calibrated campaign with calibration.compare_weight_only): for every product P whose chain
+  has twins (every product, or those over the nodes the setting names), "P (weight-only)": the same chain encoded without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned
   fragments of the real nodes, a stage's residual taken against its parent's twin; comparison material, never
   published), its routed experts each the sum of the twins of the chain's nodes that cover it, the rest (the
   verified product's skeleton) unchanged. The product's row names it (``weight_only``) with the paired
@@ -186,7 +186,7 @@ def evaluate(published: str | os.PathLike, public_key: Ed25519PublicKey, *, sour
                                 effective_bpw=effective_bpw(plan), plan_sha256=loaded.plan_sha256, native=None)
         say(f"{name}: KL {q.kl:.6g}, perplexity {q.ppl:.4f}, top-1 {q.top1:.4f}")
         row["weight_only"] = None
-        if twins:
+        if twins and all(n["node"] in twins for n in chain):  # twins of named nodes only: the chains they cover
             tname = f"{name} (weight-only)"
             tq = quality.compare(build_model(loaded.config, _twin_tensors(loaded, plan, twins, weight_only_dir)), ref)
             twin_rows[tname] = _row(tq, product=name, chain=[n["node"] for n in chain], nominal_bpw=bits,

@@ -37,7 +37,7 @@ class CalibrationTargets:
                           "(fq.hessian.calibration.save_tokens) instead")
         return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", CALIB_ROWS)),
                 "columns": int(cfg.get("columns", CALIB_COLUMNS)), "capture": cfg.get("capture", "all-experts"),
-                "compare_weight_only": bool(cfg.get("compare_weight_only", False))}
+                "compare_weight_only": _twins(cfg.get("compare_weight_only", False))}
 
     @property
     def text(self) -> str:
@@ -178,3 +178,8 @@ class CalibrationTargets:
                               f"windows_on_disk={W} apart; raise windows_on_disk or merge those windows")
             out[layer] = {self._retiring_window(s) for s in shards}
         return out
+
+
+def _twins(value) -> bool | tuple[str, ...]:
+    """calibration.compare_weight_only: True / False, or the named nodes (a tuple) whose chains get twins."""
+    return tuple(value) if isinstance(value, (list, tuple)) else bool(value)

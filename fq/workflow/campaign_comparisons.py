@@ -10,6 +10,7 @@ from pathlib import Path
 from fq.planning import native
 from fq.planning.plan import Block, Fragment
 from fq.core import kbits
+from fq.errors import FqError
 from fq.provenance.fragments import fragment_filename
 from fq.workflow.specs import AncestorRef, NativeSpec, WeightOnlySpec
 
@@ -31,12 +32,29 @@ class Comparisons:
 
     @property
     def weight_only_jobs(self) -> tuple[Fragment, ...]:
-        """The fragments that get a weight-only twin: every one, in a calibrated campaign with
-        calibration.compare_weight_only (comparison material for fq eval, like the natives: unsigned, never
-        published); none otherwise."""
-        if not (self.c.calib.settings and self.c.calib.settings["compare_weight_only"]):
-            return ()
-        return self.c.encoded_fragments  # a base sharing another's experts has that base's twin (twin_aliases)
+        """The fragments that get a weight-only twin, in a calibrated campaign with calibration.compare_weight_only
+        (comparison material for fq eval, like the natives: unsigned, never published): every one with ``true``,
+        those of ``weight_only_nodes`` with a list; none otherwise."""
+        nodes = self.weight_only_nodes  # a base sharing another's experts has that base's twin (twin_aliases)
+        return tuple(f for f in self.c.encoded_fragments if nodes is None or f.node in nodes)
+
+    @cached_property
+    def weight_only_nodes(self) -> frozenset[str] | None:
+        """The expert-encoding nodes whose fragments get twins: None for all (``true``), none for ``false``; for a list,
+        each named node's chain (a stage's twin is taken against its ancestors' twins), through the base whose
+        experts a base publishes (``Node.experts_from``)."""
+        want = self.c.calib.settings and self.c.calib.settings["compare_weight_only"]
+        if not want:
+            return frozenset()
+        if want is True:
+            return None
+        recipe = self.c.recipe
+        names = [n.name for n in recipe.nodes]
+        for name in want:
+            if name not in names:
+                raise FqError(f"calibration.compare_weight_only: no node {name!r} in recipe {recipe.name} (its nodes: "
+                              f"{', '.join(names)})")
+        return frozenset(recipe.expert_owner(n) for name in want for n in recipe.chain(name))
 
     @property
     def twin_aliases(self) -> dict[str, str]:
