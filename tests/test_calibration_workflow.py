@@ -262,7 +262,8 @@ def test_eval_compares_only_the_products_whose_chains_have_twins(cal, tmp_path):
                    text=c.evals.text, out_json=tmp_path / "eval.json", weight_only_dir=twins, tokens=256, seq_len=128,
                    twin_aliases=c.compare.twin_aliases)
     assert set(doc["weight_only"]) == {"a (weight-only)", "e (weight-only)"}
-    assert doc["products"]["a.r1"]["weight_only"] is None and doc["products"]["a"]["weight_only"] == "a (weight-only)"
+    assert doc["products"]["a.r1"]["weight_only"] is None
+    assert doc["products"]["a"]["weight_only"] == "a (weight-only)"
 
 # -- whole-model bases (the campaign's base "a" names skeleton FULL) ----------------------------------------------------
 # a second base naming attention at K4 too (planned only: the dry run shows the shared node)

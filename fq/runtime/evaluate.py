@@ -15,8 +15,8 @@ encoded, measured at the model's output against the SOURCE model on held-out tex
   in one pass instead of a chain. The model is the product's verified state with those experts replaced (its
   linears, stage residuals included, the product's own).
 - Weight-only twins (a calibrated campaign with calibration.compare_weight_only): for every product P whose chain
-  has twins (every product, or those over the nodes the setting names), "P (weight-only)": the same chain encoded without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned
-  fragments of the real nodes, a stage's residual taken against its parent's twin; comparison material, never
+  has twins (every product, or those over the nodes the setting names), "P (weight-only)": the same chain encoded
+  without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned fragments of the real nodes, a stage's residual taken against its parent's twin; comparison material, never
   published), its routed experts each the sum of the twins of the chain's nodes that cover it, the rest (the
   verified product's skeleton) unchanged. The product's row names it (``weight_only``) with the paired
   ``kl_minus_weight_only`` (negative: calibration helped).
