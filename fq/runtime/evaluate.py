@@ -16,10 +16,10 @@ encoded, measured at the model's output against the SOURCE model on held-out tex
   linears, stage residuals included, the product's own).
 - Weight-only twins (a calibrated campaign with calibration.compare_weight_only): for every product P whose chain
   has twins (every product, or those over the nodes the setting names), "P (weight-only)": the same chain encoded
-  without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned fragments of the real nodes, a stage's residual taken against its parent's twin; comparison material, never
-  published), its routed experts each the sum of the twins of the chain's nodes that cover it, the rest (the
-  verified product's skeleton) unchanged. The product's row names it (``weight_only``) with the paired
-  ``kl_minus_weight_only`` (negative: calibration helped).
+  without the Hessians (``WEIGHT_ONLY_DIR/<node>/*.safetensors``, unsigned fragments of the real nodes, a stage's
+  residual taken against its parent's twin; comparison material, never published), its routed experts each the sum
+  of the twins of the chain's nodes that cover it, the rest (the verified product's skeleton) unchanged. The
+  product's row names it (``weight_only``) with the paired ``kl_minus_weight_only`` (negative: calibration helped).
 - Source: the checkpoint directory (with ``source_sha256``, each shard is checked against the digest ``fq init``
   recorded before it is parsed); its ``tokenizer.json`` (``tokenizers``) turns the text into ids; the first
   ``tokens`` ids, in windows of ``seq_len``, are the measured positions (``fq.runtime.quality``).
