@@ -11,6 +11,11 @@
 #             with CONV_BG=1 exllamav3's conversions start right after training, beside fq's build, and `measure`
 #             scores fq's directories alone (EXT_BG=1: exllamav3's extension builds meanwhile, device_setup.sh)
 #   collect   waits for CONV_BG's conversions (to $DEADLINE) and copies what they measured to $OUT/bench-conv
+#   seq       the whole benchmark-MoE comparison one part after another in one background driver that outlives the
+#             call (train; fq's build; then one `measure` that scores the source and fq's directories while
+#             exllamav3's conversions run $PAR at a time, $OMP_NUM_THREADS / $PAR CPU threads each): nothing shares
+#             the GPU with the build. Each call waits to $DEADLINE and brings back what is there ($OUT/seq); call it
+#             again on the warm machine until it prints "seq finished".
 #
 #   STEP="install demo" B=1.5,2,... HQ=1,1.5,... bash benchmarks/allocation_exl3_device.sh
 # from the repository root, with .devpack (site.tar.xz[, exllamav3_ext.so.xz]) and .a41 carried. Everything the
@@ -92,6 +97,33 @@ bench)
     echo "measure rc=${PIPESTATUS[0]}"
     [ -n "${CONV_BG:-}" ] || { pkill -f exllamav3.conversion.convert_model && sleep 3; }
     for l in /tmp/bench/convert/*.log; do [ -f "$l" ] && { echo "--- $l"; tail -3 "$l"; }; done
+    ;;
+seq)
+    if [ ! -f /tmp/bench/seq.started ]; then
+        mkdir -p /tmp/bench/seq && touch /tmp/bench/seq.started
+        step "the sequential driver starts (/tmp/bench/seq/driver.log)"
+        setsid bash -c "set -x
+            [ -f /tmp/bench/model/config.json ] || python3 benchmarks/train_bench_moe.py /tmp/bench --device cuda \
+                >/tmp/bench/seq/train.log 2>&1
+            cp /tmp/bench/training.json /tmp/bench/seq/ ; sha256sum /tmp/bench/model/*.safetensors >/tmp/bench/seq/model.sha256
+            [ -f /tmp/bench/a41/fq/build.json ] || python3 benchmarks/allocation_exl3.py build /tmp/bench/model \
+                /tmp/bench/text/calibration.txt /tmp/bench/a41 --device cuda --bits ${BITS:-2,2.5,3} \
+                --samples ${SAMPLES:-2} --models pooled 2>&1 | tr '\\r' '\\n' | grep -v '^encoded' >/tmp/bench/seq/build.log
+            cp /tmp/bench/a41/fq/build.json /tmp/bench/seq/
+            while [ -n \"\${EXT_BG:-}\" ] && [ ! -f /tmp/exl3-ext.done ]; do sleep 5; done
+            OMP_NUM_THREADS=$((16 / PAR)) python3 benchmarks/allocation_exl3.py measure /tmp/bench/model /tmp/bench/seq \
+                --fq /tmp/bench/a41/fq --text docs=$A41/text/docs.txt --text heldout=/tmp/bench/text/heldout.txt \
+                --b '${B:-}' --hq '${HQ:-}' --parallel $PAR --tokens ${TOKENS:-32768} --scratch /tmp/bench/convert \
+                2>&1 | grep -v '^Loading weights' >/tmp/bench/seq/measure.log
+            touch /tmp/bench/seq.done" </dev/null >/tmp/bench/seq/driver.log 2>&1 &
+    fi
+    wait_file /tmp/bench/seq.done && echo "seq finished" || echo "seq still running: call again"
+    [ -f /tmp/exl3-ext.done ] && [ -n "${EXT_BG:-}" ] && PACK_EXT=1 wait_ext
+    mkdir -p "$OUT/seq"
+    for f in /tmp/bench/seq/*; do cp "$f" "$OUT/seq/"; done
+    tail -4 /tmp/bench/seq/driver.log /tmp/bench/seq/train.log /tmp/bench/seq/build.log /tmp/bench/seq/measure.log 2>/dev/null
+    ls /tmp/bench/convert 2>/dev/null | head -20
+    (cd "$OUT" && tar -cJf seq.tar.xz seq && rm -rf seq)
     ;;
 collect)
     # the background conversions of `bench` with CONV_BG (scored as each finishes) until they end or $DEADLINE

@@ -4,8 +4,9 @@
 #   .whl/               the cp312 wheels the device image lacks (transformers 5.24.0, exllamav3 1.6.5, what they and
 #                       fq import there); pip download, so the package index must be reachable
 #   .devpack/site.tar.xz  the same wheels unzipped and xz-packed (15 MB where .whl/ is 30 MB): install_step unpacks it
-#   .a41/               with PARTS containing a41: the demo's half-integer-K allocations and the held-out `docs` text
-#                       (docs/benchmarks.md, "Half-integer K on the demo"; about 12 min on 2 cores)
+#   .a41/text/docs.txt  with PARTS containing text or a41: the held-out `docs` text (fq's docs at 166b015; seconds)
+#   .a41/demo/          with PARTS containing a41: the demo's half-integer-K allocations (docs/benchmarks.md,
+#                       "Half-integer K on the demo"; about 12 min on 2 cores)
 #   .famx/NAME.tar.xz   with PARTS containing famx: the published family campaigns of FAMILIES (benchmarks/
 #                       family_campaigns.py, 35-50 s each on 2 cores), xz-packed one per campaign
 #
@@ -29,11 +30,13 @@ case " $PARTS " in *" site "*)
     (cd "$tmp" && tar -cf - . | xz -T0 -9) >.devpack/site.tar.xz.tmp && mv .devpack/site.tar.xz.tmp .devpack/site.tar.xz
     rm -rf "$tmp"; ls -la .devpack/site.tar.xz ;;
 esac
-case " $PARTS " in *" a41 "*)
+case " $PARTS " in *" text "*|*" a41 "*)
     mkdir -p .a41/text
-    .venv/bin/fq demo-model /tmp/a41/demo/model --text /tmp/a41/demo/text
     for f in calibration codec eval families provenance tp workflow whole_model planning pricing promote runbook \
-        slurm testing; do git show 166b015:docs/$f.md; echo; echo "<|endoftext|>"; done >.a41/text/docs.txt
+        slurm testing; do git show 166b015:docs/$f.md; echo; echo "<|endoftext|>"; done >.a41/text/docs.txt ;;
+esac
+case " $PARTS " in *" a41 "*)
+    .venv/bin/fq demo-model /tmp/a41/demo/model --text /tmp/a41/demo/text
     "$PY" benchmarks/allocation_exl3.py build /tmp/a41/demo/model /tmp/a41/demo/text/calibration.txt .a41/demo \
         --bits 2,2.5,3 --ks 1-8 --samples 8 --sens-rows 32 --sens-cols 256 --hess-tokens 65536 --threads 2 ;;
 esac

@@ -5,6 +5,7 @@
 #   bash benchmarks/families_device.sh   (repository root; carry .devpack and .famx, made by benchmarks/device_pack.sh:
 #                                         PARTS="site famx" FAMILIES="kimi_linear laguna lfm2_moe qwen3_vl_moe")
 #
+# Run it again on the warm machine to go on: measured rows and finished probes are skipped.
 # Each campaign runs in a pytest process of its own with its own time limit (FAMILY_S, default 100 s), kimi_linear
 # last (fq's reference forward runs transformers' torch fallbacks for its linear attention: the slowest by far), so
 # a slow family costs only its own row. Then the gpt-oss probes (exllamav3 on the unquantized source, per expert,
@@ -22,6 +23,8 @@ pack_ext
 for f in .famx/*.tar.xz; do tar -C /tmp/fam -xJf "$f"; done
 names=$(ls /tmp/fam | grep -v '^kimi_linear$'; [ -d /tmp/fam/kimi_linear ] && echo kimi_linear)
 for n in $names; do
+    # a warm machine keeps $LOGS: a second call goes on where the first stopped
+    [ -f "$LOGS/$n.json" ] && { echo "$n: measured by an earlier call"; continue; }
     [ "$(left)" -gt 40 ] || { echo "no time left for $n"; continue; }
     step "family $n ($(left) s left)"
     rm -rf /tmp/famone && mkdir -p /tmp/famone && ln -s "/tmp/fam/$n" "/tmp/famone/$n"
@@ -34,6 +37,7 @@ for c in 'p4|{"hidden_size":128,"num_attention_heads":64,"num_key_value_heads":8
          'p1|{"num_attention_heads":64,"num_key_value_heads":8}' 'p3|{"sliding_window":32}' \
          'p2|{"num_key_value_heads":1}' 'p0|{}'; do
     n=${c%%|*}; k=${c#*|}
+    grep -q "^RESULT" "$LOGS/probe-$n.log" 2>/dev/null && { echo "probe $n: done by an earlier call"; continue; }
     [ "$(left)" -gt 50 ] || break
     step "gpt-oss probe $n $k"
     limit=$(( $(left) - 30 < ${PROBE_S:-120} ? $(left) - 30 : ${PROBE_S:-120} ))
