@@ -121,7 +121,7 @@ seq)
     [ -f /tmp/exl3-ext.done ] && [ -n "${EXT_BG:-}" ] && PACK_EXT=1 wait_ext
     mkdir -p "$OUT/seq"
     for f in /tmp/bench/seq/*; do cp "$f" "$OUT/seq/"; done
-    tail -4 /tmp/bench/seq/driver.log /tmp/bench/seq/train.log /tmp/bench/seq/build.log /tmp/bench/seq/measure.log 2>/dev/null
+    tail -n 4 /tmp/bench/seq/driver.log /tmp/bench/seq/train.log /tmp/bench/seq/build.log /tmp/bench/seq/measure.log 2>/dev/null
     ls /tmp/bench/convert 2>/dev/null | head -20
     (cd "$OUT" && tar -cJf seq.tar.xz seq && rm -rf seq)
     ;;
