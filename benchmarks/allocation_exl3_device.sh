@@ -12,10 +12,11 @@
 #             scores fq's directories alone (EXT_BG=1: exllamav3's extension builds meanwhile, device_setup.sh)
 #   collect   waits for CONV_BG's conversions (to $DEADLINE) and copies what they measured to $OUT/bench-conv
 #   seq       the whole benchmark-MoE comparison one part after another in one background driver that outlives the
-#             call (train; fq's build; then one `measure` that scores the source and fq's directories while
-#             exllamav3's conversions run $PAR at a time, $OMP_NUM_THREADS / $PAR CPU threads each): nothing shares
-#             the GPU with the build. Each call waits to $DEADLINE and brings back what is there ($OUT/seq); call it
-#             again on the warm machine until it prints "seq finished".
+#             call: train; the half-integer Viterbi's speed (benchmarks/frac_speed_probe.py: a half-integer K has no
+#             CUDA kernel, and the 2-bit allocation is mostly K1.5); fq's build; then one `measure` that scores the
+#             source and fq's directories while exllamav3's conversions run $PAR at a time, $OMP_NUM_THREADS / $PAR CPU
+#             threads each. Nothing shares the GPU with the build. Each call waits to $DEADLINE and brings back what
+#             is there ($OUT/seq.tar.xz); call it again on the warm machine until it prints "seq finished".
 #
 #   STEP="install demo" B=1.5,2,... HQ=1,1.5,... bash benchmarks/allocation_exl3_device.sh
 # from the repository root, with .devpack (site.tar.xz[, exllamav3_ext.so.xz]) and .a41 carried. Everything the
@@ -106,6 +107,8 @@ seq)
             [ -f /tmp/bench/model/config.json ] || python3 benchmarks/train_bench_moe.py /tmp/bench --device cuda \
                 >/tmp/bench/seq/train.log 2>&1
             cp /tmp/bench/training.json /tmp/bench/seq/ ; sha256sum /tmp/bench/model/*.safetensors >/tmp/bench/seq/model.sha256
+            [ -f /tmp/bench/seq/frac_speed.log ] || timeout 120 python3 benchmarks/frac_speed_probe.py --tiles 1024 \
+                >/tmp/bench/seq/frac_speed.log 2>&1
             [ -f /tmp/bench/a41/fq/build.json ] || python3 benchmarks/allocation_exl3.py build /tmp/bench/model \
                 /tmp/bench/text/calibration.txt /tmp/bench/a41 --device cuda --bits ${BITS:-2,2.5,3} \
                 --samples ${SAMPLES:-2} --models pooled 2>&1 | tr '\\r' '\\n' | grep -v '^encoded' >/tmp/bench/seq/build.log
