@@ -14,9 +14,9 @@
 #   seq       the whole benchmark-MoE comparison one part after another in one background driver that outlives the
 #             call: train; the half-integer Viterbi's speed (benchmarks/frac_speed_probe.py: a half-integer K has no
 #             CUDA kernel, and the 2-bit allocation is mostly K1.5); fq's build; then one `measure` that scores the
-#             source and fq's directories while exllamav3's conversions run $PAR at a time, 16 / $PAR CPU
-#             threads each (OMP_NUM_THREADS). Nothing shares the GPU with the build. Each call waits to $DEADLINE and brings back what
-#             is there ($OUT/seq.tar.xz); call it again on the warm machine until it prints "seq finished".
+#             source and fq's directories while exllamav3's conversions run $PAR at a time, 16 / $PAR CPU threads
+#             each (OMP_NUM_THREADS). Nothing shares the GPU with the build. Each call waits to $DEADLINE and brings
+#             back what is there ($OUT/seq.tar.xz); call it again on the warm machine until it prints "seq finished".
 #
 #   STEP="install demo" B=1.5,2,... HQ=1,1.5,... bash benchmarks/allocation_exl3_device.sh
 # from the repository root, with .devpack (site.tar.xz[, exllamav3_ext.so.xz]) and .a41 carried. Everything the
