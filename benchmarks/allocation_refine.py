@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         if best is None or best[1] >= cur_kl:
             break
         cur, cur_kl = best[0], best[1]
-        trail.append({"ks": dict(cur), "bytes": nbytes(cur), "kl_eval": cur_kl, "move": {u: K for u, K in best[2].items()}})
+        trail.append({"ks": dict(cur), "bytes": nbytes(cur), "kl_eval": cur_kl, "move": dict(best[2])})
 
     checks = {}
     for spec in a.check:

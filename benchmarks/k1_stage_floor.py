@@ -138,7 +138,8 @@ def main(argv=None) -> int:
                     for i, n in enumerate(names)}
 
     def proxy(*parts) -> float:
-        return sum(proxy_error(W[n].double(), sum(p[n].W_hat.double() for p in parts), H[n]) for n in names) / len(names)
+        errs = [proxy_error(W[n].double(), sum(p[n].W_hat.double() for p in parts), H[n]) for n in names]
+        return sum(errs) / len(errs)
 
     rows = {}
     k2, k3 = encode(2), encode(3)
