@@ -158,6 +158,14 @@ def window_kl(model, dd: Path, W: dict, checks: dict, dev) -> dict:
     return out
 
 
+def shared_hessians(H: dict) -> dict:
+    """``H`` with equal Hessians as one tensor (by their bytes), so that a batch factors each once (a layer's routed
+    gate/up share one: the all-experts capture gives every expert the same inputs)."""
+    one: dict[str, torch.Tensor] = {}
+    return {n: one.setdefault(hashlib.sha256(h.contiguous().cpu().numpy().tobytes()).hexdigest(), h)
+            for n, h in H.items()}
+
+
 def build(a) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -234,9 +242,7 @@ def build(a) -> int:
                 lst = need.setdefault((K, W[n].shape[1]), [])
                 if n not in lst:
                     lst.append(n)
-    one: dict[str, torch.Tensor] = {}  # equal Hessians as one tensor: factored once per batch
-    for n in names:
-        H[n] = one.setdefault(hashlib.sha256(H[n].contiguous().cpu().numpy().tobytes()).hexdigest(), H[n])
+    H = shared_hessians(H)
     enc: dict[tuple[str, int], object] = {}
     t0 = time.time()
     done = 0

@@ -19,7 +19,6 @@ so it is worth building only if it wins by more than the held-out noise.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -36,14 +35,9 @@ import torch  # noqa: E402
 CODEBOOK = "mul1"
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def main(argv=None) -> int:
-    from transformers import AutoModelForCausalLM
-
-    from allocation_exl3 import tokenize
+    from allocation_exl3 import shared_hessians, tokenize
+    from hessian_variants import demo_source, log
     from fq.allocation import solve, units
     from fq.allocation.document import LEAST_K
     from fq.allocation.measure import apply, hessians, unit_options, weights
@@ -64,10 +58,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     t_start = time.time()
-    src = Path(a.work) / "model"
-    if not (src / "config.json").exists():
-        demo_model.write(src)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    src, model = demo_source(a.work)
     cal_ids, _ = tokenize(src, demo_model.text("calibration"))
     sens_w = token_windows(cal_ids, 256, 32 * 256)
     hess_w = token_windows(cal_ids, 512, 65536)
@@ -90,13 +81,10 @@ def main(argv=None) -> int:
     log(f"start: {start.bits:.4f} bits, predicted {start.predicted_kl:.5f}: {start.ks}")
 
     log("hessians")
-    H = hessians(model, hess_w, torch.device("cpu"))
+    H = shared_hessians(hessians(model, hess_w, torch.device("cpu")))
     W = weights(model)
     names = sorted(W)
     seed_of = {n: i for i, n in enumerate(names)}  # the build's seeds (--seed 0)
-    one: dict = {}
-    for n in names:
-        H[n] = one.setdefault(hashlib.sha256(H[n].contiguous().numpy().tobytes()).hexdigest(), H[n])
     groups = units.group_units(W)
     cache: dict = {}  # (unit, K) -> {linear: W_hat}
 

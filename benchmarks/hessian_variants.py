@@ -90,6 +90,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def demo_source(work) -> tuple[Path, "torch.nn.Module"]:
+    """The trained demo model, written once under WORK/model (kept for reruns) and loaded in transformers, float32:
+    (its directory, the model)."""
+    from transformers import AutoModelForCausalLM
+
+    mdir = Path(work) / "model"
+    if not (mdir / "config.json").exists():
+        demo_model.write(mdir)
+    return mdir, AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32).eval()
+
+
 # ------------------------------------------------------------------------------------------------ text
 
 def outside_text() -> tuple[str, list[str]]:
@@ -315,8 +326,6 @@ def over_seeds(kl: dict, base: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ main
 
 def main(argv=None) -> int:
-    from transformers import AutoModelForCausalLM
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--work", default="/tmp/hv")
@@ -337,10 +346,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     work = Path(a.work)
     cache = Cache(work)
-    mdir = work / "model"
-    if not (mdir / "config.json").exists():
-        demo_model.write(mdir)
-    model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32).eval()
+    mdir, model = demo_source(work)
 
     cal_text, held_text = demo_model.text("calibration"), demo_model.text("heldout")
     out_text, out_names = outside_text()

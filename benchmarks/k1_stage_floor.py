@@ -110,8 +110,6 @@ class Sweeps:
 
 
 def main(argv=None) -> int:
-    from transformers import AutoModelForCausalLM
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--work", default="/tmp/k1floor")
@@ -120,10 +118,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     t0 = time.time()
-    mdir = Path(a.work) / "model"
-    if not (mdir / "config.json").exists():
-        demo_model.write(mdir)
-    model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32).eval()
+    mdir, model = hv.demo_source(a.work)
     cal = token_windows(tokenize(mdir, demo_model.text("calibration"))[0], 128, 16 * 128)
     H, _ = hv.hessians_for(hv.capture(model, cal, weightings=("all",)), "all")
     W = weights(model)
