@@ -13,7 +13,8 @@
 #   collect   waits for CONV_BG's conversions (to $DEADLINE) and copies what they measured to $OUT/bench-conv
 #   seq       the whole benchmark-MoE comparison one part after another in one background driver that outlives the
 #             call: train; the half-integer Viterbi's speed (benchmarks/frac_speed_probe.py: a half-integer K has no
-#             CUDA kernel, and the 2-bit allocation is mostly K1.5); fq's build; then one `measure` that scores the
+#             CUDA kernel, and the 2-bit allocation is mostly K1.5), which picks FQ_VITERBI_FRAC for the build (the
+#             host's C kernel unless the torch frac path on the GPU beat it); fq's build; then one `measure` that scores the
 #             source and fq's directories while exllamav3's conversions run $PAR at a time, 16 / $PAR CPU threads
 #             each (OMP_NUM_THREADS). Nothing shares the GPU with the build. Each call waits to $DEADLINE and brings
 #             back what is there ($OUT/seq.tar.xz); call it again on the warm machine until it prints "seq finished".
@@ -108,7 +109,8 @@ seq)
                 >/tmp/bench/seq/train.log 2>&1
             cp /tmp/bench/training.json /tmp/bench/seq/ ; sha256sum /tmp/bench/model/*.safetensors >/tmp/bench/seq/model.sha256
             [ -f /tmp/bench/seq/frac_speed.log ] || timeout 120 python3 benchmarks/frac_speed_probe.py --tiles 1024 \
-                >/tmp/bench/seq/frac_speed.log 2>&1
+                --choice /tmp/bench/seq/frac_choice >/tmp/bench/seq/frac_speed.log 2>&1
+            export FQ_VITERBI_FRAC=\$(cat /tmp/bench/seq/frac_choice 2>/dev/null || echo cpu)
             [ -f /tmp/bench/a41/fq/build.json ] || python3 benchmarks/allocation_exl3.py build /tmp/bench/model \
                 /tmp/bench/text/calibration.txt /tmp/bench/a41 --device cuda --bits ${BITS:-2,2.5,3} \
                 --samples ${SAMPLES:-2} --models pooled 2>&1 | tr '\\r' '\\n' | grep -v '^encoded' >/tmp/bench/seq/build.log

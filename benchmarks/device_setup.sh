@@ -16,7 +16,11 @@ export PYTHONUNBUFFERED=1
 
 install_step() {
     local campaign=$1
-    if [ -f .devpack/site.tar.xz ]; then
+    # a warm machine keeps /tmp: a later call (or a second script in the same call) neither unpacks over modules
+    # that running processes use nor rebuilds fq's C extension under them
+    if [ -f /tmp/fq-install.done ]; then
+        step "packages and fq's C extension: installed by an earlier call on this machine"
+    elif [ -f .devpack/site.tar.xz ]; then
         step unpack .devpack
         mkdir -p /tmp/site && tar -C /tmp/site -xJf .devpack/site.tar.xz && echo "site ok"
         # fq's own dependencies the device image lacks (cryptography, jsonschema, ...), where carried
@@ -31,14 +35,20 @@ install_step() {
     if [ -f "$tarball" ] && [ ! -d "$campaign/published" ]; then
         mkdir -p "$campaign" && tar -C "$campaign" -xJf "$tarball" && echo "campaign ok ($tarball)"
     fi
-    [ -f .devpack/exllamav3_ext.so.xz ] && xz -dc .devpack/exllamav3_ext.so.xz >/tmp/site/exllamav3_ext.so \
-        && echo "prebuilt exllamav3_ext"
-    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-    step build fq C extension
-    python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1
-    echo "build_ext rc=$?"
+    if [ ! -f /tmp/fq-install.done ]; then
+        [ -f .devpack/exllamav3_ext.so.xz ] && xz -dc .devpack/exllamav3_ext.so.xz >/tmp/site/exllamav3_ext.so \
+            && echo "prebuilt exllamav3_ext"
+        python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+        step build fq C extension
+        python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1
+        echo "build_ext rc=$?"
+        touch /tmp/fq-install.done
+    fi
     step "exllamav3 extension (prebuilt, JIT build, or reuse)"
-    if [ -n "${EXT_BG:-}" ]; then
+    if [ -n "${EXT_BG:-}" ] && [ -f /tmp/exl3-ext.started ]; then
+        echo "started by an earlier call (/tmp/exl3-ext.log)"
+    elif [ -n "${EXT_BG:-}" ]; then
+        touch /tmp/exl3-ext.started
         # built in its own process session while the GPU trains or encodes (a JIT build is ~5 min of CPU only);
         # wait_ext blocks until it is there
         rm -f /tmp/exl3-ext.done

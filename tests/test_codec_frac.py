@@ -290,3 +290,15 @@ def test_the_torch_frac_path_on_cuda_gives_the_c_kernels_states(K):
 
     x = _tiles(64, seed=8)
     assert torch.equal(viterbi_gpu(x, K, "mul1", "cuda").cpu(), viterbi(x, K, "mul1"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fq_viterbi_frac_cpu_runs_a_half_integer_k_on_the_host_for_a_cuda_device(monkeypatch):
+    """FQ_VITERBI_FRAC=cpu: the host's C kernel, states returned on the CUDA device, equal to the torch frac path's."""
+    from fq.codec.viterbi import viterbi_gpu
+
+    x = _tiles(16, seed=9)
+    want = viterbi_gpu(x, 1.5, "mul1", "cuda")
+    monkeypatch.setenv("FQ_VITERBI_FRAC", "cpu")
+    got = viterbi_gpu(x, 1.5, "mul1", "cuda")
+    assert got.device.type == "cuda" and torch.equal(got, want)
