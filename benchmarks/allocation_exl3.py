@@ -8,6 +8,7 @@ benchmark MoE), ``measure`` on the GPU (exllamav3 loads every directory), ``repo
     python benchmarks/allocation_exl3.py measure MODEL OUT --fq OUT/fq --text NAME=PATH [--text ...]
         [--b 1.5,2,...] [--hq 1.5,2,...] [--parallel 4] [--tokens 32768] [--seq 256] [--skip-exl3]
     python benchmarks/allocation_exl3.py check MODEL OUT/fq CHECK.json --text NAME=PATH [--text ...] [--tokens 32768]
+        [--base NAME=DIR ...]
     python benchmarks/allocation_exl3.py report OUT/measure.json [...] --json RESULT.json [--plot KL.png]
 
 ``build``: ``fq allocate``'s measurement (fq.allocation.measure.unit_options: every unit's predicted KL at every K of
@@ -36,7 +37,9 @@ per-window means (for paired statistics). Sizes are the bytes of each directory'
 ``check``: ``measure``'s scoring of fq's directories without a GPU: the same windows, KL(source || directory) per
 position in transformers (float32, the CPU) with the linears read back from each directory's file and decoded by fq;
 a measure.json that ``report`` reads beside exllamav3's conversions measured on a GPU (fq's side then in another
-runtime: a proxy, labelled by its ``device``).
+runtime: a proxy, labelled by its ``device``). ``--base NAME=DIR`` scores other EXL3 directories the same way (kind
+``base``: a campaign's published whole-model bases of hand-made recipes), which ``report`` reads fq's allocations
+against as a third curve (fq / recipes at equal bytes; never part of exllamav3's best).
 
 ``report``: per text and fq allocation, exllamav3's ``-b`` and ``-b -hq`` curves interpolated at fq's bytes
 (log-KL linear in bytes between the two neighbouring conversions; a size up to 1% past an end of a curve takes that
@@ -453,15 +456,17 @@ def check(a) -> int:
         texts[name] = {"path": path, "positions": int(w.numel()), "windows": int(w.shape[0])}
     doc = {"device": "cpu: fq's directories in transformers (float32), fq's decoder", "model": str(src),
            "seq": a.seq, "texts": texts, "rows": []}
-    for row in json.loads((fq_dir / "build.json").read_text())["rows"]:
-        dd = fq_dir / row["dir"]
+    todo = [(row["name"], "fq", fq_dir / row["dir"], row["bits"])
+            for row in json.loads((fq_dir / "build.json").read_text())["rows"]]
+    todo += [(name, "base", Path(d), None) for name, d in (spec.split("=", 1) for spec in a.base or [])]
+    for name, kind, dd, bits in todo:
         t0 = time.time()
         per = window_kl(model, dd, W, checks, dev)
-        doc["rows"].append({"name": row["name"], "kind": "fq", "dir": str(dd), "bits": row["bits"],
+        doc["rows"].append({"name": name, "kind": kind, "dir": str(dd), "bits": bits,
                             "bytes": sum(f.stat().st_size for f in dd.glob("*.safetensors")),
                             "eval_seconds": round(time.time() - t0, 2),
                             "texts": {n: stats(kl.flatten(), kl.shape[0]) for n, kl in per.items()}})
-        print(f"{row['name']}: " + " ".join(f"{n} {v['kl']:.5f}" for n, v in doc["rows"][-1]["texts"].items()),
+        print(f"{name}: " + " ".join(f"{n} {v['kl']:.5f}" for n, v in doc["rows"][-1]["texts"].items()),
               flush=True)
     _write_json(Path(a.out), doc)
     return 0
@@ -511,7 +516,7 @@ def report(a) -> int:
         rows += [r for r in d["rows"] if r["name"] not in seen]
     by_name = {r["name"]: r for r in rows}
     fq_rows = sorted((r for r in rows if r["kind"] == "fq"), key=lambda r: r["bytes"])
-    curves = {k: [r for r in rows if r["kind"] == k] for k in ("b", "hq")}
+    curves = {k: [r for r in rows if r["kind"] == k] for k in ("b", "hq", "base")}
     floor = next((r for r in rows if r["kind"] == "source"), None)
     result = {"meta": meta, "rows": rows, "comparison": {}}
     for text in meta["texts"]:
@@ -536,7 +541,7 @@ def report(a) -> int:
                 s = ratio_se(fr, w, by_name, text)
                 ratio = ent["kl"] / kl
                 ent[k] = {"kl": kl, "from": w, "ratio": ratio, "ratio_se": ratio * s}
-                if best is None or kl < best[1]:
+                if k != "base" and (best is None or kl < best[1]):  # exllamav3's best; base: fq's own recipes
                     best = (k, kl)
             if best is not None:
                 ent["best"] = best[0]
@@ -560,6 +565,13 @@ def report(a) -> int:
             rb = f"**{e['ratio_best']:.2f}** ± {e['ratio_best_se']:.2f}" if "ratio_best" in e else "—"
             print(f"| {e['name']} ({e['bits']:.3f} bits) | {e['bytes']:,} | {e['kl']:.3e} ± {e['se_win']:.1e} | "
                   f"{cell('b')} | {cell('hq')} | {rb} | {near('b')} | {near('hq')} |")
+        if curves["base"]:
+            print("\n| fq allocation | bytes | fq KL | hand-made recipes (`--base`, interp.) | fq / recipes ± SE | "
+                  "nearest recipe: paired ΔKL ± SE (size) |")
+            print("| --- | ---: | --- | --- | --- | --- |")
+            for e in table:
+                rr = "—" if e.get("base") is None else f"**{e['base']['ratio']:.2f}** ± {e['base']['ratio_se']:.2f}"
+                print(f"| {e['name']} | {e['bytes']:,} | {e['kl']:.3e} | {cell('base')} | {rr} | {near('base')} |")
     if a.json:
         _write_json(Path(a.json), result)
     if a.plot:
@@ -576,7 +588,7 @@ def plot(rows: list[dict], meta: dict, path: Path, title: str) -> None:
     texts = list(meta["texts"])
     fig, axes = plt.subplots(1, len(texts), figsize=(6.2 * len(texts), 4.6), squeeze=False)
     style = {"fq": ("o-", "C3", "fq (measured-sensitivity allocation, LDLQ)"), "b": ("s--", "C0", "exllamav3 -b"),
-             "hq": ("^--", "C2", "exllamav3 -b -hq")}
+             "hq": ("^--", "C2", "exllamav3 -b -hq"), "base": ("D:", "C1", "fq, hand-made recipes (--base)")}
     for ax, text in zip(axes[0], texts):
         for kind, (fmt, col, label) in style.items():
             pts = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["bytes"])
@@ -640,6 +652,9 @@ def main(argv=None) -> int:
     c.add_argument("fq", help="build's OUT/fq (build.json and the directories)")
     c.add_argument("out", help="the measure.json to write")
     c.add_argument("--text", action="append", required=True, help="NAME=PATH of held-out text (repeatable)")
+    c.add_argument("--base", action="append", help="NAME=DIR: another EXL3 directory scored the same way (kind base: "
+                   "e.g. a campaign's published whole-model base of a hand-made recipe), a curve fq's rows are read "
+                   "against beside exllamav3's")
     c.add_argument("--tokens", type=int, default=32768)
     c.add_argument("--seq", type=int, default=256)
     c.add_argument("--threads", type=int, default=0)

@@ -7,6 +7,9 @@
 #   demo      the demo model and its held-out split written as `fq demo-model` writes them (the fq directories are built on the
 #             CPU beforehand and carried in $FQ, default $A41/demo/fq), then `allocation_exl3.py measure` (exllamav3's -b $B and
 #             -b -hq $HQ, $PAR conversions at a time; held-out texts: $A41/text/docs.txt and the demo's heldout split)
+#   model     the same for a carried checkpoint and its fq directories ($MODEL_DIR, default $A41/q3: source/, fq/,
+#             heldout.txt; the trained Qwen3-MoE of benchmarks/second_family_campaign.py, built on the CPU); the
+#             conversions kept in /tmp/model-convert, so that a second call on the warm machine resumes them
 #   bench     benchmarks/train_bench_moe.py (the benchmark MoE, trained here), then build (on the GPU) and measure;
 #             with CONV_BG=1 exllamav3's conversions start right after training, beside fq's build, and `measure`
 #             scores fq's directories alone (EXT_BG=1: exllamav3's extension builds meanwhile, device_setup.sh)
@@ -47,6 +50,17 @@ demo)
     timeout $((${DEADLINE:-570} - ($(date +%s) - T0))) python3 benchmarks/allocation_exl3.py measure /tmp/a41demo/model "$OUT/demo" \
         --fq "${FQ:-$A41/demo/fq}" --text "docs=$A41/text/docs.txt" --text heldout=/tmp/a41demo/text/heldout.txt \
         --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} 2>&1 | grep --line-buffered -v "^Loading weights"
+    echo "measure rc=${PIPESTATUS[0]}"
+    ;;
+model)
+    # a carried trained checkpoint (the trained Qwen3-MoE: $A41/q3/source, built on the CPU with its fq directories
+    # $A41/q3/fq and held-out split $A41/q3/heldout.txt), measured as `demo` measures the demo
+    M=${MODEL_DIR:-$A41/q3}
+    step "measure $M/source (exllamav3 -b ${B:-} / -b -hq ${HQ:-}, $PAR at a time)"
+    timeout $((${DEADLINE:-570} - ($(date +%s) - T0))) python3 benchmarks/allocation_exl3.py measure "$M/source" \
+        "$OUT/model" --fq "$M/fq" --text "docs=$A41/text/docs.txt" --text "heldout=$M/heldout.txt" \
+        --b "${B:-}" --hq "${HQ:-}" --parallel "$PAR" --tokens ${TOKENS:-32768} --scratch /tmp/model-convert 2>&1 \
+        | grep --line-buffered -v "^Loading weights"
     echo "measure rc=${PIPESTATUS[0]}"
     ;;
 bench)

@@ -7,6 +7,8 @@
 #   .a41/text/docs.txt  with PARTS containing text or a41: the held-out `docs` text (fq's docs at 166b015; seconds)
 #   .a41/demo/          with PARTS containing a41: the demo's half-integer-K allocations (docs/benchmarks.md,
 #                       "Half-integer K on the demo"; about 12 min on 2 cores)
+#   .a41/q3/            with PARTS containing q3: the trained Qwen3-MoE, its splits and fq's allocations of it
+#                       (docs/benchmarks.md, "The trained Qwen3-MoE"; about 7 min on 2 cores)
 #   .famx/NAME.tar.xz   with PARTS containing famx: the published family campaigns of FAMILIES (benchmarks/
 #                       family_campaigns.py, 35-50 s each on 2 cores), xz-packed one per campaign
 #
@@ -39,6 +41,25 @@ case " $PARTS " in *" a41 "*)
     .venv/bin/fq demo-model /tmp/a41/demo/model --text /tmp/a41/demo/text
     "$PY" benchmarks/allocation_exl3.py build /tmp/a41/demo/model /tmp/a41/demo/text/calibration.txt .a41/demo \
         --bits 2,2.5,3 --ks 1-8 --samples 8 --sens-rows 32 --sens-cols 256 --hess-tokens 65536 --threads 2 ;;
+esac
+case " $PARTS " in *" q3 "*)
+    # the trained Qwen3-MoE (benchmarks/second_family_campaign.py's training: the CPU, float32, deterministic; its
+    # shards' sha256 in docs/data/allocation_qwen3_cpu.json), the demo's calibration and held-out splits, and fq's
+    # allocations of it (about 4 + 3 min on 2 cores); 15 MB
+    mkdir -p .a41/q3
+    "$PY" - <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import second_family_campaign
+from fq.model import demo_model
+second_family_campaign.train(Path(".a41/q3"), 450)
+for split in ("calibration", "heldout"):
+    Path(f".a41/q3/{split}.txt").write_text(demo_model.text(split), encoding="utf-8")
+EOF
+    (cd .a41/q3/source && sha256sum *.safetensors)
+    "$PY" benchmarks/allocation_exl3.py build .a41/q3/source .a41/q3/calibration.txt .a41/q3 \
+        --bits 2.6,3,3.5,4,4.5 --ks 1-8 --samples 8 --sens-rows 32 --sens-cols 256 --hess-tokens 65536 --threads 2 ;;
 esac
 case " $PARTS " in *" famx "*)
     # shellcheck disable=SC2086
