@@ -9,11 +9,12 @@ STAMP := $(VENV)/.fq-installed
 
 install: $(STAMP)
 
-# --no-compile: byte-compiling every installed module (torch's thousands) took 26 of pip's 63 s on 2 cores; Python
-# compiles what a run imports, once, on first import.
+# pip byte-compiles what it installs (26 of its 63 s here): with PYTHONDONTWRITEBYTECODE set, as on the dev machine,
+# Python never caches what it compiles itself, and without pip's .pyc files every job recompiled torch on import
+# (--no-compile made the suite 1.3x as long).
 $(STAMP): requirements.lock pyproject.toml setup.py fq/codec/_trellis.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements.lock
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
