@@ -1,0 +1,68 @@
+"""benchmarks/allocation_exl3.py's ``report`` (issue 41): how fq's allocations are read against exllamav3's curves and
+fq's hand-made recipes at equal bytes. The docs' ratios come from it, so its arithmetic is checked here on made-up
+rows whose answers are known: log-KL linear in bytes between neighbouring conversions, the lower of exllamav3's two
+curves as "best", nothing read past a curve's end (beyond 1%), and the recipes' curve (``check --base``) reported
+beside exllamav3's, never as part of its best."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "allocation_exl3.py"
+
+
+@pytest.fixture(scope="module")
+def alloc():
+    spec = importlib.util.spec_from_file_location("allocation_exl3", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def row(name, kind, nbytes, kl, windows=(1.0, 1.0, 1.0, 1.0)):
+    """A measure.json row: per-window means ``kl * w`` (their mean is ``kl`` when the windows average 1)."""
+    w = [kl * x for x in windows]
+    m = sum(w) / len(w)
+    return {"name": name, "kind": kind, "bytes": nbytes, "bits": 3.0 if kind == "fq" else None,
+            "texts": {"t": {"kl": m, "se_win": 0.0, "se_pos": 0.0, "windows": w}}}
+
+
+def report(alloc, tmp_path, rows):
+    (tmp_path / "m.json").write_text(json.dumps({"texts": {"t": {"positions": 1024, "windows": 4}}, "rows": rows}))
+    assert alloc.report(Namespace(measure=[str(tmp_path / "m.json")], json=str(tmp_path / "r.json"), plot=None)) == 0
+    return {e["name"]: e for e in json.loads((tmp_path / "r.json").read_text())["comparison"]["t"]}
+
+
+def test_fq_is_read_against_the_lower_curve_log_linearly_and_never_against_its_own_recipes(alloc, tmp_path):
+    rows = [row("b lo", "b", 1000, 0.04), row("b hi", "b", 2000, 0.01),
+            row("hq lo", "hq", 1200, 0.02), row("hq hi", "hq", 2200, 0.005),
+            # fq's own recipes are better than exllamav3 here: still not "best"
+            row("w lo", "base", 1000, 0.001), row("w hi", "base", 2000, 0.0005),
+            row("fq mid", "fq", 1500, 0.008, windows=(0.5, 1.5, 1.0, 1.0)),
+            row("fq past", "fq", 2500, 0.001)]
+    out = report(alloc, tmp_path, rows)
+    mid = out["fq mid"]
+    assert mid["b"]["kl"] == pytest.approx(0.02)  # halfway in bytes: the geometric mean of 0.04 and 0.01
+    want_hq = math.exp(0.7 * math.log(0.02) + 0.3 * math.log(0.005))
+    assert mid["hq"]["kl"] == pytest.approx(want_hq)
+    assert mid["best"] == "hq" and mid["ratio_best"] == pytest.approx(0.008 / want_hq)
+    assert mid["goal_met"] is (0.008 / want_hq <= 0.8)
+    assert mid["base"]["ratio"] == pytest.approx(0.008 / math.sqrt(0.001 * 0.0005))
+    # paired against the nearest conversion of each curve by bytes
+    assert mid["b_nearest"]["name"] in ("b lo", "b hi") and mid["hq_nearest"]["name"] == "hq lo"
+    assert mid["hq_nearest"]["paired_diff"] == pytest.approx(0.008 - 0.02)
+    # 2500 bytes is past every curve by more than 1%: no ratio
+    past = out["fq past"]
+    assert past["b"] is None and past["hq"] is None and past["base"] is None and "ratio_best" not in past
+
+
+def test_a_size_just_past_a_curves_end_takes_that_end(alloc, tmp_path):
+    rows = [row("b lo", "b", 1000, 0.04), row("b hi", "b", 2000, 0.01), row("fq", "fq", 2015, 0.005)]
+    e = report(alloc, tmp_path, rows)["fq"]
+    assert e["b"]["kl"] == pytest.approx(0.01) and e["b"]["from"] == {"b hi": 1.0}
+    assert e["ratio_best"] == pytest.approx(0.5) and e["goal_met"] is True
