@@ -274,7 +274,7 @@ def test_a_header_at_half_k_implies_its_rate_with_mul1_only():
 
 @pytest.mark.parametrize("K", HALF)
 def test_the_torch_frac_path_gives_the_c_kernels_states(K):
-    """viterbi_torch at a half-integer K (what a CUDA device runs: there is no CUDA frac kernel yet) is the C
+    """viterbi_torch at a half-integer K (a CUDA device's FQ_VITERBI_FRAC=device path: no CUDA frac kernel yet) is the C
     kernel's frac pass batched: the same states, bit for bit. One tile on the CPU here (the torch path is slow on a
     CPU); many on a GPU in the CUDA case below."""
     from fq.codec.viterbi import viterbi_torch
@@ -285,20 +285,23 @@ def test_the_torch_frac_path_gives_the_c_kernels_states(K):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("K", HALF)
-def test_the_torch_frac_path_on_cuda_gives_the_c_kernels_states(K):
+def test_the_torch_frac_path_on_cuda_gives_the_c_kernels_states(K, monkeypatch):
     from fq.codec.viterbi import viterbi_gpu
 
+    monkeypatch.setenv("FQ_VITERBI_FRAC", "device")
     x = _tiles(64, seed=8)
     assert torch.equal(viterbi_gpu(x, K, "mul1", "cuda").cpu(), viterbi(x, K, "mul1"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fq_viterbi_frac_cpu_runs_a_half_integer_k_on_the_host_for_a_cuda_device(monkeypatch):
-    """FQ_VITERBI_FRAC=cpu: the host's C kernel, states returned on the CUDA device, equal to the torch frac path's."""
+def test_a_half_integer_k_runs_on_the_host_for_a_cuda_device_by_default(monkeypatch):
+    """The default: the host's C kernel, states returned on the CUDA device, equal to the torch frac path's
+    (FQ_VITERBI_FRAC=device)."""
     from fq.codec.viterbi import viterbi_gpu
 
     x = _tiles(16, seed=9)
+    monkeypatch.setenv("FQ_VITERBI_FRAC", "device")
     want = viterbi_gpu(x, 1.5, "mul1", "cuda")
-    monkeypatch.setenv("FQ_VITERBI_FRAC", "cpu")
+    monkeypatch.delenv("FQ_VITERBI_FRAC")
     got = viterbi_gpu(x, 1.5, "mul1", "cuda")
     assert got.device.type == "cuda" and torch.equal(got, want)

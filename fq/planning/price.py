@@ -39,6 +39,12 @@ DEFAULT_GPUS = 8
 # channel, fitted to benchmarks/linear_encode_cost.py's GLM-5 matrices on an H200 (docs/benchmarks.md; the cost
 # table's seconds times the LDLQ factor alone priced those jobs at half their measured 0.32 GPU-h)
 LINEAR_LDLQ_S_PER_INPUT = 1.79e-4
+# A half-integer K has no CUDA Viterbi kernel: its search runs on the host's C kernel (fq.codec.viterbi), which on an
+# H100 host's 16 cores did 1,880 tiles/s at K1.5 (benchmarks/frac_speed_probe.py, other jobs beside it), and an LDLQ
+# encode at K1.5 searches each tile 1.9 times (its scale search's passes, counted on the CPU). Added to the GPU's cost
+# at the integer K above, which prices the rest of the pipeline.
+HOST_FRAC_TILES_S = 1880.0
+FRAC_PASSES_PER_TILE = 1.9
 
 
 # -- cost tables -------------------------------------------------------------------------------
@@ -58,14 +64,15 @@ class CostTable:
 
         A shape the table lacks is priced per tile (out*in/256) from the table's shapes at the same
         codebook and K: fixed costs then scale with size, so measure on the model's own shapes. A half-integer K
-        (1.5, 2.5, 3.5) is priced as the integer K above it and marked scaled: a floor, since fq's search at those
-        rates runs on the CPU kernel even on a GPU (fq.codec.viterbi: no CUDA frac kernel yet).
+        (1.5, 2.5, 3.5) is priced as the integer K above it plus its search on the host's cores
+        (HOST_FRAC_TILES_S; fq.codec.viterbi has no CUDA frac kernel yet), and marked scaled.
         """
         key = (codebook, K, shape[0], shape[1])
         if key in self.seconds_by_key:
             return self.seconds_by_key[key], False
-        if isinstance(K, float):  # a half-integer K: not in the tables fq ships; priced as the K above, scaled
-            return self.seconds(codebook, int(K) + 1, shape)[0], True
+        if isinstance(K, float):  # a half-integer K: the K above on the GPU, and the search on the host's cores
+            host = shape[0] * shape[1] / 256 * FRAC_PASSES_PER_TILE / HOST_FRAC_TILES_S
+            return self.seconds(codebook, int(K) + 1, shape)[0] + host, True
         same = [(o * i // 256, s) for (cb, k, o, i), s in self.seconds_by_key.items() if cb == codebook and k == K]
         if not same:
             have = sorted({f"{cb} K{k}" for cb, k, _, _ in self.seconds_by_key})
@@ -511,8 +518,9 @@ def price_table(price: Price) -> str:
     if any(n.scaled for n in price.nodes):
         lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq cost-table --shape)")
     if any(_has_half(n.K) for n in price.nodes) or any(_has_half(ln.K) for ln in price.linears or ()):
-        lines.append("  half-integer K (1.5, 2.5, 3.5) priced at the next integer K's cost: a floor, fq has no CUDA "
-                     "kernel for them yet (their search runs on the slower torch path on a GPU)")
+        lines.append(f"  half-integer K (1.5, 2.5, 3.5): the next integer K's cost plus their search on the host's "
+                     f"cores ({HOST_FRAC_TILES_S:,.0f} tiles/s, {FRAC_PASSES_PER_TILE} passes a tile): fq has no CUDA "
+                     f"kernel for them yet; allocation.ks can leave them out")
     if price.calibration is not None:
         lines += calibration_lines(price.calibration)
     if price.sensitivity is not None:
