@@ -19,7 +19,8 @@
 #             CUDA kernel, and the 2-bit allocation is mostly K1.5), which picks FQ_VITERBI_FRAC for the build (the
 #             host's C kernel unless the torch frac path on the GPU beat it); fq's build; then one `measure` that scores the
 #             source and fq's directories while exllamav3's conversions run $PAR at a time, 16 / $PAR CPU threads
-#             each (OMP_NUM_THREADS). Nothing shares the GPU with the build. Each call waits to $DEADLINE and brings
+#             each (OMP_NUM_THREADS); FRAC=cpu|device skips the probe. Nothing shares the GPU with the build. The
+#             measure waits for $A41/text/docs.txt, which a later call may carry. Each call waits to $DEADLINE and brings
 #             back what is there ($OUT/seq.tar.xz); call it again on the warm machine until it prints "seq finished".
 #
 #   STEP="install demo" B=1.5,2,... HQ=1,1.5,... bash benchmarks/allocation_exl3_device.sh
@@ -122,7 +123,8 @@ seq)
             [ -f /tmp/bench/model/config.json ] || python3 benchmarks/train_bench_moe.py /tmp/bench --device cuda \
                 >/tmp/bench/seq/train.log 2>&1
             cp /tmp/bench/training.json /tmp/bench/seq/ ; sha256sum /tmp/bench/model/*.safetensors >/tmp/bench/seq/model.sha256
-            [ -f /tmp/bench/seq/frac_speed.log ] || timeout 120 python3 benchmarks/frac_speed_probe.py --tiles 1024 \
+            [ -z \"${FRAC:-}\" ] || echo ${FRAC:-} >/tmp/bench/seq/frac_choice
+            [ -f /tmp/bench/seq/frac_choice ] || timeout 120 python3 benchmarks/frac_speed_probe.py --tiles 1024 \
                 --choice /tmp/bench/seq/frac_choice >/tmp/bench/seq/frac_speed.log 2>&1
             export FQ_VITERBI_FRAC=\$(cat /tmp/bench/seq/frac_choice 2>/dev/null || echo cpu)
             [ -f /tmp/bench/a41/fq/build.json ] || python3 benchmarks/allocation_exl3.py build /tmp/bench/model \
@@ -130,6 +132,7 @@ seq)
                 --samples ${SAMPLES:-2} --models pooled 2>&1 | tr '\\r' '\\n' | grep -v '^encoded' >/tmp/bench/seq/build.log
             cp /tmp/bench/a41/fq/build.json /tmp/bench/seq/
             while [ -n \"\${EXT_BG:-}\" ] && [ ! -f /tmp/exl3-ext.done ]; do sleep 5; done
+            while [ ! -f $A41/text/docs.txt ]; do sleep 5; done  # may come with a later call's carry
             OMP_NUM_THREADS=$((16 / PAR)) python3 benchmarks/allocation_exl3.py measure /tmp/bench/model /tmp/bench/seq \
                 --fq /tmp/bench/a41/fq --text docs=$A41/text/docs.txt --text heldout=/tmp/bench/text/heldout.txt \
                 --b '${B:-}' --hq '${HQ:-}' --parallel $PAR --tokens ${TOKENS:-32768} --scratch /tmp/bench/convert \

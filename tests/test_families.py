@@ -26,9 +26,9 @@ REGISTERED = sorted(a for a in fk.ARCHS
                     if a in {x for f in families.REGISTRY.values() if not f.unread for x in f.architectures})
 FP8_ARCHS = ["DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
              "MiMoV2FlashForCausalLM"]
-# exllamav3 1.6.5 has no class for these, or misreads the kit's configs (docs/families.md says why)
+# exllamav3 1.6.5 has no class for these, or misreads the kit's configs or fq's bases of them (docs/families.md says why)
 UNLOADABLE = {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "PhimoeForCausalLM",
-              "MiniMaxForCausalLM", "MiMoV2FlashForCausalLM"}
+              "MiniMaxForCausalLM", "MiMoV2FlashForCausalLM", "LagunaForCausalLM"}
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
 RECIPE = {"format": "fq-cartridge/2", "name": "one", "nodes": [{"name": "k3", "kind": "base", "K": 3,
                                                                   "codebook": "mul1"}],
@@ -162,6 +162,36 @@ def test_kimi_linear_schedule_is_checked_as_exllamav3_reads_it(built):
         c = {k: v for k, v in {**cfg, **over}.items() if v is not None}
         problems = family.exl3_problems(c, src.moe_layers, 3)
         assert any(want in p for p in problems), (want, problems)
+
+
+def test_laguna_is_refused_for_the_up_proj_exllamav3_reads_divided_by_128(built):
+    """exllamav3 1.6.5's LagunaForCausalLM builds every MoE layer with interm_div 128: it reads each routed expert's
+    EXL3 up_proj as W_up / 128 (its converter encodes the weight after Linear's weight_scale 1/128; load_exl3 applies
+    no scale) and scales the routed weights by 128. fq's bases store W_up, so every Laguna base is refused at plan time
+    (published only with allow_unloadable), even one whose config states every key exllamav3 reads (the kit's, with the
+    published keys): on the H100 such a base gave KL 0.084, top-1 0% against fq's reference. That is what the
+    reference gives with each routed up projection 128 times larger (the device test's bound is KL < 1e-3)."""
+    from fq.model.checkpoint_model import build_model, checkpoint_state
+
+    d = built("LagunaForCausalLM")
+    src = load_source(d)
+    (problem,) = src.exl3_problems  # the config is read as exllamav3 reads it: the stored up_proj is what remains
+    assert "interm_div 128" in problem and "up_proj as the source's matrix divided by 128" in problem
+    assert problem == families.by_name(src.family).exl3_needs.always
+    recipe = parse_recipe(RECIPE, "recipe")
+    with pytest.raises(FqError, match=r"LagunaForCausalLM .*interm_div 128.*allow_unloadable"):
+        make_plan(recipe, src)
+    assert make_plan(recipe, src, allow_unloadable=True).source["exl3_architecture"] is None
+    config, tensors = checkpoint_state(d)
+    ups = [n for n in tensors if ".mlp.experts." in n and n.endswith(".up_proj.weight")]
+    assert len(ups) == len(src.moe_layers) * src.n_experts
+    ids = torch.randint(0, fk.VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = torch.log_softmax(build_model(config, tensors)(input_ids=ids).logits.float(), -1)
+        misread = torch.log_softmax(build_model(config, {n: t * 128 if n in ups else t for n, t in tensors.items()})(
+            input_ids=ids).logits.float(), -1)
+    kl = float((ref.exp() * (ref - misread)).sum(-1).mean())
+    assert kl > 1e-2, kl
 
 
 def test_every_config_value_exllamav3_asserts_is_checked_at_plan_time(built, tmp_path):

@@ -3,7 +3,11 @@ mapping "qwen2_moe" fuses them on load and splits them on save), the router ``ml
 under the experts prefix, ``mlp.experts.e_score_correction_bias`` (skeleton; transformers renames it
 ``mlp.gate.e_score_correction_bias``), the shared expert ``mlp.shared_expert``; dense and sparse layers by
 ``mlp_layer_types``, sliding and full attention layers each with a RoPE of its own (``rope_parameters`` keyed by layer
-type) and a head count of its own (``num_attention_heads_per_layer``), a softplus output gate per head."""
+type) and a head count of its own (``num_attention_heads_per_layer``), a softplus output gate per head.
+
+No base of it is loadable as fq encodes it: exllamav3 1.6.5's LagunaForCausalLM reads each routed expert's EXL3
+``up_proj`` as the source's matrix divided by 128 (``_UP_DIV``), which fq's bases do not store."""
+from fq.core.targets import EXLLAMAV3
 from fq.model.experts import STANDARD
 from fq.model.families.base import Calibration, Exl3Needs, Family, LayerTypes, per_layer_types, rope_per_layer_type
 
@@ -11,6 +15,19 @@ _MOE = LayerTypes(default_dense=1, reads_first_k=False)  # LagunaConfig: mlp_lay
 # top-level RoPE keys exllamav3 reads before each type's rope_parameters, and the type's value when it states none
 # (None: any top-level value is read instead of the type's)
 _ROPE_TOP = (("rope_theta", 10000.0), ("partial_rotary_factor", 1.0), ("rope_scaling", None), ("rotary_dim", None))
+
+
+# exllamav3's LagunaModel builds every MoE layer's BlockSparseMLP with interm_div = 128.0 ("Routed-expert activations
+# overflow fp16"): the up projection gets Linear(weight_scale = 1/128) and the routing scale 128 x
+# moe_routed_scaling_factor. weight_scale is applied only where a weight is loaded unquantized (Linear.load_fp16: what
+# its converter then encodes), never by Linear.load_exl3, so an EXL3 up_proj must already store W_up / 128. fq's
+# bases store W_up: exllamav3 runs every routed expert's output 128 times too large (on the kit's tiny Laguna, H100:
+# KL 0.084, top-1 0%, what fq's reference gives with the routed up projections times 128)
+_UP_DIV = (f"exllamav3 {EXLLAMAV3}'s LagunaForCausalLM builds every MoE layer with interm_div 128: it reads each "
+           "routed expert's EXL3 up_proj as the source's matrix divided by 128 (as its own converter stores it: "
+           "Linear weight_scale 1/128, applied to an unquantized weight, not by load_exl3) and scales the routed "
+           "weights by 128 x moe_routed_scaling_factor; fq's base stores up_proj as the source does, so every "
+           "routed expert's output would be 128 times too large")
 
 
 def _exl3_reads(config: dict, n_layers: int) -> list[str]:
@@ -50,7 +67,7 @@ LAGUNA = Family(
     # transformers does not define: its router always normalizes), as the published config states them
     exl3_needs=Exl3Needs(stated=("head_dim", "num_key_value_heads", "layer_types", "sliding_window", "rope_parameters",
                                  "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-                                 "num_experts", "num_experts_per_tok"), check=_exl3_reads),
+                                 "num_experts", "num_experts_per_tok"), check=_exl3_reads, always=_UP_DIV),
     # sigmoid router with the score bias for the choice only, a shared expert (not captured); each layer's mask and
     # position embeddings those of its layer type
     calibration=Calibration("transformers.models.laguna.modeling_laguna", "LagunaDecoderLayer",
