@@ -353,8 +353,8 @@ def test_whole_model_bases_are_priced_with_their_linears(glm5, table):
 
 
 def test_a_half_integer_k_adds_its_search_on_the_hosts_cores(table):
-    """No CUDA frac kernel: K1.5 is the K2 entry plus tiles x passes / the host's rate, at a GLM-5 expert shape about
-    50 s against K2's fraction of a second, and marked scaled."""
+    """No CUDA frac kernel: K1.5 is the K2 entry plus tiles x passes / the host's rate on an encode job's threads, at
+    a GLM-5 expert shape minutes against K2's fraction of a second, and marked scaled."""
     from fq.planning.price import FRAC_PASSES_PER_TILE, HOST_FRAC_TILES_S
 
     shape = (2048, 6144)
@@ -362,4 +362,4 @@ def test_a_half_integer_k_adds_its_search_on_the_hosts_cores(table):
     half, scaled = table.seconds("mul1", 1.5, shape)
     host = 2048 * 6144 / 256 * FRAC_PASSES_PER_TILE / HOST_FRAC_TILES_S
     assert scaled and not scaled2 and half == pytest.approx(k2 + host)
-    assert 40 < host < 60 and k2 < 1
+    assert 300 < host < 500 and k2 < 1

@@ -40,10 +40,13 @@ DEFAULT_GPUS = 8
 # table's seconds times the LDLQ factor alone priced those jobs at half their measured 0.32 GPU-h)
 LINEAR_LDLQ_S_PER_INPUT = 1.79e-4
 # A half-integer K has no CUDA Viterbi kernel: its search runs on the host's C kernel (fq.codec.viterbi), which on an
-# H100 host's 16 cores did 1,880 tiles/s at K1.5 (benchmarks/frac_speed_probe.py, other jobs beside it), and an LDLQ
-# encode at K1.5 searches each tile 1.9 times (its scale search's passes, counted on the CPU). Added to the GPU's cost
-# at the integer K above, which prices the rest of the pipeline.
-HOST_FRAC_TILES_S = 1880.0
+# H100 host did 1,880 tiles/s at K1.5 on 16 threads (benchmarks/frac_speed_probe.py, other jobs beside it): 117.5 per
+# thread, and an encode job has the threads its profile sets (profiles/local-gpu: 2, one job per GPU). An LDLQ encode
+# at K1.5 searches each tile 1.9 times (its scale search's passes, counted on the CPU). Added to the GPU's cost at the
+# integer K above, which prices the rest of the pipeline.
+HOST_FRAC_TILES_S_PER_THREAD = 117.5
+ENCODE_THREADS = 2
+HOST_FRAC_TILES_S = HOST_FRAC_TILES_S_PER_THREAD * ENCODE_THREADS
 FRAC_PASSES_PER_TILE = 1.9
 
 
@@ -519,8 +522,9 @@ def price_table(price: Price) -> str:
         lines.append("  * shape not in the cost table: priced per tile from its shapes (run fq cost-table --shape)")
     if any(_has_half(n.K) for n in price.nodes) or any(_has_half(ln.K) for ln in price.linears or ()):
         lines.append(f"  half-integer K (1.5, 2.5, 3.5): the next integer K's cost plus their search on the host's "
-                     f"cores ({HOST_FRAC_TILES_S:,.0f} tiles/s, {FRAC_PASSES_PER_TILE} passes a tile): fq has no CUDA "
-                     f"kernel for them yet; allocation.ks can leave them out")
+                     f"cores ({HOST_FRAC_TILES_S:,.0f} tiles/s on an encode job's {ENCODE_THREADS} threads, "
+                     f"{FRAC_PASSES_PER_TILE} passes a tile): fq has no CUDA kernel for them yet; allocation.ks can "
+                     f"leave them out")
     if price.calibration is not None:
         lines += calibration_lines(price.calibration)
     if price.sensitivity is not None:
