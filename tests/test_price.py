@@ -363,3 +363,14 @@ def test_a_half_integer_k_adds_its_search_on_the_hosts_cores(table):
     host = 2048 * 6144 / 256 * FRAC_PASSES_PER_TILE / HOST_FRAC_TILES_S
     assert scaled and not scaled2 and half == pytest.approx(k2 + host)
     assert 300 < host < 500 and k2 < 1
+
+
+def test_the_half_integer_price_assumes_the_gpu_profiles_encode_threads():
+    """ENCODE_THREADS copies profiles/local-gpu's set-threads for encode: the two change together."""
+    import yaml
+
+    from fq.planning.price import ENCODE_THREADS
+
+    profile = yaml.safe_load((ROOT / "profiles" / "local-gpu" / "config.yaml").read_text())
+    threads = dict(item.split("=") for item in profile["set-threads"])
+    assert int(threads["encode"]) == ENCODE_THREADS

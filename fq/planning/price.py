@@ -41,9 +41,9 @@ DEFAULT_GPUS = 8
 LINEAR_LDLQ_S_PER_INPUT = 1.79e-4
 # A half-integer K has no CUDA Viterbi kernel: its search runs on the host's C kernel (fq.codec.viterbi), which on an
 # H100 host did 1,880 tiles/s at K1.5 on 16 threads (benchmarks/frac_speed_probe.py, other jobs beside it): 117.5 per
-# thread, and an encode job has the threads its profile sets (profiles/local-gpu: 2, one job per GPU). An LDLQ encode
-# at K1.5 searches each tile 1.9 times (its scale search's passes, counted on the CPU). Added to the GPU's cost at the
-# integer K above, which prices the rest of the pipeline.
+# thread, and an encode job has the threads its profile sets (profiles/local-gpu: 2, one job per GPU; a test keeps
+# ENCODE_THREADS equal to it). An LDLQ encode at K1.5 searches each tile 1.9 times (its scale search's passes,
+# counted on the CPU). Added to the GPU's cost at the integer K above, which prices the rest of the pipeline.
 HOST_FRAC_TILES_S_PER_THREAD = 117.5
 ENCODE_THREADS = 2
 HOST_FRAC_TILES_S = HOST_FRAC_TILES_S_PER_THREAD * ENCODE_THREADS
