@@ -23,6 +23,9 @@ and the ``preprocessor_config.json`` the release ships); Qwen3-VL-MoE and GLM-4.
     as_kimi_k2(src_dir, out_dir) -> Path                    # a DeepseekV3 checkpoint relabelled as Kimi-K2
     to_fused_qwen3_5(src_dir, out_dir) -> Path              # Qwen3.5-MoE's published fused experts (E, 2I, hidden)
     to_published_qwen3_vl(src_dir, out_dir) -> Path         # Qwen3-VL-MoE's published fused experts (E, hidden, 2I)
+    to_deepseek_v4_release(src_dir, out_dir, quantize=True) -> Path  # DeepSeek-V4's release: names, FP4/FP8 + ue8m0
+    v4_release_name(name) -> str                            # transformers' saved name -> the release's
+    fp8_quantize_ue8m0(w, block) / fp4_quantize_ue8m0(w)    # DeepSeek-V4's quantizers (ue8m0 power-of-two scales)
     fp8_target(name, tensor) -> bool                        # what the published FP8 layout stores in fp8
     fp8_quantize(w, block=(128, 128)) -> (q float8_e4m3fn, weight_scale_inv float32 (ceil(out/b0), ceil(in/b1)))
     fp8_dequantize(q, scale_inv, block=(128, 128)) -> float32
@@ -213,8 +216,9 @@ ARCHS: dict[str, Recipe] = {
         noisy_buffers=("e_score_correction_bias",),
         published_names=((r"model\.layers\.(\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.weight",
                           r"model.layers.\1.mlp.\2.weight"),)),
-    # not read yet (fq.model.families.deepseek: its releases are FP4 / FP8 with ue8m0 scales, under DeepSeek's own
-    # names): one hash-routed layer, then sliding, compressed-sparse and heavily-compressed attention, 2 streams
+    # read as DeepSeek publishes it (to_deepseek_v4_release: FP4 / FP8 with ue8m0 scales, under DeepSeek's own names;
+    # the layout save_pretrained writes is refused): one hash-routed layer, then sliding, compressed-sparse and
+    # heavily-compressed attention, 2 streams
     "DeepseekV4ForCausalLM": Recipe("deepseek_v4", dict(
         _COMMON, num_key_value_heads=1, head_dim=HEAD_DIM, partial_rotary_factor=0.5, q_lora_rank=128,
         moe_intermediate_size=EXPERT_INTER, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_shared_experts=1,
@@ -616,6 +620,87 @@ def as_kimi_k2(src_dir, out_dir) -> Path:
     cfg["auto_map"] = dict(KIMI_AUTO_MAP)
     _write_json(out / CONFIG, cfg)
     return out
+
+
+# --- DeepSeek-V4 as DeepSeek publishes it (native names, FP4 routed experts, FP8 linears, ue8m0 scales) ---------
+
+# what DeepSeek's inference model.py builds as an FP8 Linear (its default dtype under "dtype": "fp8"): attention's
+# wq_a, wq_b, wkv, wo_a (FP8 in the checkpoint, dequantized by its convert.py), wo_b, the indexer's wq_b, the shared
+# expert; the router, the indexer's weights_proj and the compressors' wkv / wgate are bf16, the embeddings and head too
+V4_FP8 = re.compile(r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                    r"|e_proj|h_proj)\.weight")
+V4_FP4 = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+V4_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                   "weight_block_size": [128, 128]}
+# transformers 5.24's names for the release's top-level tensors (its conversion mapping for deepseek_v4, reversed)
+_V4_TOP = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+           "hc_head.hc_scale": "hc_head_scale"}
+
+
+def v4_release_name(name: str) -> str:
+    """A tensor name as transformers 5.24 saves DeepSeek-V4 (``model.layers.0.attn.norm.weight``) as the release
+    names it (``layers.0.attn.kv_norm.weight``: DeepSeek's Attention.kv_norm, which exllamav3 reads)."""
+    name = name.removeprefix("model.")
+    name = _V4_TOP.get(name, name)
+    return re.sub(r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 x), exactly (frexp: x = m * 2^e, m in [0.5, 1))."""
+    m, e = torch.frexp(x)
+    return torch.ldexp(torch.ones_like(x), torch.where(m == 0.5, e - 1, e))
+
+
+def fp8_quantize_ue8m0(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's FP8 weight quantization (its kernels' act_quant with scale_fmt ue8m0, per b0 x b1 block of the
+    ceil grid): s = 2^ceil(log2(amax / 448)) (amax at least 1e-4), q = (w / s) in e4m3 (round to nearest even).
+    Returns (q float8_e4m3fn, s float8_e8m0fnu (ceil(out/b0), ceil(in/b1)))."""
+    b0, b1 = block
+    rows, cols = w.shape
+    gr, gc = -(-rows // b0), -(-cols // b1)
+    x = torch.zeros(gr * b0, gc * b1)
+    x[:rows, :cols] = w.float()
+    blocks = x.view(gr, b0, gc, b1)
+    scale = _pow2_ceil(blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4) / 448.0)
+    q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(gr * b0, gc * b1)[:rows, :cols].contiguous(), scale.to(torch.float8_e8m0fnu)
+
+
+def fp4_quantize_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routed expert as DeepSeek-V4 stores it: e2m1 codes in groups of 32 inputs, each with a ue8m0 scale
+    2^ceil(log2(amax / 6)) (its kernels' fp4_act_quant; ``mxfp4_quantize``), two codes a byte, the lower input in the
+    low nibble. Returns (int8 (out, in/2), float8_e8m0fnu (out, in/32))."""
+    blocks, scales = mxfp4_quantize(w)
+    return blocks.reshape(w.shape[0], -1).view(torch.int8).contiguous(), scales.view(torch.float8_e8m0fnu)
+
+
+def to_deepseek_v4_release(src_dir, out_dir, *, quantize: bool = True) -> Path:
+    """A DeepSeek-V4 checkpoint as transformers 5.24 saves it (bf16, ``model.layers.*``) in the layout DeepSeek
+    publishes (deepseek-ai/DeepSeek-V4-Flash / -Pro): the release's names (``v4_release_name``), every routed expert
+    matrix FP4 (``fp4_quantize_ue8m0``: ``NAME.weight`` I8 beside ``NAME.scale`` F8_E8M0), every FP8 linear
+    (``V4_FP8``) e4m3 beside a ue8m0 ``NAME.scale`` per 128x128 block (``fp8_quantize_ue8m0``), norms bf16 (DeepSeek's
+    model.py: "rmsnorm in the checkpoint is stored in bf16"), the rest as saved; config.json gains DeepSeek's
+    ``quantization_config`` and ``expert_dtype: "fp4"``. Shards as in ``src_dir``. ``quantize=False``: the release's
+    names only, every tensor as saved (a bf16 checkpoint as DeepSeek names it)."""
+
+    def convert(name, t):
+        name = v4_release_name(name)
+        if not quantize:
+            return {name: t}
+        if V4_FP4.fullmatch(name):
+            q, s = fp4_quantize_ue8m0(t)
+        elif V4_FP8.fullmatch(name):
+            q, s = fp8_quantize_ue8m0(t)
+        else:
+            return {name: t.to(torch.bfloat16) if name.endswith("norm.weight") else t}
+        return {name: q, name[: -len("weight")] + "scale": s}
+
+    def update(cfg):
+        if quantize:
+            cfg["quantization_config"] = dict(V4_QUANTIZATION)
+            cfg["expert_dtype"] = "fp4"
+
+    return _rewrite(src_dir, out_dir, convert, update)
 
 
 # --- Qwen3.5-MoE as published (fused experts) ------------------------------------------------------------------

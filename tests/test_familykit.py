@@ -27,7 +27,7 @@ _BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8}
 _FP32_ROUTER = (".mlp.gate.weight", "e_score_correction_bias", ".mlp.router.gate.weight", ".mlp.expert_bias",
                 ".feed_forward.expert_bias")
 # what else transformers keeps out of bfloat16 for a family (its _keep_in_fp32_modules): Kimi-Linear's router and KDA
-# dt_bias; DeepSeek-V4's (not read yet) norms, hyper-connection mixers, sinks and its hash routing table (int64)
+# dt_bias; DeepSeek-V4's norms, hyper-connection mixers, sinks and its hash routing table (int64)
 _OWN_DTYPES = {"KimiLinearForCausalLM": (".block_sparse_moe.gate.weight", ".self_attn.dt_bias"),
                "DeepseekV4ForCausalLM": None}
 _FUSED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")

@@ -12,19 +12,33 @@
   ``apply_fp8_scales_inv_``), which is how it loads the FP8 tensors a base keeps verbatim in its skeleton, partial
   128-blocks included (DeepSeek-V3's 576-row kv_a_proj_with_mqa).
 
+- ``quant_method: "fp8"`` with ``expert_dtype: "fp4"`` (top level, as DeepSeek-V4 ships it, or inside
+  ``quantization_config``, as transformers moves it and DeepSeek-V4.1 ships it): DeepSeek-V4's release. Every linear
+  but the routed experts is FP8 as above, its scale grid named ``NAME.scale`` (the family says which name:
+  ``Family.scale_suffix``) and stored ue8m0 (``F8_E8M0``, each byte the power of two 2^(byte - 127)); each routed
+  expert matrix is ``NAME.weight`` int8 (out, in/2), two e2m1 values a byte (low nibble first), beside ``NAME.scale``
+  ue8m0 (out, in/32), one scale per 32 inputs of a row (``FP4_BLOCK``). That is MXFP4's element and scale encoding
+  (gpt-oss below) in a per-matrix layout: ``dequantize_fp4`` reads it through ``dequantize_mxfp4``, exactly (an e2m1
+  value times a power of two): DeepSeek's own dequantization value for value (its ``convert.py`` unpacks the low
+  nibble first with the same value table, +0.0 for code 8 where ``E2M1`` has -0.0; its ``fp4_gemm`` scales each 32
+  inputs by one ue8m0 byte) and transformers' ``Fp8Dequantize`` with a float32 output bit for bit.
+  ``expert_dtype: "fp8"`` (or none): the experts are FP8 like the other linears. A scale grid is read by its stored
+  dtype (float32, bfloat16 or ue8m0), whatever ``scale_fmt`` says: DeepSeek-V3.2 states ``scale_fmt: "ue8m0"`` and
+  stores float32 powers of two.
+
 - ``quant_method: "mxfp4"`` (gpt-oss): the routed experts' fused tensors are ``NAME_blocks`` uint8 (E, out, in/32,
   16), two e2m1 values a byte (low nibble first), and ``NAME_scales`` uint8 (E, out, in/32), one e8m0 exponent
   (2^(byte - 127)) per 32 inputs; ``dequantize_mxfp4`` gives each value times its scale in float32, exactly (an e2m1
   value times a power of two), which is transformers' ``convert_moe_packed_tensors`` with a float32 output, bit for
   bit, before its transpose to (E, in, out).
 
-Anything else (another ``quant_method``, another fp8 ``fmt``, a block size that is not two positive integers) is
-refused naming the field.
+Anything else (another ``quant_method``, another fp8 ``fmt``, a block size that is not two positive integers, an
+``expert_dtype`` other than fp8 / fp4 or without an fp8 ``quantization_config``) is refused naming the field.
 
 ``ExpertSource``: where one routed-expert matrix comes from (shard, tensor, and for FP8 the scale tensor and
-block), in the JSON an encode job receives; ``read_matrix`` reads it as float32 (torch (out, in)), checking dtype,
-shape and scale grid against what the plan expects. ``dense_state`` turns a checkpoint's tensors (FP8 with their
-scales, or dense) into the float32 tensors a transformers model is built from.
+block: (1, 32) for an FP4 matrix), in the JSON an encode job receives; ``read_matrix`` reads it as float32 (torch
+(out, in)), checking dtype, shape and scale grid against what the plan expects. ``dense_state`` turns a checkpoint's
+tensors (FP8 and FP4 with their scales, or dense) into the float32 tensors a transformers model is built from.
 """
 from __future__ import annotations
 
@@ -35,35 +49,56 @@ from fq.errors import FqError
 DENSE = "dense"
 FP8 = "fp8"
 MXFP4 = "mxfp4"
+FP4 = "fp4"  # SourceFormat.experts: packed e2m1 routed experts with ue8m0 scales (DeepSeek-V4's expert_dtype)
 MX_GROUP = 32  # inputs per e8m0 scale
+FP4_BLOCK = (1, MX_GROUP)  # an FP4 matrix's scale block: one scale per 32 inputs of a row
+# the e2m1 value of each 4-bit code (bit 3 the sign); code 8 is -0.0, as transformers and exllamav3 decode it
+# (DeepSeek's convert.py table has +0.0 there: the same number)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_SUFFIX = "weight_scale_inv"
 FP8_DTYPE = "F8_E4M3"
-SCALE_DTYPES = ("F32", "BF16")
-_SUPPORTED = "none (bf16/fp16/fp32), fp8 with weight_block_size (DeepSeek-V3 layout), mxfp4 (gpt-oss)"
+SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")
+EXPERT_DTYPES = ("fp8", FP4)
+_SUPPORTED = ("none (bf16/fp16/fp32), fp8 with weight_block_size (DeepSeek-V3 layout; with expert_dtype fp4: "
+              "DeepSeek-V4's), mxfp4 (gpt-oss)")
 
 
 @dataclass(frozen=True)
 class SourceFormat:
     kind: str  # DENSE | FP8 | MXFP4
     block: tuple[int, int] | None = None  # FP8: (rows, cols) of one scale block
+    experts: str | None = None  # FP4: the routed experts are packed e2m1 (DeepSeek-V4); None: as the other linears
 
     def to_json(self) -> dict:
-        return {"kind": self.kind} if self.block is None else {"kind": self.kind, "block": list(self.block)}
+        out = {"kind": self.kind} if self.block is None else {"kind": self.kind, "block": list(self.block)}
+        return {**out, "experts": self.experts} if self.experts else out
+
+    @property
+    def expert_block(self) -> tuple[int, int] | None:
+        """(rows, cols) of one scale block of a routed expert matrix: FP4's (1, 32), else the FP8 block."""
+        return FP4_BLOCK if self.experts == FP4 else self.block
 
     @property
     def weight_bytes(self) -> float | None:
-        """Bytes per weight of a quantized matrix, its scales apart (None: the config's dtype)."""
-        return {FP8: 1, MXFP4: 0.5}.get(self.kind)
+        """Bytes per weight of a routed expert matrix, its scales apart (None: the config's dtype)."""
+        return 0.5 if self.experts == FP4 else {FP8: 1, MXFP4: 0.5}.get(self.kind)
 
 
 def source_format(config: dict, where: str) -> SourceFormat:
     q = config.get("quantization_config")
+    experts = _expert_dtype(config, q, where)
     if q is None:
+        if experts is not None:
+            raise FqError(f"{where}: expert_dtype {experts!r} without a quantization_config: an fp4 / fp8 expert "
+                          f"dtype is read with DeepSeek's fp8 quantization_config (quant_method fp8, "
+                          f"weight_block_size)")
         return SourceFormat(DENSE)
     if not isinstance(q, dict):
         raise FqError(f"{where}: quantization_config: expected an object, got {q!r}")
     method = q.get("quant_method")
+    if experts is not None and method != "fp8":
+        raise FqError(f"{where}: expert_dtype {experts!r} with quantization_config.quant_method {method!r}: DeepSeek's "
+                      f"fp4 / fp8 experts are read beside its fp8 quantization_config")
     if method == MXFP4:
         return SourceFormat(MXFP4)
     if method != "fp8":
@@ -77,7 +112,24 @@ def source_format(config: dict, where: str) -> SourceFormat:
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise FqError(f"{where}: quantization_config.weight_block_size: expected [rows, cols] of one scale block "
                       f"(two positive integers; per-tensor fp8 is not read), got {block!r}")
-    return SourceFormat(FP8, (block[0], block[1]))
+    return SourceFormat(FP8, (block[0], block[1]), FP4 if experts == FP4 else None)
+
+
+def _expert_dtype(config: dict, q, where: str) -> str | None:
+    """The routed experts' dtype DeepSeek states, ``expert_dtype`` at the top level (DeepSeek-V4) or in
+    ``quantization_config`` (DeepSeek-V4.1; transformers moves V4's there): "fp4", "fp8", or None when unstated.
+    Two spellings present must agree."""
+    found = {k: v for k, v in (("expert_dtype", config.get("expert_dtype")),
+                               ("quantization_config.expert_dtype",
+                                q.get("expert_dtype") if isinstance(q, dict) else None)) if v is not None}
+    for key, v in found.items():
+        if v not in EXPERT_DTYPES:
+            raise FqError(f"{where}: {key} {v!r}: fq reads DeepSeek's routed experts as fp4 (packed e2m1, a ue8m0 "
+                          f"scale per 32 inputs) or fp8 (as the other linears)")
+    if len(set(found.values())) > 1:
+        shown = ", ".join(f"{k}={v!r}" for k, v in found.items())
+        raise FqError(f"{where}: {shown}: both name the routed experts' dtype and must agree")
+    return next(iter(found.values()), None)
 
 
 def scale_name(weight: str) -> str:
@@ -181,6 +233,25 @@ def dequantize_fp8(q, scale_inv, block: tuple[int, int] = (128, 128), where: str
     return q.to(torch.float32) * s
 
 
+def dequantize_fp4(packed, scales, where: str = "fp4"):
+    """float32 (out, in) of an FP4 matrix as DeepSeek-V4 stores it: ``packed`` int8 (out, in/2), two e2m1 values a
+    byte (low nibble first), ``scales`` float8_e8m0fnu (out, in/32), one per 32 inputs of a row. That is MXFP4's
+    encoding in a per-matrix layout: the same bytes are ``dequantize_mxfp4``'s (out, in/32, 16) blocks and
+    (out, in/32) exponent bytes, so each value is its e2m1 value times 2^(byte - 127), exact."""
+    import torch
+
+    if packed.dtype != torch.int8 or packed.dim() != 2 or packed.shape[1] % (MX_GROUP // 2) \
+            or scales.dtype != torch.float8_e8m0fnu or tuple(scales.shape) != (packed.shape[0],
+                                                                               packed.shape[1] * 2 // MX_GROUP):
+        raise FqError(f"{where}: expected int8 (out, in/2) packed e2m1 and float8_e8m0fnu (out, in/32) scales, got "
+                      f"{packed.dtype} {list(packed.shape)} and {scales.dtype} {list(scales.shape)}")
+    exponents = scales.view(torch.uint8)
+    if bool((exponents == 0xFF).any()):  # ue8m0's one non-number
+        raise FqError(f"{where}: a scale is 0xFF, which ue8m0 reserves for NaN")
+    blocks = packed.view(torch.uint8).reshape(packed.shape[0], -1, MX_GROUP // 2)
+    return dequantize_mxfp4(blocks, exponents, where)
+
+
 def dequantize_mxfp4(blocks, scales, where: str = "mxfp4"):
     """float32 (..., out, in) of MXFP4 ``blocks`` uint8 (..., out, in/32, 16) and ``scales`` uint8 (..., out, in/32):
     each e2m1 value (low nibble first) times 2^(scale - 127), exact."""
@@ -236,27 +307,49 @@ def read_matrix(handles: dict, src: ExpertSource, where: str):
     if src.index is not None:
         return _read_fused(handle, src)
     t = handle(src.shard, src.tensor).get_tensor(src.tensor)
-    if src.shape is not None and tuple(t.shape) != tuple(src.shape):
-        raise FqError(f"{src.shard}: tensor {src.tensor!r} is {list(t.shape)}, the config makes it "
-                      f"{list(src.shape)} (out, in)")
     if src.scale is None:
+        _check_stored_shape(t, src, tuple(src.shape) if src.shape is not None else None)
         if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise FqError(f"{src.shard}: tensor {src.tensor!r} is {t.dtype}; a matrix without a {SCALE_SUFFIX} is read "
                           f"as bf16/fp16/fp32")
         return t.to(torch.float32)
-    if t.dtype != torch.float8_e4m3fn:
-        raise FqError(f"{src.shard}: tensor {src.tensor!r} is {t.dtype}, expected float8_e4m3fn (the config's "
-                      f"quantization_config is fp8 and the tensor has a {SCALE_SUFFIX})")
-    s = handle(src.scale_shard, src.scale).get_tensor(src.scale)
+    return _read_scaled(t, handle(src.scale_shard, src.scale).get_tensor(src.scale), src)
+
+
+def _check_stored_shape(t, src: ExpertSource, stored: tuple[int, int] | None) -> None:
+    if stored is not None and tuple(t.shape) != stored:
+        packed = f", stored {list(stored)} (two e2m1 values a byte)" if stored != tuple(src.shape) else ""
+        raise FqError(f"{src.shard}: tensor {src.tensor!r} is {list(t.shape)}, the config makes it "
+                      f"{list(src.shape)} (out, in){packed}")
+
+
+def _read_scaled(t, s, src: ExpertSource):
+    """An FP8 (float8_e4m3fn) or FP4 (int8, two e2m1 values a byte: ``src.block`` (1, 32)) matrix and its scale
+    grid ``s``, float32 (out, in)."""
+    import torch
+
+    fp4 = tuple(src.block) == FP4_BLOCK
+    want_dtype = torch.int8 if fp4 else torch.float8_e4m3fn
+    if t.dtype != want_dtype:
+        what = "int8 (packed FP4: the config's expert_dtype is fp4)" if fp4 else \
+            "float8_e4m3fn (the config's quantization_config is fp8)"
+        raise FqError(f"{src.shard}: tensor {src.tensor!r} is {t.dtype}, expected {what} beside its scales "
+                      f"{src.scale!r}")
+    stored = None if src.shape is None else (src.shape[0], src.shape[1] // 2) if fp4 else tuple(src.shape)
+    _check_stored_shape(t, src, stored)
+    rows, cols = (t.shape[0], t.shape[1] * 2) if fp4 else tuple(t.shape)
     # the ceil grid: a non-expert linear may end in a partial block (MLA's kv_a_proj_with_mqa, 576 rows), which
     # dequantize_fp8 reads as exllamav3 does; a routed expert's blocks were checked to divide it at plan time
-    want = tuple(-(-n // b) for n, b in zip(t.shape, src.block))
-    if tuple(s.shape) != want or s.dtype not in (torch.float32, torch.bfloat16):
-        raise FqError(f"{src.scale_shard}: tensor {src.scale!r} is {s.dtype} {list(s.shape)}, expected float32 "
+    want = (-(-rows // src.block[0]), -(-cols // src.block[1]))
+    dtypes = (torch.float8_e8m0fnu,) if fp4 else (torch.float32, torch.bfloat16, torch.float8_e8m0fnu)
+    if tuple(s.shape) != want or s.dtype not in dtypes:
+        kinds = "float8_e8m0fnu (ue8m0)" if fp4 else "float32, bfloat16 or float8_e8m0fnu (ue8m0)"
+        raise FqError(f"{src.scale_shard}: tensor {src.scale!r} is {s.dtype} {list(s.shape)}, expected {kinds} "
                       f"{list(want)} (one scale per {src.block[0]}x{src.block[1]} block of {src.tensor})")
-    if not bool(torch.isfinite(s).all()):
+    if not bool(torch.isfinite(s.to(torch.float32)).all()):  # ue8m0: byte 0xFF is NaN
         raise FqError(f"{src.scale_shard}: tensor {src.scale!r} has non-finite scales")
-    return dequantize_fp8(t, s, src.block, f"{src.shard}: {src.tensor}")
+    where = f"{src.shard}: {src.tensor}"
+    return dequantize_fp4(t, s, where) if fp4 else dequantize_fp8(t, s, src.block, where)
 
 
 def _read_fused(handle, src: ExpertSource):
@@ -288,9 +381,10 @@ def _read_fused(handle, src: ExpertSource):
 
 
 def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) -> dict:
-    """float32 tensors from a checkpoint's (or a base skeleton's) tensors: every ``X.weight`` with an
-    ``X.weight_scale_inv`` dequantized in ``block``s (the scale dropped), other floats upcast, integers as they are.
-    A base's skeleton is read with 128x128 blocks, the only ones exllamav3 loads."""
+    """float32 tensors from a checkpoint's (or a base skeleton's) tensors: every ``X.weight`` with its scale grid
+    (``X.weight_scale_inv``, or DeepSeek-V4's ``X.scale`` beside an FP8 or packed-FP4 weight) dequantized, FP8 in
+    ``block``s, FP4 per 32 inputs (the scale dropped), other floats upcast, integers as they are. A base's skeleton is
+    read with 128x128 blocks, the only ones exllamav3 loads."""
     import torch
 
     out = {}
@@ -307,16 +401,37 @@ def dense_state(tensors: dict, where: str, block: tuple[int, int] = (128, 128)) 
             if weight not in tensors:
                 raise FqError(f"{where}: {name} has no {weight} to scale")
             continue
-        scale = tensors.get(name[: -len("weight")] + SCALE_SUFFIX) if name.endswith(".weight") else None
+        if name.endswith(".scale") and _quantized(tensors.get(name[: -len("scale")] + "weight")):
+            continue  # read with its weight
+        scale = _scale_of(name, t, tensors)
         if scale is not None:
-            if t.dtype != torch.float8_e4m3fn:
+            if t.dtype not in (torch.float8_e4m3fn, torch.int8):
                 raise FqError(f"{where}: {name} is {t.dtype} beside a {SCALE_SUFFIX}; expected float8_e4m3fn")
-            out[name] = dequantize_fp8(t, scale, block, f"{where}: {name}")
+            what = f"{where}: {name}"
+            out[name] = dequantize_fp4(t, scale, what) if t.dtype == torch.int8 else \
+                dequantize_fp8(t, scale, block, what)
         elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise FqError(f"{where}: {name} is {t.dtype} without a {SCALE_SUFFIX}")
         else:
             out[name] = t.float() if t.is_floating_point() else t
     return out
+
+
+def _quantized(t) -> bool:
+    """An FP8 weight or DeepSeek-V4's packed FP4 (int8), which a ``.scale`` beside it scales."""
+    import torch
+
+    return t is not None and t.dtype in (torch.float8_e4m3fn, torch.int8)
+
+
+def _scale_of(name: str, t, tensors: dict):
+    """The scale grid of weight ``name``: its ``weight_scale_inv``, or, beside an FP8 / packed FP4 weight,
+    DeepSeek-V4's ``.scale`` (a ``.scale`` elsewhere is no block grid: a norm's, say); None: unscaled."""
+    if not name.endswith(".weight"):
+        return None
+    stem = name[: -len("weight")]
+    scale = tensors.get(stem + SCALE_SUFFIX)
+    return scale if scale is not None or not _quantized(t) else tensors.get(stem + "scale")
 
 
 def fuse_experts(tensors: dict, layout, fused, where: str) -> dict:

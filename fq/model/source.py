@@ -5,8 +5,9 @@ tensor payload: a campaign is planned and priced before its source is downloaded
 come from the filesystem or from a listing (the hub's file metadata) passed as ``sizes``.
 
 Model families (routed expert names, config keys, MoE layers) come from the registry ``fq.model.families``; source
-formats (dense, or FP8 with block scales read in place) from ``fq.model.formats``. Every tensor under a family's
-routed-experts prefix is an expert matrix (its ``weight``, and for FP8 its ``weight_scale_inv``) or refused;
+formats (dense, FP8 with block scales, DeepSeek-V4's FP4 experts: read in place) from ``fq.model.formats``. Every
+tensor under a family's routed-experts prefix is an expert matrix (its ``weight``, and for FP8 / FP4 its scale grid,
+``weight_scale_inv`` or the family's ``scale_suffix``) or refused;
 everything else is skeleton. Next-token-prediction layers past ``num_hidden_layers`` (the family's MTP key) carry
 routed experts too and are encoded.
 """
@@ -106,16 +107,17 @@ class SourceModel:
 
     def _scale_bytes(self, proj: str, per_scale: int) -> int:
         o, i = self.expert_shape(proj)
-        if self.source_format.block is not None:  # FP8: one scale per block
-            b0, b1 = self.source_format.block
-            return per_scale * (o // b0) * (i // b1)
-        if self.source_format.kind == formats.MXFP4:  # one e8m0 byte per 32 inputs
+        fmt = self.source_format
+        if fmt.kind == formats.MXFP4 or fmt.experts == formats.FP4:  # one e8m0 byte per 32 inputs
             return o * i // formats.MX_GROUP
+        if fmt.block is not None:  # FP8: one scale per block
+            b0, b1 = fmt.block
+            return per_scale * (o // b0) * (i // b1)
         return 0
 
     def expert_matrix_bytes(self, proj: str) -> int:
-        """Source bytes of one expert matrix: its weights and its scales (FP8: float32 per block; MXFP4: a byte
-        per 32 weights)."""
+        """Source bytes of one expert matrix: its weights and its scales (FP8: float32 per block, at most; MXFP4 and
+        FP4: a byte per 32 weights)."""
         o, i = self.expert_shape(proj)
         return int(o * i * self.dtype_bytes) + self._scale_bytes(proj, 4)
 
@@ -149,7 +151,7 @@ class SourceModel:
         if scale is None:
             return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, None, None, None, *fused)
         return formats.ExpertSource(staged(self.weight_map[tensor]), tensor, shape, staged(self.weight_map[scale]),
-                                    scale, self.source_format.block, *fused)
+                                    scale, self.source_format.expert_block, *fused)
 
     def layer_shards(self, layer: int) -> tuple[str, ...]:
         memo = self.__dict__.setdefault("_layer_shards", {})  # frozen dataclass: a private memo is fine
@@ -306,6 +308,7 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
     if family.unread:
         raise FqError(f"{cfg}: {family.architectures[0]} ({family.title}) checkpoints are not read yet: "
                       f"{family.unread}")
+    family.unread_layout(weight_map, idx)
     fmt = formats.source_format(config, cfg)
     top, config = config, family.text_view(config, cfg)  # a vision-language wrapper: its language model's config
     n_layers = families.base.read_int(config, ("num_hidden_layers",), cfg, family.title)
@@ -345,11 +348,12 @@ def parse_source(config: dict, index: dict, sizes: Mapping[str, int], *, origin:
         if problem:  # a dim that is a multiple of 16 but not of 128 is stored zero-padded (fq.codec.shape)
             raise FqError(f"{cfg}: {dim_key}={dim}: {problem}; the routed expert matrices "
                           f"({experts[(moe_layers[0], 0, 'gate')]} and the like) cannot be encoded")
-    if fmt.block is not None:
+    if fmt.expert_block is not None:
         for proj in PROJECTIONS:
-            formats.scale_grid(projection_shape(hidden, inter, proj), fmt.block, experts[(moe_layers[0], 0, proj)], cfg)
+            formats.scale_grid(projection_shape(hidden, inter, proj), fmt.expert_block,
+                               experts[(moe_layers[0], 0, proj)], cfg)
     if tensors is not None and not fused:
-        _check_expert_shapes(experts, weight_map, tensors, hidden, (inter_key, inter), cfg, origin)
+        _check_expert_shapes(experts, weight_map, tensors, hidden, (inter_key, inter), fmt, cfg, origin)
 
     if config_bytes is None:
         config_bytes = canonical.dumps(top)
@@ -538,7 +542,8 @@ def _classify_fused(weight_map: Mapping[str, str], family: Family, fmt: formats.
 
 
 def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.SourceFormat, idx: str):
-    """(experts {(layer, expert, proj): weight}, their FP8 scales {same key: scale tensor}, skeleton names)."""
+    """(experts {(layer, expert, proj): weight}, their FP8 / FP4 scale grids (the family's ``scale_suffix``) {same
+    key: scale tensor}, skeleton names)."""
     layout = family.layout
     proj_of = dict(zip(layout.projections, PROJECTIONS))
     experts: dict[tuple[int, int, str], str] = {}
@@ -561,11 +566,11 @@ def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.Source
         key = (layer, expert, proj_of[proj])
         if suffix == "weight":
             experts[key] = name
-        elif suffix == formats.SCALE_SUFFIX and fmt.kind == formats.FP8:
+        elif suffix == family.scale_suffix and fmt.kind == formats.FP8:
             scales[key] = name
         else:
-            want = "weight or weight_scale_inv" if fmt.kind == formats.FP8 else "weight (the config has no FP8 " \
-                "quantization_config)"
+            want = f"weight or {family.scale_suffix}" if fmt.kind == formats.FP8 else "weight (the config has no " \
+                "FP8 quantization_config)"
             raise FqError(f"{idx}: tensor {name!r}: an expert matrix's tensors are {want}, not {suffix!r}")
     strays = sorted(set(scales) - set(experts))
     if strays:
@@ -573,8 +578,8 @@ def _classify(weight_map: Mapping[str, str], family: Family, fmt: formats.Source
     if fmt.kind == formats.FP8:
         unscaled = sorted(set(experts) - set(scales))
         if unscaled:  # the authors quantize every routed expert; a checkpoint that does not is not what it says
-            raise FqError(f"{idx}: tensor {experts[unscaled[0]]!r} has no {formats.SCALE_SUFFIX} ({len(unscaled)} expert "
-                          f"matrices without one), but the config's quantization_config is fp8")
+            raise FqError(f"{idx}: tensor {experts[unscaled[0]]!r} has no {family.scale_suffix} ({len(unscaled)} "
+                          f"expert matrices without one), but the config's quantization_config is fp8")
     return experts, scales, skeleton
 
 
@@ -648,18 +653,22 @@ def _check_fused_count(weight_map: Mapping[str, str], family: Family, fmt: forma
 
 def _check_expert_shapes(experts: Mapping[tuple[int, int, str], str], weight_map: Mapping[str, str],
                          tensors: Mapping[str, tuple[str, tuple[int, ...]]], hidden: int, inter: tuple[str, int],
-                         cfg: str, origin: str) -> None:
+                         fmt: formats.SourceFormat, cfg: str, origin: str) -> None:
     """Each routed expert matrix's shape, as its shard's header states it, against the (out, in) the config's dims
-    make (what an encode job reads it as): a config that lies about them is refused at plan time, not in a job."""
+    make (what an encode job reads it as; FP4: (out, in/2), two e2m1 values a byte): a config that lies about them is
+    refused at plan time, not in a job."""
     inter_key, inter_size = inter
+    fp4 = fmt.experts == formats.FP4
     for (layer, expert, proj), name in sorted(experts.items()):
         if name not in tensors:  # its shard is not on disk (planned from a sizes listing)
             continue
         want = projection_shape(hidden, inter_size, proj)
+        stored = (want[0], want[1] // 2) if fp4 else want
         shape = tuple(tensors[name][1])
-        if shape != want:
+        if shape != stored:
+            packed = f", stored {list(stored)} (FP4: two e2m1 values a byte)" if fp4 else ""
             raise FqError(f"{origin}/{weight_map[name]}: tensor {name!r} is {list(shape)}, but {cfg} makes a routed "
-                          f"expert's {proj} projection {list(want)} (out, in) from hidden_size={hidden} and "
+                          f"expert's {proj} projection {list(want)} (out, in){packed} from hidden_size={hidden} and "
                           f"{inter_key}={inter_size}")
 
 

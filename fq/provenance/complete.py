@@ -16,9 +16,11 @@ one model, from verified headers and attestations only (no payload, no torch), a
 3. **One objective per layer.** A layer's linear fragments all name the same Hessian (file and sha256) or none.
 4. **The model the config describes** (its family read from the base's config, ``source_config.json`` else
    ``config.json``): every MoE layer holds every routed expert; every decoder layer 0..num_hidden_layers-1 is there;
-   the head is there unless the embeddings are tied; and layers of one kind (MoE or dense, and the config's
-   ``layer_types`` entry where it has one) hold the same tensors -- skeleton and EXL3 linears together, by name
-   relative to the layer, with the same shapes -- so a layer missing a norm, its router or one projection is named.
+   the head (the family's: ``lm_head.weight``, DeepSeek-V4's ``head.weight``) is there unless the embeddings are
+   tied; and layers of one kind (MoE or dense, and the config's ``layer_types`` entry where it has one, or the
+   family's ``layer_kinds``: DeepSeek-V4's attention type and routing) hold the same tensors -- skeleton and EXL3
+   linears together, by name relative to the layer, with the same shapes -- so a layer missing a norm, its router or
+   one projection is named.
 5. **The index.** ``model.safetensors.index.json``, where the base has one, names exactly the tensors of the base's
    ``.safetensors`` files, each in the file that holds it.
 6. **Shared expert encodings** (``experts_from``, given the tree's root): every fragment of the base node names the
@@ -289,11 +291,10 @@ def _model(files: dict, read, where: str, out: list) -> dict | None:
     except FqError as e:
         out.append(f"{where}: its model config cannot be read as a model ({e})")
         return None
-    types = view.get("layer_types")
-    types = types if isinstance(types, list) and len(types) == n_layers else None
+    types = family.kinds(view, n_layers)  # the config's layer_types, or the family's (DeepSeek-V4's schedule)
     tied = bool(view.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     return {"n_layers": n_layers, "moe_layers": moe_layers, "n_experts": n_experts, "types": types, "tied": tied,
-            "layers": family.layout.layers, "config": name,
+            "layers": family.layout.layers, "config": name, "head": family.head,
             "experts_prefix": family.layout.prefix.split("{layer}", 1)[1].lstrip(".")}
 
 
@@ -340,7 +341,7 @@ def _model_problems(tensors: dict, model: dict, where: str) -> list[str]:
     if absent:
         out.append(f"{where}: decoder layer(s) {_names(map(str, absent))} of the {n} its {model['config']} names "
                    f"hold no tensor")
-    head = "lm_head.weight"
+    head = model["head"]
     if not model["tied"] and head not in tensors:
         out.append(f"{where}: no {head} (as skeleton or EXL3); its {model['config']} does not tie the embeddings")
     # the MoE block (``mlp``, Mixtral's ``block_sparse_moe``) differs between MoE and dense layers, whose MLP is

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -373,6 +374,18 @@ class Family:
     # tensors under the routed-experts prefix, named relative to it, that are no expert's matrix and stay skeleton
     # (Laguna's router score bias ``mlp.experts.e_score_correction_bias``); any other such tensor is refused
     experts_skeleton: tuple[str, ...] = ()
+    # what the family's FP8 checkpoints name a quantized linear's scale grid beside ``NAME.weight``:
+    # ``NAME.weight_scale_inv`` (DeepSeek-V3's and transformers' spelling), DeepSeek-V4's ``NAME.scale``
+    scale_suffix: str = "weight_scale_inv"
+    # (regex a tensor name starts with, why a checkpoint that names its tensors so is not read): a layout of the
+    # family's that fq does not read, refused by name (DeepSeek-V4 as transformers saves it)
+    unread_layouts: tuple[tuple[str, str], ...] = ()
+    head: str = "lm_head.weight"  # the output head's weight (DeepSeek-V4's release: ``head.weight``)
+    # (config, num_hidden_layers) -> each layer's kind: layers of one kind hold the same tensors (fq.provenance.complete
+    # compares them); None: the config's ``layer_types`` where it states one per layer
+    layer_kinds: Callable[[dict, int], list[str] | None] | None = None
+    # the support table's source formats, where the family's releases have a format of their own
+    published_formats: str | None = None
 
     @property
     def transformers_model_type(self) -> str:
@@ -428,6 +441,21 @@ class Family:
 
     def mtp_layers(self, config: dict, cfg: str) -> int:
         return read_int(config, (self.mtp_key,), cfg, self.title, minimum=0, default=0) if self.mtp_key else 0
+
+    def kinds(self, config: dict, n_layers: int) -> list | None:
+        """Each layer's kind (``layer_kinds``, else the config's ``layer_types``), or None when the config says none."""
+        if self.layer_kinds is not None:
+            return self.layer_kinds(config, n_layers)
+        types = config.get("layer_types")
+        return types if isinstance(types, list) and len(types) == n_layers else None
+
+    def unread_layout(self, names, where: str) -> None:
+        """Refuses a checkpoint whose tensor ``names`` are in a layout of the family's that fq does not read."""
+        for pattern, why in self.unread_layouts:
+            name = next((n for n in sorted(names) if re.match(pattern, n)), None)
+            if name is not None:
+                raise FqError(f"{where}: tensor {name!r}: {self.architectures[0]} ({self.title}) checkpoints named "
+                              f"so are not read: {why}")
 
     def router_name(self, layer: int) -> str:
         return f"{self.layout.layer_prefix(layer)}.{self.router}.weight"

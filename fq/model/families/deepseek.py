@@ -1,10 +1,11 @@
 """DeepSeek-V3 / R1 / V3.1 and Kimi-K2 (DeepseekV3: MLA), DeepSeek-V3.2 (DSA indexer), DeepSeek-V2, DeepSeek-V4
-(compressed sparse attention, hyper-connections, hash-routed layers; not read yet)."""
+(compressed sparse attention, hyper-connections, hash-routed layers: read as DeepSeek publishes it, FP4 experts and
+FP8 linears with ue8m0 scales; no calibration chain)."""
 from fq.model.experts import STANDARD, ExpertLayout
 from fq.model.families.base import AllLayers, Calibration, DenseFirst, Exl3Needs, Family, LayerTypes
 
 # DeepSeek-V4's own names, as its release stores them (declared here, not in fq.model.experts: that module is in the
-# encoder bundle, and a family no campaign reads yet must not change every campaign's encoder identity)
+# encoder bundle, and one family's layout must not change every campaign's encoder identity)
 DEEPSEEK_NATIVE = ExpertLayout("layers.{layer}.ffn.experts.{expert}", ("w1", "w3", "w2"))
 
 _EXPERTS = ("n_routed_experts", "num_local_experts")
@@ -50,6 +51,19 @@ DEEPSEEK_V2 = Family(
 _V4_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
 
+def _v4_attention(config: dict, n_layers: int) -> list[str] | None:
+    """Each layer's attention type as exllamav3 1.6.5's DeepseekV4Config reads it: ``compress_ratios`` (0/4/128; the
+    list may run past num_hidden_layers into the MTP blocks), absent, transformers' and exllamav3's shared default (2
+    HCA layers, then CSA / HCA alternating); None for a list exllamav3 would not read."""
+    ratios = config.get("compress_ratios")
+    if ratios is None:
+        return ["heavily_compressed_attention" if l < 2 or l % 2 == 0 else "compressed_sparse_attention"
+                for l in range(n_layers)]
+    if not isinstance(ratios, list) or len(ratios) < n_layers or any(r not in _V4_TYPES for r in ratios):
+        return None
+    return [_V4_TYPES[r] for r in ratios[:n_layers]]
+
+
 def _v4_schedule(config: dict, n_layers: int) -> list[str]:
     """What exllamav3 1.6.5's DeepseekV4Config reads differently from transformers' DeepseekV4Config: the attention
     types from ``compress_ratios`` (0/4/128; transformers prefers ``layer_types``), the hash-routed layers from
@@ -57,15 +71,9 @@ def _v4_schedule(config: dict, n_layers: int) -> list[str]:
     / ``_hca`` (transformers: ``compress_rates``) and the compressed layers' YaRN from ``rope_scaling``
     (transformers saves ``rope_parameters``); each absent, the same defaults as transformers'."""
     out = []
-    ratios = config.get("compress_ratios")
-    if ratios is None:  # both default to 2 HCA layers, then CSA / HCA alternating
-        theirs = ["heavily_compressed_attention" if l < 2 or l % 2 == 0 else "compressed_sparse_attention"
-                  for l in range(n_layers)]
-    elif not isinstance(ratios, list) or len(ratios) < n_layers or any(r not in _V4_TYPES for r in ratios):
-        theirs = None
-        out.append(f"compress_ratios {ratios!r}: exllamav3 reads one of 0, 4, 128 per layer")
-    else:
-        theirs = [_V4_TYPES[r] for r in ratios[:n_layers]]
+    theirs = _v4_attention(config, n_layers)
+    if theirs is None:
+        out.append(f"compress_ratios {config.get('compress_ratios')!r}: exllamav3 reads one of 0, 4, 128 per layer")
     types = config.get("layer_types")
     if theirs is not None and types is not None and types != theirs:
         out.append(f"layer_types {types} is not exllamav3's schedule {theirs} (it reads compress_ratios)")
@@ -83,21 +91,65 @@ def _v4_schedule(config: dict, n_layers: int) -> list[str]:
     if compress.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
         out.append(f"rope_parameters.compress is {compress.get('rope_type')!r} but rope_scaling is not stated "
                    "(exllamav3 reads the compressed layers' rope scaling there)")
-    return out
+    return out + _v4_fp8_grids(config)
 
+
+def _v4_fp8_grids(config: dict) -> list[str]:
+    """exllamav3 1.6.5 dequantizes a skeleton linear's ``.scale`` grid on load (``Linear.dequant_e8m0_blocks_``)
+    with the block the grid implies, rows // grid rows: DeepSeek's 128x128 block only where each FP8 linear's dim is
+    a multiple of it or at most one block (DeepSeek's Linear takes the ceil grid). Every dim of the releases is a
+    multiple of 128; a config with another (a head_dim of 192) would be misread."""
+    q = config.get("quantization_config")
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if not isinstance(block, list) or len(block) != 2 or not all(type(b) is int and b > 0 for b in block):
+        return []
+    get = {k: config.get(k, d) for k, d in (("hidden_size", None), ("q_lora_rank", None), ("head_dim", 512),
+                                            ("num_attention_heads", None), ("o_groups", 8), ("o_lora_rank", 1024),
+                                            ("index_n_heads", 64), ("index_head_dim", 128),
+                                            ("moe_intermediate_size", None), ("n_shared_experts", 1))}
+    if not all(type(v) is int and v > 0 for v in get.values()):
+        return []  # a count the config lacks or states wrongly is refused where it is read
+    heads = get["num_attention_heads"] * get["head_dim"]
+    dims = {"hidden_size": get["hidden_size"], "q_lora_rank": get["q_lora_rank"], "head_dim": get["head_dim"],
+            "num_attention_heads * head_dim": heads,
+            "num_attention_heads * head_dim / o_groups": heads // get["o_groups"],
+            "o_groups * o_lora_rank": get["o_groups"] * get["o_lora_rank"],
+            "index_n_heads * index_head_dim": get["index_n_heads"] * get["index_head_dim"],
+            "moe_intermediate_size * n_shared_experts": get["moe_intermediate_size"] * get["n_shared_experts"]}
+    return [f"{k}={d} is not a multiple of the FP8 block {block}: exllamav3 would dequantize that linear's .scale "
+            f"grid with another block than DeepSeek's ceil grid" for k, d in dims.items()
+            if any(d > b and d % b for b in block)]
+
+
+def _v4_kinds(config: dict, n_layers: int) -> list[str] | None:
+    """A layer's attention type and routing (its first num_hash_layers route by token id, ``ffn.gate.tid2eid``, the
+    rest by score, ``ffn.gate.bias``): what decides which tensors a DeepSeek-V4 layer holds."""
+    attention, n_hash = _v4_attention(config, n_layers), config.get("num_hash_layers", 3)
+    if attention is None or not isinstance(n_hash, int):
+        return None
+    return [f"{a}, {'hash' if l < n_hash else 'score'} routing" for l, a in enumerate(attention)]
+
+
+_TRANSFORMERS_SAVED = ("transformers 5.24 saves DeepSeek-V4 under other names (`model.layers.{L}.*`, "
+                       "`model.embed_tokens`, `model.hc_head.*`, the attention's `kv_norm` as `norm`) than DeepSeek's "
+                       "release and exllamav3 1.6.5's DeepseekV4ForCausalLM read (`layers.{L}.*`, `embed`, "
+                       "`hc_head_*`, `attn.kv_norm`): a base of it would not load. Rename its tensors as the release "
+                       "names them (transformers loads those too)")
 
 DEEPSEEK_V4 = Family(
     name="deepseek_v4", title="DeepSeek-V4", architectures=("DeepseekV4ForCausalLM",), model_types=("deepseek_v4",),
     # DeepSeek's own tensor names, as the release stores them and exllamav3 reads them (layers.{L}.attn.*,
-    # layers.{L}.ffn.{experts,gate,shared_experts}.*, embed, head, hc_head_*, mtp.{i}.*: the next-token-prediction
-    # blocks lie outside the layers, skeleton)
+    # layers.{L}.ffn.{experts,gate,shared_experts}.*, embed, head, norm, hc_head_*, mtp.{i}.*: the next-token-prediction
+    # blocks lie outside the layers, skeleton, their experts kept as published)
     layout=DEEPSEEK_NATIVE, experts_keys=("n_routed_experts", "num_local_experts"),
     inter_keys=("moe_intermediate_size",), moe_rule=AllLayers(), router="ffn.gate", exl3="DeepseekV4ForCausalLM",
-    unread="DeepSeek's releases store the routed experts as packed FP4 (two e2m1 values per int8 byte, a ue8m0 "
-           "`.scale` per 32 inputs: `expert_dtype` fp4) and the other linears as FP8 e4m3 with ue8m0 `.scale` "
-           "grids, which fq.model.formats does not read; transformers 5.24 saves a bf16 checkpoint under other names "
-           "(`model.layers.{L}.ffn.*`, `model.embed_tokens`) than the release and exllamav3 (`layers.{L}.ffn.*`, "
-           "`embed`)",
+    # the release (config: quantization_config fp8 / ue8m0 / [128, 128] and expert_dtype fp4): routed experts FP4
+    # (int8 (out, in/2) beside a ue8m0 .scale (out, in/32)), the other linears FP8 e4m3 beside a ue8m0 .scale per
+    # 128x128 block; fq.model.formats reads both, and exllamav3 1.6.5 dequantizes the FP8 ones a base keeps
+    scale_suffix="scale", head="head.weight", layer_kinds=_v4_kinds,
+    unread_layouts=((r"model\.", _TRANSFORMERS_SAVED),),
+    published_formats="FP4 e2m1 experts (int8, a ue8m0 `.scale` per 32 inputs) + FP8 e4m3 linears (a ue8m0 `.scale` "
+                      "per 128x128 block), as DeepSeek publishes them; bf16 / fp16 / fp32 under the release's names",
     # every layer MoE: the first num_hash_layers route by a token-id table (ffn.gate.tid2eid), the rest by a
     # sqrt-softplus router with a score bias (ffn.gate.bias); clamped SwiGLU experts (swiglu_limit), a shared expert.
     # exllamav3 defaults routed_scaling_factor to 1.0 (transformers: 1.5) and needs one KV head (assert_cfg:

@@ -71,7 +71,7 @@ def support_table(measured: dict | None = None) -> str:
     rows = [HEADER, RULE]
     for f in families.REGISTRY.values():
         fused = f.fused_experts
-        formats = ("not read yet: " + f.unread if f.unread else
+        formats = ("not read yet: " + f.unread if f.unread else f.published_formats if f.published_formats else
                    "bf16 (fused), MXFP4" if fused and fused.mxfp4 else
                    "bf16 / fp16 / fp32 (fused or per expert), FP8 e4m3 + block scales (per expert)"
                    if fused and fused.per_expert_too else
