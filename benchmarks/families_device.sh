@@ -33,9 +33,10 @@ for n in $names; do
         python3 -m pytest -q -s -p no:cacheprovider tests/test_exl3_families.py >"$LOGS/$n.log" 2>&1
     echo "rc=$?"; grep -E "kl_ref_exl3|passed|failed|Error" "$LOGS/$n.log" | cut -c1-300 | tail -4
 done
-for c in 'p4|{"hidden_size":128,"num_attention_heads":64,"num_key_value_heads":8,"sliding_window":64}' \
-         'p1|{"num_attention_heads":64,"num_key_value_heads":8}' 'p3|{"sliding_window":32}' \
-         'p2|{"num_key_value_heads":1}' 'p0|{}'; do
+# PROBES: the probes to run (name|config overrides, space-separated; none when set empty)
+PROBES=${PROBES-'p4|{"hidden_size":128,"num_attention_heads":64,"num_key_value_heads":8,"sliding_window":64}
+ p1|{"num_attention_heads":64,"num_key_value_heads":8} p3|{"sliding_window":32} p2|{"num_key_value_heads":1} p0|{}'}
+for c in $PROBES; do
     n=${c%%|*}; k=${c#*|}
     grep -q "^RESULT" "$LOGS/probe-$n.log" 2>/dev/null && { echo "probe $n: done by an earlier call"; continue; }
     [ "$(left)" -gt 50 ] || break

@@ -8,9 +8,13 @@ quantization_config.json); a signed base manifest, the plan of the bare base and
 second or so on two cores: what a family's base looks like to every consumer (verify, combine, the runtime) at the
 cost of no encode.
 
-    publish(tmp, source_dir) -> Base(root, pub, plan, base_dir, derived, sets, layout, priv, campaign)
+    publish(tmp, source_dir, layout=None) -> Base(root, pub, plan, base_dir, derived, sets, layout, priv, campaign)
     reference_tensors(base, source_dir) -> the source's float32 tensors with every routed expert the base's
                                            reconstruction (what fq's runtime must give transformers)
+
+The sets are stored tensors: under a layout with stored scales (Laguna's routed up_proj times 2^-7) they reconstruct
+the expert times 2^n, and the reference takes ``layout.source`` of each, as every consumer does. ``layout`` replaces
+the family's (a base whose layout is not its family's, for a test that verify refuses it).
 """
 from __future__ import annotations
 
@@ -55,12 +59,12 @@ class Base:
     campaign: dict = field(default_factory=dict)
 
 
-def publish(tmp: Path, source_dir: Path, seed: int = 0) -> Base:
+def publish(tmp: Path, source_dir: Path, seed: int = 0, layout=None) -> Base:
     from safetensors import safe_open
 
     tmp, source_dir = Path(tmp), Path(source_dir)
     src = load_source(source_dir)
-    layout = src.family_entry.layout
+    layout = layout or src.family_entry.layout
     key_path, pub_path, fp = keys.generate(tmp / "signer")
     priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
     enc = encoder()
@@ -96,7 +100,9 @@ def publish(tmp: Path, source_dir: Path, seed: int = 0) -> Base:
         write_fragment(path, layout=layout, node="k2", role="base", layer=layer, block=0, K=2, codebook="mul1",
                        experts=experts)
         attest_fragment(path, key=priv, campaign=camp, source=meta, encoder=enc,
-                        quant_args={"seed": 0, "K": 2, "codebook": "mul1"}, node_digest=DIGEST, parent=None)
+                        quant_args={"seed": 0, "K": 2, "codebook": "mul1",
+                                    **({"stored_scale_log2": layout.scales_json()} if layout.stored_scale_log2 else {})},
+                        node_digest=DIGEST, parent=None)
         names.append(f"base/k2/{path.name}")
     out.derived = write_derived(base, bits=2, codebook="mul1")
     write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=out.derived)
@@ -127,6 +133,7 @@ def reference_tensors(base: Base, source_dir: Path) -> tuple[dict, dict]:
     for name in set(src.expert_names.values()):
         tensors.pop(name, None)
     for (layer, e, p), tset in base.sets.items():
-        name = base.layout.key(layer, e, base.layout.projections[PROJECTIONS.index(p)], "weight")
-        tensors[name] = reconstruct_chain([tset], name)
+        lp = base.layout.projections[PROJECTIONS.index(p)]
+        name = base.layout.key(layer, e, lp, "weight")
+        tensors[name] = reconstruct_chain([base.layout.source(lp, tset)], name)
     return config, tensors

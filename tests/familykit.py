@@ -811,16 +811,19 @@ def token_file(path: Path, rows: int = ROWS, cols: int = COLUMNS) -> tuple[Path,
 
 
 def campaign_config(d: Path, source: Path, *, calibrated: bool, allow_unloadable: bool = False,
-                    weight_only_twins: bool = False, tokens: tuple[int, int] = (ROWS, COLUMNS)) -> Path:
-    """``d/config.yaml`` (and ``d/recipe.json``): a campaign of ``source`` with one K3 base, one block per layer, one
-    window, on the CPU; calibrated with ``token_file``'s ``tokens`` (rows, columns; the kit has no tokenizer), with each fragment's
-    weight-only twin where ``weight_only_twins`` (calibration.compare_weight_only); the signer key made at init
+                    weight_only_twins: bool = False, tokens: tuple[int, int] = (ROWS, COLUMNS),
+                    recipe: dict | None = None, compare_native: bool = False) -> Path:
+    """``d/config.yaml`` (and ``d/recipe.json``): a campaign of ``source`` with one K3 base (or ``recipe``), one block
+    per layer, one window, on the CPU; calibrated with ``token_file``'s ``tokens`` (rows, columns; the kit has no
+    tokenizer), with each fragment's weight-only twin where ``weight_only_twins`` (calibration.compare_weight_only) and
+    the one-pass encodes of multi-node products where ``compare_native``; the signer key made at init
     (``OUT/signer.pub``)."""
     d.mkdir(parents=True, exist_ok=True)
-    (d / "recipe.json").write_text(json.dumps(CAMPAIGN_RECIPE))
+    (d / "recipe.json").write_text(json.dumps(recipe or CAMPAIGN_RECIPE))
     cfg = {"campaign": "famc", "out": "campaign", "source": {"kind": "local", "path": str(source), "revision": "kit-1"},
            "recipe": str(d / "recipe.json"), "block_size": EXPERTS, "windows": None, "windows_on_disk": 1,
-           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": False, "eval": None,
+           "encode": {"device": "cpu", "devices": [], "threads": 1, "seed": 0}, "compare_native": compare_native,
+           "eval": None,
            "assembly": {"version": 1, "expires": "2030-01-01T00:00:00Z"}}
     if allow_unloadable:
         cfg["allow_unloadable"] = True

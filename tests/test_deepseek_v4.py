@@ -182,7 +182,7 @@ def test_one_block_is_encoded_and_attests_each_weight_beside_its_scales(kit, tmp
                             shape=src.expert_shape(p))
         w = want[0][p]
         assert float(((w_hat - w) ** 2).sum() / (w ** 2).sum()) < 0.05, p  # K3: about 0.017
-    att = read_attestation(work, fragment_filename("a", layer, 0), keys.load_public(work / "signer.pub"))
+    att = read_attestation(work, fragment_filename("a", layer, 0), keys.load_public(work.parent / "signer.pub"))
     attested = {t["tensor"]: t for t in att.predicate["source"]["tensors"]}
     for p in PROJECTIONS:
         o, i = src.expert_shape(p)

@@ -30,7 +30,7 @@ FP8_ARCHS = ["DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausal
              "MiMoV2FlashForCausalLM"]
 # exllamav3 1.6.5 has no class for these, or misreads the kit's configs or fq's bases of them (docs/families.md says why)
 UNLOADABLE = {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "PhimoeForCausalLM",
-              "MiniMaxForCausalLM", "MiMoV2FlashForCausalLM", "LagunaForCausalLM"}
+              "MiniMaxForCausalLM", "MiMoV2FlashForCausalLM"}
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
 RECIPE = {"format": "fq-cartridge/2", "name": "one", "nodes": [{"name": "k3", "kind": "base", "K": 3,
                                                                   "codebook": "mul1"}],
@@ -151,25 +151,60 @@ def test_kimi_linear_schedule_is_checked_as_exllamav3_reads_it(built):
         assert any(want in p for p in problems), (want, problems)
 
 
-def test_laguna_is_refused_for_the_up_proj_exllamav3_reads_divided_by_128(built):
+def test_laguna_bases_store_the_routed_up_proj_as_exllamav3_reads_it(built, tmp_path):
     """exllamav3 1.6.5's LagunaForCausalLM builds every MoE layer with interm_div 128: it reads each routed expert's
     EXL3 up_proj as W_up / 128 (its converter encodes the weight after Linear's weight_scale 1/128; load_exl3 applies
-    no scale) and scales the routed weights by 128. fq's bases store W_up, so every Laguna base is refused at plan time
-    (published only with allow_unloadable), even one whose config states every key exllamav3 reads (the kit's, with the
-    published keys): on the H100 such a base gave KL 0.084, top-1 0% against fq's reference. That is what the
-    reference gives with each routed up projection 128 times larger (the device test's bound is KL < 1e-3)."""
+    no scale) and scales the routed weights by 128. Laguna's layout stores the routed up_proj times 2^-7: the encode
+    job's up_proj is the encoder's encoding of W_up with svh / 128 (trellis and suh the same bytes; gate and down as
+    encoded), reconstructing to exactly W_hat / 128; its metrics are the source's units; a stage encodes the residual
+    against its parent times 128 and is stored the same way; a re-encode is byte-identical. A base storing W_up (as
+    fq's bases did: a layout without the scale) is what exllamav3 reads 128 times too large, the reference with every
+    routed up projection times 128 (on the H100 such a base gave KL 0.084, top-1 0%): fq verify refuses it."""
+    import basekit
+    import provkit
     from exl3kit import logit_agreement
+    from fq.codec import encode, encode_residual, reconstruct
     from fq.model.checkpoint_model import build_model, checkpoint_state
+    from fq.model.experts import STANDARD
+    from fq.provenance.fragments import fragment_filename
+    from fq.provenance.verify import verify_path
+    from fq.workflow.encode import matrix_seed, read_source
 
     d = built("LagunaForCausalLM")
     src = load_source(d)
-    (problem,) = src.exl3_problems  # the config is read as exllamav3 reads it: the stored up_proj is what remains
-    assert "interm_div 128" in problem and "up_proj as the source's matrix divided by 128" in problem
-    assert problem == families.by_name(src.family).exl3_needs.always
-    recipe = parse_recipe(RECIPE, "recipe")
-    with pytest.raises(FqError, match=r"LagunaForCausalLM .*interm_div 128.*allow_unloadable"):
-        make_plan(recipe, src)
-    assert make_plan(recipe, src, allow_unloadable=True).source["exl3_architecture"] is None
+    layout = src.family_entry.layout
+    assert src.exl3_problems == () and layout.scales_json() == {"up_proj": -7}
+    assert make_plan(parse_recipe(RECIPE, "recipe"), src).source["exl3_architecture"] == "LagunaForCausalLM"
+    layer = src.moe_layers[0]
+    W = read_source({"0": {p: src.expert_source(layer, 0, p, lambda s: str(d / s)).to_json() for p in PROJECTIONS}})[0]
+    name = fragment_filename("a", layer, 0)
+    base, metrics = _encode_one_expert(d, layer, tmp_path / "a")
+    _encode_one_expert(d, layer, tmp_path / "again" / "a")  # another campaign key: the same fragment bytes
+    assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "again" / "a" / name).read_bytes()
+    stage, _ = _encode_one_expert(d, layer, tmp_path / "s", node="s", K=2, ancestors=(tmp_path / "a" / name,))
+
+    def stored(tensors, lp):
+        return {x: tensors[layout.key(layer, 0, lp, x)] for x in ("trellis", "suh", "svh", "mul1")}
+
+    for p, lp in zip(PROJECTIONS, layout.projections):
+        n = layout.scale_log2(lp)
+        assert n == (-7 if p == "up" else 0)
+        plain = encode(W[p], 3, "mul1", matrix_seed(0, "a", layer, 0, p))
+        parent = layout.source(lp, stored(base, lp))  # what a stage and every consumer take: the source's units
+        residual = encode_residual(W[p], [parent], 2, "mul1", matrix_seed(0, "s", layer, 0, p))
+        for got, want in ((stored(base, lp), plain.tensors), (stored(stage, lp), residual.tensors)):
+            assert all(torch.equal(got[x], want[x]) for x in ("trellis", "suh", "mul1")), p
+            assert torch.equal(got["svh"].float(), want["svh"].float() * 2.0 ** n), p  # exact: a power of two
+            assert torch.equal(reconstruct(got), reconstruct(want) * 2.0 ** n), p
+        m = metrics["experts"]["0"][p]
+        assert (m["sum_sq_w"], m["sum_sq_err"]) == (plain.sum_sq_w, plain.sum_sq_err), p  # the source's units
+        chain = reconstruct(parent) + reconstruct(layout.source(lp, stored(stage, lp)))
+        assert float(((chain - W[p]) ** 2).sum()) < 0.5 * plain.sum_sq_err, p  # the stage corrects its parent
+
+    wrong = basekit.publish(tmp_path / "unscaled", d, layout=STANDARD)  # W_up stored as the source has it
+    report = verify_path(wrong.root, wrong.pub, now=provkit.NOW)
+    assert not report.ok and any("the family's layout (as its EXL3 runtime reads them) {'up_proj': -7}" in x
+                                 for x in report.problems), report.problems
     config, tensors = checkpoint_state(d)
     ups = [n for n in tensors if ".mlp.experts." in n and n.endswith(".up_proj.weight")]
     assert len(ups) == len(src.moe_layers) * src.n_experts
@@ -548,10 +583,12 @@ def test_the_calibration_chain_reads_fp8_sources_dequantized(built):
     assert torch.isfinite(sums.input).all() and torch.isfinite(sums.down).all()
 
 
-def _encode_one_expert(src_dir: Path, layer: int, work: Path):
+def _encode_one_expert(src_dir: Path, layer: int, work: Path, *, node: str = "a", K: int = 3,
+                       ancestors: tuple[Path, ...] = ()):
     """Expert 0 of ``layer`` encoded by the encode job (``encode_blocks``; K3 mul1, the CPU's cheapest K, a block of
     one expert), its sources the source reader's (FP8, MXFP4, fused slices): (the fragment's tensors, the job's
-    metrics)."""
+    metrics). ``ancestors``: the fragments of a stage's chain (base first), each of the same block and campaign key
+    (``work``'s parent), which makes the block a stage's residual over them."""
     import sys
 
     from safetensors.torch import load_file
@@ -564,11 +601,14 @@ def _encode_one_expert(src_dir: Path, layer: int, work: Path):
 
     s = load_source(src_dir)
     work.mkdir(parents=True)
-    campaign_json, key_path = bench.make_campaign(work, "cpu", 1, *(src_dir / sh for sh in s.shards))
-    frag = work / fragment_filename("a", layer, 0)
+    campaign_json, key_path = work.parent / "campaign.json", work.parent / "signer.key"  # a stage: its base's
+    if not campaign_json.exists():
+        campaign_json, key_path = bench.make_campaign(work.parent, "cpu", 1, *(src_dir / sh for sh in s.shards))
+    frag = work / fragment_filename(node, layer, 0)
     sources = {0: {p: s.expert_source(layer, 0, p, lambda n: str(src_dir / n)).to_json() for p in PROJECTIONS}}
-    job = BlockJob(node="a", role="base", K=3, codebook="mul1", node_digest="3" * 64, layer=layer, block=0,
-                   experts=[0], sources=sources, ancestors=[], out_fragment=str(frag),
+    chain = [{"node": Path(a).parent.name, "codebook": "mul1", "digest": "3" * 64, "path": str(a)} for a in ancestors]
+    job = BlockJob(node=node, role="stage" if ancestors else "base", K=K, codebook="mul1", node_digest="3" * 64,
+                   layer=layer, block=0, experts=[0], sources=sources, ancestors=chain, out_fragment=str(frag),
                    out_metrics=str(work / "metrics.json"))
     (summary,) = encode_blocks([job], campaign_json=str(campaign_json), key_path=str(key_path),
                                device="cpu", devices_list=[], lock_dir=str(work / "locks"), seed=0,
@@ -601,8 +641,8 @@ def test_each_family_is_encoded_published_verified_and_run(built, arch, tmp_path
                                      for x in ("trellis", "suh", "svh", "mul1"))
     for p, lp in zip(PROJECTIONS, layout.projections):
         w = want[0][p]
-        w_hat = reconstruct({x: tensors[layout.key(layer, 0, lp, x)] for x in ("trellis", "suh", "svh", "mul1")},
-                            shape=src.expert_shape(p))
+        stored = {x: tensors[layout.key(layer, 0, lp, x)] for x in ("trellis", "suh", "svh", "mul1")}
+        w_hat = reconstruct(layout.source(lp, stored), shape=src.expert_shape(p))  # Laguna's up_proj: times 2^7
         assert float(((w_hat - w) ** 2).sum() / (w ** 2).sum()) < 0.05, (p, summary)  # K3: about 0.017
 
     base = basekit.publish(tmp_path / "tree", d)

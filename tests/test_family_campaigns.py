@@ -269,6 +269,99 @@ def test_finalize_twice_publishes_identical_bytes(kimi):
     assert (camp / "campaign_summary.json").read_bytes() == summary
 
 
+# -- opt-in: Laguna, whose bases store each routed up_proj times 2^-7 (fq.model.experts, "Stored scales") -----------
+# About 35 s on two cores, over the suite's budget: CI checks the same storage without Snakemake (test_families: the
+# stored bytes against the plain encoder for a base and a stage, verify's refusal; test_stored_scale: the consumers)
+ALL_FAMILIES = pytest.mark.skipif(os.environ.get("FQ_ALL_FAMILIES") != "1",
+                                  reason="opt-in (about 35 s on two cores): FQ_ALL_FAMILIES=1")
+LAGUNA = "LagunaForCausalLM"
+LAGUNA_RECIPE = {"format": "fq-cartridge/2", "name": "laguna",
+                 "description": "a K3 base and a K3 stage on two experts (K3: the CPU's cheapest Viterbi)",
+                 "nodes": [{"name": "a", "kind": "base", "K": 3, "codebook": "mul1"},
+                           {"name": "a.r3", "kind": "stage", "K": 3, "codebook": "mul1", "parent": "a",
+                            "experts": {"layers": {"1": [0, 5]}}}],
+                 "products": [{"name": "a", "chain": ["a"]}, {"name": "a.r3", "chain": ["a", "a.r3"]}]}
+
+
+@pytest.fixture(scope="module")
+def laguna(tmp_path_factory):
+    """A Laguna campaign (a dense layer and one MoE layer in 3 shards): a base and a stage on two of its experts,
+    weight-only (a calibrated one is the opt-in test below: FQ_ALL_FAMILIES=1)."""
+    root = tmp_path_factory.mktemp("laguna")
+    t0 = time.monotonic()
+    two = {"num_hidden_layers": 2, "num_attention_heads_per_layer": [fk.HEADS, 2 * fk.HEADS],
+           "layer_types": ["full_attention", "sliding_attention"], "mlp_layer_types": ["dense", "sparse"]}
+    src = fk.build(LAGUNA, root / "bf16", extra_config=fk.PUBLISHED_KEYS[LAGUNA], max_shard_size=2_000_000, keys=two)
+    d = root / "run"
+    write_config(d, src, calibrated=False, recipe=LAGUNA_RECIPE)
+    smk(d, *TARGETS)
+    print(f"\nLaguna campaign (a K3 base and a K3 stage on two experts): {time.monotonic() - t0:.1f} s")
+    return d, src
+
+
+def _plan_predicate(path: Path) -> dict:
+    return canonical.loads(base64.b64decode(canonical.loads(path.read_bytes())["payload"]))["predicate"]
+
+
+@ALL_FAMILIES
+def test_laguna_fragments_and_plans_state_the_stored_scale(laguna):
+    """Planned, encoded, finalized, verified: fq verify accepts the published tree; every fragment's attested layout and
+    quant args, and every plan's layout, say that the routed up_proj is stored times 2^-7; a base's stored up_proj.svh
+    are about 1/128, its gate_proj's about 1 (channel scales normalized to mean 1)."""
+    from safetensors import safe_open
+
+    d, _ = laguna
+    out = d / "campaign"
+    p = fq_verify(out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    c = campaign(d)
+    assert c.source.exl3_problems == () and c.layout.scales_json() == {"up_proj": -7} and len(c.fragments) == 2
+    for f in c.fragments:
+        path = Path(c.fragment(f.node, f.block))
+        pred = statement(path)["predicate"]
+        assert pred["layout"]["stored_scale_log2"] == pred["quant_args"]["stored_scale_log2"] == {"up_proj": -7}
+        with safe_open(str(path), "pt") as h:
+            svh = {proj: torch.cat([h.get_tensor(c.layout.key(f.block.layer, e, proj, "svh")).float().abs()
+                                    for e in f.experts]) for proj in ("gate_proj", "up_proj")}
+        if f.node == "a":
+            assert 0.5 < float(svh["gate_proj"].mean()) < 2 and 0.5 < 128 * float(svh["up_proj"].mean()) < 2, svh
+    plans = sorted((out / "published" / "assemblies").glob("*.assembly.intoto.jsonl"))
+    assert len(plans) == 2 and all(_plan_predicate(q)["layout"] == c.layout.to_json() for q in plans)
+
+
+@ALL_FAMILIES
+def test_laguna_products_run_close_to_the_source_in_fq_runtime(laguna):
+    """fq's runtime multiplies the routed up_proj back: the base against transformers on the source is far closer than
+    the source with its routed experts zeroed; the stage (a residual taken against its parent times 128, stored times
+    2^-7 again) brings the routed projections of its experts closer to the source's, and the product's logits too."""
+    from fq.model.source import load_source
+    from fq.provenance.attest import keys
+    from fq.runtime import load as rt
+
+    d, src = laguna
+    out = d / "campaign"
+    m = compare_logits(out, src)
+    print(f"\nLaguna K3 base vs source: {m}")
+    assert m["kl"] < 0.3 * m["zeroed_kl"] and m["max_dlogit"] < m["zeroed_max_dlogit"], m
+    assert m["top1"] >= 0.5 and m["top1"] > m["zeroed_top1"], m
+    key = keys.load_public(out / "signer.pub")
+    plans = out / "published" / "assemblies"
+    base = rt.load_product(plans / "a.assembly.intoto.jsonl", key)
+    chain = rt.load_product(plans / "a.r3.assembly.intoto.jsonl", key)
+    config, tensors = rt.checkpoint_state(src)
+    s = load_source(src)
+    for proj in ("gate", "up", "down"):
+        names = [s.expert_tensor(1, e, proj) for e in (0, 5)]
+        err = [sum(float(((st.tensors[n] - tensors[n]) ** 2).sum()) for n in names) for st in (base.state, chain.state)]
+        assert err[1] < 0.5 * err[0], (proj, err)
+    with torch.no_grad():
+        want = rt.build_model(config, tensors)(input_ids=IDS).logits.float()
+        got = chain.model(input_ids=IDS).logits.float()
+    kl = _kl(want, got)
+    print(f"Laguna K3 + K3 on two experts: KL {kl:.3g}")
+    assert kl < m["kl"], (kl, m)
+
+
 # -- opt-in: every family -----------------------------------------------------------------------------------------
 CASES = [(a, "bf16") for a in REGISTERED] + [(a, "fp8") for a in FP8_ARCHS if a in REGISTERED] + \
     [("GptOssForCausalLM", "mxfp4"), ("Qwen3_5MoeForConditionalGeneration", "fused"),

@@ -6,12 +6,22 @@ A checkpoint names its routed experts with its own prefix; fq keeps that prefix 
     model.layers.12.mlp.experts.37.down_proj.weight        (source, torch (out, in))
     model.layers.12.mlp.experts.37.down_proj.trellis|suh|svh|mul1   (fq fragment)
 
-``ExpertLayout`` carries the prefix template and the projection names (gate, up, down order):
+``ExpertLayout`` carries the prefix template, the projection names (gate, up, down order) and how a projection's EXL3
+tensors are stored where that is not the source matrix itself (``stored_scale_log2``, below):
 ``STANDARD`` (Qwen/DeepSeek/GLM style), ``MIXTRAL`` (``block_sparse_moe.experts.{E}.w1/w3/w2``) and
 ``LANGUAGE_MODEL`` (a vision-language checkpoint's language model: ``model.language_model.layers.{L}.mlp.experts.{E}``,
 Qwen3.5-MoE as published); each family of ``fq.model.families`` names its layout. Everything that names expert or
 layer tensors asks the layout (``layers``, ``layer_prefix``, ``experts_prefix``, ``experts_pattern``, ``key``,
 ``parse``), never a literal ``model.layers.``.
+
+Stored scales. A family whose EXL3 runtime reads a routed projection as the source matrix times 2**n declares it in
+its layout (``stored_scale_log2``: Laguna's routed up_proj, n = -7, because exllamav3 1.6.5 builds its MoE layers with
+``interm_div`` 128). The encoder codes the source matrix (or a stage's residual) in the source's units, and the stored
+tensor set is that encoding with ``svh`` times 2**n (``stored``): the trellis and ``suh`` are the encoder's, and the
+set reconstructs to exactly 2**n times the encoding's matrix (a power of two; ``svh`` is near 1, so svh * 2**-7 stays
+an fp16 normal and is exact for |svh| >= 2**-7). Every reader that needs the source's matrix (a stage's parents, fq's
+runtime, eval, the TP store) takes ``source`` of a stored set first; exllamav3 reads the stored set as it is. The
+layout, with its stored scales, is in every fragment's header and attestation, the encode's quant args and the plan.
 
 ``derive_linear`` re-derives K, codebook and geometry from the tensors themselves (dtype, shape,
 marker value) so that a consumer never copies a runtime constant from metadata.
@@ -33,10 +43,12 @@ _MARKER_BY_VALUE = {_marker_int32(k): k for k in MARKERS}
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """How a checkpoint names routed experts: ``prefix`` with {layer} and {expert}, projections gate/up/down."""
+    """How a checkpoint names routed experts: ``prefix`` with {layer} and {expert}, projections gate/up/down; and
+    ``stored_scale_log2``: (projection, n) where that projection's EXL3 tensors store the matrix times 2**n."""
 
     prefix: str = "model.layers.{layer}.mlp.experts.{expert}"
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    stored_scale_log2: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         p = self.prefix
@@ -52,6 +64,14 @@ class ExpertLayout:
             .replace(r"\{expert\}", r"(?P<expert>0|[1-9][0-9]{0,8})")
         proj = "|".join(re.escape(x) for x in projs)
         object.__setattr__(self, "_re", re.compile(rf"{pattern}\.(?P<proj>{proj})\.(?P<suffix>[A-Za-z0-9_]+)"))
+        scales = self.stored_scale_log2
+        if (not isinstance(scales, tuple) or not all(isinstance(x, tuple) and len(x) == 2 for x in scales)
+                or len({x[0] for x in scales}) != len(scales)
+                or not all(x[0] in projs and type(x[1]) is int and 0 < abs(x[1]) <= MAX_SCALE_LOG2 for x in scales)):
+            raise FqError(f"expert layout: stored_scale_log2 {scales!r} must name each of its projections ({projs}) "
+                          f"once, with a non-zero integer exponent of at most {MAX_SCALE_LOG2} in magnitude")
+        # one spelling per layout: in projection order (equal layouts compare equal, and dump the same JSON)
+        object.__setattr__(self, "stored_scale_log2", tuple(sorted(scales, key=lambda x: projs.index(x[0]))))
 
     @property
     def layers(self) -> str:
@@ -97,14 +117,48 @@ class ExpertLayout:
         parsed = self.parse(key)
         return parsed is not None and parsed[3] == "weight"
 
+    def scale_log2(self, proj: str) -> int:
+        """n where ``proj``'s EXL3 tensors store its matrix times 2**n; 0: the matrix itself."""
+        return dict(self.stored_scale_log2).get(proj, 0)
+
+    def stored(self, proj: str, tensors: dict) -> dict:
+        """The tensor set to store for an encoding of ``proj``'s matrix in the source's units."""
+        return pow2_svh(tensors, self.scale_log2(proj))
+
+    def source(self, proj: str, tensors: dict) -> dict:
+        """A stored tensor set of ``proj`` as it reconstructs the source's matrix (the inverse of ``stored``)."""
+        return pow2_svh(tensors, -self.scale_log2(proj))
+
+    def scales_json(self) -> dict:
+        """{projection: n} of the stored scales ({} for none): what the layout's JSON and an encode's quant args
+        state."""
+        return dict(self.stored_scale_log2)
+
     def to_json(self) -> dict:
-        return {"prefix": self.prefix, "projections": list(self.projections)}
+        out = {"prefix": self.prefix, "projections": list(self.projections)}
+        if self.stored_scale_log2:  # absent for every layout without one: their JSON stays as it was
+            out["stored_scale_log2"] = self.scales_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: object, where: str = "layout") -> "ExpertLayout":
-        if not isinstance(obj, dict) or set(obj) != {"prefix", "projections"} or not isinstance(obj["projections"], list):
-            raise FqError(f"{where}: expected {{\"prefix\": str, \"projections\": [gate, up, down]}}, got {obj!r}")
-        return cls(obj["prefix"], tuple(obj["projections"]))
+        if not isinstance(obj, dict) or not {"prefix", "projections"} <= set(obj) <= _JSON_KEYS \
+                or not isinstance(obj["projections"], list) or not isinstance(obj.get("stored_scale_log2", {}), dict):
+            raise FqError(f"{where}: expected {{\"prefix\": str, \"projections\": [gate, up, down]"
+                          f"[, \"stored_scale_log2\": {{projection: n}}]}}, got {obj!r}")
+        return cls(obj["prefix"], tuple(obj["projections"]), tuple(obj.get("stored_scale_log2", {}).items()))
+
+
+_JSON_KEYS = {"prefix", "projections", "stored_scale_log2"}
+MAX_SCALE_LOG2 = 14  # svh (about 1) times 2**n stays within fp16's normal range (smallest 2**-14)
+
+
+def pow2_svh(tensors: dict, n: int) -> dict:
+    """An EXL3 tensor set whose matrix is ``tensors``' times 2**n: ``svh`` times 2**n in float32, rounded to fp16 (exact
+    while the result is an fp16 normal), the rest the same objects."""
+    if not n:
+        return tensors
+    return {**tensors, "svh": (tensors["svh"].float() * 2.0 ** n).to(tensors["svh"].dtype)}
 
 
 STANDARD = ExpertLayout()

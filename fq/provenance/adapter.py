@@ -67,8 +67,10 @@ class Adapter:
     linears: dict  # (layer, expert, proj) -> [(stage index, {suffix: tensor})], stages ascending
 
     def chain(self, layer: int, expert: int, proj: str, base: dict) -> list[dict]:
-        """The tensor sets whose reconstructions sum to the product's weight: the base's set, then the stages'."""
-        return [base] + [tset for _, tset in self.linears.get((layer, expert, proj), [])]
+        """The tensor sets whose reconstructions sum to the product's weight: the base's set, then the stages', each
+        as it reconstructs the source's matrix (``ExpertLayout.source``: a stored scale undone)."""
+        stages = [tset for _, tset in self.linears.get((layer, expert, proj), [])]
+        return [self.layout.source(proj, t) for t in [base] + stages]
 
 
 def read_adapter(path: str | os.PathLike) -> Adapter:

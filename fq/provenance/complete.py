@@ -15,12 +15,13 @@ one model, from verified headers and attestations only (no payload, no torch), a
    attest one node digest.
 3. **One objective per layer.** A layer's linear fragments all name the same Hessian (file and sha256) or none.
 4. **The model the config describes** (its family read from the base's config, ``source_config.json`` else
-   ``config.json``): every MoE layer holds every routed expert; every decoder layer 0..num_hidden_layers-1 is there;
-   the head (the family's: ``lm_head.weight``, DeepSeek-V4's ``head.weight``) is there unless the embeddings are
-   tied; and layers of one kind (MoE or dense, and the config's ``layer_types`` entry where it has one, or the
-   family's ``layer_kinds``: DeepSeek-V4's attention type and routing) hold the same tensors -- skeleton and EXL3
-   linears together, by name relative to the layer, with the same shapes -- so a layer missing a norm, its router or
-   one projection is named.
+   ``config.json``): the plan's layout stores the routed projections at the family's scales (``stored_scale_log2``,
+   fq.model.experts: what its EXL3 runtime reads); every MoE layer holds every routed expert; every decoder layer
+   0..num_hidden_layers-1 is there; the head (the family's: ``lm_head.weight``, DeepSeek-V4's ``head.weight``) is
+   there unless the embeddings are tied; and layers of one kind (MoE or dense, and the config's ``layer_types`` entry
+   where it has one, or the family's ``layer_kinds``: DeepSeek-V4's attention type and routing) hold the same tensors
+   -- skeleton and EXL3 linears together, by name relative to the layer, with the same shapes -- so a layer missing a
+   norm, its router or one projection is named.
 5. **The index.** ``model.safetensors.index.json``, where the base has one, names exactly the tensors of the base's
    ``.safetensors`` files, each in the file that holds it.
 6. **Shared expert encodings** (``experts_from``, given the tree's root): every fragment of the base node names the
@@ -137,6 +138,9 @@ def base_problems(plan: dict, shards: list[BaseShard], *, files: dict, read: Cal
                and f"{base_rel}{s.name}" in {f["name"] for f in plan["fragments"]}]
     model = _model(files, read, where, out)
     prefix = (layout.layers if layout else model["layers"] if model else "model.layers.")
+    if model and layout is not None and layout.scales_json() != model["stored"]:
+        out.append(f"{where}: the plan's layout stores the routed projections times 2^n for n = "
+                   f"{layout.scales_json()}, the family's layout (as its EXL3 runtime reads them) {model['stored']}")
 
     tensors: dict[str, tuple[str, tuple]] = {}  # the base's model, by source name: skeleton tensors and EXL3 weights
     owner: dict[str, str] = {}  # tensor name -> file holding it
@@ -295,6 +299,7 @@ def _model(files: dict, read, where: str, out: list) -> dict | None:
     tied = bool(view.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     return {"n_layers": n_layers, "moe_layers": moe_layers, "n_experts": n_experts, "types": types, "tied": tied,
             "layers": family.layout.layers, "config": name, "head": family.head,
+            "stored": family.layout.scales_json(),
             "experts_prefix": family.layout.prefix.split("{layer}", 1)[1].lstrip(".")}
 
 

@@ -82,8 +82,9 @@ def effective_bpw(plan: dict) -> float:
 
 
 def _unsigned_sets(directory: Path | None, pattern: str, key) -> dict:
-    """key(path, meta) -> {(layer, expert, proj): tensor set} of the unsigned comparison fragments ``directory/pattern``
-    (structure validated by ``describe``); ``key`` names the group a file belongs to, or refuses the file."""
+    """key(path, meta) -> {(layer, expert, proj): tensor set in the source's units} of the unsigned comparison
+    fragments ``directory/pattern`` (structure validated by ``describe``); ``key`` names the group a file belongs to,
+    or refuses the file."""
     from safetensors.torch import load_file
 
     from fq.provenance.fragments import describe
@@ -96,9 +97,12 @@ def _unsigned_sets(directory: Path | None, pattern: str, key) -> dict:
             info = describe(fh, path.name, str(path))
         sets = out.setdefault(key(path, info), {})
         layout: ExpertLayout = info.meta["layout"]
+        mine: dict = {}
         for name, t in load_file(str(path)).items():
             layer, expert, proj, suffix = layout.parse(name)
-            sets.setdefault((layer, expert, proj), {})[suffix] = t
+            mine.setdefault((layer, expert, proj), {})[suffix] = t
+        # each set as it reconstructs the source's matrix (a stored scale undone: ExpertLayout.source)
+        sets.update({k: layout.source(k[2], tset) for k, tset in mine.items()})
     return out
 
 

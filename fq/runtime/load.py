@@ -22,11 +22,13 @@ product (an adapter carries routed-expert stages only).
 Then, from the verified bytes only (each base file is read once into memory and its sha256 compared with the
 manifest's before it is parsed): the skeleton tensors verbatim (upcast to float32, exact), and per routed-expert
 linear the float32 sum of its chain's reconstructions (``reconstruct_chain``: base, then the stages in chain
-order), trimmed to the matrix's own (out, in) from the model config (``fq.model.source.config_expert_shapes``): a
-matrix whose dims are not multiples of 128 is stored zero-padded (``fq.codec.shape``), its stored dims must be those
-padded dims (anything else is refused), and the padded rows and columns, which exllamav3 never lets reach the output
-(it zero-extends the input, trims the down projection's output, and a gate/up output column it keeps is zero: fq's
-encoder gives the padded channels zero scales), are dropped. ``build_model`` hands that state to transformers
+order; each stored set first as it reconstructs the source's matrix, ``ExpertLayout.source``: Laguna's routed up_proj
+is stored times 2^-7, as exllamav3 reads it), trimmed to the matrix's own (out, in) from the model config
+(``fq.model.source.config_expert_shapes``): a matrix whose dims are not multiples of 128 is stored zero-padded
+(``fq.codec.shape``), its stored dims must be those padded dims (anything else is refused), and the padded rows and
+columns, which exllamav3 never lets reach the output (it zero-extends the input, trims the down projection's output,
+and a gate/up output column it keeps is zero: fq's encoder gives the padded channels zero scales), are dropped.
+``build_model`` hands that state to transformers
 (``from_pretrained(None, state_dict=...)``: its own weight conversion fuses per-expert linears into 3-D parameters
 where the architecture does), refuses missing, unexpected or mismatched keys, and reads the loaded model back through transformers' reverse conversion to check every
 tensor equals the one handed over. The model config is the base's ``source_config.json`` (the source's, verbatim)
@@ -221,7 +223,8 @@ def _state(product: VerifiedProduct, base_dir: Path, base: VerifiedBase, stage_s
     for (layer, ex, proj), base_set in sorted(base_sets.items()):
         chain_sets = stage_sets.get((layer, ex, proj), [])
         name = layout.key(layer, ex, proj, "weight")
-        tensors[name] = reconstruct_chain([base_set] + [s for _, s in chain_sets], name, shapes[proj])
+        chain = [layout.source(proj, s) for s in [base_set] + [s for _, s in chain_sets]]  # the source's units
+        tensors[name] = reconstruct_chain(chain, name, shapes[proj])
         stages[(layer, ex)] = [0] + [i for i, _ in chain_sets]
     stray = sorted(set(stage_sets) - set(base_sets))
     if stray:

@@ -138,10 +138,16 @@ class WeightEntry:
     dtype: str
     role: str
     policy: Policy
+    # an EXL3 entry's tensors store its matrix times 2**n (fq.model.experts: the layout's stored scale, Laguna's
+    # routed up_proj): a dense reconstruction of the matrix takes svh times 2**-n
+    stored_scale_log2: int = 0
 
     def to_json(self) -> dict:
-        return {"name": self.name, "layer": self.layer, "expert": self.expert, "shape": list(self.shape),
-                "dtype": self.dtype, "role": self.role, "policy": self.policy.to_json()}
+        out = {"name": self.name, "layer": self.layer, "expert": self.expert, "shape": list(self.shape),
+               "dtype": self.dtype, "role": self.role, "policy": self.policy.to_json()}
+        if self.stored_scale_log2:  # absent otherwise: every other manifest keeps its identity
+            out["stored_scale_log2"] = self.stored_scale_log2
+        return out
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ def moe_manifest(spec: MoeSpec, assign: str = "contiguous", tp: int | None = Non
             for role, proj, dims in zip(ROLES, layout.projections, ml.dims):
                 inner = SplitInput(op) if role == "down" else SplitOutput()
                 entries.append(WeightEntry(weight_name(layout, ml.layer, x, proj), ml.layer, x, tuple(dims), EXL3,
-                                           role, ExpertParallel(inner, assign)))
+                                           role, ExpertParallel(inner, assign), layout.scale_log2(proj)))
     if not spec.linears:
         return TpManifest(tuple(entries), tuple(collectives))
     if tp is None:

@@ -34,7 +34,7 @@ import torch
 
 from fq.codec import MARKERS, reconstruct_chain
 from fq.errors import FqError
-from fq.model.experts import derive_linear
+from fq.model.experts import derive_linear, pow2_svh
 from fq.model.shards import DTYPES, torch_dtype
 from fq.tp.manifest import EXL3
 from fq.tp.mesh import DeviceMesh, MeshPlan, Slice
@@ -125,10 +125,12 @@ class LoadedStore:
         return h.parts if h.parts is not None else h.tensor
 
     def weight(self, rank: int, name: str) -> torch.Tensor:
-        """The dense float32 slice of the weight on its device: the chain's reconstructions summed."""
+        """The dense float32 slice of the weight on its device: the chain's reconstructions summed, in the source's
+        units (a stored scale undone: the manifest entry's ``stored_scale_log2``)."""
         h = self.handle(rank, name)
         if h.parts is not None:
-            return reconstruct_chain(h.parts, name)
+            n = self.plan.manifest.entry(name).stored_scale_log2
+            return reconstruct_chain([pow2_svh(p, -n) for p in h.parts], name)
         return h.tensor.float()
 
 

@@ -14,6 +14,11 @@ rebuilt encoder fails in seconds. A block's three outputs are committed one by o
 incomplete (fragment_needs_source and Snakemake's incomplete-output marker both see it) and the next
 run redoes the job.
 
+A layout with stored scales (Laguna's routed up_proj, fq.model.experts) is applied at the tensor sets, never to the
+matrices: every encode (signed fragments, native comparisons, weight-only twins) codes the source's matrix, a stage's
+parents are read back in the source's units (``load_sets``), and each encoded set is stored through
+``ExpertLayout.stored`` (svh times 2^n); the metrics are the encoder's, in the source's units.
+
 I/O overlaps the encoder: one reader thread verifies the next block's ancestors and reads the next
 expert's source matrices (safetensors, bf16 -> float32) while the current expert encodes, and one writer
 thread commits a finished block (write, sha256 + Ed25519 attestation, metrics) while the next block
@@ -78,11 +83,13 @@ def take_block(lock_dir: str, claim: str, outputs: list[str], what: str) -> None
 
 
 def load_sets(path: Path, layout: ExpertLayout, layer: int, experts, codebook: str) -> dict:
-    """{expert: {proj: tensor set}} of the given experts from a committed fragment (proj: gate/up/down)."""
+    """{expert: {proj: tensor set}} of the given experts from a committed fragment (proj: gate/up/down), each set as
+    it reconstructs the source's matrix (``layout.source``: a stage's residual is taken in the source's units, and
+    stored at the layout's scale like its parents)."""
     out = {}
     with safe_open(str(path), "pt") as f:
         for e in experts:
-            out[e] = {p: {s: f.get_tensor(layout.key(layer, e, lp, s)) for s in suffixes(codebook)}
+            out[e] = {p: layout.source(lp, {s: f.get_tensor(layout.key(layer, e, lp, s)) for s in suffixes(codebook)})
                       for p, lp in zip(PROJECTIONS, layout.projections)}
     return out
 
@@ -220,12 +227,16 @@ def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout):
         handles.clear()
 
 
-def quant_args_for(K: kbits.FragmentK, codebook: str, seed: int, bound: dict | None) -> dict:
+def quant_args_for(K: kbits.FragmentK, codebook: str, seed: int, bound: dict | None,
+                   layout: ExpertLayout | None = None) -> dict:
     """The attested quant args: K (``kbits.to_json`` of the fragment spec: the int of a fixed-K encode), the objective,
-    and for a calibrated encode the Hessian's file, sha256, token digest and capture mode (a re-encode is
-    byte-identical given those bytes: fq.provenance.identity.determinism_scope)."""
+    the layout's stored scales where it has any (the tensors are the encoding's with svh times 2^n: an input of the
+    bytes as much as the rest), and for a calibrated encode the Hessian's file, sha256, token digest and capture mode
+    (a re-encode is byte-identical given those bytes: fq.provenance.identity.determinism_scope)."""
     args = {"K": kbits.to_json(kbits.fragment(K)), "codebook": codebook, "seed": seed, "seed_rule": SEED_RULE,
             "scale_search": "gaussian-prior/3"}
+    if layout is not None and layout.stored_scale_log2:
+        args["stored_scale_log2"] = layout.scales_json()
     if bound is None:
         return dict(args, objective=store.OBJECTIVE_WEIGHT)
     return dict(args, objective=store.OBJECTIVE_LDLQ, hessian=calibration.quant_hessian(bound))
@@ -273,7 +284,7 @@ def _commit(b: BlockJob, tensors: dict, metrics: dict, parent: dict | None, *, d
     t_frag = time.perf_counter()
     refs = [r for projs in expert_sources(b.sources).values() for r in projs.values()]
     shards = sorted({Path(s).name for r in refs for s in r.shards})
-    quant_args = quant_args_for(b.K, b.codebook, seed, bound)
+    quant_args = quant_args_for(b.K, b.codebook, seed, bound, layout)
     source = dict(source_statement(doc, shards), tensors=source_tensors(refs))
     att = attest_fragment(b.out_fragment, key=priv, campaign=doc["identity"], source=source, encoder=doc["encoder"],
                           quant_args=quant_args, node_digest=b.node_digest, parent=parent, info=info)
@@ -367,7 +378,7 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
                 if stats is not None:
                     timeline["last_call_end"] = time.perf_counter()
                     stats[i]["encode_s"] += timeline["last_call_end"] - t
-                tensors.setdefault(e, {})[projections[p]] = enc.tensors
+                tensors.setdefault(e, {})[projections[p]] = layout.stored(projections[p], enc.tensors)
                 metrics.setdefault(str(e), {})[p] = {"sum_sq_w": sum_sq_w, "sum_sq_err": enc.sum_sq_err,
                                                      "g_scale": enc.g_scale}
                 if enc.proxy_err is not None:
@@ -457,7 +468,8 @@ def encode_native(*, K: int, codebook: str, layer: int, experts: list[int], sour
             if enc.proxy_err is not None:
                 metrics[str(e)][p]["proxy_err"] = enc.proxy_err
             if lay is not None:
-                tensors.setdefault(e, {})[dict(zip(PROJECTIONS, lay.projections))[p]] = enc.tensors
+                lp = dict(zip(PROJECTIONS, lay.projections))[p]
+                tensors.setdefault(e, {})[lp] = lay.stored(lp, enc.tensors)
     if out_tensors:
         write_fragment(out_tensors, layout=lay, node=native_node(K, codebook), role="base", layer=layer, block=block,
                        K=K, codebook=codebook, experts=tensors)
@@ -498,7 +510,7 @@ def encode_weight_only(*, node: str, role: str, K: kbits.FragmentK, codebook: st
                                            f"weight-only {node} layer {layer} expert {e} {p}")
             metrics.setdefault(str(e), {})[p] = {"sum_sq_w": enc.sum_sq_w if sum_sq_w is None else sum_sq_w,
                                                  "sum_sq_err": enc.sum_sq_err, "g_scale": enc.g_scale}
-            tensors.setdefault(e, {})[projections[p]] = enc.tensors
+            tensors.setdefault(e, {})[projections[p]] = lay.stored(projections[p], enc.tensors)
             del enc
     write_fragment(out_tensors, layout=lay, node=node, role=role, layer=layer, block=block, K=K, codebook=codebook,
                    experts=tensors)

@@ -5,10 +5,9 @@ under the experts prefix, ``mlp.experts.e_score_correction_bias`` (skeleton; tra
 ``mlp_layer_types``, sliding and full attention layers each with a RoPE of its own (``rope_parameters`` keyed by layer
 type) and a head count of its own (``num_attention_heads_per_layer``), a softplus output gate per head.
 
-No base of it is loadable as fq encodes it: exllamav3 1.6.5's LagunaForCausalLM reads each routed expert's EXL3
-``up_proj`` as the source's matrix divided by 128 (``_UP_DIV``), which fq's bases do not store."""
-from fq.core.targets import EXLLAMAV3
-from fq.model.experts import STANDARD
+Its bases store each routed expert's ``up_proj`` as the source's matrix times 2^-7 (``LAYOUT``), as exllamav3 1.6.5's
+LagunaForCausalLM reads it; every fq consumer multiplies it back (fq.model.experts, "Stored scales")."""
+from fq.model.experts import STANDARD, ExpertLayout
 from fq.model.families.base import Calibration, Exl3Needs, Family, LayerTypes, per_layer_types, rope_per_layer_type
 
 _MOE = LayerTypes(default_dense=1, reads_first_k=False)  # LagunaConfig: mlp_layer_types, else layer 0 dense
@@ -20,14 +19,10 @@ _ROPE_TOP = (("rope_theta", 10000.0), ("partial_rotary_factor", 1.0), ("rope_sca
 # exllamav3's LagunaModel builds every MoE layer's BlockSparseMLP with interm_div = 128.0 ("Routed-expert activations
 # overflow fp16"): the up projection gets Linear(weight_scale = 1/128) and the routing scale 128 x
 # moe_routed_scaling_factor. weight_scale is applied only where a weight is loaded unquantized (Linear.load_fp16: what
-# its converter then encodes), never by Linear.load_exl3, so an EXL3 up_proj must already store W_up / 128. fq's
-# bases store W_up: exllamav3 runs every routed expert's output 128 times too large (on the kit's tiny Laguna, H100:
-# KL 0.084, top-1 0%, what fq's reference gives with the routed up projections times 128)
-_UP_DIV = (f"exllamav3 {EXLLAMAV3}'s LagunaForCausalLM builds every MoE layer with interm_div 128: it reads each "
-           "routed expert's EXL3 up_proj as the source's matrix divided by 128 (as its own converter stores it: "
-           "Linear weight_scale 1/128, applied to an unquantized weight, not by load_exl3) and scales the routed "
-           "weights by 128 x moe_routed_scaling_factor; fq's base stores up_proj as the source does, so every "
-           "routed expert's output would be 128 times too large")
+# its converter then encodes), never by Linear.load_exl3, so an EXL3 up_proj must store W_up / 128 (a base storing
+# W_up ran every routed expert's output 128 times too large: on the kit's tiny Laguna, H100, KL 0.084, top-1 0%).
+# The shared expert and the dense layers' MLPs are built without it.
+LAYOUT = ExpertLayout(STANDARD.prefix, STANDARD.projections, stored_scale_log2=(("up_proj", -7),))
 
 
 def _exl3_reads(config: dict, n_layers: int) -> list[str]:
@@ -60,14 +55,14 @@ def _exl3_reads(config: dict, n_layers: int) -> list[str]:
 
 LAGUNA = Family(
     name="laguna", title="Laguna XS.2", architectures=("LagunaForCausalLM",), model_types=("laguna",),
-    layout=STANDARD, experts_keys=("num_experts",), inter_keys=("moe_intermediate_size",), moe_rule=_MOE,
+    layout=LAYOUT, experts_keys=("num_experts",), inter_keys=("moe_intermediate_size",), moe_rule=_MOE,
     router="mlp.gate", experts_skeleton=("e_score_correction_bias",), exl3="LagunaForCausalLM",
     # exllamav3 requires these (no default there) or defaults sliding_window to -1 (transformers: 512); its
     # assert_cfg requires gating "per-head" (transformers' default is true) and norm_topk_prob true (a key
     # transformers does not define: its router always normalizes), as the published config states them
     exl3_needs=Exl3Needs(stated=("head_dim", "num_key_value_heads", "layer_types", "sliding_window", "rope_parameters",
                                  "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-                                 "num_experts", "num_experts_per_tok"), check=_exl3_reads, always=_UP_DIV),
+                                 "num_experts", "num_experts_per_tok"), check=_exl3_reads),
     # sigmoid router with the score bias for the choice only, a shared expert (not captured); each layer's mask and
     # position embeddings those of its layer type
     calibration=Calibration("transformers.models.laguna.modeling_laguna", "LagunaDecoderLayer",

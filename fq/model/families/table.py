@@ -46,6 +46,9 @@ def _exl3(f: Family) -> str:
     if needs.tensor_aliases:
         notes.append("base derives " + ", ".join(f"`{dst}` from `{src}`" for src, dst in needs.tensor_aliases)
                      + " (`tensor_aliases.safetensors`)")
+    if f.layout.stored_scale_log2:  # fq.model.experts: how the runtime reads them, which fq's consumers undo
+        notes.append("base stores routed " + ", ".join(f"`{proj}` × 2^{n}" for proj, n in f.layout.stored_scale_log2)
+                     + " (its svh scaled), as the class reads them")
     if needs.always:
         notes.append("**not loadable as published**: " + needs.always)
     return f"`{f.exl3}`" + (" (" + "; ".join(notes) + ")" if notes else "")

@@ -86,7 +86,8 @@ HESSIAN_FIELDS = {"file", "sha256", "calibration", "capture"}
 
 def check_quant_args(pred: dict, where: str) -> None:
     """What an expert fragment says it was encoded with must agree with the rest of what it attests: K and codebook
-    (when stated) are the fragment's; the objective is one fq encodes with; a Hessian only with LDLQ and LDLQ only
+    (when stated) are the fragment's; the stored scales (``stored_scale_log2``, fq.model.experts) are its layout's,
+    none where the layout has none; the objective is one fq encodes with; a Hessian only with LDLQ and LDLQ only
     with a Hessian, which must be the artifact of the fragment's own layer (``fq.hessian.store.file_name``). Run
     for every attestation signed (``attest_fragment``) and every one read (``read_attestation``), so every consumer
     applies it whatever its entry point; that all fragments of one layer name one Hessian is
@@ -95,6 +96,10 @@ def check_quant_args(pred: dict, where: str) -> None:
     for k in ("K", "codebook"):
         if k in qa and qa[k] != pred[k]:
             raise FqError(f"{where}: quant_args says {k}={qa[k]!r}, the fragment is {k}={pred[k]!r}")
+    scales = (pred.get("layout") or {}).get("stored_scale_log2")  # a linear fragment has no layout, and none
+    if qa.get("stored_scale_log2") != scales:
+        raise FqError(f"{where}: quant_args stored_scale_log2 {qa.get('stored_scale_log2')!r} is not its layout's "
+                      f"{scales!r} (the 2^n its routed projections' tensors store the matrix at)")
     objective = qa.get("objective")
     if objective is not None and objective not in (store.OBJECTIVE_LDLQ, store.OBJECTIVE_WEIGHT):
         raise FqError(f"{where}: quant_args objective {objective!r} is not one fq encodes with "
