@@ -188,6 +188,74 @@ def _take_grads(linears: dict, experts: dict, stats: dict, directions: dict) -> 
             m.down_proj.grad = None
 
 
+class FisherTaps:
+    """What the Fisher measurement installs on a model (or on one decoder layer under its model path,
+    fq.allocation.streamed): the stats of every quantizable linear and expert projection, the experts' computing
+    forward (``_ExpertsTap``), the energy hooks (summed while ``record[0]``) and gradients on the linears' weights
+    only. ``take_grads(directions)`` adds the current weight gradients to the stats and clears them."""
+
+    def __init__(self, model, stats: dict | None = None):
+        self.linears = quantizable_linears(model)
+        self.experts = fused_experts(model)
+        self.stats = {} if stats is None else stats
+        self.stats.update({n: LinearStat(m.out_features, m.in_features) for n, m in self.linears.items()})
+        self.record = [True]
+        self.taps = [_ExpertsTap(n, m, self.stats, self.record) for n, m in self.experts.items()]
+        self.model, self.handles = model, []
+        self.params = {n: m.weight for n, m in self.linears.items()}
+        for n, m in self.experts.items():
+            self.params[f"{n}.gate_up_proj"] = m.gate_up_proj
+            self.params[f"{n}.down_proj"] = m.down_proj
+
+    def _hook(self, name):
+        import torch
+
+        def fn(mod, args, out):
+            if not self.record[0]:
+                return
+            with torch.no_grad():
+                s = self.stats[name]
+                x = args[0]
+                s.x_energy += float(x.double().pow(2).sum())
+                s.y_energy += float(out.double().pow(2).sum())
+                s.tokens += int(x.numel() // x.shape[-1])
+        return fn
+
+    def __enter__(self):
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        for p in self.params.values():
+            p.requires_grad_(True)
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in self.linears.items()]
+        for t in self.taps:
+            t.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for t in self.taps:
+            t.__exit__()
+        for h in self.handles:
+            h.remove()
+        for p in self.params.values():
+            p.requires_grad_(False)
+        self.handles = []
+
+    def take_grads(self, directions: dict) -> None:
+        _take_grads(self.linears, self.experts, self.stats, directions)
+
+
+def normalize(stats: dict, samples: int) -> None:
+    """Sums over label samples -> means per sample (in place)."""
+    for v in stats.values():
+        v.fisher /= samples
+        v.quad = [q / samples for q in v.quad]
+
+
+def check_samples(samples: int) -> None:
+    if samples < 1:
+        raise FqError(f"sensitivity: samples {samples}: need at least 1 label sample per window")
+
+
 def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
             directions: dict | None = None) -> Sensitivity:
     """The Fisher quadratic forms in ``directions`` (linear -> [E, ...]), traces and energies of every quantizable
@@ -195,62 +263,30 @@ def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
     ``progress``: called with (done, total) after each window."""
     import torch
 
-    if samples < 1:
-        raise FqError(f"sensitivity: samples {samples}: need at least 1 label sample per window")
-    linears = quantizable_linears(model)
-    experts = fused_experts(model)
-    stats: dict[str, LinearStat] = {n: LinearStat(m.out_features, m.in_features) for n, m in linears.items()}
-    record = [True]
-    taps = [_ExpertsTap(n, m, stats, record) for n, m in experts.items()]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params = {n: m.weight for n, m in linears.items()}
-    for n, m in experts.items():
-        params[f"{n}.gate_up_proj"] = m.gate_up_proj
-        params[f"{n}.down_proj"] = m.down_proj
-    for p in params.values():
-        p.requires_grad_(True)
-
-    def hook(name):
-        def fn(mod, args, out):
-            if not record[0]:
-                return
-            with torch.no_grad():
-                s = stats[name]
-                x = args[0]
-                s.x_energy += float(x.double().pow(2).sum())
-                s.y_energy += float(out.double().pow(2).sum())
-                s.tokens += int(x.numel() // x.shape[-1])
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    check_samples(samples)
     gen = torch.Generator().manual_seed(seed)
     positions = 0
-    try:
-        for t in taps:
-            t.__enter__()
-        model.eval()
+    model.eval()
+    with FisherTaps(model) as taps:
         for i in range(windows.shape[0]):
             ids = windows[i: i + 1]
             for s in range(samples):
-                record[0] = s == 0  # energies once per window
+                taps.record[0] = s == 0  # energies once per window
                 logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
                 logp = logp.reshape(-1, logp.shape[-1])
-                with torch.no_grad():
-                    y = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)  # CPU draws: one stream
+                y = draw_labels(logp, gen)
                 logp.gather(1, y).sum().backward()
-                _take_grads(linears, experts, stats, directions or {})
+                taps.take_grads(directions or {})
             positions += ids.shape[1] - 1
             if progress is not None:
                 progress(i + 1, windows.shape[0])
-    finally:
-        for t in taps:
-            t.__exit__()
-        for h in handles:
-            h.remove()
-        for p in params.values():
-            p.requires_grad_(False)
-    for v in stats.values():
-        v.fisher /= samples
-        v.quad = [q / samples for q in v.quad]
-    return Sensitivity(positions=positions, samples=samples, linears=stats)
+    normalize(taps.stats, samples)
+    return Sensitivity(positions=positions, samples=samples, linears=taps.stats)
+
+
+def draw_labels(logp, gen):
+    """One label per position from the model's own distribution (CPU draws: one random stream on any device)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)

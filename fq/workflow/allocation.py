@@ -23,24 +23,51 @@ from fq.core import atomic, canonical
 
 def measure(model_dir, text: str, *, codebook: str = "mul1", ks=None, rows: int = SENSITIVITY["rows"],
             columns: int = SENSITIVITY["columns"], samples: int = SENSITIVITY["samples"],
-            seed: int = SENSITIVITY["seed"], progress=None) -> dict:
+            seed: int = SENSITIVITY["seed"], progress=None, streamed: bool = False, stream_bytes: int | None = None,
+            report=None) -> dict:
     """Measure every allocation unit of the checkpoint at ``model_dir`` on ``text`` (rows x columns tokens), at
-    candidate ``ks`` (default: every K of the codebook, fq.allocation.error_model.candidate_ks)."""
+    candidate ``ks`` (default: every K of the codebook, fq.allocation.error_model.candidate_ks). ``streamed``: one
+    decoder layer in memory at a time (fq.allocation.streamed; ``stream_bytes`` caps the injection streams,
+    ``progress(what, done, total)`` per layer visit, ``report(fit["streamed"])`` once), else the whole model
+    (transformers; ``progress(done, total)``); the same document either way."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from fq.allocation import units
     from fq.allocation.error_model import candidate_ks
-    from fq.allocation.measure import unit_options
     from fq.runtime.evaluate import tokenize
     from fq.runtime.quality import token_windows
 
     ks = candidate_ks(codebook) if ks is None else ks
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, tok_sha = tokenize(Path(model_dir), text)
     windows = token_windows(ids, columns, rows * columns)
-    options, weights, sens, fit = unit_options(model, windows, list(ks), codebook, samples=samples, seed=seed,
-                                               progress=progress)
+    if streamed:
+        from fq.allocation import streamed as streamed_mod
+
+        extra = {} if stream_bytes is None else {"stream_bytes": stream_bytes}
+        options, weights, sens, fit = streamed_mod.unit_options(model_dir, windows, list(ks), codebook,
+                                                                samples=samples, seed=seed, progress=progress,
+                                                                **extra)
+        if report is not None:
+            report(fit["streamed"])
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from fq.allocation.measure import unit_options
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        options, weights, sens, fit = unit_options(model, windows, list(ks), codebook, samples=samples, seed=seed,
+                                                   progress=progress)
+        del model
+    return _document(model_dir, text, tok_sha, codebook, ks, rows, columns, samples, seed, options, weights, sens,
+                     fit)
+
+
+def _document(model_dir, text: str, tok_sha: str, codebook: str, ks, rows: int, columns: int, samples: int,
+              seed: int, options: dict, weights: int, sens, fit: dict) -> dict:
+    """The fq-allocation/1 document of a measurement, without allocations."""
+    import torch
+
+    from fq.allocation import units
+
     config = Path(model_dir, "config.json").read_bytes()
     # each routed expert's own quadratic forms (gate+up, down), per layer: what a budgeted stage ranks experts by
     experts: dict = {}

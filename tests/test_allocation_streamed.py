@@ -1,0 +1,79 @@
+"""The sensitivity measurement streamed layer by layer (fq.allocation.streamed) gives the in-memory measurement's
+document (fq.workflow.allocation.measure) on the demo model: the same units, Ks, injected points, parts,
+efficiency and experts' forms, bit for bit (the same operations on the same inputs, one layer at a time)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fq.allocation import streamed
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from fq.model import demo_model
+
+    d = tmp_path_factory.mktemp("demo")
+    demo_model.write(d / "model", d / "text")
+    return d
+
+
+def _differences(a, b, path="", out=None):
+    """(relative difference, path) of every float that differs, and every other value that differs (inf)."""
+    out = [] if out is None else out
+    if isinstance(a, dict) and isinstance(b, dict) and set(a) == set(b):
+        for k in a:
+            _differences(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _differences(x, y, f"{path}[{i}]", out)
+    elif isinstance(a, float) and isinstance(b, float):
+        if a != b:
+            out.append((abs(a - b) / max(abs(a), abs(b)), path))
+    elif a != b:
+        out.append((float("inf"), path))
+    return out
+
+
+def test_streamed_measurement_is_the_in_memory_one(demo):
+    """Two windows of 32 tokens, two label samples, K2 injected (and c(K2) encoded); the streams capped at two units
+    a pass, so the injection takes six passes over the layers."""
+    from fq.workflow.allocation import measure
+
+    text = (demo / "text" / "calibration.txt").read_text()
+    args = dict(ks=(2, 16), rows=2, columns=32, samples=2, seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = measure(demo / "model", text, **args)
+        reports = []
+        got = measure(demo / "model", text, streamed=True, stream_bytes=2 * 2 * 32 * 256 * 4, report=reports.append,
+                      **args)
+    finally:
+        torch.set_num_threads(before)
+    # the forward reads 3 layers and the head, the Fisher 3 layers, each pass from its first unit's layer to the head
+    assert reports == [{"layer_reads": 4 + 3 + sum(4 - s for s in (0, 1, 1, 2, 2, 3)), "passes": 6}]
+    assert len(ref["units"]) == 11 and ref["experts"] and ref["injected"]["L0.attention"]["2"] > 0
+    diffs = sorted(_differences(ref, got), reverse=True)
+    assert not diffs, f"{len(diffs)} values differ, the largest: {diffs[:5]}"
+
+
+def test_passes_group_units_in_layer_order_within_the_cap():
+    layers = {"L0.attention": 0, "L0.dense": 0, "L1.attention": 1, "head": 3}
+    assert streamed.plan(3, layers, 4, 100, 800) == [["L0.attention", "L0.dense"], ["L1.attention", "head"]]
+    assert streamed.plan(3, layers, 4, 100, 1) == [[u] for u in layers]  # at least one unit a pass
+    assert streamed.layer_reads(3, [["L0.attention", "L0.dense"], ["L1.attention", "head"]], layers) == 4 + 3 + 4 + 3
+
+
+def test_a_family_without_a_chain_is_refused_by_name(tmp_path):
+    """DeepSeek-V4 has no calibration chain: the streamed measurement says so before reading a weight."""
+    import json
+    import struct
+
+    from fq.errors import FqError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"],
+                                                      "model_type": "deepseek_v4"}))
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    with pytest.raises(FqError, match="DeepseekV4ForCausalLM .DeepSeek-V4. has no calibration chain.*fq allocate"):
+        streamed.Source(tmp_path, 8)
