@@ -25,6 +25,7 @@ if C.alloc.measures:
             samples=C.alloc.settings["samples"],
             seed=C.alloc.settings["seed"],
             ks=C.alloc.settings["ks"],
+            stream_bytes=C.alloc.settings["stream_bytes"],
         threads: 2
         script:
             "../scripts/sensitivity.py"

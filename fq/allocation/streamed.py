@@ -38,9 +38,8 @@ import math
 from dataclasses import dataclass
 
 from fq.allocation import error_model, inject, measure, sensitivity, units
+from fq.allocation.document import STREAM_BYTES
 from fq.errors import FqError
-
-STREAM_BYTES = 16 << 30  # default cap on the injection streams' hidden states alive at once
 
 
 @dataclass

@@ -3,9 +3,9 @@
 - ``sensitivity_job``: every allocation unit of the source measured on the calibration text (``measure``, as
   ``fq allocate`` runs it: each unit's LDLQ-shaped error injected at a few K and the output's KL measured, the curve
   read at every candidate K; and each linear's Fisher quadratic form in the same direction, for the experts a
-  budgeted stage buys), written as fq-allocation/1 without allocations. The expensive part: one forward and backward
-  of the source per calibration window and label sample, and one forward per window, unit and injected K
-  (transformers, in memory: a source that fits this machine).
+  budgeted stage buys), written as fq-allocation/1 without allocations. Streamed (fq.allocation.streamed): one
+  decoder layer's weights in memory at a time, read from the source's shards as the calibration chain reads them;
+  the same document as the in-memory measurement ``fq allocate`` runs.
 - ``allocate_job``: the allocation at every budget the recipe names, solved from it (fq.allocation.solve: pure, the
   optimality certificate with each). Its output is the file the campaign's plan reads on the next run.
 
@@ -96,15 +96,31 @@ def _document(model_dir, text: str, tok_sha: str, codebook: str, ks, rows: int, 
 
 
 def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, rows: int, columns: int,
-                    samples: int, seed: int, ks=None, threads: int = 1) -> None:
+                    samples: int, seed: int, ks=None, threads: int = 1, stream_bytes: int | None = None) -> None:
+    """The campaign's measurement, streamed (fq.allocation.streamed: one decoder layer's weights in memory at a
+    time, the injection streams under ``stream_bytes``), so that a source larger than this machine's memory is
+    measured; a progress bar over the layer visits, and a log line per visit when stderr is not a terminal."""
     import torch
     from tqdm import tqdm
 
     torch.set_num_threads(max(1, threads))
     text = Path(text_path).read_text(encoding="utf-8")
-    bar = tqdm(total=rows, desc="sensitivity", unit="window", file=sys.stderr)
+    bar = tqdm(desc="sensitivity", unit="layer", file=sys.stderr)
+    tty = sys.stderr.isatty()
+
+    def progress(what, done, total):
+        bar.total = total
+        bar.update(1)
+        if not tty:
+            print(f"sensitivity: {done}/{total} {what}", file=sys.stderr, flush=True)
+
+    def report(streamed):
+        print(f"sensitivity: {streamed['layer_reads']} layer reads, {streamed['passes']} injection passes",
+              file=sys.stderr)
+
     doc = measure(Path(model_dir), text, codebook=codebook, ks=None if ks is None else tuple(ks), rows=rows,
-                  columns=columns, samples=samples, seed=seed, progress=lambda done, total: bar.update(1))
+                  columns=columns, samples=samples, seed=seed, progress=progress, streamed=True,
+                  stream_bytes=stream_bytes, report=report)
     bar.close()
     atomic.write_text(out, canonical.pretty(doc))
     print(f"{out}: {len(doc['units'])} units measured on {doc['calibration']['positions']} positions",
