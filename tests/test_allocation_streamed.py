@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fq.allocation import streamed
+from fq.allocation import passes, streamed
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,9 @@ def test_streamed_measurement_is_the_in_memory_one(demo):
 
 def test_passes_group_units_in_layer_order_within_the_cap():
     layers = {"L0.attention": 0, "L0.dense": 0, "L1.attention": 1, "head": 3}
-    assert streamed.plan(3, layers, 4, 100, 800) == [["L0.attention", "L0.dense"], ["L1.attention", "head"]]
-    assert streamed.plan(3, layers, 4, 100, 1) == [[u] for u in layers]  # at least one unit a pass
-    assert streamed.layer_reads(3, [["L0.attention", "L0.dense"], ["L1.attention", "head"]], layers) == 4 + 3 + 4 + 3
+    assert passes.plan(layers, 4, 100, 800) == [["L0.attention", "L0.dense"], ["L1.attention", "head"]]
+    assert passes.plan(layers, 4, 100, 1) == [[u] for u in layers]  # at least one unit a pass
+    assert passes.layer_reads(3, [["L0.attention", "L0.dense"], ["L1.attention", "head"]], layers) == 4 + 3 + 4 + 3
 
 
 def test_a_family_without_a_chain_is_refused_by_name(tmp_path):

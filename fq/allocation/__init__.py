@@ -5,6 +5,7 @@
     sensitivity  the Fisher quadratic form of the source model's output in such an error (one backward pass)
     measure      Hessians, directions and each unit's predicted KL and bytes at every K, for a model in memory
     streamed     the same measurement one decoder layer in memory at a time (the calibration chain's layer)
+    passes       how the streamed measurement walks the layers (pure: fq price counts its reads)
     solve        a K per unit under a byte budget (multiple-choice knapsack, with an optimality certificate)
 
 What it may import: fq.core, fq.errors, fq.codec (shapes, the Hadamard transform, the encoder in tests); streamed

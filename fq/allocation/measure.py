@@ -17,11 +17,12 @@ from fq.allocation import error_model, inject, sensitivity, solve, units
 class HessianCapture:
     """Hooks on ``model``'s quantizable linears (and its fused experts: every token through every expert, the
     campaign's all-experts capture) that sum x^T x in float64 over every forward while installed; ``result()`` is
-    name -> H = sum / count, routed experts' up sharing their gate's. Works on a whole model or on one decoder layer
+    name -> H = sum / count, one tensor for every routed expert's gate and up (they read the same tokens: the sum
+    each would have, without a copy per expert). Works on a whole model or on one decoder layer
     under its model path (fq.allocation.streamed): the same sums in the same order."""
 
     def __init__(self, model):
-        self.model, self.sums, self.handles, self.origs = model, {}, [], {}
+        self.model, self.sums, self.handles, self.origs, self.n_experts = model, {}, [], {}, {}
 
     def add(self, name, x):
         x = x.reshape(-1, x.shape[-1]).double()
@@ -36,13 +37,14 @@ class HessianCapture:
         for name, mod in sensitivity.fused_experts(self.model).items():
             def fwd(hidden_states, top_k_index, top_k_weights, mod=mod, name=name, orig=mod.forward):
                 I = mod.gate_up_proj.shape[1] // 2
+                add(f"{name}.gate_up", hidden_states)  # every expert's gate and up read every token: one sum
                 for e in range(mod.gate_up_proj.shape[0]):
                     gu = torch.nn.functional.linear(hidden_states, mod.gate_up_proj[e])
                     a = mod.act_fn(gu[..., :I]) * gu[..., I:]
-                    add(f"{name}.{e}.gate_proj", hidden_states)
                     add(f"{name}.{e}.down_proj", a)
                 return orig(hidden_states, top_k_index, top_k_weights)
             self.origs[name] = (mod, mod.forward)
+            self.n_experts[name] = int(mod.gate_up_proj.shape[0])
             mod.forward = fwd
         return self
 
@@ -55,9 +57,9 @@ class HessianCapture:
 
     def result(self) -> dict[str, torch.Tensor]:
         out = {n: (s / c) for n, (s, c) in self.sums.items()}
-        for n in list(out):
-            if n.endswith(".gate_proj") and ".experts." in n and "shared" not in n:
-                out[n.replace(".gate_proj", ".up_proj")] = out[n]
+        for name, n_exp in self.n_experts.items():  # one tensor shared by every expert's gate and up
+            H = out.pop(f"{name}.gate_up")
+            out.update({f"{name}.{e}.{p}": H for e in range(n_exp) for p in ("gate_proj", "up_proj")})
         return out
 
 

@@ -21,14 +21,14 @@ sits under its path in a ``tree``), so the hooks, seeds and sums are the in-memo
 3. **Injection** (passes over the layers). For each unit and injected K, a perturbed stream starts at the unit's
    layer from that layer's clean input and is advanced through every later layer while it is loaded; at the head,
    its KL against the clean log-probs. Streams are bounded by ``stream_bytes``: units are taken in layer order in
-   groups whose streams fit, one pass per group, each pass reading the layers from its first unit's to the last.
+   groups whose streams fit, one pass per group, each pass reading the layers from its first unit's to the last
+   (fq.allocation.passes).
 
 Memory: one layer's float32 weights and the float64 directions of its linears (the Fisher pass; the injection pass
 one unit's), the kept inputs (2 x layers x rows x columns x hidden x 4 B), the clean log-probs (rows x (columns-1) x
 vocab x 4 B), the head's incoming gradients (rows x samples x columns x hidden x 4 B) and the streams (at most
 ``stream_bytes``).
 
-    plan(n_layers, unit_layers, streams_per_unit, per_stream, stream_bytes) -> [[unit, ...] per pass]
     unit_options(model_dir, windows, ks, codebook, *, samples, seed, stream_bytes, progress)
         -> (options, weights count, Sensitivity, fit)      as fq.allocation.measure.unit_options
 """
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fq.allocation import error_model, inject, measure, sensitivity, units
+from fq.allocation import error_model, inject, measure, passes as walk, sensitivity, units
 from fq.allocation.document import STREAM_BYTES
 from fq.errors import FqError
 
@@ -169,20 +169,6 @@ def _log_probs(head: Loaded, hidden_row):
 
 def _directions(W: dict, H: dict, names, index: dict, seed: int) -> dict:
     return {n: [error_model.direction(W[n], H[n], seed=measure.direction_seed(seed, index[n]))] for n in names}
-
-
-def plan(n_layers: int, unit_layers: dict, streams_per_unit: int, per_stream: int, stream_bytes: int) -> list:
-    """Units (in the order given, each with its layer; the head's is ``n_layers``) grouped into passes whose
-    ``streams_per_unit`` streams of ``per_stream`` bytes each fit ``stream_bytes`` (at least one unit a pass)."""
-    fit = max(1, stream_bytes // max(1, per_stream * streams_per_unit))
-    order = list(unit_layers)
-    return [order[i: i + fit] for i in range(0, len(order), fit)]
-
-
-def layer_reads(n_layers: int, passes: list, unit_layers: dict) -> int:
-    """Layer (and head) reads of the whole measurement: the forward's (every layer and the head), the Fisher's (every
-    layer), and each injection pass's from its first unit's layer to the head."""
-    return 2 * n_layers + 1 + sum(n_layers + 1 - min(unit_layers[u] for u in p) for p in passes)
 
 
 class _Progress:
@@ -337,8 +323,8 @@ def unit_options(model_dir, windows, ks, codebook: str = "mul1", *, samples: int
                    for u, ns in groups.items()}
     inject_ks = [K for K in inject.INJECT_KS if K in ks]
     per_stream = rows * cols * src.hfc.hidden_size * 4
-    passes = plan(src.n_layers, unit_layers, len(inject_ks), per_stream, stream_bytes)
-    prog = _Progress(progress, layer_reads(src.n_layers, passes, unit_layers))
+    passes = walk.plan(unit_layers, len(inject_ks), per_stream, stream_bytes)
+    prog = _Progress(progress, walk.layer_reads(src.n_layers, passes, unit_layers))
     stats: dict = {}
     clean, fisher, ref, grads, eff_pairs, H_head = _forward(src, windows, set(measure.efficiency_names(names)),
                                                             samples, seed, index, stats, prog)
