@@ -68,7 +68,7 @@ class Source:
     """A checkpoint read layer by layer: its chain (``fq.hessian.layer.architecture``: refused by name for a family
     without one), and the count of layer reads."""
 
-    def __init__(self, model_dir, cols: int):
+    def __init__(self, model_dir, cols: int, device="cpu"):
         from fq.hessian import layer as layer_mod
 
         from fq.model import families
@@ -85,7 +85,9 @@ class Source:
         self.arch = layer_mod.architecture(self.ckpt.config, where)
         self.hfc = layer_mod.hf_config(self.ckpt.config)
         self.n_layers = self.arch.n_layers(self.ckpt.config, where)
-        self.rot = layer_mod.rotary(self.hfc, self.arch)
+        self.device = device
+        rot = layer_mod.rotary(self.hfc, self.arch)
+        self.rot = None if rot is None else rot.to(device)
         self.cols = cols
         self.reads = 0
 
@@ -109,12 +111,12 @@ class Source:
 
         capture.check_layer(self.arch, self.hfc, layer)
         tensors, _ = self.lm.layer_tensors(self.ckpt, layer)
-        module = self.lm.build_layer(self.hfc, self.arch, layer, tensors)
+        module = self.lm.build_layer(self.hfc, self.arch, layer, tensors).to(self.device)
         del tensors
         capture.check_built(self.arch, self.ckpt.config, layer, module)
-        call = capture.layer_call(self.arch, self.hfc, layer, self.rot, self.cols)
+        call = capture.layer_call(self.arch, self.hfc, layer, self.rot, self.cols, self.device)
         self.reads += 1
-        return Loaded(_tree(self.path(layer), module), lambda h: call(module, h))
+        return Loaded(_tree(self.path(layer), module), lambda h: call(module, h.to(self.device)))
 
     def head(self) -> Loaded:
         """The final norm and ``lm_head`` (the embeddings where the config ties them)."""
@@ -131,9 +133,9 @@ class Source:
         weight = self.lm.read_tensors(self.ckpt, [name])[0][name].float()
         head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         head.weight = torch.nn.Parameter(weight, requires_grad=False)
-        tree = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"norm": norm}), "lm_head": head})
+        tree = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"norm": norm}), "lm_head": head}).to(self.device)
         self.reads += 1
-        return Loaded(tree, lambda h: head(norm(h)))
+        return Loaded(tree, lambda h: head(norm(h.to(self.device))))
 
     def embed(self, windows):
         from fq.hessian import capture
@@ -148,7 +150,7 @@ def _rows(loaded: Loaded, hidden):
     out = torch.empty_like(hidden)
     with torch.no_grad():
         for i in range(hidden.shape[0]):
-            out[i: i + 1] = loaded.run(hidden[i: i + 1])
+            out[i: i + 1] = loaded.run(hidden[i: i + 1]).to(out.device)
     return out
 
 
@@ -186,8 +188,8 @@ def _forward(src: Source, windows, eff_names: set, samples: int, seed: int, inde
     the head's incoming gradients [window][sample], efficiency (W, H) by name, the head's Hessian)."""
     import torch
 
-    clean, fisher = [src.embed(windows)], None
-    fisher = [clean[0]]
+    clean = [src.embed(windows)]
+    fisher = [clean[0]]  # the same embeddings; the streams part at layer 0's experts
     eff = {}
     for layer in range(src.n_layers):
         loaded = src.layer(layer)
@@ -204,7 +206,7 @@ def _forward(src: Source, windows, eff_names: set, samples: int, seed: int, inde
     ref = []
     with measure.HessianCapture(head.tree) as cap, torch.no_grad():
         for i in range(windows.shape[0]):
-            ref.append(_log_probs(head, clean[-1][i: i + 1]))
+            ref.append(_log_probs(head, clean[-1][i: i + 1]).cpu())
     H_head = cap.result()["lm_head"]
     W_head = head.tree["lm_head"].weight.detach()
     dirs = _directions({"lm_head": W_head}, {"lm_head": H_head}, ["lm_head"], index, seed)
@@ -240,7 +242,7 @@ def _fisher(src: Source, clean: list, fisher: list, grads: list, samples: int, s
                 for s in range(samples):
                     taps.record[0] = s == 0
                     x = fisher[layer][i: i + 1].clone().requires_grad_(True)
-                    loaded.run(x).backward(per_sample[s])
+                    loaded.run(x).backward(per_sample[s].to(src.device))
                     taps.take_grads(dirs)
                     per_sample[s] = x.grad
         del loaded, W, dirs
@@ -254,7 +256,7 @@ def _kl(head: Loaded, ref: list, hidden) -> float:
     kl, count = 0.0, 0
     with torch.no_grad():
         for i, r in enumerate(ref):
-            got = _log_probs(head, hidden[i: i + 1])
+            got = _log_probs(head, hidden[i: i + 1]).cpu()
             kl += float((r.exp() * (r - got)).sum(-1).double().sum())
             count += r.shape[1]
     return max(kl / count, 0.0)
@@ -309,12 +311,13 @@ def _injection_pass(src: Source, group: list, groups: dict, unit_layers: dict, c
 
 
 def unit_options(model_dir, windows, ks, codebook: str = "mul1", *, samples: int = 4, seed: int = 0,
-                 stream_bytes: int = STREAM_BYTES, progress=None):
+                 stream_bytes: int = STREAM_BYTES, progress=None, device="cpu"):
     """``fq.allocation.measure.unit_options`` on the checkpoint at ``model_dir``, streamed (module docstring); the
-    same results. ``progress(what, done, total)`` after every layer visit."""
+    same results. ``progress(what, done, total)`` after every layer visit. ``device``: where the layers run (hidden
+    states are kept on the CPU, moved a window at a time)."""
     sensitivity.check_samples(samples)
     rows, cols = windows.shape
-    src = Source(model_dir, cols)
+    src = Source(model_dir, cols, device)
     shapes = src.shapes()
     names = sorted(shapes)
     index = {n: i for i, n in enumerate(names)}
@@ -329,7 +332,7 @@ def unit_options(model_dir, windows, ks, codebook: str = "mul1", *, samples: int
     clean, fisher, ref, grads, eff_pairs, H_head = _forward(src, windows, set(measure.efficiency_names(names)),
                                                             samples, seed, index, stats, prog)
     eff = error_model.ldlq_efficiency([eff_pairs[n] for n in measure.efficiency_names(names)], ks, codebook,
-                                      seed=seed)
+                                      device=src.device, seed=seed)
     del eff_pairs
     _fisher(src, clean, fisher, grads, samples, seed, index, stats, prog)
     del fisher, grads

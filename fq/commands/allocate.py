@@ -29,6 +29,8 @@ def register(sub) -> None:
                         "calibration chain): the same result, for a model larger than this machine's memory")
     p.add_argument("--stream-gib", type=float, default=None, metavar="GIB",
                    help="with --streamed: memory for the injection streams alive at once (default 16 GiB)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="with --streamed: where the layers run, cpu or cuda:N (default %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -82,6 +84,9 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.stream_gib is not None and (not args.streamed or args.stream_gib <= 0):
         raise FqError(f"--stream-gib {args.stream_gib}: a positive size, with --streamed")
+    if args.device != "cpu" and not args.streamed:
+        raise FqError(f"--device {args.device}: with --streamed (the in-memory measurement runs where transformers "
+                      "loads the model)")
     if args.streamed:  # the shapes only (meta tensors): nothing of the weights is read
         from fq.allocation.streamed import Source
 
@@ -109,7 +114,8 @@ def run(args) -> int:
     doc = measure(Path(args.model), text, codebook=args.codebook, ks=ks, rows=args.rows,
                   columns=args.columns, samples=args.samples, seed=args.seed, progress=progress,
                   streamed=args.streamed,
-                  stream_bytes=None if args.stream_gib is None else int(args.stream_gib * 2**30))
+                  stream_bytes=None if args.stream_gib is None else int(args.stream_gib * 2**30),
+                  device=args.device)
     bar.close()
     doc = document.with_allocations(doc, args.bits)
     for a in doc["allocations"]:

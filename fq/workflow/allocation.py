@@ -24,12 +24,13 @@ from fq.core import atomic, canonical
 def measure(model_dir, text: str, *, codebook: str = "mul1", ks=None, rows: int = SENSITIVITY["rows"],
             columns: int = SENSITIVITY["columns"], samples: int = SENSITIVITY["samples"],
             seed: int = SENSITIVITY["seed"], progress=None, streamed: bool = False, stream_bytes: int | None = None,
-            report=None) -> dict:
+            report=None, device: str = "cpu") -> dict:
     """Measure every allocation unit of the checkpoint at ``model_dir`` on ``text`` (rows x columns tokens), at
     candidate ``ks`` (default: every K of the codebook, fq.allocation.error_model.candidate_ks). ``streamed``: one
     decoder layer in memory at a time (fq.allocation.streamed; ``stream_bytes`` caps the injection streams,
     ``progress(what, done, total)`` per layer visit, ``report(fit["streamed"])`` once), else the whole model
-    (transformers; ``progress(done, total)``); the same document either way."""
+    (transformers, on the CPU; ``progress(done, total)``); the same document either way. ``device``: where the
+    streamed layers run."""
     import torch
 
     from fq.allocation.error_model import candidate_ks
@@ -45,7 +46,7 @@ def measure(model_dir, text: str, *, codebook: str = "mul1", ks=None, rows: int 
         extra = {} if stream_bytes is None else {"stream_bytes": stream_bytes}
         options, weights, sens, fit = streamed_mod.unit_options(model_dir, windows, list(ks), codebook,
                                                                 samples=samples, seed=seed, progress=progress,
-                                                                **extra)
+                                                                device=device, **extra)
         if report is not None:
             report(fit["streamed"])
     else:
@@ -96,12 +97,16 @@ def _document(model_dir, text: str, tok_sha: str, codebook: str, ks, rows: int, 
 
 
 def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, rows: int, columns: int,
-                    samples: int, seed: int, ks=None, threads: int = 1, stream_bytes: int | None = None) -> None:
+                    samples: int, seed: int, ks=None, threads: int = 1, stream_bytes: int | None = None,
+                    device: str = "cpu", devices_list=(), lock_dir: str | None = None) -> None:
     """The campaign's measurement, streamed (fq.allocation.streamed: one decoder layer's weights in memory at a
     time, the injection streams under ``stream_bytes``), so that a source larger than this machine's memory is
-    measured; a progress bar over the layer visits, and a log line per visit when stderr is not a terminal."""
+    measured; a progress bar over the layer visits, and a log line per visit when stderr is not a terminal.
+    ``device`` (the campaign's encode device): a GPU claimed as the calibration jobs claim one."""
     import torch
     from tqdm import tqdm
+
+    from fq.workflow import devices
 
     torch.set_num_threads(max(1, threads))
     text = Path(text_path).read_text(encoding="utf-8")
@@ -118,9 +123,10 @@ def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, 
         print(f"sensitivity: {streamed['layer_reads']} layer reads, {streamed['passes']} injection passes",
               file=sys.stderr)
 
+    dev = devices.claim(device, list(devices_list), lock_dir) if device != "cpu" else "cpu"
     doc = measure(Path(model_dir), text, codebook=codebook, ks=None if ks is None else tuple(ks), rows=rows,
                   columns=columns, samples=samples, seed=seed, progress=progress, streamed=True,
-                  stream_bytes=stream_bytes, report=report)
+                  stream_bytes=stream_bytes, report=report, device=dev)
     bar.close()
     atomic.write_text(out, canonical.pretty(doc))
     print(f"{out}: {len(doc['units'])} units measured on {doc['calibration']['positions']} positions",
