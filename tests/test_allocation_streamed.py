@@ -77,3 +77,27 @@ def test_a_family_without_a_chain_is_refused_by_name(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     with pytest.raises(FqError, match="DeepseekV4ForCausalLM .DeepSeek-V4. has no calibration chain.*fq allocate"):
         streamed.Source(tmp_path, 8)
+
+
+def test_a_budgeted_campaign_on_a_family_without_a_chain_is_refused_when_the_config_is_read():
+    from types import SimpleNamespace
+
+    from fq.errors import FqError
+    from fq.workflow.campaign import _check_streamable
+
+    recipe = SimpleNamespace(source="budget.json")
+    with pytest.raises(FqError, match="DeepseekV4ForCausalLM .DeepSeek-V4. has no calibration chain.*fq allocate"):
+        _check_streamable(recipe, SimpleNamespace(family="deepseek_v4"))
+    _check_streamable(recipe, SimpleNamespace(family="glm4_moe"))
+
+
+def test_fq_allocate_takes_the_stream_options_with_streamed_only(demo, tmp_path, capsys):
+    from fq.cli import main
+
+    base = ["allocate", "--model", str(demo / "model"), "--text", str(demo / "text" / "calibration.txt"),
+            "--out", str(tmp_path / "a.json"), "--bits", "3", "--rows", "1", "--columns", "16"]
+    assert main(base + ["--stream-gib", "1"]) == 2
+    assert "--stream-gib 1.0: a positive size, with --streamed" in capsys.readouterr().err
+    assert main(base + ["--device", "cuda:0"]) == 2
+    assert "--device cuda:0: with --streamed" in capsys.readouterr().err
+    assert not (tmp_path / "a.json").exists()

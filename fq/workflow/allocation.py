@@ -110,8 +110,8 @@ def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, 
 
     torch.set_num_threads(max(1, threads))
     text = Path(text_path).read_text(encoding="utf-8")
-    bar = tqdm(desc="sensitivity", unit="layer", file=sys.stderr)
     tty = sys.stderr.isatty()
+    bar = tqdm(desc="sensitivity", unit="layer", file=sys.stderr, disable=not tty)  # a log file gets lines
 
     def progress(what, done, total):
         bar.total = total
@@ -120,8 +120,8 @@ def sensitivity_job(model_dir: str, text_path: str, out: str, *, codebook: str, 
             print(f"sensitivity: {done}/{total} {what}", file=sys.stderr, flush=True)
 
     def report(streamed):
-        print(f"sensitivity: {streamed['layer_reads']} layer reads, {streamed['passes']} injection passes",
-              file=sys.stderr)
+        print(f"sensitivity: {streamed['layer_reads']} layer reads, injection in {streamed['passes']} "
+              f"pass{'es' if streamed['passes'] != 1 else ''}", file=sys.stderr)
 
     dev = devices.claim(device, list(devices_list), lock_dir) if device != "cpu" else "cpu"
     doc = measure(Path(model_dir), text, codebook=codebook, ks=None if ks is None else tuple(ks), rows=rows,
