@@ -1,6 +1,7 @@
 """The sensitivity measurement streamed layer by layer (fq.allocation.streamed) gives the in-memory measurement's
-document (fq.workflow.allocation.measure) on the demo model: the same units, Ks, injected points, parts,
-efficiency and experts' forms, bit for bit (the same operations on the same inputs, one layer at a time)."""
+document (fq.workflow.allocation.measure) on the demo model: the same units, Ks, injected points, parts and
+efficiency bit for bit (the same operations on the same inputs, one layer at a time), the experts' forms to float
+tolerance (computed from activations, not weight gradients)."""
 from __future__ import annotations
 
 import pytest
@@ -55,7 +56,11 @@ def test_streamed_measurement_is_the_in_memory_one(demo):
     assert reports == [{"layer_reads": 4 + 3 + sum(4 - s for s in (0, 1, 1, 2, 2, 3)), "passes": 6}]
     assert len(ref["units"]) == 11 and ref["experts"] and ref["injected"]["L0.attention"]["2"] > 0
     diffs = sorted(_differences(ref, got), reverse=True)
-    assert not diffs, f"{len(diffs)} values differ, the largest: {diffs[:5]}"
+    # the experts' forms come from their inputs and output gradients in float64 (the in-memory path rounds each
+    # weight gradient to float32 first): equal to float tolerance; every other value bit for bit
+    others = [d for d in diffs if not d[1].startswith("/experts/")]
+    assert not others, f"{len(others)} values differ, the largest: {others[:5]}"
+    assert all(r < 1e-5 for r, _ in diffs), f"the experts' forms differ by up to {diffs[:3]}"
 
 
 def test_passes_group_units_in_layer_order_within_the_cap():

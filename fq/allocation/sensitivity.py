@@ -101,6 +101,7 @@ class _ExpertsTap:
             stats[d] = LinearStat(n, self.I)
         self._orig = module.forward
         self._torch = torch
+        self.acts = None  # a list: each forward's per-expert (x, a) and, after the backward, their output gradients
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         torch, m = self._torch, self.module
@@ -116,8 +117,18 @@ class _ExpertsTap:
             y = torch.nn.functional.linear(a, m.down_proj[e])
             if self.record[0]:
                 self._sum(e, int(tok.numel()), x, gate, up, a, y)
+            if self.acts is not None and gu.requires_grad:
+                self._keep(e, x, gu, a, y)
             out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
         return out
+
+    def _keep(self, e: int, x, gu, a, y):
+        """Expert e's inputs and (once the backward reaches them) its outputs' gradients: its weight gradients are
+        d_guᵀ x and d_yᵀ a, so a direction's inner product with them needs no weight gradient (``expert_forms``)."""
+        rec = {"e": e, "x": x.detach(), "a": a.detach()}
+        gu.register_hook(lambda g: rec.__setitem__("d_gu", g.detach()))
+        y.register_hook(lambda g: rec.__setitem__("d_y", g.detach()))
+        self.acts.append(rec)
 
     def _sum(self, e: int, tokens: int, x, gate, up, a, y):
         torch = self._torch
@@ -194,9 +205,10 @@ class FisherTaps:
     forward (``_ExpertsTap``), the energy hooks (summed while ``record[0]``) and gradients on the linears' weights
     only. ``take_grads(directions)`` adds the current weight gradients to the stats and clears them."""
 
-    def __init__(self, model, stats: dict | None = None):
+    def __init__(self, model, stats: dict | None = None, expert_activations: bool = False):
         self.linears = quantizable_linears(model)
         self.experts = fused_experts(model)
+        self.expert_activations = expert_activations
         self.stats = {} if stats is None else stats
         self.stats.update({n: LinearStat(m.out_features, m.in_features) for n, m in self.linears.items()})
         self.record = [True]
@@ -204,6 +216,8 @@ class FisherTaps:
         self.model, self.handles = model, []
         self.params = {n: m.weight for n, m in self.linears.items()}
         for n, m in self.experts.items():
+            if expert_activations:  # no weight gradients: the experts' inputs and output gradients instead
+                continue
             self.params[f"{n}.gate_up_proj"] = m.gate_up_proj
             self.params[f"{n}.down_proj"] = m.down_proj
 
@@ -241,7 +255,45 @@ class FisherTaps:
         self.handles = []
 
     def take_grads(self, directions: dict) -> None:
-        _take_grads(self.linears, self.experts, self.stats, directions)
+        _take_grads(self.linears, {} if self.expert_activations else self.experts, self.stats, directions)
+
+    def start_keeping(self) -> list:
+        """With ``expert_activations``: a list per experts module (in ``taps`` order) of what the next forward and
+        backward keep (``_ExpertsTap._keep``)."""
+        kept = []
+        for t in self.taps:
+            t.acts = []
+            kept.append(t.acts)
+        return kept
+
+
+def expert_forms(tap: "_ExpertsTap", kept: list, stats: dict, direction) -> None:
+    """Add to ``stats`` each of the tap's experts' Fisher trace and quadratic form per kept forward (``kept``: one
+    list per window and sample, in order, of ``_ExpertsTap._keep`` records), one expert at a time: its directions
+    ``direction(name)`` (float64, as its weight) are made once for all the records. The gradient of a weight is
+    d_outᵀ x over the tokens, so <grad, E> = sum(d_out * (x Eᵀ)) and ||grad||² = sum((d_out d_outᵀ) * (x xᵀ)),
+    in float64 (the weight-gradient path rounds the gradient to float32 first: equal to float tolerance)."""
+    import torch
+
+    I = tap.I
+    by_expert = [{r["e"]: r for r in recs} for recs in kept]
+    with torch.no_grad():
+        for e in range(tap.E):
+            g, u, d = _expert_names(tap.name, e)
+            dirs = {n: direction(n) for n in (g, u, d)}
+            for recs in by_expert:
+                r = recs.get(e)
+                for n, x, dout in ((g, "x", slice(0, I)), (u, "x", slice(I, 2 * I)), (d, "a", None)):
+                    stat = stats[n]
+                    if not stat.quad:
+                        stat.quad = [0.0]
+                    if r is None:  # no token routed to it here: a zero gradient
+                        continue
+                    xs = r[x].double()
+                    dy = (r["d_gu"][:, dout] if dout is not None else r["d_y"]).double()
+                    E = dirs[n].to(xs.device, torch.float64)
+                    stat.quad[0] += float((dy * (xs @ E.T)).sum()) ** 2
+                    stat.fisher += float(((dy @ dy.T) * (xs @ xs.T)).sum())
 
 
 def normalize(stats: dict, samples: int) -> None:

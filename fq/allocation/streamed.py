@@ -15,21 +15,25 @@ sits under its path in a ``tree``), so the hooks, seeds and sums are the in-memo
    with the in-memory path's generator and order, and the gradient of their log-likelihood at the head's input.
    The efficiency samples' (W, H) are kept as their layers pass; c(K) is encoded after the forward.
 2. **Fisher** (every layer read once more, last to first). Layer l recomputed from its kept Fisher input with
-   autograd, each (window, sample)'s incoming gradient back-propagated: every linear's weight gradient, its
-   quadratic form in its direction (recomputed from the layer's Hessian, itself recomputed from the clean input:
-   the same sums), and the gradient passed to layer l-1.
+   autograd, each (window, sample)'s incoming gradient back-propagated, the gradient at its input passed to layer
+   l-1. Non-expert linears: the weight gradient's quadratic form in the linear's direction (recomputed from the
+   layer's Hessian, itself recomputed from the clean input: the same sums), as in memory. Routed experts: no weight
+   gradient; their inputs and output gradients are kept and the forms made one expert at a time after the layer's
+   last backward (``sensitivity.expert_forms``: equal to float tolerance, not bit for bit).
 3. **Injection** (passes over the layers). For each unit and injected K, a perturbed stream starts at the unit's
    layer from that layer's clean input and is advanced through every later layer while it is loaded; at the head,
-   its KL against the clean log-probs. Streams are bounded by ``stream_bytes``: units are taken in layer order in
-   groups whose streams fit, one pass per group, each pass reading the layers from its first unit's to the last
-   (fq.allocation.passes).
+   its KL against the clean log-probs. A unit's linears are moved one at a time (each direction made, applied,
+   dropped; the weights restored from a CPU copy). Streams are bounded by ``stream_bytes``: units are taken in layer
+   order in groups whose streams fit, one pass per group, each pass reading the layers from its first unit's to the
+   last (fq.allocation.passes).
 
-Memory: one layer's float32 weights and the float64 directions of its linears (the Fisher pass; the injection pass
-one unit's), the kept inputs (2 x layers x rows x columns x hidden x 4 B), the clean log-probs (rows x (columns-1) x
-vocab x 4 B), the head's incoming gradients (rows x samples x columns x hidden x 4 B) and the streams (at most
-``stream_bytes``).
+Memory: one layer's float32 weights and Hessians, the kept inputs (2 x layers x rows x columns x hidden x 4 B), the
+clean log-probs (rows x (columns-1) x vocab x 4 B), the head's incoming gradients (rows x samples x columns x hidden
+x 4 B), and in the Fisher pass the non-expert linears' gradients and directions and the experts' kept activations,
+in the injection the streams (at most ``stream_bytes``) and one unit's weights copied (fq.planning.price's bound).
+``device``: where the layers run; everything kept stays on the CPU.
 
-    unit_options(model_dir, windows, ks, codebook, *, samples, seed, stream_bytes, progress)
+    unit_options(model_dir, windows, ks, codebook, *, samples, seed, stream_bytes, progress, device)
         -> (options, weights count, Sensitivity, fit)      as fq.allocation.measure.unit_options
 """
 from __future__ import annotations
@@ -230,22 +234,28 @@ def _forward(src: Source, windows, eff_names: set, samples: int, seed: int, inde
 
 def _fisher(src: Source, clean: list, fisher: list, grads: list, samples: int, seed: int, index: dict, stats: dict,
             prog) -> None:
-    """Step 2 (module docstring): the layers' Fisher forms into ``stats``, last layer first."""
+    """Step 2 (module docstring): the layers' Fisher forms into ``stats``, last layer first. The routed experts'
+    forms come from their inputs and output gradients, one expert's directions at a time
+    (``sensitivity.expert_forms``): no weight gradient of the experts and no direction of every expert at once."""
     for layer in reversed(range(src.n_layers)):
         loaded = src.layer(layer)
         _, H = _capture(loaded, clean[layer])
         W = measure.weights(loaded.tree)
-        dirs = _directions(W, H, sorted(W), index, seed)
-        del H
-        with sensitivity.FisherTaps(loaded.tree, stats) as taps:
+        with sensitivity.FisherTaps(loaded.tree, stats, expert_activations=True) as taps:
+            dirs = _directions(W, H, sorted(taps.linears), index, seed)
+            kept = []
             for i, per_sample in enumerate(grads):
                 for s in range(samples):
                     taps.record[0] = s == 0
+                    kept.append(taps.start_keeping())
                     x = fisher[layer][i: i + 1].clone().requires_grad_(True)
                     loaded.run(x).backward(per_sample[s].to(src.device))
                     taps.take_grads(dirs)
                     per_sample[s] = x.grad
-        del loaded, W, dirs
+            del dirs
+            for t, tap in enumerate(taps.taps):
+                sensitivity.expert_forms(tap, [k[t] for k in kept], stats, _direction_of(W, H, index, seed))
+        del loaded, W, H, kept
         prog.step(f"fisher: layer {layer}")
 
 
@@ -262,17 +272,25 @@ def _kl(head: Loaded, ref: list, hidden) -> float:
     return max(kl / count, 0.0)
 
 
-def _perturbed(loaded: Loaded, names, dirs: dict, scale: float, run):
-    """``run()`` with ``names`` of ``loaded`` moved by ``scale`` times their direction (inject.measure's rounding),
-    the weights restored after."""
+def _perturbed(loaded: Loaded, names, direction, scale: float, run):
+    """``run()`` with ``names`` of ``loaded`` moved by ``scale`` times their direction (``direction(name)``, made
+    one linear at a time: a unit's directions are never all held; inject.measure's rounding), the weights restored
+    after from a copy kept on the CPU."""
     W = measure.weights(loaded.tree)
-    orig = {n: W[n].clone() for n in names}
-    measure.apply(loaded.tree, {n: (orig[n].double() + scale * dirs[n][0].to(orig[n].device)).to(orig[n].dtype)
-                                for n in names})
+    orig = {n: W[n].to("cpu", copy=True) for n in names}
+    for n in names:
+        E = direction(n)
+        base = orig[n].to(E.device)
+        measure.apply(loaded.tree, {n: (base.double() + scale * E).to(base.dtype)})
+        del E, base
     try:
         return run()
     finally:
         measure.apply(loaded.tree, orig)
+
+
+def _direction_of(W: dict, H: dict, index: dict, seed: int):
+    return lambda n: error_model.direction(W[n], H[n], seed=measure.direction_seed(seed, index[n]))
 
 
 def _injection_pass(src: Source, group: list, groups: dict, unit_layers: dict, clean: list, ref: list, H_head,
@@ -288,22 +306,21 @@ def _injection_pass(src: Source, group: list, groups: dict, unit_layers: dict, c
         if mine:
             _, H = _capture(loaded, clean[layer])
             W = measure.weights(loaded.tree)
+            direction = _direction_of(W, H, index, seed)
             for u in mine:
-                dirs = _directions(W, H, groups[u], index, seed)
                 for K in ks:
-                    streams[(u, K)] = _perturbed(loaded, groups[u], dirs, math.sqrt(D[K]),
+                    streams[(u, K)] = _perturbed(loaded, groups[u], direction, math.sqrt(D[K]),
                                                  lambda: _rows(loaded, clean[layer]))
-                del dirs
-            del H, W
+            del H, W, direction
         del loaded
         prog.step(f"injection: layer {layer} ({len(streams)} streams)")
     head = src.head()
     for u in group:
         if unit_layers[u] == src.n_layers:  # the head's own unit: perturbed at the head
-            W = measure.weights(head.tree)
-            dirs = _directions(W, {"lm_head": H_head}, groups[u], index, seed)
+            direction = _direction_of(measure.weights(head.tree), {"lm_head": H_head}, index, seed)
             for K in ks:
-                points[u][K] = _perturbed(head, groups[u], dirs, math.sqrt(D[K]), lambda: _kl(head, ref, clean[-1]))
+                points[u][K] = _perturbed(head, groups[u], direction, math.sqrt(D[K]),
+                                          lambda: _kl(head, ref, clean[-1]))
         else:
             for K in ks:
                 points[u][K] = _kl(head, ref, streams.pop((u, K)))

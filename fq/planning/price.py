@@ -162,15 +162,15 @@ class SensitivityPrice:
     """The sensitivity job of a recipe with budgeted bases (fq.workflow.allocation), streamed one decoder layer at a
     time (fq.allocation.streamed): the forward (the clean and the Fisher streams, each layer's Hessians captured with
     every token through every expert), per label sample a recomputed forward and a backward of every layer, each
-    allocated linear's LDLQ-shaped error direction twice (one Cholesky of its Hessian and a triangular solve: the
-    Fisher pass and the injection passes recompute them), the injection streams (each from its unit's layer to the
+    allocated linear's LDLQ-shaped error direction once in the Fisher pass and once per injected K (one Cholesky of
+    its Hessian and a triangular solve), the injection streams (each from its unit's layer to the
     head), the encoder's efficiency encodes (a few linears at every candidate K), and the layer reads (the forward's,
     the Fisher's, and each injection pass's from its first unit's layer). FLOPs at the calibration's TFLOP/s, the
     encodes at the cost table's seconds, reads at the verify rate (a read hashes every shard it touches)."""
     tokens: int
     samples: int
     model_flops: float  # the forward's two streams, and per label sample a forward and a backward
-    direction_flops: float  # every allocated linear, twice: in^3/3 + out*in^2
+    direction_flops: float  # every allocated linear, 1 + injected Ks times: in^3/3 + out*in^2
     seconds: float
     injection_flops: float = 0.0  # the streams, each from its unit's layer to the head
     efficiency_seconds: float = 0.0  # fq.allocation.error_model.ldlq_efficiency's encodes
@@ -343,9 +343,9 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     )
 
 
-def _layer_params(source, shapes: dict) -> tuple[list[int], list[int], int]:
-    """(active parameters per token, stored parameters, per decoder layer; the head's) from the linear shapes and
-    the experts (top-k of them active)."""
+def _layer_params(source, shapes: dict) -> tuple[list[int], list[int], int, list[int]]:
+    """(active parameters per token, stored parameters, per decoder layer; the head's; the non-expert linears'
+    parameters per layer) from the linear shapes and the experts (top-k of them active)."""
     import re
 
     n_layers = source.num_hidden_layers
@@ -361,7 +361,7 @@ def _layer_params(source, shapes: dict) -> tuple[list[int], list[int], int]:
     moe = {l for l in source.moe_layers if l < n_layers}
     active = [d + (top_k * expert if l in moe else 0) for l, d in enumerate(dense)]
     stored = [d + (source.n_experts * expert if l in moe else 0) for l, d in enumerate(dense)]
-    return active, stored, head or source.hidden_size * int(source.config.get("vocab_size") or 0)
+    return active, stored, head or source.hidden_size * int(source.config.get("vocab_size") or 0), dense
 
 
 def _capture_flops(source, shapes: dict, layer: int, tokens: int) -> float:
@@ -378,6 +378,26 @@ def _capture_flops(source, shapes: dict, layer: int, tokens: int) -> float:
     return 2.0 * tokens * sums
 
 
+def _sensitivity_memory(source, stored: list, dense: list, streams: int, rows: int, cols: int, samples: int,
+                        stream_bytes: int) -> int:
+    """The streamed measurement's memory bound (fq.allocation.streamed): the largest layer's float32 weights and
+    Hessians (float64: the experts' shared input's, each expert's down input's, each other linear's), the kept inputs
+    (two streams), clean log-probs and head gradients, and the larger of the injection's (the streams alive and a
+    unit's weights copied to restore them: at most every expert's gate and up) and the Fisher pass's (the non-expert
+    linears' float32 gradients and float64 directions, the experts' kept inputs and output gradients)."""
+    h, m, E = source.hidden_size, source.moe_intermediate_size, source.n_experts
+    top_k = int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
+    vocab = int(source.config.get("vocab_size") or 0)
+    tokens = rows * cols
+    layer = 4 * max(stored)
+    hessians = 8 * (h * h + E * m * m + max(dense) * 2)  # the other linears' inputs: ~ their weights' size or less
+    kept = 2 * (source.num_hidden_layers + 1) * tokens * h * 4 + rows * (cols - 1) * vocab * 4 \
+        + samples * tokens * h * 4
+    injection = min(stream_bytes, streams * tokens * h * 4) + 4 * max(E * 2 * h * m, max(dense))
+    fisher = 12 * max(dense) + samples * tokens * top_k * (2 * h + 3 * m) * 4
+    return int(layer + hessians + kept + max(injection, fisher))
+
+
 def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "CalibrationPrice | None" = None, *,
                       rows: int = SENSITIVITY["rows"], cols: int = SENSITIVITY["columns"],
                       samples: int = SENSITIVITY["samples"], table: "CostTable | None" = None,
@@ -392,13 +412,16 @@ def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "Calibra
     from fq.planning.model_bits import linear_shapes
 
     shapes = linear_shapes(source)
-    active, stored, head = _layer_params(source, shapes)
+    active, stored, head, dense = _layer_params(source, shapes)
     n_layers, tokens, h, m = source.num_hidden_layers, rows * cols, source.hidden_size, source.moe_intermediate_size
     fwd = 2.0 * tokens  # FLOPs per active parameter of one stream's forward
     model = fwd * (2 * sum(active) + head) + 3 * samples * fwd * (sum(active) + head)
     per_expert = 2 * (h ** 3 / 3 + m * h * h) + (m ** 3 / 3 + h * m * m)  # gate, up (in h) and down (in m)
-    directions = 2 * (sum(i ** 3 / 3 + o * i * i for _, (o, i) in shapes.values())
-                      + len([l for l in source.moe_layers if l < n_layers]) * source.n_experts * per_expert)
+    # each once in the Fisher pass and once per injected K (a unit's directions are made one linear at a time, not
+    # held together)
+    directions = (1 + len(INJECT_KS)) * (sum(i ** 3 / 3 + o * i * i for _, (o, i) in shapes.values())
+                                         + len([l for l in source.moe_layers if l < n_layers]) * source.n_experts
+                                         * per_expert)
     unit_layers = {u: n_layers if layer is None else layer
                    for u, (_, layer) in sorted(source_units(source).items(), key=lambda kv: order(kv[0]))}
     after = [sum(active[l:]) + head for l in range(n_layers + 1)]  # one stream from layer l to the head
@@ -412,12 +435,8 @@ def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "Calibra
     db = source.dtype_bytes
     read_bytes = int(db * (sum(r * p for r, p in zip(reads, stored)) + head * (1 + len(passes))))
     read_s = read_bytes / read_bytes_per_s
-    # the heaviest moment: the Fisher pass on the largest layer (float32 weights and gradients, float64 directions)
-    # beside the kept inputs (two streams), the clean log-probs, the head's gradients and the streams alive
-    vocab = int(source.config.get("vocab_size") or 0)
-    kept = 2 * (n_layers + 1) * tokens * h * 4 + rows * (cols - 1) * vocab * 4 + samples * tokens * h * 4
-    streams = min(stream_bytes, len(unit_layers) * len(INJECT_KS) * tokens * h * 4)
-    memory = int(16 * max(stored) + kept + streams)
+    memory = _sensitivity_memory(source, stored, dense, len(unit_layers) * len(INJECT_KS), rows, cols, samples,
+                                 stream_bytes)
     tflops = calibration.tflops if calibration is not None else DEFAULT_TFLOPS
     # one linear per unit kind (fq.allocation.measure.efficiency_names) encoded at every candidate K
     kinds = [(h, h), (h, h), (m, h), (h, m)]  # attention-like, dense/shared-like, routed gate/up, routed down
