@@ -106,3 +106,35 @@ def test_fq_allocate_takes_the_stream_options_with_streamed_only(demo, tmp_path,
     assert main(base + ["--device", "cuda:0"]) == 2
     assert "--device cuda:0: with --streamed" in capsys.readouterr().err
     assert not (tmp_path / "a.json").exists()
+
+
+@pytest.mark.parametrize("case", ["mixtral", "deepseek_v3"])
+def test_other_families_stream_as_they_run_in_memory(case, tmp_path):
+    """A tiny random Mixtral (checkpoint names renamed to the module's, sliding attention) and DeepSeek-V3 (MLA, a
+    dense first layer, group-limited routing), as tests/test_hessian_families.py saves them: the streamed measurement
+    equals the in-memory one, every value bit for bit but the experts' forms (float tolerance)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from fq.allocation import measure
+    from test_hessian_families import VOCAB, _save_tiny
+
+    d = _save_tiny(case, tmp_path / "model")
+    windows = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        runs = [measure.unit_options(model, windows, [2, 16], samples=1, seed=0),
+                streamed.unit_options(d, windows, [2, 16], samples=1, seed=0)]
+    finally:
+        torch.set_num_threads(before)
+    a, b = (json.loads(json.dumps({"options": o, "weights": w, "injected": fit["injected"],
+                                   "efficiency": fit["efficiency"],
+                                   "quad": {n: s.quad for n, s in sens.linears.items()}}, default=str))
+            for o, w, sens, fit in runs)
+    diffs = sorted(_differences(a, b), reverse=True)
+    others = [x for x in diffs if not (x[1].startswith("/quad/") and ".experts." in x[1])]
+    assert not others and len(a["options"]) >= 10, others[:5]
+    assert all(r < 1e-4 for r, _ in diffs), diffs[:3]
