@@ -138,3 +138,14 @@ def test_other_families_stream_as_they_run_in_memory(case, tmp_path):
     others = [x for x in diffs if not (x[1].startswith("/quad/") and ".experts." in x[1])]
     assert not others and len(a["options"]) >= 10, others[:5]
     assert all(r < 1e-4 for r, _ in diffs), diffs[:3]
+
+
+def test_a_streamed_measurement_from_scratch_is_byte_identical(demo):
+    """The campaign's sensitivity job twice from the same inputs: the same bytes (one window of 16 tokens, K2)."""
+    from fq.core import canonical
+    from fq.workflow.allocation import measure
+
+    text = (demo / "text" / "calibration.txt").read_text()
+    a, b = (canonical.dumps(measure(demo / "model", text, ks=(2, 16), rows=1, columns=16, samples=1, seed=3,
+                                    streamed=True)) for _ in range(2))
+    assert a == b and b'"experts"' in a
