@@ -1,4 +1,5 @@
-# Budgeted bases (recipe "bits"): the source's allocation units measured on the calibration text (sensitivity), then
+# Budgeted bases (recipe "bits"): the source's allocation units measured on the calibration text (sensitivity, streamed
+# one decoder layer at a time: fq.allocation.streamed; on the campaign's encode device), then
 # the allocation at every budget of the recipe solved from it (allocate). The plan reads OUT/allocation/allocation.json
 # when the Snakefile is parsed, so a campaign whose allocation is not there yet has it as its only target: the next
 # run plans the encode jobs from it (make demo and fq.commands.demo run both). allocation.file names one made by
@@ -25,7 +26,13 @@ if C.alloc.measures:
             samples=C.alloc.settings["samples"],
             seed=C.alloc.settings["seed"],
             ks=C.alloc.settings["ks"],
+            stream_bytes=C.alloc.settings["stream_bytes"],
+            device=config["encode"]["device"],
+            devices=config["encode"].get("devices", []),
+            locks=f"{OUT}/locks",
         threads: 2
+        resources:
+            gpu=1 if config["encode"]["device"] == "cuda" else 0,
         script:
             "../scripts/sensitivity.py"
 

@@ -21,6 +21,8 @@ FORMAT = "fq-allocation/1"
 # the measurement's default settings, for fq allocate, the campaign's sensitivity job and fq price alike: calibration
 # windows x tokens per window, label samples per window, direction and label seed
 SENSITIVITY = {"rows": 16, "columns": 128, "samples": 4, "seed": 0}
+# the streamed measurement's default cap on the injection streams' hidden states alive at once (fq.allocation.streamed)
+STREAM_BYTES = 16 << 30
 METHOD = ("unit u at K: a_u D(K) + b_u sqrt(D(K)), fitted through the output KL of u's LDLQ-shaped error injected "
           f"at K {', '.join(map(str, inject.INJECT_KS))} (K1 as measured); D(K) = d(K) c(K), c the encoder's measured "
           "LDLQ efficiency; an allocation: the second-order terms summed, plus the root of the first-order terms' "

@@ -14,44 +14,61 @@ import torch
 from fq.allocation import error_model, inject, sensitivity, solve, units
 
 
-def hessians(model, windows, device) -> dict[str, torch.Tensor]:
-    """name -> H = sum x x^T / count (float64) over the calibration windows, for every quantizable linear."""
-    sums: dict[str, list] = {}
+class HessianCapture:
+    """Hooks on ``model``'s quantizable linears (and its fused experts: every token through every expert, the
+    campaign's all-experts capture) that sum x^T x in float64 over every forward while installed; ``result()`` is
+    name -> H = sum / count, one tensor for every routed expert's gate and up (they read the same tokens: the sum
+    each would have, without a copy per expert). Works on a whole model or on one decoder layer
+    under its model path (fq.allocation.streamed): the same sums in the same order."""
 
-    def add(name, x):
+    def __init__(self, model):
+        self.model, self.sums, self.handles, self.origs, self.n_experts = model, {}, [], {}, {}
+
+    def add(self, name, x):
         x = x.reshape(-1, x.shape[-1]).double()
-        s = sums.setdefault(name, [torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device), 0])
+        s = self.sums.setdefault(name, [torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device), 0])
         s[0] += x.T @ x
         s[1] += x.shape[0]
 
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: add(n, args[0]))
-               for n, m in sensitivity.quantizable_linears(model).items()]
-    origs = {}
-    for name, mod in sensitivity.fused_experts(model).items():
-        def fwd(hidden_states, top_k_index, top_k_weights, mod=mod, name=name, orig=mod.forward):
-            I = mod.gate_up_proj.shape[1] // 2
-            for e in range(mod.gate_up_proj.shape[0]):
-                gu = torch.nn.functional.linear(hidden_states, mod.gate_up_proj[e])
-                a = mod.act_fn(gu[..., :I]) * gu[..., I:]
-                add(f"{name}.{e}.gate_proj", hidden_states)
-                add(f"{name}.{e}.down_proj", a)
-            return orig(hidden_states, top_k_index, top_k_weights)
-        origs[name] = (mod, mod.forward)
-        mod.forward = fwd
-    try:
-        with torch.no_grad():
-            for i in range(windows.shape[0]):
-                model(input_ids=windows[i: i + 1].to(device))
-    finally:
-        for h in handles:
+    def __enter__(self):
+        add = self.add
+        self.handles = [m.register_forward_pre_hook(lambda mod, args, n=n: add(n, args[0]))
+                        for n, m in sensitivity.quantizable_linears(self.model).items()]
+        for name, mod in sensitivity.fused_experts(self.model).items():
+            def fwd(hidden_states, top_k_index, top_k_weights, mod=mod, name=name, orig=mod.forward):
+                I = mod.gate_up_proj.shape[1] // 2
+                add(f"{name}.gate_up", hidden_states)  # every expert's gate and up read every token: one sum
+                for e in range(mod.gate_up_proj.shape[0]):
+                    gu = torch.nn.functional.linear(hidden_states, mod.gate_up_proj[e])
+                    a = mod.act_fn(gu[..., :I]) * gu[..., I:]
+                    add(f"{name}.{e}.down_proj", a)
+                return orig(hidden_states, top_k_index, top_k_weights)
+            self.origs[name] = (mod, mod.forward)
+            self.n_experts[name] = int(mod.gate_up_proj.shape[0])
+            mod.forward = fwd
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
             h.remove()
-        for mod, f in origs.values():
+        for mod, f in self.origs.values():
             mod.forward = f
-    out = {n: (s / c) for n, (s, c) in sums.items()}
-    for n in list(out):
-        if n.endswith(".gate_proj") and ".experts." in n and "shared" not in n:
-            out[n.replace(".gate_proj", ".up_proj")] = out[n]
-    return out
+        self.handles, self.origs = [], {}
+
+    def result(self) -> dict[str, torch.Tensor]:
+        out = {n: (s / c) for n, (s, c) in self.sums.items()}
+        for name, n_exp in self.n_experts.items():  # one tensor shared by every expert's gate and up
+            H = out.pop(f"{name}.gate_up")
+            out.update({f"{name}.{e}.{p}": H for e in range(n_exp) for p in ("gate_proj", "up_proj")})
+        return out
+
+
+def hessians(model, windows, device) -> dict[str, torch.Tensor]:
+    """name -> H = sum x x^T / count (float64) over the calibration windows, for every quantizable linear."""
+    with HessianCapture(model) as cap, torch.no_grad():
+        for i in range(windows.shape[0]):
+            model(input_ids=windows[i: i + 1].to(device))
+    return cap.result()
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -92,16 +109,35 @@ def unit_bytes(W: dict, ks) -> dict:
             for u, ns in units.group_units(W).items()}
 
 
-def efficiency_samples(W: dict, H: dict) -> list:
+def efficiency_names(names) -> list[str]:
     """One linear per unit kind (attention, dense, shared, routed gate/up, routed down; not the head: the largest
     matrix), from the middle of the layers that have that kind: the encodes fq.allocation.error_model.ldlq_efficiency
-    measures the encoder on."""
+    measures the encoder on, in the order it takes them."""
     by_kind: dict = {}
-    for u, ns in units.group_units(sorted(W)).items():
+    for u, ns in units.group_units(sorted(names)).items():
         kind = units.unit_of(ns[0])
         if kind.kind != "head":
             by_kind.setdefault(kind.kind, []).append(ns)
-    return [(W[lists[len(lists) // 2][0]], H[lists[len(lists) // 2][0]]) for _, lists in sorted(by_kind.items())]
+    return [lists[len(lists) // 2][0] for _, lists in sorted(by_kind.items())]
+
+
+def efficiency_samples(W: dict, H: dict) -> list:
+    """(W, H) of every ``efficiency_names`` linear."""
+    return [(W[n], H[n]) for n in efficiency_names(W)]
+
+
+def direction_seed(seed: int, index: int) -> int:
+    """The seed of the error direction of the ``index``-th linear in sorted name order."""
+    return seed * 1_000_003 + index
+
+
+def options_of(points: dict, D: dict, sizes: dict, ks) -> tuple[dict, dict]:
+    """(unit -> {K: (predicted KL, bytes)}, unit -> {K: (second-order, first-order KL)}) from the injected points."""
+    split, options = {}, {}
+    for u in points:
+        split[u] = inject.parts(points[u], D)
+        options[u] = {K: (sum(split[u][K]), sizes[u][K]) for K in ks}
+    return options, split
 
 
 def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4, seed: int = 0, progress=None):
@@ -116,7 +152,7 @@ def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4
     W = weights(model)
     H = hessians(model, windows, windows.device)
     names = sorted(W)
-    dirs = {n: [error_model.direction(W[n], H[n], seed=seed * 1_000_003 + i)] for i, n in enumerate(names)}
+    dirs = {n: [error_model.direction(W[n], H[n], seed=direction_seed(seed, i))] for i, n in enumerate(names)}
     eff = error_model.ldlq_efficiency(efficiency_samples(W, H), ks, codebook, device=windows.device, seed=seed)
     del H
     sens = sensitivity.measure(model, windows, samples=samples, seed=seed, directions=dirs, progress=progress)
@@ -124,10 +160,6 @@ def unit_options(model, windows, ks, codebook: str = "mul1", *, samples: int = 4
     D = {K: error_model.distortion(K, codebook) * eff[K] for K in ks}
     points = inject.measure(model, windows, {n: d[0] for n, d in dirs.items()}, groups, D, W, apply,
                             progress=progress)
-    sizes = unit_bytes(W, ks)
-    split, options = {}, {}
-    for u in groups:
-        split[u] = inject.parts(points[u], D)
-        options[u] = {K: (sum(split[u][K]), sizes[u][K]) for K in ks}
+    options, split = options_of(points, D, unit_bytes(W, ks), ks)
     fit = {"injected": points, "parts": split, "efficiency": eff, "distortion": D}
     return options, sum(W[n].numel() for n in names), sens, fit

@@ -101,6 +101,7 @@ class _ExpertsTap:
             stats[d] = LinearStat(n, self.I)
         self._orig = module.forward
         self._torch = torch
+        self.acts = None  # a list: each forward's per-expert (x, a) and, after the backward, their output gradients
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         torch, m = self._torch, self.module
@@ -116,8 +117,18 @@ class _ExpertsTap:
             y = torch.nn.functional.linear(a, m.down_proj[e])
             if self.record[0]:
                 self._sum(e, int(tok.numel()), x, gate, up, a, y)
+            if self.acts is not None and gu.requires_grad:
+                self._keep(e, x, gu, a, y)
             out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
         return out
+
+    def _keep(self, e: int, x, gu, a, y):
+        """Expert e's inputs and (once the backward reaches them) its outputs' gradients: its weight gradients are
+        d_guᵀ x and d_yᵀ a, so a direction's inner product with them needs no weight gradient (``expert_forms``)."""
+        rec = {"e": e, "x": x.detach(), "a": a.detach()}
+        gu.register_hook(lambda g: rec.__setitem__("d_gu", g.detach()))
+        y.register_hook(lambda g: rec.__setitem__("d_y", g.detach()))
+        self.acts.append(rec)
 
     def _sum(self, e: int, tokens: int, x, gate, up, a, y):
         torch = self._torch
@@ -188,6 +199,115 @@ def _take_grads(linears: dict, experts: dict, stats: dict, directions: dict) -> 
             m.down_proj.grad = None
 
 
+class FisherTaps:
+    """What the Fisher measurement installs on a model (or on one decoder layer under its model path,
+    fq.allocation.streamed): the stats of every quantizable linear and expert projection, the experts' computing
+    forward (``_ExpertsTap``), the energy hooks (summed while ``record[0]``) and gradients on the linears' weights
+    only. ``take_grads(directions)`` adds the current weight gradients to the stats and clears them."""
+
+    def __init__(self, model, stats: dict | None = None, expert_activations: bool = False):
+        self.linears = quantizable_linears(model)
+        self.experts = fused_experts(model)
+        self.expert_activations = expert_activations
+        self.stats = {} if stats is None else stats
+        self.stats.update({n: LinearStat(m.out_features, m.in_features) for n, m in self.linears.items()})
+        self.record = [True]
+        self.taps = [_ExpertsTap(n, m, self.stats, self.record) for n, m in self.experts.items()]
+        self.model, self.handles = model, []
+        self.params = {n: m.weight for n, m in self.linears.items()}
+        for n, m in self.experts.items():
+            if expert_activations:  # no weight gradients: the experts' inputs and output gradients instead
+                continue
+            self.params[f"{n}.gate_up_proj"] = m.gate_up_proj
+            self.params[f"{n}.down_proj"] = m.down_proj
+
+    def _hook(self, name):
+        import torch
+
+        def fn(mod, args, out):
+            if not self.record[0]:
+                return
+            with torch.no_grad():
+                s = self.stats[name]
+                x = args[0]
+                s.x_energy += float(x.double().pow(2).sum())
+                s.y_energy += float(out.double().pow(2).sum())
+                s.tokens += int(x.numel() // x.shape[-1])
+        return fn
+
+    def __enter__(self):
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        for p in self.params.values():
+            p.requires_grad_(True)
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in self.linears.items()]
+        for t in self.taps:
+            t.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for t in self.taps:
+            t.__exit__()
+        for h in self.handles:
+            h.remove()
+        for p in self.params.values():
+            p.requires_grad_(False)
+        self.handles = []
+
+    def take_grads(self, directions: dict) -> None:
+        _take_grads(self.linears, {} if self.expert_activations else self.experts, self.stats, directions)
+
+    def start_keeping(self) -> list:
+        """With ``expert_activations``: a list per experts module (in ``taps`` order) of what the next forward and
+        backward keep (``_ExpertsTap._keep``)."""
+        kept = []
+        for t in self.taps:
+            t.acts = []
+            kept.append(t.acts)
+        return kept
+
+
+def expert_forms(tap: "_ExpertsTap", kept: list, stats: dict, direction) -> None:
+    """Add to ``stats`` each of the tap's experts' Fisher trace and quadratic form per kept forward (``kept``: one
+    list per window and sample, in order, of ``_ExpertsTap._keep`` records), one expert at a time: its directions
+    ``direction(name)`` (float64, as its weight) are made once for all the records. The gradient of a weight is
+    d_outᵀ x over the tokens, so <grad, E> = sum(d_out * (x Eᵀ)) and ||grad||² = sum((d_out d_outᵀ) * (x xᵀ)),
+    in float64 (the weight-gradient path rounds the gradient to float32 first: equal to float tolerance)."""
+    import torch
+
+    I = tap.I
+    by_expert = [{r["e"]: r for r in recs} for recs in kept]
+    with torch.no_grad():
+        for e in range(tap.E):
+            g, u, d = _expert_names(tap.name, e)
+            dirs = {n: direction(n) for n in (g, u, d)}
+            for recs in by_expert:
+                r = recs.get(e)
+                for n, x, dout in ((g, "x", slice(0, I)), (u, "x", slice(I, 2 * I)), (d, "a", None)):
+                    stat = stats[n]
+                    if not stat.quad:
+                        stat.quad = [0.0]
+                    if r is None:  # no token routed to it here: a zero gradient
+                        continue
+                    xs = r[x].double()
+                    dy = (r["d_gu"][:, dout] if dout is not None else r["d_y"]).double()
+                    E = dirs[n].to(xs.device, torch.float64)
+                    stat.quad[0] += float((dy * (xs @ E.T)).sum()) ** 2
+                    stat.fisher += float(((dy @ dy.T) * (xs @ xs.T)).sum())
+
+
+def normalize(stats: dict, samples: int) -> None:
+    """Sums over label samples -> means per sample (in place)."""
+    for v in stats.values():
+        v.fisher /= samples
+        v.quad = [q / samples for q in v.quad]
+
+
+def check_samples(samples: int) -> None:
+    if samples < 1:
+        raise FqError(f"sensitivity: samples {samples}: need at least 1 label sample per window")
+
+
 def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
             directions: dict | None = None) -> Sensitivity:
     """The Fisher quadratic forms in ``directions`` (linear -> [E, ...]), traces and energies of every quantizable
@@ -195,62 +315,30 @@ def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
     ``progress``: called with (done, total) after each window."""
     import torch
 
-    if samples < 1:
-        raise FqError(f"sensitivity: samples {samples}: need at least 1 label sample per window")
-    linears = quantizable_linears(model)
-    experts = fused_experts(model)
-    stats: dict[str, LinearStat] = {n: LinearStat(m.out_features, m.in_features) for n, m in linears.items()}
-    record = [True]
-    taps = [_ExpertsTap(n, m, stats, record) for n, m in experts.items()]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params = {n: m.weight for n, m in linears.items()}
-    for n, m in experts.items():
-        params[f"{n}.gate_up_proj"] = m.gate_up_proj
-        params[f"{n}.down_proj"] = m.down_proj
-    for p in params.values():
-        p.requires_grad_(True)
-
-    def hook(name):
-        def fn(mod, args, out):
-            if not record[0]:
-                return
-            with torch.no_grad():
-                s = stats[name]
-                x = args[0]
-                s.x_energy += float(x.double().pow(2).sum())
-                s.y_energy += float(out.double().pow(2).sum())
-                s.tokens += int(x.numel() // x.shape[-1])
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    check_samples(samples)
     gen = torch.Generator().manual_seed(seed)
     positions = 0
-    try:
-        for t in taps:
-            t.__enter__()
-        model.eval()
+    model.eval()
+    with FisherTaps(model) as taps:
         for i in range(windows.shape[0]):
             ids = windows[i: i + 1]
             for s in range(samples):
-                record[0] = s == 0  # energies once per window
+                taps.record[0] = s == 0  # energies once per window
                 logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
                 logp = logp.reshape(-1, logp.shape[-1])
-                with torch.no_grad():
-                    y = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)  # CPU draws: one stream
+                y = draw_labels(logp, gen)
                 logp.gather(1, y).sum().backward()
-                _take_grads(linears, experts, stats, directions or {})
+                taps.take_grads(directions or {})
             positions += ids.shape[1] - 1
             if progress is not None:
                 progress(i + 1, windows.shape[0])
-    finally:
-        for t in taps:
-            t.__exit__()
-        for h in handles:
-            h.remove()
-        for p in params.values():
-            p.requires_grad_(False)
-    for v in stats.values():
-        v.fisher /= samples
-        v.quad = [q / samples for q in v.quad]
-    return Sensitivity(positions=positions, samples=samples, linears=stats)
+    normalize(taps.stats, samples)
+    return Sensitivity(positions=positions, samples=samples, linears=taps.stats)
+
+
+def draw_labels(logp, gen):
+    """One label per position from the model's own distribution (CPU draws: one random stream on any device)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)

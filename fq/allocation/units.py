@@ -67,10 +67,11 @@ def group_units(linears) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name in linears:
         out.setdefault(unit_of(name).name, []).append(name)
-    return {u: sorted(v) for u, v in sorted(out.items(), key=lambda kv: _order(kv[0]))}
+    return {u: sorted(v) for u, v in sorted(out.items(), key=lambda kv: order(kv[0]))}
 
 
-def _order(unit: str):
+def order(unit: str):
+    """The sort key of a unit name: by layer (the head last), then by kind as UNIT_KINDS lists them."""
     if unit == "head":
         return (1 << 30, 0)
     layer, kind = unit[1:].split(".", 1)

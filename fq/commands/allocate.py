@@ -24,6 +24,13 @@ def register(sub) -> None:
                    help="label samples per window for the experts' Fisher forms (default %(default)s)")
     p.add_argument("--seed", type=int, default=SENSITIVITY["seed"])
     p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads")
+    p.add_argument("--streamed", action="store_true",
+                   help="one decoder layer in memory at a time (as the campaign's sensitivity job; families with a "
+                        "calibration chain): the same result, for a model larger than this machine's memory")
+    p.add_argument("--stream-gib", type=float, default=None, metavar="GIB",
+                   help="with --streamed: memory for the injection streams alive at once (default 16 GiB)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="with --streamed: where the layers run, cpu or cuda:N (default %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -63,6 +70,7 @@ def run(args) -> int:
     from fq.allocation.measure import unit_bytes, weights
     from fq.core import atomic, canonical
     from fq.core.paths import check_output_file, read_text_arg
+    from fq.errors import FqError
     from fq.model.usage import check_checkpoint_dir
     from fq.workflow.allocation import measure
 
@@ -74,19 +82,40 @@ def run(args) -> int:
         solve.budget_from_bits(b, 1)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
+    if args.stream_gib is not None and (not args.streamed or args.stream_gib <= 0):
+        raise FqError(f"--stream-gib {args.stream_gib}: a positive size, with --streamed")
+    if args.device != "cpu" and not args.streamed:
+        raise FqError(f"--device {args.device}: with --streamed (the in-memory measurement runs where transformers "
+                      "loads the model)")
+    if args.streamed:  # the shapes only (meta tensors): nothing of the weights is read
+        from fq.allocation.streamed import Source
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    W = weights(model)
+        W = Source(args.model, args.columns).shapes()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        W = weights(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval())
     sizes, n_weights = unit_bytes(W, ks), sum(w.numel() for w in W.values())
     for b in args.bits:  # an unmeetable budget is refused before the measurement, by the solver's own check
         solve.solve({u: {K: (0.0, by) for K, by in s.items()} for u, s in sizes.items()},
                     solve.budget_from_bits(b, n_weights), n_weights)
-    del W, model
-    bar = tqdm(total=args.rows, desc="sensitivity", unit="window")
+    del W
+    if args.streamed:
+        bar = tqdm(desc="sensitivity", unit="layer")
+
+        def progress(what, done, total):
+            bar.total = total
+            bar.update(1)
+    else:
+        bar = tqdm(total=args.rows, desc="sensitivity", unit="window")
+
+        def progress(done, total):
+            bar.update(1)
     doc = measure(Path(args.model), text, codebook=args.codebook, ks=ks, rows=args.rows,
-                           columns=args.columns, samples=args.samples, seed=args.seed,
-                           progress=lambda done, total: bar.update(1))
+                  columns=args.columns, samples=args.samples, seed=args.seed, progress=progress,
+                  streamed=args.streamed,
+                  stream_bytes=None if args.stream_gib is None else int(args.stream_gib * 2**30),
+                  device=args.device)
     bar.close()
     doc = document.with_allocations(doc, args.bits)
     for a in doc["allocations"]:

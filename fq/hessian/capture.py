@@ -186,6 +186,41 @@ def _mask_function(arch: layer_mod.Arch, hfc, layer: int):
     return fn
 
 
+def layer_call(arch: layer_mod.Arch, hfc, layer: int, rot, cols: int, device="cpu"):
+    """fn(module, h [b, cols, hidden]) -> decoder layer ``layer``'s output, with the mask and position embeddings the
+    model's forward hands that layer (positions 0..cols-1, each row its own sequence)."""
+    import torch
+
+    mask_kwargs = {"allow_is_causal_skip": False} if arch.materialized_mask else {}
+    make_mask = _mask_function(arch, hfc, layer)
+    position_ids = torch.arange(cols, device=device).unsqueeze(0)
+
+    def call(module, h):
+        pos_emb = {} if rot is None else {
+            "position_embeddings": layer_mod.position_embeddings(rot, hfc, arch, layer, h, position_ids)}
+        mask = make_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids,
+                         **mask_kwargs)
+        y = module(h, attention_mask=mask, position_ids=position_ids, **pos_emb)
+        return y[0] if isinstance(y, tuple) else y
+    return call
+
+
+def check_layer(arch: layer_mod.Arch, hfc, layer: int) -> None:
+    """Refuse a layer the chain cannot run one layer at a time (before its tensors are read)."""
+    if arch.shared_indexer is not None and arch.shared_indexer(hfc, layer):
+        raise FqError(f"layer {layer}: its attention reuses the previous layer's top-k token selection (indexer_types: "
+                      f"{hfc.indexer_types[layer]!r}); the calibration chain runs one layer per job and does not carry "
+                      "that selection yet")
+
+
+def check_built(arch: layer_mod.Arch, config: dict, layer: int, module) -> None:
+    """Refuse a block transformers built unlike the config (MoE or dense)."""
+    moe = hasattr(getattr(module, arch.moe_block), "experts")
+    if moe != arch.is_moe(config, layer):
+        raise FqError(f"layer {layer}: transformers built a {'MoE' if moe else 'dense'} block where {arch.name}'s "
+                      "config says otherwise")
+
+
 def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "torch.Tensor"], config: dict, *,
             routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu", threads: int | None = 1,
             capture: bool = True) -> tuple["torch.Tensor", LayerSums | None]:
@@ -281,19 +316,13 @@ def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[s
     if hidden.shape[-1] != hfc.hidden_size:
         raise FqError(f"layer {layer}: hidden states of width {hidden.shape[-1]}, the model's hidden_size is "
                       f"{hfc.hidden_size}")
-    if arch.shared_indexer is not None and arch.shared_indexer(hfc, layer):
-        raise FqError(f"layer {layer}: its attention reuses the previous layer's top-k token selection (indexer_types: "
-                      f"{hfc.indexer_types[layer]!r}); the calibration chain runs one layer per job and does not carry "
-                      "that selection yet")
-    mask_kwargs = {"allow_is_causal_skip": False} if arch.materialized_mask else {}
-    make_mask = _mask_function(arch, hfc, layer)
+    check_layer(arch, hfc, layer)
     module = layer_mod.build_layer(hfc, arch, layer, layer_tensors).to(device)
+    check_built(arch, config, layer, module)
     rot = layer_mod.rotary(hfc, arch)
     rot = None if rot is None else rot.to(device)
     moe = hasattr(getattr(module, arch.moe_block), "experts")
-    if moe != arch.is_moe(config, layer):
-        raise FqError(f"layer {layer}: transformers built a {'MoE' if moe else 'dense'} block where {arch.name}'s "
-                      "config says otherwise")
+    call = layer_call(arch, hfc, layer, rot, hidden.shape[1], device)
     rows, cols, width = hidden.shape
     sums = None
     handles = []
@@ -310,18 +339,12 @@ def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[s
     if linears:
         lin_seen, lin_handles = _linear_hooks(module, arch, layer, linears)
         handles += lin_handles
-    position_ids = torch.arange(cols, device=device).unsqueeze(0)
     out = torch.empty_like(hidden)
     try:
         with torch.no_grad(), torch_threads(threads if str(device) == "cpu" else None):
             for lo in range(0, rows, row_batch):
                 h = hidden[lo: lo + row_batch].to(device)
-                pos_emb = {} if rot is None else {
-                    "position_embeddings": layer_mod.position_embeddings(rot, hfc, arch, layer, h, position_ids)}
-                mask = make_mask(config=hfc, inputs_embeds=h, attention_mask=None, cache=None,
-                                 position_ids=position_ids, **mask_kwargs)
-                y = module(h, attention_mask=mask, position_ids=position_ids, **pos_emb)
-                y = y[0] if isinstance(y, tuple) else y
+                y = call(module, h)
                 out[lo: lo + row_batch] = y.to("cpu", torch.float32)
                 if linears:
                     inputs = _linear_inputs(lin_seen, h.shape[0], cols, layer)

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from fq.allocation.document import SENSITIVITY
+from fq.allocation.document import SENSITIVITY, STREAM_BYTES
 from fq.core import canonical, kbits
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
@@ -159,18 +159,27 @@ class LinearPrice:
 
 @dataclass(frozen=True)
 class SensitivityPrice:
-    """The sensitivity job of a recipe with budgeted bases (fq.workflow.allocation): a forward of the source over
-    the calibration windows, a backward per label sample, each linear's LDLQ-shaped error direction (one
-    Cholesky of its Hessian and a triangular solve), one forward per allocation unit and injected K, and the
-    encoder's efficiency encodes (a few linears at every candidate K), counted in FLOPs at the calibration's
-    TFLOP/s (the encodes at the cost table's seconds)."""
+    """The sensitivity job of a recipe with budgeted bases (fq.workflow.allocation), streamed one decoder layer at a
+    time (fq.allocation.streamed): the forward (the clean and the Fisher streams, each layer's Hessians captured with
+    every token through every expert), per label sample a recomputed forward and a backward of every layer, each
+    allocated linear's LDLQ-shaped error direction once in the Fisher pass and once per injected K (one Cholesky of
+    its Hessian and a triangular solve), the injection streams (each from its unit's layer to the
+    head), the encoder's efficiency encodes (a few linears at every candidate K), and the layer reads (the forward's,
+    the Fisher's, and each injection pass's from its first unit's layer). FLOPs at the calibration's TFLOP/s, the
+    encodes at the cost table's seconds, reads at the verify rate (a read hashes every shard it touches)."""
     tokens: int
     samples: int
-    model_flops: float  # forward + backward per sample, active parameters per token
-    direction_flops: float  # every allocated linear: in^3/3 + out*in^2
+    model_flops: float  # the forward's two streams, and per label sample a forward and a backward
+    direction_flops: float  # every allocated linear, 1 + injected Ks times: in^3/3 + out*in^2
     seconds: float
-    injection_flops: float = 0.0  # a forward per unit and injected K, and the reference forward
+    injection_flops: float = 0.0  # the streams, each from its unit's layer to the head
     efficiency_seconds: float = 0.0  # fq.allocation.error_model.ldlq_efficiency's encodes
+    capture_flops: float = 0.0  # the Hessian captures: all-experts gate/up and the float64 sums
+    passes: int = 0  # injection passes over the layers
+    layer_reads: int = 0  # layer (and head) reads of the whole measurement
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    memory_bytes: int = 0  # the bound: the largest layer's weights, gradients and directions, kept states, streams
 
 
 @dataclass(frozen=True)
@@ -334,40 +343,111 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     )
 
 
+def _layer_params(source, shapes: dict) -> tuple[list[int], list[int], int, list[int]]:
+    """(active parameters per token, stored parameters, per decoder layer; the head's; the non-expert linears'
+    parameters per layer) from the linear shapes and the experts (top-k of them active)."""
+    import re
+
+    n_layers = source.num_hidden_layers
+    top_k = int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
+    expert = 3 * source.hidden_size * source.moe_intermediate_size
+    dense, head = [0] * n_layers, 0
+    for name, (cls, (o, i)) in shapes.items():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if m is None:
+            head += o * i
+        elif int(m.group(1)) < n_layers:
+            dense[int(m.group(1))] += o * i
+    moe = {l for l in source.moe_layers if l < n_layers}
+    active = [d + (top_k * expert if l in moe else 0) for l, d in enumerate(dense)]
+    stored = [d + (source.n_experts * expert if l in moe else 0) for l, d in enumerate(dense)]
+    return active, stored, head or source.hidden_size * int(source.config.get("vocab_size") or 0), dense
+
+
+def _capture_flops(source, shapes: dict, layer: int, tokens: int) -> float:
+    """One Hessian capture of ``layer``: every expert's gate/up on every token, and x^T x of every linear's input
+    (the experts' gate/up one sum; down one per expert)."""
+    import re
+
+    h, m = source.hidden_size, source.moe_intermediate_size
+    sums = sum(i * i for name, (_, (o, i)) in shapes.items()
+               if (g := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) and int(g.group(1)) == layer)
+    if layer in source.moe_layers:
+        sums += h * h + source.n_experts * m * m
+        return 2.0 * tokens * (source.n_experts * 2 * m * h + sums)
+    return 2.0 * tokens * sums
+
+
+def _sensitivity_memory(source, stored: list, dense: list, streams: int, rows: int, cols: int, samples: int,
+                        stream_bytes: int) -> int:
+    """The streamed measurement's memory bound (fq.allocation.streamed): the largest layer's float32 weights and
+    Hessians (float64: the experts' shared input's, each expert's down input's, each other linear's), the kept inputs
+    (two streams), clean log-probs and head gradients, and the larger of the injection's (the streams alive and a
+    unit's weights copied to restore them: at most every expert's gate and up) and the Fisher pass's (the non-expert
+    linears' float32 gradients and float64 directions, the experts' kept inputs and output gradients)."""
+    h, m, E = source.hidden_size, source.moe_intermediate_size, source.n_experts
+    top_k = int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
+    vocab = int(source.config.get("vocab_size") or 0)
+    tokens = rows * cols
+    layer = 4 * max(stored)
+    hessians = 8 * (h * h + E * m * m + max(dense) * 2)  # the other linears' inputs: ~ their weights' size or less
+    kept = 2 * (source.num_hidden_layers + 1) * tokens * h * 4 + rows * (cols - 1) * vocab * 4 \
+        + samples * tokens * h * 4
+    injection = min(stream_bytes, streams * tokens * h * 4) + 4 * max(E * 2 * h * m, max(dense))
+    fisher = 12 * max(dense) + samples * tokens * top_k * (2 * h + 3 * m) * 4
+    return int(layer + hessians + kept + max(injection, fisher))
+
+
 def price_sensitivity(source: SourceModel, recipe: Recipe, calibration: "CalibrationPrice | None" = None, *,
                       rows: int = SENSITIVITY["rows"], cols: int = SENSITIVITY["columns"],
                       samples: int = SENSITIVITY["samples"], table: "CostTable | None" = None,
-                      ks=range(1, 9)) -> SensitivityPrice:
-    """The allocation's measurement (``SensitivityPrice``): FLOPs at the calibration's TFLOP/s (the default without)."""
+                      ks=range(1, 9), stream_bytes: int = STREAM_BYTES,
+                      read_bytes_per_s: float = DEFAULT_VERIFY_MB_S * 1e6) -> SensitivityPrice:
+    """The streamed measurement (``SensitivityPrice``): FLOPs at the calibration's TFLOP/s (the default without)."""
+    from fq.allocation import passes as walk
+    from fq.allocation.inject import INJECT_KS
+    from fq.allocation.units import order
+    from fq.planning.budget import source_units
     from fq.planning.calibration_cost import DEFAULT_TFLOPS
     from fq.planning.model_bits import linear_shapes
 
     shapes = linear_shapes(source)
-    top_k = int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
-    expert = 3 * source.hidden_size * source.moe_intermediate_size
-    dense = sum(o * i for cls, (o, i) in shapes.values())
-    active = dense + len(source.moe_layers) * top_k * expert
-    tokens = rows * cols
-    model = 2.0 * active * tokens * (1 + 2 * samples)  # forward, then per label sample a backward (twice a forward)
-    h, m = source.hidden_size, source.moe_intermediate_size
+    active, stored, head, dense = _layer_params(source, shapes)
+    n_layers, tokens, h, m = source.num_hidden_layers, rows * cols, source.hidden_size, source.moe_intermediate_size
+    fwd = 2.0 * tokens  # FLOPs per active parameter of one stream's forward
+    model = fwd * (2 * sum(active) + head) + 3 * samples * fwd * (sum(active) + head)
     per_expert = 2 * (h ** 3 / 3 + m * h * h) + (m ** 3 / 3 + h * m * m)  # gate, up (in h) and down (in m)
-    directions = sum(i ** 3 / 3 + o * i * i for _, (o, i) in shapes.values()) \
-        + len(source.moe_layers) * source.n_experts * per_expert
+    # each once in the Fisher pass and once per injected K (a unit's directions are made one linear at a time, not
+    # held together)
+    directions = (1 + len(INJECT_KS)) * (sum(i ** 3 / 3 + o * i * i for _, (o, i) in shapes.values())
+                                         + len([l for l in source.moe_layers if l < n_layers]) * source.n_experts
+                                         * per_expert)
+    unit_layers = {u: n_layers if layer is None else layer
+                   for u, (_, layer) in sorted(source_units(source).items(), key=lambda kv: order(kv[0]))}
+    after = [sum(active[l:]) + head for l in range(n_layers + 1)]  # one stream from layer l to the head
+    injection = len(INJECT_KS) * sum(fwd * after[l] for l in unit_layers.values())
+    passes = walk.plan(unit_layers, len(INJECT_KS), tokens * h * 4, stream_bytes)
+    firsts = walk.starts(passes, unit_layers)
+    # a layer is captured by the forward, the Fisher pass, and each injection pass that starts a unit of it
+    captured = [2 + sum(1 for p in passes if any(unit_layers[u] == l for u in p)) for l in range(n_layers)]
+    capture = sum(c * _capture_flops(source, shapes, l, tokens) for l, c in enumerate(captured))
+    reads = [2 + sum(1 for f in firsts if f <= l) for l in range(n_layers)]
+    db = source.dtype_bytes
+    read_bytes = int(db * (sum(r * p for r, p in zip(reads, stored)) + head * (1 + len(passes))))
+    read_s = read_bytes / read_bytes_per_s
+    memory = _sensitivity_memory(source, stored, dense, len(unit_layers) * len(INJECT_KS), rows, cols, samples,
+                                 stream_bytes)
     tflops = calibration.tflops if calibration is not None else DEFAULT_TFLOPS
-    from fq.allocation.inject import INJECT_KS
-    from fq.planning.budget import source_units
-
-    injection = 2.0 * active * tokens * (1 + len(source_units(source)) * len(INJECT_KS))
-    # one linear per unit kind (fq.allocation.measure.efficiency_samples) encoded at every candidate K
-    h, m = source.hidden_size, source.moe_intermediate_size
+    # one linear per unit kind (fq.allocation.measure.efficiency_names) encoded at every candidate K
     kinds = [(h, h), (h, h), (m, h), (h, m)]  # attention-like, dense/shared-like, routed gate/up, routed down
     eff = 0.0
     if table is not None:
         for K in ks:
             for shape in kinds:
                 eff += table.seconds("mul1", K, shape)[0] if K != 16 else 0.0
-    return SensitivityPrice(tokens, samples, model, directions, (model + directions + injection) / (tflops * 1e12)
-                            + eff, injection, eff)
+    seconds = (model + directions + injection + capture) / (tflops * 1e12) + eff + read_s
+    return SensitivityPrice(tokens, samples, model, directions, seconds, injection, eff, capture, len(passes),
+                            walk.layer_reads(n_layers, passes, unit_layers), read_bytes, read_s, memory)
 
 
 def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq: float, calibrated: bool):
@@ -532,8 +612,10 @@ def price_table(price: Price) -> str:
         lines.append(f"sensitivity (budgeted bases' allocation, measured before encoding): {sv.tokens} tokens x "
                      f"{sv.samples} label samples, {sv.model_flops:.3g} model FLOPs + {sv.direction_flops:.3g} for the "
                      f"error directions + {sv.injection_flops:.3g} for the injected errors + "
-                     f"{sv.efficiency_seconds:.0f} s of efficiency encodes: {sv.seconds / 3600:.2f} GPU-h "
-                     "(held in one machine's memory today)")
+                     f"{sv.capture_flops:.3g} for the Hessian captures + {sv.efficiency_seconds:.0f} s of efficiency "
+                     f"encodes + {sv.layer_reads} layer reads ({fmt_bytes(sv.read_bytes)}, {sv.read_seconds / 3600:.2f} "
+                     f"h; {sv.passes} injection passes): {sv.seconds / 3600:.2f} GPU-h, streamed one layer at a time in "
+                     f"about {fmt_bytes(sv.memory_bytes)} of memory")
     if price.linears:
         lines += ["", f"{'linear node':<20} {'matrices':>8} {'GPU-h':>8} {'output':>11} {'replaces':>11} {'Hessians':>11}"]
         for ln in price.linears:

@@ -516,10 +516,24 @@ def _budgets(config: dict, recipe, source):
             raise FqError(f"config allocation.file: recipe {recipe.source} has budgeted bases; a hub source is not "
                           "on local disk for the campaign's sensitivity job: measure it with fq allocate where the "
                           "model is, and name the file")
+        _check_streamable(recipe, source)
         return resolve_budgets(recipe, source, None), None, True
     doc = document.load(path)
     check_source(doc, source, str(path))
     return resolve_budgets(recipe, source, doc, str(path)), doc, False
+
+
+def _check_streamable(recipe, source) -> None:
+    """The sensitivity job streams the source one decoder layer at a time through the calibration chain's layer
+    (fq.allocation.streamed): a family without a chain is refused at parse time, not at the job."""
+    from fq.model import families
+
+    family = families.by_name(source.family)
+    if family.calibration is None:
+        raise FqError(f"config allocation.file: recipe {recipe.source} has budgeted bases, whose sensitivity the "
+                      f"campaign measures one decoder layer at a time with the calibration chain's layer, and "
+                      f"{family.architectures[0]} ({family.title}) has no calibration chain: measure it in memory "
+                      "with fq allocate and name the file")
 
 
 def campaign_plan(config: dict, recipe, source, usage=None, allocation: dict | None = None):

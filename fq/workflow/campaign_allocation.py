@@ -14,11 +14,12 @@ class AllocationTargets:
 
     @property
     def settings(self) -> dict:
-        from fq.allocation.document import SENSITIVITY
+        from fq.allocation.document import SENSITIVITY, STREAM_BYTES
 
         cfg = self.c.config.get("allocation") or {}
         return {"file": cfg.get("file"), **{k: int(cfg.get(k, v)) for k, v in SENSITIVITY.items()},
-                "ks": self._ks(cfg.get("ks"))}
+                "ks": self._ks(cfg.get("ks")),
+                "stream_bytes": int(float(cfg.get("stream_gib", STREAM_BYTES / 2**30)) * 2**30)}
 
     def _ks(self, ks) -> list | None:
         """allocation.ks checked against the budgeted nodes' codebook (None: every K of it)."""
