@@ -4,6 +4,11 @@
 #   .whl/               the cp312 wheels the device image lacks (transformers 5.24.0, exllamav3 1.6.5, what they and
 #                       fq import there); pip download, so the package index must be reachable
 #   .devpack/site.tar.xz  the same wheels unzipped and xz-packed (15 MB where .whl/ is 30 MB): install_step unpacks it
+#   .devpack/deps.tar.xz  with PARTS containing deps: Snakemake and what it imports, for the device's Python 3.12
+#                       (issue 43's rehearsal runs the workflow there; the image has none): the pure-Python packages of
+#                       its dependency closure copied from .venv, the compiled ones as cp312 wheels (pip download;
+#                       connection_pool >= 0.0.3 has no wheel, so pip cannot resolve the closure for 3.12), pulp's
+#                       CBC binaries left out (Snakemake then schedules greedily, as it says); about 6 MB
 #   .a41/text/docs.txt  with PARTS containing text or a41: the held-out `docs` text (fq's docs at 166b015; seconds)
 #   .a41/demo/          with PARTS containing a41: the demo's half-integer-K allocations (docs/benchmarks.md,
 #                       "Half-integer K on the demo"; about 12 min on 2 cores)
@@ -13,6 +18,7 @@
 #                       family_campaigns.py, 35-50 s each on 2 cores), xz-packed one per campaign
 #
 #   PARTS="site a41 famx" FAMILIES="afmoe laguna" bash benchmarks/device_pack.sh     (repository root, .venv made)
+#   PARTS="site deps" bash benchmarks/device_pack.sh                                  (the rehearsal's pack)
 set -euo pipefail
 PARTS=${PARTS:-site}
 PY=.venv/bin/python
@@ -31,6 +37,13 @@ case " $PARTS " in *" site "*)
     for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$tmp"; done
     (cd "$tmp" && tar -cf - . | xz -T0 -9) >.devpack/site.tar.xz.tmp && mv .devpack/site.tar.xz.tmp .devpack/site.tar.xz
     rm -rf "$tmp"; ls -la .devpack/site.tar.xz ;;
+esac
+case " $PARTS " in *" deps "*)
+    mkdir -p .devpack
+    tmp=$(mktemp -d)
+    "$PY" benchmarks/device_deps.py "$tmp"
+    (cd "$tmp" && tar -cf - . | xz -T0 -6) >.devpack/deps.tar.xz.tmp && mv .devpack/deps.tar.xz.tmp .devpack/deps.tar.xz
+    rm -rf "$tmp"; ls -la .devpack/deps.tar.xz ;;
 esac
 case " $PARTS " in *" text "*|*" a41 "*)
     mkdir -p .a41/text
