@@ -373,7 +373,7 @@ def test_the_reference_forward_of_an_encoded_base_is_the_release_within_k2(kit, 
     """``fq eval``'s measure (fq.runtime.quality: KL of next-token distributions, top-1 agreement) of a base whose
     experts are the codec's K2 encodings, against the release dequantized (``checkpoint_state`` -> ``build_model``,
     fq eval's reference): finite, and of K2's error, far below a base of random sets' (the kit's random-init model
-    gives near-flat distributions, so top-1 agreement says little here; measured 0.0078 against 0.041)."""
+    gives near-flat distributions, so top-1 agreement says little here)."""
     import basekit
     import provkit
     from fq.runtime import quality
@@ -386,3 +386,24 @@ def test_the_reference_forward_of_an_encoded_base_is_the_release_within_k2(kit, 
         base = basekit.publish(tmp_path / f"tree-{encode}", release, encode=encode)
         kl[encode] = quality.compare(load_product(base.plan, base.pub, state=None, now=provkit.NOW).model, ref).kl
     assert math.isfinite(kl[True]) and 0 < kl[True] < 0.02 and kl[True] < kl[False] / 3, kl
+
+
+def test_fq_usage_counts_every_layer_of_the_release_the_hash_layer_by_its_table(kit, tmp_path):
+    """``fq usage`` on the release: every decoder layer's router is found under transformers' module names
+    (``model.layers.``, not the release's ``layers.``), the hash-routed layer 0 (``DeepseekV4HashRouter``) included,
+    whose counts are its published ``tid2eid`` table read at the text's tokens."""
+    import runtimekit as rk
+    from tokenizers import Tokenizer
+
+    from fq.model.usage import measure_usage
+
+    _, release = kit
+    d = Path(shutil.copytree(release, tmp_path / "release"))
+    (d / "tokenizer.json").write_text(rk.tokenizer_json())
+    text = rk.texts()[1][:2000]
+    doc = measure_usage(d, text, seq_len=64, hash_weights=False)
+    ids = torch.tensor(Tokenizer.from_file(str(d / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
+    table = _tensor(release, "layers.0.ffn.gate.tid2eid")
+    assert sorted(doc["layers"]) == ["0", "1", "2"]
+    assert doc["layers"]["0"] == torch.bincount(table[ids].reshape(-1), minlength=fk.EXPERTS).tolist()
+    assert all(sum(c) == 2 * len(ids) for c in doc["layers"].values())

@@ -466,6 +466,11 @@ class Family:
         model does not build it."""
         return name if self.transformers_names is None else self.transformers_names(name)
 
+    def transformers_layers(self) -> str:
+        """The layout's layers prefix as transformers' modules name it (the names it saves are its modules'):
+        DeepSeek-V4's release ``layers.`` is ``model.layers.`` there."""
+        return self.transformers_name(self.layout.layer_prefix(0) + ".").removesuffix("0.")
+
     def router_name(self, layer: int) -> str:
         return f"{self.layout.layer_prefix(layer)}.{self.router}.weight"
 
