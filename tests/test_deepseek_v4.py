@@ -4,8 +4,9 @@ byte, a ue8m0 ``.scale`` per 32 inputs), the other linears FP8 e4m3 beside a ue8
 several shards. fq reads each expert matrix and each FP8 linear as the reference dequantization does, bit for bit and
 within the formats' rounding of the bf16 weights; plans it (exllamav3 1.6.5's class loads the base); encodes a block
 whose attestation names each weight's scales beside it; publishes a base that keeps the FP8 linears verbatim, which
-``fq verify``'s checks accept; and refuses the layout transformers saves, a calibrated campaign and broken scales, by
-file, tensor and field."""
+``fq verify``'s checks accept; builds that base in fq's CPU runtime as transformers' own load of the release
+(``fq eval``'s KL of a K2-encoded base, ``fq usage``'s counts, the hash layer's included); and refuses the layout
+transformers saves, a calibrated campaign and broken scales, by file, tensor and field."""
 from __future__ import annotations
 
 import json
