@@ -370,6 +370,7 @@ def test_the_family_names_every_release_tensor_as_transformers_saves_it(kit):
                                         "layers.0.attn.norm.weight": torch.ones(1)})
 
 
+@pytest.mark.slow  # 72 matrices encoded at K2: about 25 s on two cores
 def test_the_reference_forward_of_an_encoded_base_is_the_release_within_k2(kit, tmp_path):
     """``fq eval``'s measure (fq.runtime.quality: KL of next-token distributions, top-1 agreement) of a base whose
     experts are the codec's K2 encodings, against the release dequantized (``checkpoint_state`` -> ``build_model``,
