@@ -323,7 +323,8 @@ def model_of(arch: str, seed: int = 0, **keys):
                     buf.normal_(0.0, 0.05)
                 else:  # a token -> experts table (DeepSeek-V4's tid2eid, zero at init: every token to expert 0):
                     # distinct experts per token
-                    buf.copy_(torch.rand(buf.shape[0], EXPERTS).argsort(-1)[:, : buf.shape[1]])
+                    n = getattr(cfg, "num_local_experts", None) or EXPERTS
+                    buf.copy_(torch.rand(buf.shape[0], n).argsort(-1)[:, : buf.shape[1]])
     return model
 
 
