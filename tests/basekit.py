@@ -2,14 +2,14 @@
 
 The base node ``k2`` (K2 mul1) holds random but valid EXL3 tensor sets (``encode=True``: the codec's encodings of the
 source's matrices) for every routed expert of the source (one block per MoE layer, named by the family's layout), the
-source's skeleton shards verbatim (the tensors outside the
-routed experts, shard by shard, as the workflow's skeleton jobs write them), ``source_config.json`` and the side
-files, and the derived files finalize writes (``write_derived``: config.json, the tensor files the family needs,
-quantization_config.json); a signed base manifest, the plan of the bare base and the publication statement. A
-second or so on two cores: what a family's base looks like to every consumer (verify, combine, the runtime) at the
-cost of no encode.
+source's skeleton shards verbatim (the tensors outside the routed experts, shard by shard, as the workflow's skeleton
+jobs write them), ``source_config.json`` and the side files, and the derived files finalize writes
+(``write_derived``: config.json, the tensor files the family needs, quantization_config.json); a signed base
+manifest, the plan of the bare base and the publication statement. A second or so on two cores (random sets): what a
+family's base looks like to every consumer (verify, combine, the runtime) at the cost of no encode.
 
-    publish(tmp, source_dir, layout=None, encode=False) -> Base(root, pub, plan, base_dir, derived, sets, layout, priv, campaign)
+    publish(tmp, source_dir, layout=None, encode=False) -> Base(root, pub, plan, base_dir, derived, sets, layout, priv,
+                                                                campaign)
     reference_tensors(base, source_dir) -> the source's float32 tensors with every routed expert the base's
                                            reconstruction (what fq's runtime must give transformers)
 
