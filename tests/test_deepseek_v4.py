@@ -310,9 +310,10 @@ def test_bad_release_tensors_and_configs_name_file_tensor_and_field(kit, tmp_pat
         load_source(bad)
 
 
-# a row of the kit's 512 ids, longer than its sliding window (16) and several compression windows (4 and 128 tokens),
-# so the forward runs the sliding, compressed-sparse and heavily-compressed paths and the hash layer's tid2eid table
-V4_IDS = torch.arange(3, 3 + 7 * 40, 7).remainder(fk.VOCAB).unsqueeze(0)
+# a row of 160 distinct ids of the kit's 512, longer than its sliding window (16) and the compression windows of its
+# compressed-sparse (4) and heavily-compressed (128) layers, so the forward runs every attention path and the hash
+# layer's tid2eid table
+V4_IDS = torch.arange(3, 3 + 7 * 160, 7).remainder(fk.VOCAB).unsqueeze(0)
 
 
 def _transformers_own(config: dict, tensors: dict):
