@@ -4,7 +4,8 @@ For each family of the registry whose tiny checkpoint (tests/familykit.py: built
 exllamav3 would load, one Snakemake campaign on the CPU (``familykit.campaign_config``: one K3 mul1 base, one
 window), weight-only; plus the published layouts
 (Kimi-K2: DeepSeek-V3's architecture in FP8 with 128x128 block scales, calibrated; Qwen3-MoE, GLM-4.5 and MiniMax-M2
-in FP8; Qwen3.5-MoE's vision-language checkpoint with its experts fused per layer, as Qwen publishes it); and gpt-oss
+in FP8; Qwen3.5-MoE's vision-language checkpoint with its experts fused per layer, as Qwen publishes it; DeepSeek-V4
+as DeepSeek publishes it, ``deepseek_v4-release``: its own names, FP4 experts, FP8 linears with ue8m0 scales); and gpt-oss
 at dims that are not multiples of 128 (``familykit.PADDED_KEYS``: hidden 160, intermediate 96, the real models' 2880 in
 miniature), whose experts EXL3 stores zero-padded to 256 and 128 (fq.codec.shape), bf16 weight-only
 (``gpt_oss-padded``) and in its published MXFP4 layout, calibrated (``gpt_oss-padded-mxfp4``: LDLQ, H zero-padded).
@@ -39,8 +40,8 @@ def sources() -> dict[str, tuple[str, str, bool]]:
         family = families.for_config({"architectures": [arch]}, arch)
         if family.unread or family.exl3 is None or family.exl3_needs.always:
             continue  # no exllamav3 class, or one that misreads every checkpoint of the family (docs/families.md)
-        if family.unread_layouts:  # DeepSeek-V4: the kit's save is a layout fq refuses, and fq's runtime does not
-            continue  # build its release yet, so there is no reference forward to measure against (docs/families.md)
+        if family.unread_layouts:  # DeepSeek-V4: the kit's save is a layout fq refuses; its campaign is the
+            continue  # release's (deepseek_v4-release, below)
         out[family.name] = (arch, "bf16", False)
     out.update({"kimi_k2-fp8": ("DeepseekV3ForCausalLM", "kimi-fp8", True),
                 "qwen3_moe-fp8": ("Qwen3MoeForCausalLM", "fp8", False),
@@ -49,7 +50,8 @@ def sources() -> dict[str, tuple[str, str, bool]]:
                 "qwen3_5_moe_vl-fused": ("Qwen3_5MoeForConditionalGeneration", "fused", False),
                 "qwen3_vl_moe-published": ("Qwen3VLMoeForConditionalGeneration", "published", False),
                 "gpt_oss-padded": ("GptOssForCausalLM", "bf16-padded", False),
-                "gpt_oss-padded-mxfp4": ("GptOssForCausalLM", "mxfp4-padded", True)})
+                "gpt_oss-padded-mxfp4": ("GptOssForCausalLM", "mxfp4-padded", True),
+                "deepseek_v4-release": ("DeepseekV4ForCausalLM", "release", False)})
     return out
 
 
@@ -63,6 +65,8 @@ def checkpoint(arch: str, fmt: str, work: Path) -> Path:
         return fk.to_mxfp4_gptoss(src, work / "mxfp4")
     if fmt == "fused":
         return fk.to_fused_qwen3_5(src, work / "fused")
+    if fmt == "release":  # DeepSeek-V4 as DeepSeek publishes it: its own names, FP4 experts, FP8 linears + ue8m0
+        return fk.to_deepseek_v4_release(src, work / "release")
     if fmt == "published":  # Qwen3-VL-MoE's fused experts as Qwen publishes them, (E, in, out)
         return fk.to_published_qwen3_vl(src, work / "published")
     fp8 = fk.to_fp8(src, work / "fp8")

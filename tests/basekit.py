@@ -1,14 +1,15 @@
 """A published one-base tree of a familykit checkpoint, written with fq's own writers and signers, without Snakemake.
 
-The base node ``k2`` (K2 mul1) holds random but valid EXL3 tensor sets for every routed expert of the source (one
-block per MoE layer, named by the family's layout), the source's skeleton shards verbatim (the tensors outside the
-routed experts, shard by shard, as the workflow's skeleton jobs write them), ``source_config.json`` and the side
-files, and the derived files finalize writes (``write_derived``: config.json, the tensor files the family needs,
-quantization_config.json); a signed base manifest, the plan of the bare base and the publication statement. A
-second or so on two cores: what a family's base looks like to every consumer (verify, combine, the runtime) at the
-cost of no encode.
+The base node ``k2`` (K2 mul1) holds random but valid EXL3 tensor sets (``encode=True``: the codec's encodings of the
+source's matrices) for every routed expert of the source (one block per MoE layer, named by the family's layout), the
+source's skeleton shards verbatim (the tensors outside the routed experts, shard by shard, as the workflow's skeleton
+jobs write them), ``source_config.json`` and the side files, and the derived files finalize writes
+(``write_derived``: config.json, the tensor files the family needs, quantization_config.json); a signed base
+manifest, the plan of the bare base and the publication statement. A second or so on two cores (random sets): what a
+family's base looks like to every consumer (verify, combine, the runtime) at the cost of no encode.
 
-    publish(tmp, source_dir, layout=None) -> Base(root, pub, plan, base_dir, derived, sets, layout, priv, campaign)
+    publish(tmp, source_dir, layout=None, encode=False) -> Base(root, pub, plan, base_dir, derived, sets, layout, priv,
+                                                                campaign)
     reference_tensors(base, source_dir) -> the source's float32 tensors with every routed expert the base's
                                            reconstruction (what fq's runtime must give transformers)
 
@@ -59,7 +60,25 @@ class Base:
     campaign: dict = field(default_factory=dict)
 
 
-def publish(tmp: Path, source_dir: Path, seed: int = 0, layout=None) -> Base:
+def _encoded_sets(src, source_dir: Path, layer: int, layout) -> dict:
+    """{(expert, layout projection): the codec's K2 mul1 weight-only encoding of the source's matrix}, stored as the
+    layout stores it (one batched search per layer, seeded by position)."""
+    from fq.codec import encode_batch
+    from fq.workflow.encode import read_source
+
+    refs = {str(e): {p: src.expert_source(layer, e, p, lambda s: str(source_dir / s)).to_json() for p in PROJECTIONS}
+            for e in range(src.n_experts)}
+    got = read_source(refs)
+    keys = [(e, p) for e in range(src.n_experts) for p in PROJECTIONS]
+    encoded = encode_batch([got[e][p] for e, p in keys], NODE["K"], NODE["codebook"], list(range(len(keys))), "cpu")
+    return {(e, layout.projections[PROJECTIONS.index(p)]): layout.stored(layout.projections[PROJECTIONS.index(p)],
+                                                                         enc.tensors)
+            for (e, p), enc in zip(keys, encoded)}
+
+
+def publish(tmp: Path, source_dir: Path, seed: int = 0, layout=None, encode: bool = False) -> Base:
+    """``encode``: every set is the codec's K2 encoding of the source's expert (``_encoded_sets``, seconds per layer
+    on two cores) rather than random, so the base's output is the source's within K2's error."""
     from safetensors import safe_open
 
     tmp, source_dir = Path(tmp), Path(source_dir)
@@ -91,11 +110,13 @@ def publish(tmp: Path, source_dir: Path, seed: int = 0, layout=None) -> Base:
     names = []
     for layer in src.moe_layers:
         experts = {}
+        encoded = _encoded_sets(src, source_dir, layer, layout) if encode else {}
         for e in range(src.n_experts):
             experts[e] = {}
             for p, lp in zip(PROJECTIONS, layout.projections):
                 o, i = src.expert_shape(p)
-                experts[e][lp] = out.sets[(layer, e, p)] = random_set(o, i, 2, "mul1", SCALE, gen)
+                tset = encoded[(e, lp)] if encode else random_set(o, i, 2, "mul1", SCALE, gen)
+                experts[e][lp] = out.sets[(layer, e, p)] = tset
         path = base / fragment_filename("k2", layer, 0)
         write_fragment(path, layout=layout, node="k2", role="base", layer=layer, block=0, K=2, codebook="mul1",
                        experts=experts)

@@ -218,7 +218,7 @@ ARCHS: dict[str, Recipe] = {
                           r"model.layers.\1.mlp.\2.weight"),)),
     # read as DeepSeek publishes it (to_deepseek_v4_release: FP4 / FP8 with ue8m0 scales, under DeepSeek's own names;
     # the layout save_pretrained writes is refused): one hash-routed layer, then sliding, compressed-sparse and
-    # heavily-compressed attention, 2 streams
+    # heavily-compressed attention, 2 streams; the hash table and the score bias seeded (zero at init)
     "DeepseekV4ForCausalLM": Recipe("deepseek_v4", dict(
         _COMMON, num_key_value_heads=1, head_dim=HEAD_DIM, partial_rotary_factor=0.5, q_lora_rank=128,
         moe_intermediate_size=EXPERT_INTER, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_shared_experts=1,
@@ -226,7 +226,7 @@ ARCHS: dict[str, Recipe] = {
         sliding_window=16, hc_mult=2, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
         mlp_layer_types=["hash_moe", "moe", "moe"],
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]),
-        "n_routed_experts"),
+        "n_routed_experts", noisy_buffers=("e_score_correction_bias", "tid2eid")),
     # as Qwen publishes Qwen3-VL-MoE: Qwen3-MoE's language model in the vision-language wrapper, its experts fused
     # (E, hidden, 2I) / (E, I, hidden) as transformers saves them too; a one-block vision tower with one deepstack
     # merger (the releases: 27 blocks, deepstack at 8, 16, 24); interleaved multimodal rotary sections of the kit's
@@ -319,7 +319,12 @@ def model_of(arch: str, seed: int = 0, **keys):
                 param.normal_(0.0, 0.05)
         for name, buf in list(model.named_buffers()) + list(model.named_parameters()):
             if name.endswith(ARCHS[arch].noisy_buffers) and not buf.any():
-                buf.normal_(0.0, 0.05)
+                if buf.is_floating_point():
+                    buf.normal_(0.0, 0.05)
+                else:  # a token -> experts table (DeepSeek-V4's tid2eid, zero at init: every token to expert 0):
+                    # distinct experts per token
+                    n = getattr(cfg, "num_local_experts", None) or EXPERTS
+                    buf.copy_(torch.rand(buf.shape[0], n).argsort(-1)[:, : buf.shape[1]])
     return model
 
 

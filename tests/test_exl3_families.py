@@ -13,7 +13,8 @@ bias) is also checked for exllamav3 having loaded each of them (every MoE block'
 to the derived copy), and run once more from a copy without that file (the control: what exllamav3 computes without
 the bias), whose agreement is recorded beside the base's.
 
-Needs CUDA and exllamav3 (skipped otherwise, as in CI). FQ_EXL3_FAMILIES names the directory of campaigns (one
+Needs CUDA and exllamav3 (skipped otherwise, as in CI); the reference half alone runs on the CPU
+(``test_fq_reference_runs_each_campaigns_bases_on_the_cpu``), where the campaigns are built. FQ_EXL3_FAMILIES names the directory of campaigns (one
 folder per campaign: published/, signer.pub, family.json); FQ_EXL3_FAMILIES_JSON a file for the measured agreement
 (docs/data/families_exl3.json; docs/benchmarks.md has the command).
 """
@@ -75,6 +76,29 @@ def test_exllamav3_loads_each_familys_base_and_matches_the_reference(camp, tmp_p
         doc[camp.name] = {**meta, "bases": out, **({"padded_experts": padded} if padded else {}),
                           **({"tensor_aliases": aliased} if aliased else {})}
         Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize("camp", _campaigns() or [None], ids=lambda p: p.name if p else "none")
+def test_fq_reference_runs_each_campaigns_bases_on_the_cpu(camp):
+    """The CPU half of the device test, run where the campaigns are built (no CUDA, no exllamav3): fq's reference
+    forward (``load_product``: the whole tree verified, the product built in transformers) of every bare base, on
+    the device test's ids, gives finite logits of the vocabulary's width. A campaign fq's runtime cannot build fails
+    here, before it travels to the GPU box."""
+    if camp is None:
+        pytest.skip("set FQ_EXL3_FAMILIES to the directory benchmarks/family_campaigns.py wrote")
+    from fq.provenance.attest import keys
+    from fq.provenance.publication import read_publication
+    from fq.runtime.load import load_product
+
+    root, key = camp / "published", keys.load_public(camp / "signer.pub")
+    products = read_publication(root, key).predicate["products"]
+    bases = sorted(name for name, e in products.items() if len(e["chain"]) == 1)
+    assert bases, "the campaign publishes no bare base"
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    for name in bases:
+        with torch.no_grad():
+            logits = load_product(root / products[name]["file"], key, state=None).model(ids).logits
+        assert logits.shape == (ROWS, SEQ, VOCAB) and torch.isfinite(logits).all(), name
 
 
 def padded_experts(ex, base_dir: Path, meta: dict) -> dict:

@@ -69,16 +69,42 @@ def _in_saved_order(config: dict, tensors: dict) -> dict:
             else t for n, t in tensors.items()}
 
 
+def _as_transformers_names(config: dict, tensors: dict) -> tuple[dict, dict]:
+    """(``tensors`` under the names transformers saves them, {that name: the published one}) where the family
+    publishes other names than transformers' reverse conversion gives back (``Family.transformers_names``:
+    DeepSeek-V4's release); a tensor its model does not build (DeepSeek-V4's MTP blocks) is left out. Else as they
+    are."""
+    from fq.model import families
+
+    try:
+        family = families.for_config(config, CONFIG)
+    except FqError:  # not a registered family (its architecture is refused where it matters): as it is
+        family = None
+    if family is None or family.transformers_names is None:
+        return tensors, {n: n for n in tensors}
+    out, given = {}, {}
+    for name, t in tensors.items():
+        theirs = family.transformers_name(name)
+        if theirs is None:
+            continue
+        if theirs in given:
+            raise FqError(f"{family.architectures[0]}: tensors {given[theirs]} and {name} are both transformers' "
+                          f"{theirs}; expected one published tensor per name (fq.model.families: transformers_names)")
+        out[theirs], given[theirs] = t, name
+    return out, given
+
+
 def build_model(config: dict, tensors: dict):
     """A float32 transformers model holding exactly ``tensors`` (checkpoint names; transformers converts them to
-    its own layout on load; fused experts in the order transformers saves them, ``_in_saved_order``). Refuses
+    its own layout on load; fused experts in the order transformers saves them, ``_in_saved_order``; a family's
+    published names as transformers saves them, ``_as_transformers_names``). Refuses
     missing, unexpected or mismatched keys, and checks every tensor read back (transformers' reverse conversion)
     equals the one given."""
     import torch
     import transformers
     from transformers.core_model_loading import revert_weight_conversion
 
-    tensors = _in_saved_order(config, tensors)
+    tensors, published = _as_transformers_names(config, _in_saved_order(config, tensors))
     cfg = {k: v for k, v in config.items() if k != "quantization_config"}  # dense weights: no quantizer
     cls = model_class(cfg)
     model_type = transformers_model_type(cfg)
@@ -111,7 +137,8 @@ def build_model(config: dict, tensors: dict):
         # (Kimi-Linear: a dense layer's mlp.*, which transformers 5.24 reverts to block_sparse_moe.*)
         got = back.get(name, own.get(name))
         if got is None or got.shape != t.shape or not torch.equal(got.to(t.dtype), t):
-            raise FqError(f"{cls.__name__}: tensor {name} as loaded differs from the one handed over "
+            shown = name if published[name] == name else f"{published[name]} (transformers' {name})"
+            raise FqError(f"{cls.__name__}: tensor {shown} as loaded differs from the one handed over "
                           "(weight conversion changed it)")
     return model
 

@@ -63,14 +63,15 @@ def _layer_of(module_name: str, layers: str | None = None) -> int | None:
 
 def routers(model, layers: str | None = None) -> dict[int, object]:
     """layer -> router module of a transformers 5.x MoE model: the ``*TopkRouter``/``*TopKRouter`` modules
-    (GLM-4-MoE, GLM-5, DeepSeek-V3, Qwen3-MoE, Mixtral) and AFMoE's ``AfmoeTokenChoiceRouter``, whose forward returns
-    (logits, weights, indices).
+    (GLM-4-MoE, GLM-5, DeepSeek-V3, Qwen3-MoE, Mixtral), AFMoE's ``AfmoeTokenChoiceRouter`` and DeepSeek-V4's
+    ``DeepseekV4HashRouter`` (its first layers pick experts by token id), whose forward returns (logits, weights,
+    indices).
     ``layers``: the layers prefix of the family's layout (``fq.model.experts.ExpertLayout.layers``); a router
     outside it (a head that is not one of the decoder's layers) is not counted."""
     out = {}
     for name, mod in model.named_modules():
         cls = type(mod).__name__
-        if cls.endswith(("TopkRouter", "TopKRouter", "TokenChoiceRouter")):
+        if cls.endswith(("TopkRouter", "TopKRouter", "TokenChoiceRouter", "HashRouter")):
             if layers and not name.startswith(layers):
                 continue
             layer = _layer_of(name, layers)
@@ -156,8 +157,9 @@ def measure_usage(model_dir: str | Path, text: str, *, seq_len: int = 256, batch
         raise FqError("expert usage: the text is empty")
     from fq.model import families
 
-    layout = families.for_config(canonical.load(model_dir / "config.json"), str(model_dir / "config.json")).layout
-    counts = count_selections(model, ids, seq_len=seq_len, batch=batch, progress=progress, layers=layout.layers)
+    family = families.for_config(canonical.load(model_dir / "config.json"), str(model_dir / "config.json"))
+    counts = count_selections(model, ids, seq_len=seq_len, batch=batch, progress=progress,
+                              layers=family.transformers_layers())
     text_bytes = text.encode("utf-8")
     model_prov = {"config_sha256": sha256_file(model_dir / "config.json")}
     index = model_dir / "model.safetensors.index.json"

@@ -386,6 +386,10 @@ class Family:
     layer_kinds: Callable[[dict, int], list[str] | None] | None = None
     # the support table's source formats, where the family's releases have a format of their own
     published_formats: str | None = None
+    # published tensor name -> the name transformers 5.24's model of the family saves it under (what its reverse
+    # conversion gives back, so fq's runtime hands it that name and checks each tensor read back under it), or None
+    # for a tensor that model does not build (DeepSeek-V4's MTP blocks); None: the published names are transformers'
+    transformers_names: Callable[[str], str | None] | None = None
 
     @property
     def transformers_model_type(self) -> str:
@@ -456,6 +460,16 @@ class Family:
             if name is not None:
                 raise FqError(f"{where}: tensor {name!r}: {self.architectures[0]} ({self.title}) checkpoints named "
                               f"so are not read: {why}")
+
+    def transformers_name(self, name: str) -> str | None:
+        """``name`` (as the family publishes it) as transformers' model of the family saves it; None where that
+        model does not build it."""
+        return name if self.transformers_names is None else self.transformers_names(name)
+
+    def transformers_layers(self) -> str:
+        """The layout's layers prefix as transformers' modules name it (the names it saves are its modules'):
+        DeepSeek-V4's release ``layers.`` is ``model.layers.`` there."""
+        return self.transformers_name(self.layout.layer_prefix(0) + ".").removesuffix("0.")
 
     def router_name(self, layer: int) -> str:
         return f"{self.layout.layer_prefix(layer)}.{self.router}.weight"

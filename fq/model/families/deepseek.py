@@ -1,6 +1,8 @@
 """DeepSeek-V3 / R1 / V3.1 and Kimi-K2 (DeepseekV3: MLA), DeepSeek-V3.2 (DSA indexer), DeepSeek-V2, DeepSeek-V4
 (compressed sparse attention, hyper-connections, hash-routed layers: read as DeepSeek publishes it, FP4 experts and
 FP8 linears with ue8m0 scales; no calibration chain)."""
+import re
+
 from fq.model.experts import STANDARD, ExpertLayout
 from fq.model.families.base import AllLayers, Calibration, DenseFirst, Exl3Needs, Family, LayerTypes
 
@@ -130,6 +132,28 @@ def _v4_kinds(config: dict, n_layers: int) -> list[str] | None:
     return [f"{a}, {'hash' if l < n_hash else 'score'} routing" for l, a in enumerate(attention)]
 
 
+# transformers 5.24's DeepseekV4ForCausalLM loads the release's names through its conversion mapping
+# (conversion_mapping.py "deepseek_v4": embed -> embed_tokens, attn -> self_attn, w1/w3 fused into gate_up_proj, ...),
+# but its reverse conversion gives back the names it saves, not the release's: ``model.`` before every decoder tensor,
+# its own top-level names, and the attention's kv_norm as ``norm`` (its ``.norm.`` -> ``.kv_norm.`` rule read
+# backwards). fq's runtime hands it these, so that every tensor reads back under the name it was handed.
+_V4_SAVED_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "head.weight",
+                 "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
+                 "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+_V4_KV_NORM = re.compile(r"layers\.(\d+)\.attn\.kv_norm\.weight")
+
+
+def _v4_transformers_name(name: str) -> str | None:
+    """A release tensor's name as transformers 5.24 saves DeepSeek-V4; None for the MTP blocks (``mtp.{i}.*``), which
+    its model does not build (it ignores them on load)."""
+    if name.startswith("mtp."):
+        return None
+    if name in _V4_SAVED_TOP:
+        return _V4_SAVED_TOP[name]
+    m = _V4_KV_NORM.fullmatch(name)
+    return f"model.layers.{m[1]}.attn.norm.weight" if m else f"model.{name}"
+
+
 _TRANSFORMERS_SAVED = ("transformers 5.24 saves DeepSeek-V4 under other names (`model.layers.{L}.*`, "
                        "`model.embed_tokens`, `model.hc_head.*`, the attention's `kv_norm` as `norm`) than DeepSeek's "
                        "release and exllamav3 1.6.5's DeepseekV4ForCausalLM read (`layers.{L}.*`, `embed`, "
@@ -146,7 +170,7 @@ DEEPSEEK_V4 = Family(
     # the release (config: quantization_config fp8 / ue8m0 / [128, 128] and expert_dtype fp4): routed experts FP4
     # (int8 (out, in/2) beside a ue8m0 .scale (out, in/32)), the other linears FP8 e4m3 beside a ue8m0 .scale per
     # 128x128 block; fq.model.formats reads both, and exllamav3 1.6.5 dequantizes the FP8 ones a base keeps
-    scale_suffix="scale", head="head.weight", layer_kinds=_v4_kinds,
+    scale_suffix="scale", head="head.weight", layer_kinds=_v4_kinds, transformers_names=_v4_transformers_name,
     unread_layouts=((r"model\.", _TRANSFORMERS_SAVED),),
     published_formats="FP4 e2m1 experts (int8, a ue8m0 `.scale` per 32 inputs) + FP8 e4m3 linears (a ue8m0 `.scale` "
                       "per 128x128 block), as DeepSeek publishes them; bf16 / fp16 / fp32 under the release's names",
