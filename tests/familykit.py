@@ -63,6 +63,10 @@ SINGLE = "model.safetensors"
 CONFIG = "config.json"
 DTYPE = "bfloat16"
 TARGET_SHARDS = 12
+# one K3 base of every routed expert, the one product: the recipe the per-family tests plan and publish
+ONE_BASE_RECIPE = {"format": "fq-cartridge/2", "name": "one",
+                   "nodes": [{"name": "k3", "kind": "base", "K": 3, "codebook": "mul1"}],
+                   "products": [{"name": "k3", "chain": ["k3"]}]}
 
 VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K, EXPERT_INTER, DENSE_INTER = 512, 256, 3, 8, 2, 128, 512
 HEADS, KV_HEADS, HEAD_DIM = 4, 4, 64

@@ -28,9 +28,7 @@ from fq.model import families, formats
 from fq.model.source import PROJECTIONS, load_source
 
 ARCH = "DeepseekV4ForCausalLM"
-RECIPE = {"format": "fq-cartridge/2", "name": "one", "nodes": [{"name": "k3", "kind": "base", "K": 3,
-                                                                  "codebook": "mul1"}],
-          "products": [{"name": "k3", "chain": ["k3"]}]}
+RECIPE = fk.ONE_BASE_RECIPE
 
 
 @pytest.fixture(scope="module")

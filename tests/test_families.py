@@ -32,9 +32,7 @@ FP8_ARCHS = ["DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausal
 UNLOADABLE = {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "PhimoeForCausalLM",
               "MiniMaxForCausalLM", "MiMoV2FlashForCausalLM"}
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])
-RECIPE = {"format": "fq-cartridge/2", "name": "one", "nodes": [{"name": "k3", "kind": "base", "K": 3,
-                                                                  "codebook": "mul1"}],
-          "products": [{"name": "k3", "chain": ["k3"]}]}
+RECIPE = fk.ONE_BASE_RECIPE
 
 
 @pytest.fixture(scope="module")

@@ -73,9 +73,7 @@ def test_the_config_is_read_from_text_config_and_the_base_loads_as_published(vl,
     from fq.planning.recipe import parse_recipe
 
     src = load_source(vl["published"])
-    recipe = parse_recipe({"format": "fq-cartridge/2", "name": "one", "nodes": [
-        {"name": "k3", "kind": "base", "K": 3, "codebook": "mul1"}], "products": [{"name": "k3", "chain": ["k3"]}]},
-        "recipe")
+    recipe = parse_recipe(fk.ONE_BASE_RECIPE, "recipe")
     assert make_plan(recipe, src).source["exl3_architecture"] == ARCH  # no allow_unloadable
     # its language model's decoder layers are Qwen3.5-MoE's: the text family's chain
     assert families.check_calibration(src.family_entry, "config") is families.by_name("qwen3_5_moe").calibration

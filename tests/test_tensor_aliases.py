@@ -80,9 +80,7 @@ def test_the_router_bias_is_derived_under_the_name_exllamav3_reads(minimax):
     assert write_derived(b.base_dir, bits=2, codebook="mul1") == b.derived
     assert (b.base_dir / TENSOR_ALIASES).read_bytes() == before
     # the family is loadable now: planned without allow_unloadable
-    recipe = parse_recipe({"format": "fq-cartridge/2", "name": "one", "nodes": [
-        {"name": "k3", "kind": "base", "K": 3, "codebook": "mul1"}], "products": [{"name": "k3", "chain": ["k3"]}]},
-        "recipe")
+    recipe = parse_recipe(fk.ONE_BASE_RECIPE, "recipe")
     assert make_plan(recipe, load_source(src)).source["exl3_architecture"] == "MiniMaxM2ForCausalLM"
     report = verify_path(b.root, b.pub, now=provkit.NOW)
     assert report.ok, report.problems
