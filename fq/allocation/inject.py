@@ -23,6 +23,8 @@ the curve splits it there. One forward of the source per unit and point, no back
     at(a, b, d) -> KL                         the curve at distortion d
     parts(points, D) -> {K: (second, first)}  a unit's two terms at every K of D (what the pooled solver adds)
     measure(model, windows, directions, groups, D, W, apply) -> {unit: {K: injected KL}}
+    log_probs(logits) -> the next-token log-probabilities of every position but the last (float32)
+    mean_kl(ref, got) -> KL(ref || got(i)) per position over the windows i of ``ref``
 """
 from __future__ import annotations
 
@@ -86,6 +88,26 @@ def parts(points: dict, D: dict) -> dict:
     return out
 
 
+def log_probs(logits):
+    """The log-probabilities of every position but the last (which predicts past the window), in float32."""
+    import torch
+
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1)
+
+
+def mean_kl(ref: list, got) -> float:
+    """Mean KL(ref || moved) over every position of the windows: ``ref[i]`` window i's reference log-probs,
+    ``got(i)`` the moved model's (a sum in float64 per window, in window order; clamped at 0)."""
+    import torch
+
+    kl, count = 0.0, 0
+    with torch.no_grad():
+        for i, r in enumerate(ref):
+            kl += float((r.exp() * (r - got(i))).sum(-1).double().sum())
+            count += r.shape[1]
+    return max(kl / count, 0.0)
+
+
 def measure(model, windows, directions: dict, groups: dict, D: dict, W: dict, apply, ks=INJECT_KS,
             progress=None) -> dict:
     """unit -> {K: KL} for every unit of ``groups`` (unit -> linears): each unit's linears moved by sqrt(D[K]) times
@@ -98,7 +120,7 @@ def measure(model, windows, directions: dict, groups: dict, D: dict, W: dict, ap
     ref = []
     with torch.no_grad():
         for i in range(windows.shape[0]):
-            ref.append(torch.log_softmax(model(input_ids=windows[i: i + 1]).logits[:, :-1].float(), dim=-1))
+            ref.append(log_probs(model(input_ids=windows[i: i + 1]).logits))
     ks = [K for K in ks if K in D]
     out, done, total = {}, 0, len(groups) * len(ks)
     for u, names in groups.items():
@@ -108,13 +130,7 @@ def measure(model, windows, directions: dict, groups: dict, D: dict, W: dict, ap
             s = math.sqrt(D[K])
             apply(model, {n: (orig[n].double() + s * directions[n].to(orig[n].device)).to(orig[n].dtype)
                           for n in names})
-            kl, count = 0.0, 0
-            with torch.no_grad():
-                for i, r in enumerate(ref):
-                    got = torch.log_softmax(model(input_ids=windows[i: i + 1]).logits[:, :-1].float(), dim=-1)
-                    kl += float((r.exp() * (r - got)).sum(-1).double().sum())
-                    count += r.shape[1]
-            out[u][K] = max(kl / count, 0.0)
+            out[u][K] = mean_kl(ref, lambda i: log_probs(model(input_ids=windows[i: i + 1]).logits))
             done += 1
             if progress is not None:
                 progress(done, total)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fq.allocation import inject
 from fq.errors import FqError
 
 FORMAT = "fq-sensitivity/1"
@@ -324,7 +325,7 @@ def measure(model, windows, *, samples: int = 2, seed: int = 0, progress=None,
             ids = windows[i: i + 1]
             for s in range(samples):
                 taps.record[0] = s == 0  # energies once per window
-                logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
+                logp = inject.log_probs(model(input_ids=ids).logits)
                 logp = logp.reshape(-1, logp.shape[-1])
                 y = draw_labels(logp, gen)
                 logp.gather(1, y).sum().backward()

@@ -168,13 +168,12 @@ def _capture(loaded: Loaded, hidden):
 
 
 def _log_probs(head: Loaded, hidden_row):
-    import torch
-
-    return torch.log_softmax(head.run(hidden_row)[:, :-1].float(), dim=-1)
+    return inject.log_probs(head.run(hidden_row))
 
 
 def _directions(W: dict, H: dict, names, index: dict, seed: int) -> dict:
-    return {n: [error_model.direction(W[n], H[n], seed=measure.direction_seed(seed, index[n]))] for n in names}
+    direction = _direction_of(W, H, index, seed)
+    return {n: [direction(n)] for n in names}
 
 
 class _Progress:
@@ -261,15 +260,7 @@ def _fisher(src: Source, clean: list, fisher: list, grads: list, samples: int, s
 
 def _kl(head: Loaded, ref: list, hidden) -> float:
     """Mean KL(clean || stream) over the positions of every window but the last of each (inject.measure's sum)."""
-    import torch
-
-    kl, count = 0.0, 0
-    with torch.no_grad():
-        for i, r in enumerate(ref):
-            got = _log_probs(head, hidden[i: i + 1]).cpu()
-            kl += float((r.exp() * (r - got)).sum(-1).double().sum())
-            count += r.shape[1]
-    return max(kl / count, 0.0)
+    return inject.mean_kl(ref, lambda i: _log_probs(head, hidden[i: i + 1]).cpu())
 
 
 def _perturbed(loaded: Loaded, names, direction, scale: float, run):
