@@ -12,6 +12,7 @@ released. ``price_recipe`` is pure: it takes a Recipe, a SourceModel and a CostT
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -343,21 +344,33 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
     )
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(linear: str) -> int | None:
+    """The decoder layer a linear's name is in (None: the head, outside the layers)."""
+    m = _LAYER.search(linear)
+    return None if m is None else int(m.group(1))
+
+
+def _top_k(source) -> int:
+    """Experts each token is routed to, as the sensitivity price reads the config (8 where it states none)."""
+    return int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
+
+
 def _layer_params(source, shapes: dict) -> tuple[list[int], list[int], int, list[int]]:
     """(active parameters per token, stored parameters, per decoder layer; the head's; the non-expert linears'
     parameters per layer) from the linear shapes and the experts (top-k of them active)."""
-    import re
-
     n_layers = source.num_hidden_layers
-    top_k = int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
+    top_k = _top_k(source)
     expert = 3 * source.hidden_size * source.moe_intermediate_size
     dense, head = [0] * n_layers, 0
     for name, (cls, (o, i)) in shapes.items():
-        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-        if m is None:
+        layer = _layer_of(name)
+        if layer is None:
             head += o * i
-        elif int(m.group(1)) < n_layers:
-            dense[int(m.group(1))] += o * i
+        elif layer < n_layers:
+            dense[layer] += o * i
     moe = {l for l in source.moe_layers if l < n_layers}
     active = [d + (top_k * expert if l in moe else 0) for l, d in enumerate(dense)]
     stored = [d + (source.n_experts * expert if l in moe else 0) for l, d in enumerate(dense)]
@@ -367,11 +380,8 @@ def _layer_params(source, shapes: dict) -> tuple[list[int], list[int], int, list
 def _capture_flops(source, shapes: dict, layer: int, tokens: int) -> float:
     """One Hessian capture of ``layer``: every expert's gate/up on every token, and x^T x of every linear's input
     (the experts' gate/up one sum; down one per expert)."""
-    import re
-
     h, m = source.hidden_size, source.moe_intermediate_size
-    sums = sum(i * i for name, (_, (o, i)) in shapes.items()
-               if (g := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) and int(g.group(1)) == layer)
+    sums = sum(i * i for name, (_, (o, i)) in shapes.items() if _layer_of(name) == layer)
     if layer in source.moe_layers:
         sums += h * h + source.n_experts * m * m
         return 2.0 * tokens * (source.n_experts * 2 * m * h + sums)
@@ -386,7 +396,7 @@ def _sensitivity_memory(source, stored: list, dense: list, streams: int, rows: i
     unit's weights copied to restore them: at most every expert's gate and up) and the Fisher pass's (the non-expert
     linears' float32 gradients and float64 directions, the experts' kept inputs and output gradients)."""
     h, m, E = source.hidden_size, source.moe_intermediate_size, source.n_experts
-    top_k = int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
+    top_k = _top_k(source)
     vocab = int(source.config.get("vocab_size") or 0)
     tokens = rows * cols
     layer = 4 * max(stored)
