@@ -15,9 +15,11 @@
 #             --rehearsal 1, then finalize and its verification; nvidia-smi sampled every second (GPU busy and
 #             memory; each CUDA process's memory and command line) and the disk every 5 s, appended across calls
 #   verify    fq verify of the published tree under the campaign key
+#   load      tests/test_exl3_runtime.py on the published tree: exllamav3 1.6.5 loads each base at real width and its
+#             logits are compared with fq's reference forward; fq's chain runtime serves the stage product
 #   collect   the samples, Snakemake's per-job benchmark files, job logs, price, plan and resume log into $OUT
 #
-#   STEP="install source price dryrun campaign verify collect" bash benchmarks/rehearsal_device.sh
+#   STEP="install source price dryrun campaign verify load collect" bash benchmarks/rehearsal_device.sh
 # from the repository root, with .devpack carried (site.tar.xz, deps.tar.xz with snakemake if the image lacks it,
 # exllamav3_ext.so.xz). Repeat the same command until the campaign step prints "published and verified".
 set -u
@@ -31,11 +33,17 @@ RECIPE=$PWD/recipes/rehearsal-glm5.json
 CAMP=$WORK/campaign
 CFG=$CAMP/config.yaml
 . "$(dirname "$0")/device_setup.sh"
-mkdir -p "$WORK/bin"
+mkdir -p "$WORK/bin" "$WORK/py"
 # fq and snakemake as commands (the carried packages install none): fq gate checks that finalize would find them
 for tool in fq snakemake; do printf '#!/bin/sh\nexec python3 -m %s "$@"\n' "$tool" >"$WORK/bin/$tool"; done
 chmod +x "$WORK/bin/fq" "$WORK/bin/snakemake"
 export PATH=$WORK/bin:$PATH
+# fq importable without the checkout on sys.path: Snakemake imports every snakemake_executor_plugin_* package it finds
+# there, and the checkout's fq-slurm imports the stock SLURM plugin (pandas and all), which the device lacks. So
+# PYTHONPATH names a folder holding fq alone, and every Python process runs with PYTHONSAFEPATH (python3 -P: the cwd,
+# which -m would put first, stays off sys.path).
+ln -sfn "$PWD/fq" "$WORK/py/fq"
+export PYTHONPATH=/tmp/site:$WORK/py PYTHONSAFEPATH=1
 echo "$(date -u +%FT%TZ) call start: STEP=${STEP:-}" >>"$WORK/calls.log"
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
 
@@ -100,7 +108,7 @@ source)
         echo "source written by an earlier call"
     else
         step "full-width source: $EXPERTS experts per MoE layer, seed $SEED"
-        until_deadline python3 benchmarks/rehearsal_source.py "$WORK/source" --experts "$EXPERTS" --seed "$SEED" \
+        until_deadline python3 benchmarks/rehearsal_source.py "$WORK/source" --experts "$EXPERTS" --seed "$SEED" ${SOURCE_ARGS:-} \
             2> >(stdbuf -oL tr '\r' '\n' | awk 'NR % 20 == 0' >&2)
         echo "source rc=$?"
     fi
@@ -189,6 +197,22 @@ verify)
         echo "verify rc=${PIPESTATUS[0]}"
     else
         echo "nothing published yet"
+    fi
+    ;;
+load)
+    # the campaign as tests/test_exl3_runtime.py reads one (published/, signer.pub, source/), by links
+    if [ -f "$CAMP/out/published.verified" ]; then
+        mkdir -p "$WORK/exl3"
+        ln -sfn "$CAMP/out/published" "$WORK/exl3/published"; ln -sfn "$WORK/source" "$WORK/exl3/source"
+        cp "$WORK/keys/signer.pub" "$WORK/exl3/signer.pub"
+        step "exllamav3 loads each published base at real width; its logits against fq's reference forward"
+        FQ_EXL3_CAMPAIGN=$WORK/exl3 FQ_EXL3_JSON=$OUT/exl3_agreement.json timeout 300 \
+            python3 -m pytest -q -s -p no:cacheprovider tests/test_exl3_runtime.py -k "not chain" 2>&1 | tail -15
+        step "fq's exllamav3 chain runtime serves the stage product"
+        FQ_EXL3_CAMPAIGN=$WORK/exl3 FQ_EXL3_CHAIN_JSON=$OUT/exl3_chain_agreement.json timeout 300 \
+            python3 -m pytest -q -s -p no:cacheprovider tests/test_exl3_runtime.py -k "chain" 2>&1 | tail -15
+    else
+        echo "nothing published and verified yet"
     fi
     ;;
 collect)
