@@ -88,7 +88,10 @@ start_samplers() {
 stop_samplers() { for p in $SAMPLERS; do kill "$p" 2>/dev/null; done; }
 
 # targets and options first: --configfile (like --resources) takes every word after it
-smk() { python3 -m snakemake "$@" -s "$PWD/Snakefile" --directory "$CAMP" --configfile "$CFG"; }
+# a command, not a function: until_deadline starts it with setsid
+printf '#!/bin/sh\nexec python3 -m snakemake "$@" -s %s --directory %s --configfile %s\n' "$PWD/Snakefile" "$CAMP" "$CFG" \
+    >"$WORK/bin/smk"
+chmod +x "$WORK/bin/smk"
 
 for s in ${STEP:?set STEP}; do
 {
