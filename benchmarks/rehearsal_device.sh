@@ -17,7 +17,8 @@
 #   verify    fq verify of the published tree under the campaign key
 #   load      tests/test_exl3_runtime.py on the published tree: exllamav3 1.6.5 loads each base at real width and its
 #             logits are compared with fq's reference forward; fq's chain runtime serves the stage product
-#   collect   the samples, Snakemake's per-job benchmark files, job logs, price, plan and resume log into $OUT
+#   collect   the samples, Snakemake's per-job benchmark files, job logs, encode metrics, calibration records, price,
+#             plan and resume log, as $OUT/rehearsal.tar.xz (benchmarks/rehearsal_report.py makes the tables)
 #
 #   STEP="install source price dryrun campaign verify load collect" bash benchmarks/rehearsal_device.sh
 # from the repository root, with .devpack carried (site.tar.xz, deps.tar.xz with snakemake if the image lacks it,
@@ -219,14 +220,14 @@ load)
     fi
     ;;
 collect)
-    for f in smi_gpu.csv smi_apps.csv pids.tsv disk.log resume.log phases.log calls.log gate.txt; do
-        [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
-    done
-    # Snakemake's per-job benchmark files (wall, max RSS) and the job logs, xz-packed (a returned file holds 16 MiB)
-    [ -d "$CAMP/out/benchmarks" ] && tar -C "$CAMP/out" -cJf "$OUT/benchmarks.tar.xz" benchmarks
-    [ -d "$CAMP/out/logs" ] && tar -C "$CAMP/out" -cJf "$OUT/logs.tar.xz" logs
-    [ -f "$CAMP/out/campaign_summary.json" ] && cp "$CAMP/out/campaign_summary.json" "$OUT/"
-    du -sb "$WORK/source" "$CAMP/out" 2>/dev/null | tee "$OUT/du.txt"
+    # one file back (a call returns at most 8): the samples, logs and records, the campaign's benchmark files, job
+    # logs, encode metrics (each job's timeline) and calibration records; benchmarks/rehearsal_report.py reads it
+    du -sb "$WORK/source" "$CAMP/out" 2>/dev/null | tee "$WORK/du.txt"
+    (cd "$WORK" && ls smi_gpu.csv smi_apps.csv pids.tsv disk.log resume.log phases.log calls.log gate.txt du.txt \
+        price.txt plan.txt plan.json run.log 2>/dev/null) >"$WORK/collect.list"
+    (cd "$CAMP/out" && ls -d benchmarks logs metrics calibration/*.json campaign_summary.json 2>/dev/null) \
+        >"$WORK/collect-out.list"
+    tar -cJf "$OUT/rehearsal.tar.xz" -C "$WORK" -T "$WORK/collect.list" -C "$CAMP/out" -T "$WORK/collect-out.list"
     ls -la "$OUT"
     ;;
 *)

@@ -119,6 +119,31 @@ def test_linear_capture_is_deterministic(demo, captured, tmp_path):
     assert again.read_bytes() == files[0].read_bytes()
 
 
+def test_the_device_is_claimed_once_the_inputs_are_read(demo, captured, tmp_path, monkeypatch):
+    """A calibration job takes its GPU late (``fq.workflow.calibration._late_claim``): the capture calls the claim
+    once, after the hidden states and the layer's tensors are read, and gives the same bytes as a plain device."""
+    model, cal = demo
+    ckpt, files = captured
+    prev = tmp_path / capture.EMBED_FILE
+    capture.capture_embed(ckpt, cal, prev)
+    events = []
+    for name, mod in (("load_hidden", capture), ("layer_tensors", layer_mod)):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: events.append(_name) or _real(*a, **k))
+    claim = lambda: events.append("claim") or "cpu"  # noqa: E731
+    again = tmp_path / "again.safetensors"
+    capture.capture_layer(ckpt, 0, prev, tmp_path / "h0.safetensors", linears=_linears(ckpt, 0), out_linears=again,
+                          row_batch=2, device=claim)
+    assert events == ["load_hidden", "layer_tensors", "claim"]
+    assert again.read_bytes() == files[0].read_bytes()
+    events.clear()
+    head = tmp_path / "head.safetensors"
+    last = files[None].parent / capture.hidden_file(demo_model.N_LAYERS - 1)  # the captured chain's last output
+    capture.capture_head(ckpt, last, head, row_batch=2, device=claim)
+    assert events == ["load_hidden", "claim"]
+    assert head.read_bytes() == files[None].read_bytes()
+
+
 def test_linear_hessian_file_refusals(captured, tmp_path):
     _, files = captured
     good = files[0]

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from fq.errors import FqError
 from fq.model.experts import MIXTRAL, STANDARD, ExpertLayout, expert_keys
-from fq.model.shards import RawTensor, read_header, tensors_in_range, write_shard
+from fq.model.shards import RawTensor, read_header, read_into_tensors, read_whole, tensors_in_range, write_shard
 from fq.provenance.fragments import describe, fragment_filename, skeleton_keys, write_fragment, write_skeleton
 from provkit import DIMS, random_set
 
@@ -242,3 +242,24 @@ def test_layout_for_source_families():
     assert families.by_name("minimax_m2").layout is MIXTRAL
     with pytest.raises(FqError, match="model family 'llama' is not registered"):
         families.by_name("llama")
+
+
+def test_read_into_tensors_equals_the_whole_file_read_and_its_digest(tmp_path):
+    """The one-pass reader (hidden-state files: 12.6 GB at GLM-5's width) gives the tensors, dtypes and sha256 of
+    the two-pass one, an unaligned tensor (after a 3-byte one) and an empty one included; write_shard's returned
+    digest is the file's."""
+    path = tmp_path / "m.safetensors"
+    raws = [RawTensor.of("a", torch.arange(3, dtype=torch.uint8)), RawTensor.of("b", torch.randn(5, 7)),
+            RawTensor.of("c", torch.zeros(0)), RawTensor.of("d", torch.randn(2, 3).to(torch.bfloat16))]
+    digest = write_shard(path, raws, {"k": "v"})
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    header, got, sha = read_into_tensors(path, "the test file")
+    h2, data = read_whole(path, "the test file")
+    want = tensors_in_range(h2, [e.name for e in h2.entries], h2.data_start, data[h2.data_start:])
+    assert sha == digest and header.raw == h2.raw and set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    with open(path, "ab") as fh:
+        fh.write(b"x")  # bytes beyond what the header describes
+    with pytest.raises(FqError, match="m.safetensors"):
+        read_into_tensors(path, "the test file")

@@ -63,7 +63,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from fq.core import canonical
 from fq.core.threads import torch_threads
@@ -396,7 +396,6 @@ def save_hidden(path: str | os.PathLike, hidden: "torch.Tensor", *, next_layer: 
     """Hidden states [rows, cols, hidden] float32 as safetensors, atomically; returns the file's sha256."""
     import torch
 
-    from fq.core.safepath import sha256_file
     from fq.model.shards import RawTensor, write_shard
 
     if hidden.dim() != 3 or hidden.dtype != torch.float32:
@@ -405,18 +404,17 @@ def save_hidden(path: str | os.PathLike, hidden: "torch.Tensor", *, next_layer: 
     rows, cols, width = hidden.shape
     meta = {"format": HIDDEN_FORMAT, "next_layer": str(next_layer), "calibration": calibration,
             "config_sha256": config_sha256, "rows": str(rows), "cols": str(cols), "hidden_size": str(width)}
-    write_shard(path, [RawTensor.of(HIDDEN, hidden.contiguous())], dict(sorted(meta.items())))
-    return sha256_file(path)
+    return write_shard(path, [RawTensor.of(HIDDEN, hidden.contiguous())], dict(sorted(meta.items())))
 
 
 def load_hidden(path: str | os.PathLike, *, next_layer: int | None = None, calibration: str | None = None,
                 config_sha256: str | None = None) -> tuple["torch.Tensor", dict]:
     """(hidden float32 [rows, cols, hidden], metadata with ``sha256`` of the file) of a hidden-state file; refuses
     one made for another layer, calibration or source config when those are given."""
-    from fq.model.shards import read_whole, tensors_in_range
+    from fq.model.shards import read_into_tensors
 
     where = str(path)
-    header, data = read_whole(path, "the hidden-state file")
+    header, tensors, sha256 = read_into_tensors(path, "the hidden-state file")
     meta = dict(header.metadata)
     if sorted(meta) != sorted(HIDDEN_META) or meta["format"] != HIDDEN_FORMAT:
         raise FqError(f"{where}: not an {HIDDEN_FORMAT} file (metadata fields {sorted(meta)}, format "
@@ -431,12 +429,17 @@ def load_hidden(path: str | os.PathLike, *, next_layer: int | None = None, calib
                       ("config_sha256", config_sha256)):
         if want is not None and meta[key] != want:
             raise FqError(f"{where}: metadata field {key} is {meta[key]!r}, expected {want!r}")
-    hidden = tensors_in_range(header, [HIDDEN], 0, data)[HIDDEN]
-    meta["sha256"] = canonical.sha256_hex(data)
-    return hidden, meta
+    meta["sha256"] = sha256
+    return tensors[HIDDEN], meta
 
 
 # -- jobs ------------------------------------------------------------------------------------------------------------
+def _device(device) -> str:
+    """A device string, or a callable that claims one (``fq.workflow.devices.claim``): called once the job's inputs
+    are read, so that a job waiting for its inputs (12.6 GB of hidden states at GLM-5's width) holds no GPU."""
+    return device() if callable(device) else device
+
+
 @dataclass
 class CaptureResult:
     layer: int
@@ -465,7 +468,7 @@ def capture_embed(source_dir, calibration, out_hidden: str | os.PathLike, *,
 
 def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidden: str | os.PathLike,
                   out_hessian: str | os.PathLike | None = None, *, sha256: Mapping[str, str] | None = None,
-                  routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu",
+                  routed_only: bool = False, row_batch: int = ROW_BATCH, device: str | Callable[[], str] = "cpu",
                   threads: int | None = 1, linears=(), out_linears: str | os.PathLike | None = None) -> CaptureResult:
     """One job: ``hidden_in`` (made for ``layer``, from this source's config) through ``layer``; writes
     ``out_hidden`` and, for an MoE layer, ``out_hessian`` (required there; refused for a dense layer).
@@ -486,6 +489,7 @@ def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidd
         raise FqError(f"layer {layer}: capture_layer takes linears and out_linears together")
     hidden, meta = load_hidden(hidden_in, next_layer=layer, config_sha256=ckpt.config_sha256)
     tensors, shards = layer_mod.layer_tensors(ckpt, layer, sha256)
+    device = _device(device)
     out, sums, lin = advance_linears(layer, hidden, tensors, ckpt.config, routed_only=routed_only,
                                      row_batch=row_batch, device=device, threads=threads, linears=linears)
     del tensors, hidden
@@ -532,8 +536,8 @@ def final_norm(ckpt: layer_mod.Checkpoint, sha256: Mapping[str, str] | None = No
 
 
 def capture_head(source_dir, hidden_in: str | os.PathLike, out_linears: str | os.PathLike, *,
-                 sha256: Mapping[str, str] | None = None, row_batch: int = ROW_BATCH, device: str = "cpu",
-                 threads: int | None = 1) -> str:
+                 sha256: Mapping[str, str] | None = None, row_batch: int = ROW_BATCH,
+                 device: str | Callable[[], str] = "cpu", threads: int | None = 1) -> str:
     """The head's input Hessian: the last decoder layer's output (``hidden_in``) through the final norm, Σ xᵀx per
     row in row order (float64), written as ``linear_store`` file ``layer: head`` with one group ``[lm_head]``;
     returns its sha256."""
@@ -546,6 +550,7 @@ def capture_head(source_dir, hidden_in: str | os.PathLike, out_linears: str | os
     n_layers = arch.n_layers(ckpt.config, f"{ckpt.dir}/config.json")
     hidden, meta = load_hidden(hidden_in, next_layer=n_layers, config_sha256=ckpt.config_sha256)
     norm, shards = final_norm(ckpt, sha256)
+    device = _device(device)
     norm = norm.to(device)
     rows, cols, width = hidden.shape
     total = torch.zeros(width, width, dtype=torch.float64, device=device)

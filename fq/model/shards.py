@@ -14,6 +14,7 @@ Byte ranges it hands out are absolute file offsets.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -151,13 +152,23 @@ def encode_header(tensors: list[RawTensor], metadata: Mapping[str, str]) -> byte
     return struct.pack("<Q", len(body)) + body
 
 
-def write_shard(path: str | os.PathLike, tensors: list[RawTensor], metadata: Mapping[str, str]) -> None:
-    """Write tensors in exactly this order, atomically (temp, fsync, rename)."""
+_PIECE = 1 << 26  # 64 MiB: written and hashed piece by piece, while it is still in cache
+
+
+def write_shard(path: str | os.PathLike, tensors: list[RawTensor], metadata: Mapping[str, str]) -> str:
+    """Write tensors in exactly this order, atomically (temp, fsync, rename); returns the file's sha256, hashed
+    as it is written (a calibration hidden-state file is 12.6 GB at GLM-5's width: reading it back cost a pass)."""
     header = encode_header(tensors, metadata)
+    h = hashlib.sha256(header)
     with atomic.atomic_open(path, "wb") as fh:
         fh.write(header)
         for t in tensors:
-            fh.write(t.data)
+            view = memoryview(t.data).cast("B")
+            for lo in range(0, len(view), _PIECE):
+                piece = view[lo: lo + _PIECE]
+                fh.write(piece)
+                h.update(piece)
+    return h.hexdigest()
 
 
 def read_header(fh: BinaryIO, source: str) -> Header:
@@ -232,6 +243,42 @@ def read_whole(path: str | os.PathLike, what: str) -> tuple[Header, bytes]:
     if data[:header.data_start] != header.raw or len(data) != header.file_size:
         raise FqError(f"{where}: changed while it was read")
     return header, data
+
+
+def read_into_tensors(path: str | os.PathLike, what: str) -> tuple[Header, dict[str, torch.Tensor], str]:
+    """(header, every tensor, the file's sha256) of a safetensors file, read in one pass straight into the tensors'
+    memory and hashed on the way (``read_whole`` then ``tensors_in_range`` hold the bytes twice and copy them once:
+    a 12.6 GB hidden-state file at GLM-5's width). Refuses a file whose size changes while it is read."""
+    import torch
+
+    where = str(path)
+    try:
+        fh = open(path, "rb", buffering=0)
+    except OSError as e:
+        raise FqError(f"{where}: cannot read {what}: {e.strerror}") from None
+    with fh:
+        header = read_header(fh, where)
+        h = hashlib.sha256(header.raw)
+        data = torch.empty(header.file_size - header.data_start, dtype=torch.uint8)
+        view = memoryview(data.numpy()).cast("B")
+        fh.seek(header.data_start)
+        got = 0
+        while got < len(view):
+            n = fh.readinto(view[got: got + _PIECE])
+            if not n:
+                break
+            h.update(view[got: got + n])
+            got += n
+        if got != len(view) or fh.read(1) or os.fstat(fh.fileno()).st_size != header.file_size:
+            raise FqError(f"{where}: changed while it was read")
+    out = {}
+    for e in header.entries:
+        lo, dtype = e.start - header.data_start, torch_dtype(e.dtype)
+        piece = data[lo: lo + e.length]
+        if lo % torch.empty(0, dtype=dtype).element_size():
+            piece = piece.clone()  # an unaligned offset: its own storage, so that the view below is allowed
+        out[e.name] = piece.view(dtype).reshape(e.shape) if e.length else torch.empty(e.shape, dtype=dtype)
+    return header, out, h.hexdigest()
 
 
 def read_range(fh: BinaryIO, offset: int, length: int, source: str) -> bytes:

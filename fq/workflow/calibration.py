@@ -92,6 +92,15 @@ def _bind(tmp: str, out: str, binding: str, sha256: str, what: str, fields: dict
                                                      "sha256": sha256, **fields}))
 
 
+def _late_claim(device: str, devices_list: list[int], lock_dir: str):
+    """"cpu", or the GPU claim as a callable the capture calls once its inputs are read (``capture._device``): the
+    request is checked now, the GPU taken only when there is work for it."""
+    if device == "cpu":
+        return "cpu"
+    devices.check(device, devices_list)
+    return lambda: devices.claim(device, devices_list, lock_dir)
+
+
 def _capture_name(out: str | None) -> str | None:
     return None if out is None else str(Path(out).with_name(f".capture-{Path(out).name}"))
 
@@ -106,7 +115,7 @@ def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, 
     from fq.hessian import capture as capture_mod
 
     t0 = time.perf_counter()
-    dev = devices.claim(device, devices_list, lock_dir) if device != "cpu" else "cpu"
+    dev = _late_claim(device, devices_list, lock_dir)
     tmp, tmp_lin = _capture_name(out_hessian), _capture_name(out_linears)
     try:
         result = capture_mod.capture_layer(_checkpoint(source_dir, staging), layer, hidden_in, out_hidden, tmp,
@@ -162,7 +171,7 @@ def head_job(*, campaign_json: str, key_path: str, source_dir: str, skeleton: li
         raise FqError(f"head calibration: skeleton shards {skeleton} are not in one directory")
     for s in skeleton:
         verify_shard(Path(s).parent, Path(s).name, pub, campaign=doc["identity"])
-    dev = devices.claim(device, devices_list, lock_dir) if device != "cpu" else "cpu"
+    dev = _late_claim(device, devices_list, lock_dir)
     tmp = _capture_name(out_linears)
     try:
         sha = capture_mod.capture_head(_checkpoint(source_dir, dirs.pop()), hidden_in, tmp, device=dev, threads=threads)
