@@ -71,6 +71,17 @@ def layer_tensors(cfg: dict, seed: int) -> dict:
     return {f"model.layers.1.{k}": v for k, v in out.items()}
 
 
+def counted_flops(s: dict, rows: int, cols: int, experts: int = 256) -> float:
+    """fq.planning.calibration_cost's count for this layer at ``experts``: its linears (GQA q/k/v/o, the shared
+    expert), the causal attention core, the routed experts' forward and all-experts capture."""
+    from fq.planning.calibration_cost import routed_flops
+
+    t, h, q, kv = rows * cols, s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    linears = 2 * q * h + 2 * kv * h + 3 * s["inter"] * h
+    core = rows * 2 * cols * (cols + 1) / 2 * s["heads"] * 2 * s["head_dim"]
+    return 2.0 * t * linears + core + routed_flops(t, experts, s["top_k"], h, s["inter"])
+
+
 def sync(dev: str) -> None:
     if dev.startswith("cuda"):
         torch.cuda.synchronize(dev)
@@ -123,14 +134,15 @@ def main(argv=None) -> int:
     proj = at(setup, 256) + full_rows * at(per_row, 256)
     res.update(per_row_s=per_row, setup_s=setup, projected_glm5_layer_s=proj,
                projected_setup_s=at(setup, 256), projected_compute_s=full_rows * at(per_row, 256))
-    from fq.planning.calibration_cost import DEFAULT_TFLOPS, capture_flops
+    flops = counted_flops(s, 250, 2048)
+    from fq.planning.calibration_cost import DEFAULT_TFLOPS
 
-    flops = capture_flops(250 * 2048, 256, s["hidden"], s["inter"])
-    res.update(flops_glm5_layer=flops, measured_tflops=flops / proj / 1e12,
+    res.update(flops_glm5_layer=flops, measured_tflops=flops / res["projected_compute_s"] / 1e12,
                priced_glm5_layer_s=flops / (DEFAULT_TFLOPS * 1e12))
     print(f"per row of {args.cols} tokens: {per_row}; setup: {setup}; projected GLM-5 layer (256 experts, 250 x 2048 "
           f"tokens): {proj:.0f} s = {proj / 3600:.3f} GPU-h (setup {res['projected_setup_s']:.0f} s), "
-          f"{res['measured_tflops']:.1f} TFLOP/s of the count; fq price assumes {res['priced_glm5_layer_s']:.0f} s",
+          f"{res['measured_tflops']:.1f} TFLOP/s of the count (setup apart); fq price's compute for it: "
+          f"{res['priced_glm5_layer_s']:.0f} s",
           flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")

@@ -4,6 +4,7 @@ logic and says where every number comes from).
     python3 benchmarks/rehearsal_source.py /tmp/rehearsal/source                 # full width: 1 dense + 2 MoE layers, 32 experts
     python3 benchmarks/rehearsal_source.py /tmp/twin --tiny                      # the CPU twin (seconds)
     python3 benchmarks/rehearsal_source.py /tmp/quarter --width-scale 4          # a reduced width, same layout
+    python3 benchmarks/rehearsal_source.py /tmp/plan --experts 16 --metadata-only  # what fq price reads, no shards
 
 Full width (hidden 6144, MoE intermediate 2048, MLA at GLM-5's ranks and head dims, the DSA indexer, vocab 154880),
 ``--experts`` routed experts per MoE layer (default 32 of GLM-5's 256: every expert job, fragment and Hessian of the
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="shard size limit in bytes (default 5e9, Hugging Face's; tiny 2e6)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--metadata-only", action="store_true",
+                   help="write config.json, the index and sizes.json only (fq plan / fq price --sizes), no shards")
     args = p.parse_args(argv)
 
     over = {}
@@ -65,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         dims = replace(dims, top_k=max(1, min(dims.top_k, dims.experts)))  # GLM-5's top-8 (tiny: 2), at most all
         shard_bytes = args.shard_bytes or (2_000_000 if args.tiny else rehearsal.SHARD_BYTES)
         t0 = time.monotonic()
-        info = rehearsal.write_source(args.out, dims, seed=args.seed, shard_bytes=shard_bytes,
-                                      progress=not args.quiet)
+        if args.metadata_only:
+            info = rehearsal.write_metadata(args.out, dims, shard_bytes=shard_bytes)
+        else:
+            info = rehearsal.write_source(args.out, dims, seed=args.seed, shard_bytes=shard_bytes,
+                                          progress=not args.quiet)
     except FqError as e:
         print(f"rehearsal_source: {e}", file=sys.stderr)
         return 1

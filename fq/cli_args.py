@@ -51,14 +51,27 @@ def window_kwargs(args) -> dict:
 
 
 def add_calibration_args(p: argparse.ArgumentParser) -> None:
+    from fq.planning.calibration_cost import (DEFAULT_LDLQ_FACTOR, DEFAULT_READ_MB_S, DEFAULT_SETUP_S, DEFAULT_TFLOPS,
+                                              DEFAULT_WRITE_MB_S)
+
     p.add_argument("--calibration", metavar="ROWSxCOLS",
                    help="a calibrated campaign: its calibration chain (all-experts capture), Hessian disk and LDLQ "
                         "encodes (exllamav3's converter: 250x2048; docs/calibration.md)")
+    fitted = "fitted on an H100 rehearsal, docs/pricing.md"
     p.add_argument("--calib-tflops", type=float, default=None,
-                   help="calibration forward and Hessian sums throughput in TFLOP/s (default 42: the slowest of "
-                        "three H200 projections of fq's capture, docs/pricing.md)")
+                   help=f"calibration chain's effective rate over its counted FLOPs in TFLOP/s (default "
+                        f"{DEFAULT_TFLOPS:g}: {fitted})")
+    p.add_argument("--calib-read-mb-s", type=float, default=None,
+                   help=f"calibration chain's read rate, hidden states and source shards, in MB/s (default "
+                        f"{DEFAULT_READ_MB_S:g}: {fitted})")
+    p.add_argument("--calib-write-mb-s", type=float, default=None,
+                   help=f"calibration chain's write rate, hidden states and Hessians, in MB/s (default "
+                        f"{DEFAULT_WRITE_MB_S:g}: {fitted})")
+    p.add_argument("--calib-setup-s", type=float, default=None,
+                   help=f"seconds each calibration chain job takes to start (default {DEFAULT_SETUP_S:g})")
     p.add_argument("--ldlq-factor", type=float, default=None,
-                   help="LDLQ encode time over weight-only (default 1.35, measured on an H200 at K2-K4)")
+                   help=f"LDLQ encode time over weight-only (default {DEFAULT_LDLQ_FACTOR:g}, measured on an H200 at "
+                        f"K2-K4)")
 
 
 def positive_int(text: str) -> int:
@@ -76,18 +89,18 @@ def count(text: str) -> int:
 
 
 def calibration_from_args(args, source: SourceModel):
-    """The CalibrationPrice of ``--calibration ROWSxCOLS`` (None without it)."""
+    """The CalibrationPrice of ``--calibration ROWSxCOLS`` and its rates (None without it)."""
     if not args.calibration:
         return None
     from fq.errors import FqError
-    from fq.planning.calibration_cost import DEFAULT_LDLQ_FACTOR, DEFAULT_TFLOPS, price_calibration
+    from fq.planning.calibration_cost import price_calibration
 
     rows, _, cols = args.calibration.lower().partition("x")
     if not (is_decimal(rows) and is_decimal(cols)):
         raise FqError(f"--calibration: expected ROWSxCOLS (e.g. 250x2048), got {args.calibration!r}")
-    return price_calibration(source, int(rows), int(cols),
-                             tflops=args.calib_tflops if args.calib_tflops is not None else DEFAULT_TFLOPS,
-                             ldlq_factor=args.ldlq_factor if args.ldlq_factor is not None else DEFAULT_LDLQ_FACTOR)
+    given = {"tflops": args.calib_tflops, "read_mb_s": args.calib_read_mb_s, "write_mb_s": args.calib_write_mb_s,
+             "setup_s": args.calib_setup_s, "ldlq_factor": args.ldlq_factor}
+    return price_calibration(source, int(rows), int(cols), **{k: v for k, v in given.items() if v is not None})
 
 
 def default_state() -> Path:

@@ -276,7 +276,7 @@ def test_glm5_budgeted_recipe_is_priced_with_its_sensitivity_job(glm5):
     # streamed: 16 GiB of 50 MB streams is four passes; the forward and the Fisher read every layer once more
     assert sv.passes == 4 and sv.layer_reads > 2 * 79 + 4 and sv.read_seconds > 0
     assert sv.memory_bytes < 1.2e11  # about the largest layer's float32 weights, not the 745 GB source
-    assert p.gpu_seconds > sv.seconds + cal.gpu_seconds
+    assert p.gpu_seconds > sv.seconds + p.chain.gpu_seconds
     assert p.options[0].first_window_s >= sv.seconds  # measured before the first window is encoded
     assert "sensitivity (budgeted bases' allocation" in price_table(p)
     up = recipe.node("b2.5.up")

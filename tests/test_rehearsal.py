@@ -183,6 +183,18 @@ def test_full_width_plan_sizes():
         assert cfg[key] == getattr(hf, key), key
 
 
+def test_metadata_only_is_what_the_source_would_be(tmp_path, twin):
+    """write_metadata: the twin's config.json and index byte for byte, and sizes.json its shards' file sizes (what
+    fq price --sizes reads of a full-width rehearsal without writing its 5.8 GB)."""
+    meta = tmp_path / "meta"
+    rehearsal.write_metadata(meta, rehearsal.tiny(), shard_bytes=2_000_000)
+    for name in ("config.json", "model.safetensors.index.json"):
+        assert (meta / name).read_bytes() == (twin / name).read_bytes(), name
+    sizes = json.loads((meta / "sizes.json").read_text())
+    assert sizes == {p.name: p.stat().st_size for p in twin.glob("*.safetensors")}
+    assert not list(meta.glob("*.safetensors"))
+
+
 @pytest.mark.parametrize("over,needle", [({"hidden": 200}, "hidden=200"), ({"top_k": 9}, "top_k=9"),
                                          ({"experts": 0}, "experts=0")])
 def test_bad_dims_are_refused_by_name(over, needle):

@@ -50,9 +50,9 @@ def run(args) -> int:
               "allocation first (docs/allocation.md)")
     if calibration is not None:
         from fq.core.units import fmt_bytes
-        from fq.planning.calibration_cost import calibration_lines
+        from fq.planning.calibration_cost import calibration_lines, price_chain
 
-        print("\n".join(calibration_lines(calibration)))
+        print("\n".join(calibration_lines(price_chain(calibration, source, recipe))))
         print(f"peak local with calibration: {fmt_bytes(plan.bytes['peak_local'] + calibration.disk_bytes)} "
               "(the windows above were chosen from the disk budget less calibration's)")
     if args.out:

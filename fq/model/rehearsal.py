@@ -293,14 +293,35 @@ def write_source(out_dir: str | Path, d: Dims, *, seed: int = 0, shard_bytes: in
     names = shard_names(len(plan))
     info = summary(d, plan, seed)
     write_shards(out, list(zip(names, plan)), seed, progress=progress)
-    weight_map = {name: shard for shard, group in zip(names, plan) for sp in group for name, _, _ in sp.stored()}
-    write_text(out / INDEX_NAME, canonical.pretty({"metadata": {"total_size": info["bytes"]},
-                                                   "weight_map": dict(sorted(weight_map.items()))}))
-    write_text(out / "config.json", canonical.pretty(config(d)))
+    _write_index_and_config(out, d, plan, info)
     write_text(out / "generation_config.json", canonical.pretty(GENERATION_CONFIG))
     info["calibration_text"] = _side_files(out)
     write_text(out / SUMMARY, canonical.pretty(info))
     return info
+
+
+def write_metadata(out_dir: str | Path, d: Dims, *, shard_bytes: int = SHARD_BYTES) -> dict:
+    """What ``fq plan`` and ``fq price`` read of the checkpoint ``write_source`` would write, without its shards:
+    config.json, the index and ``sizes.json`` (shard -> bytes, for ``--sizes``). Returns the summary."""
+    check(d)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = shard_plan(specs(d), shard_bytes)
+    info = summary(d, plan, 0)
+    _write_index_and_config(out, d, plan, info)
+    from fq.model.rehearsal_write import data_order, header_and_offsets
+
+    sizes = {name: header_and_offsets(data_order(group))[2] for name, group in zip(shard_names(len(plan)), plan)}
+    write_text(out / "sizes.json", canonical.pretty(sizes))  # the files' sizes: their headers and data
+    return info
+
+
+def _write_index_and_config(out: Path, d: Dims, plan: list[list[Spec]], info: dict) -> None:
+    names = shard_names(len(plan))
+    weight_map = {name: shard for shard, group in zip(names, plan) for sp in group for name, _, _ in sp.stored()}
+    write_text(out / INDEX_NAME, canonical.pretty({"metadata": {"total_size": info["bytes"]},
+                                                   "weight_map": dict(sorted(weight_map.items()))}))
+    write_text(out / "config.json", canonical.pretty(config(d)))
 
 
 def _side_files(out: Path) -> dict:

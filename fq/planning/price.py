@@ -22,7 +22,7 @@ from fq.allocation.document import SENSITIVITY, STREAM_BYTES
 from fq.core import canonical, kbits
 from fq.core.layer_ranges import format_layers
 from fq.errors import FqError
-from fq.planning.calibration_cost import CalibrationPrice, windows_budget
+from fq.planning.calibration_cost import CalibrationPrice, ChainPrice, experts_per_token, price_chain, windows_budget
 from fq.planning.plan import (DEFAULT_WINDOWS_ON_DISK, choose_windows, encoded_expert_bytes, layer_output_bytes,
                               stage_schedule)
 from fq.core.schema_check import validate
@@ -217,7 +217,8 @@ class Price:
     peak_local_bytes: int
     options: tuple[GpuOption, ...]  # 1..gpus
     assumptions: Mapping
-    calibration: "CalibrationPrice | None" = None  # calibrated: its chain's GPU time and disk are in the totals
+    calibration: "CalibrationPrice | None" = None  # calibrated: its Hessians' and hidden states' disk in the peak
+    chain: ChainPrice | None = None  # calibrated: the chain's jobs, on the timeline and in the GPU-hours
     linears: tuple[LinearPrice, ...] = ()  # whole-model bases: the non-expert encodes (in gpu_seconds and bytes)
     sensitivity: SensitivityPrice | None = None  # budgeted bases: the allocation's measurement (in gpu_seconds)
 
@@ -237,7 +238,8 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
                  windows_on_disk: int = DEFAULT_WINDOWS_ON_DISK, allow_unloadable: bool = False,
                  calibration: "CalibrationPrice | None" = None) -> Price:
     """``calibration`` (fq.planning.calibration_cost.price_calibration): encodes cost its ``ldlq_factor`` times the
-    table's weight-only seconds, each calibrated layer gains its chain seconds, local disk its Hessians."""
+    table's weight-only seconds, the chain's jobs for this recipe (``price_chain``) go on the timeline and their GPU
+    seconds into the GPU-hours, local disk gains its Hessians and hidden states."""
     from fq.model import families
 
     families.check_publishable(source.family_entry, source.exl3_problems, allow_unloadable, f"{source.origin}/config.json")
@@ -309,16 +311,12 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
                                windows_on_disk=windows_on_disk)
     sched = stage_schedule(source, partition, windows_on_disk, layer_out)
     layer_secs = {l: sum(per_expert[n][l] * counts[n][l] for n in per_expert) for l in source.moe_layers}
-    chain = {l: 0.0 for l in source.moe_layers}  # the calibration chain's seconds per layer (serial, one GPU)
-    calib_s = 0.0
-    if calibration is not None:
-        for l in calibration.layers:
-            chain[l] = calibration.seconds_per_layer
-        calib_s = calibration.gpu_seconds
-    per_window = [([layer_secs[l] for l in layers], [chain[l] for l in layers]) for layers in partition]
+    chain = price_chain(calibration, source, recipe) if calibration is not None else None
+    head_linear_s = sum(lp.gpu_seconds for ln, lp in zip(recipe.linear_nodes, linears) if ln.cls == "head")
+    per_window = _window_work(partition, layer_secs, chain, head_linear_s)
     # linear jobs read the committed skeleton and (calibrated) Hessians the chain writes up to its last layer and
     # the head: priced as running with the last window
-    per_window[-1][0].extend(ln.gpu_seconds for ln in linears)
+    per_window[-1].encode.extend(ln.gpu_seconds for ln in linears)
     stage_s = [w.stage_bytes / download_bytes_per_s for w in sched["windows"]]
     verify_s = published / verify_bytes_per_s
     sens = price_sensitivity(source, recipe, calibration, table=table) if recipe.needs_allocation else None
@@ -331,7 +329,8 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         options.append(GpuOption(n, first, done, verify_s, done + verify_s, billed, billed * usd_per_gpu_hour))
     return Price(
         recipe=recipe.summary(), nodes=tuple(nodes), products=products,
-        gpu_seconds=sum(n.gpu_seconds for n in nodes) + calib_s + sum(ln.gpu_seconds for ln in linears)
+        gpu_seconds=sum(n.gpu_seconds for n in nodes) + (chain.gpu_seconds if chain is not None else 0.0)
+        + sum(ln.gpu_seconds for ln in linears)
         + (sens.seconds if sens is not None else 0.0),
         published_bytes=published, skeleton_bytes=skeleton,
         windows=partition, peak_local_bytes=max(w.local_bytes for w in sched["windows"])
@@ -340,7 +339,7 @@ def price_recipe(recipe: Recipe, source: SourceModel, table: CostTable, *, gpus:
         assumptions={"download_bytes_per_s": download_bytes_per_s, "verify_bytes_per_s": verify_bytes_per_s,
                      "usd_per_gpu_hour": usd_per_gpu_hour, "windows_on_disk": windows_on_disk,
                      "disk_budget": disk_budget, "windows": windows},
-        calibration=calibration, linears=linears, sensitivity=sens,
+        calibration=calibration, chain=chain, linears=linears, sensitivity=sens,
     )
 
 
@@ -353,16 +352,11 @@ def _layer_of(linear: str) -> int | None:
     return None if m is None else int(m.group(1))
 
 
-def _top_k(source) -> int:
-    """Experts each token is routed to, as the sensitivity price reads the config (8 where it states none)."""
-    return int(source.config.get("num_experts_per_tok") or source.config.get("moe_topk") or 8)
-
-
 def _layer_params(source, shapes: dict) -> tuple[list[int], list[int], int, list[int]]:
     """(active parameters per token, stored parameters, per decoder layer; the head's; the non-expert linears'
     parameters per layer) from the linear shapes and the experts (top-k of them active)."""
     n_layers = source.num_hidden_layers
-    top_k = _top_k(source)
+    top_k = experts_per_token(source)
     expert = 3 * source.hidden_size * source.moe_intermediate_size
     dense, head = [0] * n_layers, 0
     for name, (cls, (o, i)) in shapes.items():
@@ -396,7 +390,7 @@ def _sensitivity_memory(source, stored: list, dense: list, streams: int, rows: i
     unit's weights copied to restore them: at most every expert's gate and up) and the Fisher pass's (the non-expert
     linears' float32 gradients and float64 directions, the experts' kept inputs and output gradients)."""
     h, m, E = source.hidden_size, source.moe_intermediate_size, source.n_experts
-    top_k = _top_k(source)
+    top_k = experts_per_token(source)
     vocab = int(source.config.get("vocab_size") or 0)
     tokens = rows * cols
     layer = 4 * max(stored)
@@ -505,22 +499,59 @@ def _price_linears(recipe: Recipe, source: SourceModel, table: "CostTable", ldlq
     return tuple(out), weights, (linear_layer_weights(source, shapes) if recipe.budgeted else None)
 
 
-def _timeline(stage_s: Sequence[float], windows: Sequence[tuple[Sequence[float], Sequence[float]]], gpus: int,
-              W: int) -> tuple[float, float]:
-    """(end of window 0's staging, end of the last window's encode) in seconds from the start. ``windows``: per
-    window, its layers' encode seconds and calibration seconds. The encodes spread over the GPUs; the calibration
-    chain is serial (layer L+1 starts from layer L's output) on one GPU at a time, and a layer's encodes cannot end
-    before its calibration has: so a window ends no sooner than its work over the GPUs after the previous window,
-    nor sooner than the chain's end of its last layer plus that layer's encodes over the GPUs."""
+@dataclass
+class WindowWork:
+    """One window's work on the timeline: its encodes' GPU seconds (a list the linear jobs join in the last window),
+    the wall and the GPU-held seconds of the calibration chain's jobs run for it, and the GPU seconds that can only
+    start once that part of the chain has ended (its last calibrated layer's encodes; the last window's head job's
+    linear job too)."""
+    encode: list
+    chain_s: float = 0.0
+    chain_gpu_s: float = 0.0
+    tail_s: float = 0.0
+
+
+def _window_work(partition, layer_secs: Mapping[int, float], chain: ChainPrice | None,
+                 head_linear_s: float) -> list[WindowWork]:
+    """Per window, its work (``WindowWork``). A chain job goes with the window of the first MoE layer at or after its
+    layer (the embed job and the dense layers before it with window 0: their shards are staged with it); the head
+    job, and any layer after the last MoE layer, with the last window."""
+    work = [WindowWork([layer_secs[l] for l in layers]) for layers in partition]
+    calibrated = chain.calibration.layers if chain is not None else tuple(layer_secs)
+    for w, layers in zip(work, partition):
+        mine = [l for l in layers if l in calibrated]
+        w.tail_s = layer_secs[mine[-1]] if mine else 0.0
+    if chain is None:
+        return work
+    for job in chain.jobs:
+        if job.kind == "embed":
+            i = 0
+        elif job.kind == "head":
+            i = len(partition) - 1
+        else:
+            i = next((i for i, layers in enumerate(partition) if max(layers) >= job.layer), len(partition) - 1)
+        work[i].chain_s += job.seconds
+        work[i].chain_gpu_s += job.gpu_seconds
+    if any(j.kind == "head" for j in chain.jobs):
+        work[-1].tail_s += head_linear_s  # the head's linear job reads the head job's Hessian
+    return work
+
+
+def _timeline(stage_s: Sequence[float], windows: Sequence[WindowWork], gpus: int, W: int) -> tuple[float, float]:
+    """(end of window 0's staging, end of the last window's encode) in seconds from the start. The encodes and the
+    chain's GPU-held seconds spread over the GPUs; the calibration chain is serial (each job starts from the previous
+    one's hidden states: embed, every layer, the head), and a job's reads hold no GPU; a layer's encodes cannot
+    start before its calibration has ended: so a window ends no sooner than its GPU work over the GPUs after the
+    previous window, nor sooner than the chain's end of its part plus its tail over the GPUs."""
     staged, encoded, chain = [], [], 0.0
-    for w, (st, (enc, cal)) in enumerate(zip(stage_s, windows)):
+    for w, (st, work) in enumerate(zip(stage_s, windows)):
         start = staged[-1] if w else 0.0
         if w - W >= 0:
             start = max(start, encoded[w - W])  # window w fetches once window w-W retired
         staged.append(start + st)
-        chain = max(chain, staged[-1]) + sum(cal)
-        encoded.append(max(max(staged[-1], encoded[-1] if w else 0.0) + (sum(enc) + sum(cal)) / gpus,
-                           chain + (enc[-1] if enc else 0.0) / gpus))
+        chain = max(chain, staged[-1]) + work.chain_s
+        encoded.append(max(max(staged[-1], encoded[-1] if w else 0.0) + (sum(work.encode) + work.chain_gpu_s) / gpus,
+                           chain + work.tail_s / gpus))
     return staged[0], encoded[-1]
 
 
@@ -597,12 +628,9 @@ def price_table(price: Price) -> str:
                      f"{n.seconds_per_expert / 3:>8.4f}{mark or ' '} {n.gpu_seconds / 3600:>8.2f} {fmt_bytes(n.output_bytes):>11}"
                      + (f"  (the experts of {n.experts_from}, encoded once)" if n.experts_from else ""))
     total_m = sum(3 * n.experts for n in price.nodes)
-    if price.calibration is not None:
-        from fq.planning.calibration_cost import calibration_lines
-
-        c = price.calibration
-        lines.append(f"{'calibration':<14} {'':>2} {'':<8} {'':>8} {'':>9} {'':>9} {c.gpu_seconds / 3600:>8.2f} "
-                     f"{fmt_bytes(c.hessian_bytes):>11}")
+    if price.chain is not None:
+        lines.append(f"{'calibration':<14} {'':>2} {'':<8} {'':>8} {'':>9} {'':>9} "
+                     f"{price.chain.gpu_seconds / 3600:>8.2f} {fmt_bytes(price.calibration.hessian_bytes):>11}")
     if price.sensitivity is not None:
         lines.append(f"{'sensitivity':<14} {'':>2} {'':<8} {'':>8} {'':>9} {'':>9} "
                      f"{price.sensitivity.seconds / 3600:>8.2f} {'':>11}")
@@ -615,8 +643,10 @@ def price_table(price: Price) -> str:
                      f"cores ({HOST_FRAC_TILES_S:,.0f} tiles/s on an encode job's {ENCODE_THREADS} threads, "
                      f"{FRAC_PASSES_PER_TILE} passes a tile): fq has no CUDA kernel for them yet; allocation.ks can "
                      f"leave them out")
-    if price.calibration is not None:
-        lines += calibration_lines(price.calibration)
+    if price.chain is not None:
+        from fq.planning.calibration_cost import calibration_lines
+
+        lines += calibration_lines(price.chain)
     if price.sensitivity is not None:
         sv = price.sensitivity
         lines.append(f"sensitivity (budgeted bases' allocation, measured before encoding): {sv.tokens} tokens x "
