@@ -79,19 +79,23 @@ def calib_will_run(layer):
 
 
 def calib_staged(layer):
-    """The staged shards a chain job reads, asked for only when it will run (as skeleton_inputs: a finished chain
-    never makes Snakemake stage a retired window again)."""
-    return [ancient(C.staged(s)) for s in C.calib.shards(layer)] if calib_will_run(layer) else []
+    """The staged shards a chain job reads and their range indexes (the job reads only its tensors' bytes, each
+    checked against its shard's index), asked for only when it will run (as skeleton_inputs: a finished chain never
+    makes Snakemake stage a retired window again)."""
+    if not calib_will_run(layer):
+        return {"shards": [], "ranges": []}
+    shards = C.calib.shards(layer)
+    return {"shards": [ancient(C.staged(s)) for s in shards], "ranges": [ancient(C.staged_index(s)) for s in shards]}
 
 
 def calib_embed_inputs(wc):
-    return {"campaign": ancient(C.campaign_json), "tokens": ancient(C.calib.tokens), "shards": calib_staged(None)}
+    return {"campaign": ancient(C.campaign_json), "tokens": ancient(C.calib.tokens), **calib_staged(None)}
 
 
 def calib_layer_inputs(wc):
     layer = int(wc.layer)
     return {"campaign": ancient(C.campaign_json), "hidden": C.calib.hidden(layer - 1 if layer else None),
-            "shards": calib_staged(layer)}
+            **calib_staged(layer)}
 
 
 def calib_layer_rules():

@@ -126,6 +126,8 @@ rule stage:
         gate=stage_gate,
     output:
         shard=temp(f"{OUT}/staging/{{shard}}"),
+        # its header's and tensors' sha256, from the pass that verified the shard: the chain's jobs read only theirs
+        ranges=temp(f"{OUT}/staging/{{shard}}.ranges.json"),
     conda:
         "../envs/fq.yaml"
     log:

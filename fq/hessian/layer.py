@@ -11,8 +11,10 @@
 - ``read_tensors``: named tensors streamed from the checkpoint's shards (the index's weight map): each shard that
   holds one of them is read once, in one pass that hashes the whole file (``fq.core.safepath.sha256_stream``) and keeps
   only the wanted byte ranges, so what is parsed is what was hashed; with ``sha256`` (shard -> digest, what
-  ``fq init`` recorded) a shard whose digest differs is refused. Returns float32 tensors (bf16/fp16 upcast,
-  exact) and the digest of every shard read.
+  ``fq init`` recorded) a shard whose digest differs is refused. A staged shard with a range index beside it (the
+  staging job's ``SHARD.ranges.json``, ``fq.model.shard_index``, derived from the recorded digest) is not hashed
+  whole: only the wanted tensors' ranges are read, each checked against the index, and the header byte for byte.
+  Returns float32 tensors (bf16/fp16 upcast, exact) and the (recorded) digest of every shard read.
 - ``build_layer``: the layer module built on the meta device and filled with exactly the layer's tensors
   (``load_state_dict(strict=True, assign=True)``: no random init, no copy); the buffers a family declares derived
   (``Calibration.derived_buffers``: MiniMax's lightning-attention decay factors) are the checkpoint's, or where it
@@ -218,16 +220,60 @@ def read_checkpoint(source_dir: str | os.PathLike) -> Checkpoint:
     return Checkpoint(meta.dir, meta.config, meta.config_sha256, meta.weight_map)
 
 
-def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = None) -> tuple[dict, dict[str, str]]:
-    """(name -> float32 tensor, shard -> sha256 of every shard read) of ``names``; one streaming pass per shard.
-    An FP8 weight comes back dequantized when its ``weight_scale_inv`` is among ``names`` (``layer_tensors``)."""
+def _range_index(directory: Path, shard: str, sha256: Mapping[str, str] | None) -> tuple[str, dict] | None:
+    """(path, doc) of the shard's range index (``fq.model.shard_index``) when the shard is to be verified and the
+    staging job left one beside it; refused unless derived from the digest the campaign recorded."""
+    from fq.model import shard_index
+
+    if sha256 is None or shard not in sha256:
+        return None
+    path = shard_index.index_path(Path(directory) / shard)
+    if not path.is_file():
+        return None
+    return str(path), shard_index.load(path, shard, sha256[shard])
+
+
+def _read_hashed(fh, header, entries, where: str) -> tuple[dict[str, bytearray], str]:
+    """The bytes of ``entries`` and the sha256 of the whole file, in one streaming pass: what is parsed is what was
+    hashed."""
+    from fq.core.safepath import sha256_stream
+
+    bufs = {e.name: bytearray(e.length) for e in entries}
+    raw_head = bytearray(header.data_start)
+
+    def tap(buf):
+        def fn(at, piece):
+            buf[at: at + len(piece)] = piece
+        return fn
+
+    taps = [(0, header.data_start, tap(raw_head))] + [(e.start, e.length, tap(bufs[e.name])) for e in entries]
+    digest, size, _ = sha256_stream(fh, taps=taps)
+    if bytes(raw_head) != header.raw or size != header.file_size:
+        raise FqError(f"{where}: changed while it was read")
+    return bufs, digest
+
+
+def _collect(out: dict, entries, bufs: dict) -> None:
+    """Each entry's bytes as a tensor of its dtype and shape (no copy)."""
     import torch
 
-    from fq.model import formats
+    from fq.model.shards import torch_dtype
 
-    from fq.core.safepath import sha256_stream
+    for e in entries:
+        dtype = torch_dtype(e.dtype)
+        out[e.name] = (torch.frombuffer(bufs.pop(e.name), dtype=torch.uint8).view(dtype).reshape(e.shape)
+                       if e.length else torch.empty(e.shape, dtype=dtype))
+
+
+def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = None) -> tuple[dict, dict[str, str]]:
+    """(name -> float32 tensor, shard -> sha256 of every shard read) of ``names``. A shard with a range index
+    beside it (written by the staging job; used only with ``sha256``, and only when derived from the recorded
+    digest) gives only the wanted tensors' bytes, each range checked against the index, and its recorded digest;
+    any other shard is read in one streaming pass that hashes it whole.
+    An FP8 weight comes back dequantized when its ``weight_scale_inv`` is among ``names`` (``layer_tensors``)."""
+    from fq.model import formats, shard_index
     from fq.model.checkpoint import open_file
-    from fq.model.shards import read_header, torch_dtype
+    from fq.model.shards import read_header
 
     names = sorted(set(names))
     missing = [n for n in names if n not in ckpt.weight_map]
@@ -240,29 +286,20 @@ def read_tensors(ckpt: Checkpoint, names, sha256: Mapping[str, str] | None = Non
     digests: dict[str, str] = {}
     for shard in sorted(by_shard):
         where = f"{ckpt.dir}/{shard}"
+        index = _range_index(ckpt.dir, shard, sha256)
         with open_file(ckpt.dir, shard, where) as fh:
             header = read_header(fh, where)
             entries = sorted((header.entry(n) for n in by_shard[shard]), key=lambda e: e.start)
-            bufs = {e.name: bytearray(e.length) for e in entries}
-            raw_head = bytearray(header.data_start)
-
-            def tap(buf):
-                def fn(at, piece):
-                    buf[at: at + len(piece)] = piece
-                return fn
-
-            taps = [(0, header.data_start, tap(raw_head))] + [(e.start, e.length, tap(bufs[e.name])) for e in entries]
-            digest, size, _ = sha256_stream(fh, taps=taps)
-        if bytes(raw_head) != header.raw or size != header.file_size:
-            raise FqError(f"{where}: changed while it was read")
+            if index is None:
+                bufs, digest = _read_hashed(fh, header, entries, where)
+            else:  # only the wanted ranges, each checked against the staging pass's digests
+                bufs, digest = shard_index.read_verified(fh, header, index[1], entries, where, index[0]), \
+                    index[1]["shard_sha256"]
         if sha256 is not None and sha256.get(shard) != digest:
             raise FqError(f"{where}: sha256 {digest}, expected {sha256.get(shard)} (the digest the campaign recorded "
                           "for this source shard)")
         digests[shard] = digest
-        for e in entries:
-            dtype = torch_dtype(e.dtype)
-            out[e.name] = (torch.frombuffer(bufs.pop(e.name), dtype=torch.uint8).view(dtype).reshape(e.shape)
-                           if e.length else torch.empty(e.shape, dtype=dtype))
+        _collect(out, entries, bufs)
     # an FP8 checkpoint: each weight times its block scales (the scales dropped), as the encoder reads it
     fmt = formats.source_format(ckpt.config, f"{ckpt.dir}/{CONFIG}")
     return formats.dense_state(out, str(ckpt.dir), fmt.block or (128, 128)), digests

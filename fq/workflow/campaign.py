@@ -148,6 +148,10 @@ class Campaign:
     def staged(self, shard: str) -> str:
         return self.p("staging", shard)
 
+    def staged_index(self, shard: str) -> str:
+        """The staged shard's range index (fq.model.shard_index), written by its stage job."""
+        return self.staged(shard) + ".ranges.json"
+
     def skeleton(self, shard: str) -> str:
         return self.p("skeleton", shard)
 

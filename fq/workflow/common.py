@@ -4,7 +4,8 @@
                                  published base carries verbatim, the campaign summary
     check_signer                 the key a step signs with is the one bound at init
     recorded_shards              the source shards' sha256 as ``fq init`` recorded them in campaign.json
-    verify_file, copy_verified   a source shard's bytes against the size and sha256 bound at init
+    verify_file, copy_verified   a source shard's bytes against the size and sha256 bound at init, and in the same
+                                 pass its range index (the sha256 of its header and of each tensor's bytes)
 
 It imports nothing from ``fq.workflow`` (tests/test_layering.py holds the modules of fq.workflow acyclic):
 init, staging, hub and finalize used to take these from one another, which made campaign -> hub -> finalize
@@ -12,7 +13,6 @@ init, staging, hub and finalize used to take these from one another, which made 
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from fq.core import atomic, canonical
@@ -26,9 +26,6 @@ INDEX = "model.safetensors.index.json"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
               "preprocessor_config.json", "video_preprocessor_config.json")
-
-CHUNK = 1 << 22
-
 
 def check_signer(doc: dict, pub, key_path: str) -> None:
     """The key a step signs with must be the campaign's bound signer (fail in seconds, not at finalize)."""
@@ -55,27 +52,27 @@ def _mismatch(what: str, n: int, got: str, size: int, sha256: str) -> FqError:
                    f"{sha256} at init; the source changed under the campaign")
 
 
-def verify_file(path: Path, sha256: str, size: int, what: str) -> None:
-    h = hashlib.sha256()
-    n = 0
+def verify_file(path: Path, sha256: str, size: int, what: str, shard: str) -> dict | None:
+    """Refuse a file whose bytes are not the bound ones; return its range index (``fq.model.shard_index``), made in
+    the same pass (None: its header does not parse; the staging job's header check says why)."""
+    from fq.model.shard_index import index_pass
+
     with open(path, "rb") as fh:
-        while data := fh.read(CHUNK):
-            h.update(data)
-            n += len(data)
-    if n != size or h.hexdigest() != sha256:
-        raise _mismatch(what, n, h.hexdigest(), size, sha256)
+        got, n, index = index_pass(fh, what, shard)
+    if n != size or got != sha256:
+        raise _mismatch(what, n, got, size, sha256)
+    return index
 
 
-def copy_verified(src: Path, dst: Path, sha256: str, size: int) -> None:
-    """Copy src to dst through a temp name, hashing on the way; refuse a mismatch before dst exists."""
+def copy_verified(src: Path, dst: Path, sha256: str, size: int) -> dict | None:
+    """Copy src to dst through a temp name, hashing on the way; refuse a mismatch before dst exists. Returns the
+    shard's range index, made in the same pass (as ``verify_file``)."""
+    from fq.model.shard_index import index_pass
+
     if not src.is_file():
         raise FqError(f"{src}: source shard missing")
-    h = hashlib.sha256()
-    n = 0
     with open(src, "rb") as fin, atomic.atomic_open(dst, "wb") as fout:
-        while data := fin.read(CHUNK):
-            h.update(data)
-            n += len(data)
-            fout.write(data)
-        if n != size or h.hexdigest() != sha256:
-            raise _mismatch(str(src), n, h.hexdigest(), size, sha256)
+        got, n, index = index_pass(fin, str(src), dst.name, sink=lambda at, piece: fout.write(piece))
+        if n != size or got != sha256:
+            raise _mismatch(str(src), n, got, size, sha256)
+    return index

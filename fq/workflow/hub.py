@@ -32,7 +32,8 @@ def shard_digests(c) -> dict[str, dict]:
     return out
 
 
-def download_shard(repo: str, revision: str, shard: str, dst: Path, sha256: str, size: int) -> None:
+def download_shard(repo: str, revision: str, shard: str, dst: Path, sha256: str, size: int) -> dict | None:
+    """The shard downloaded to ``dst``, verified; returns its range index, made in the verifying pass."""
     from huggingface_hub import hf_hub_download
 
     os.environ.setdefault("HF_HUB_DISABLE_XET", "1")  # each shard is fetched once; the chunk cache would only grow
@@ -40,9 +41,10 @@ def download_shard(repo: str, revision: str, shard: str, dst: Path, sha256: str,
         path = Path(hf_hub_download(repo, shard, revision=revision, local_dir=tmp))
         if path.is_symlink() or not path.is_file():
             raise FqError(f"{repo}@{revision}: {shard} did not arrive as a regular file")
-        verify_file(path, sha256, size, f"{repo}@{revision}/{shard}")
+        index = verify_file(path, sha256, size, f"{repo}@{revision}/{shard}", shard)
         os.replace(path, dst)  # same filesystem: the verified bytes take their name in one step
         fsync_dir(dst.parent)
+    return index
 
 
 def persist_metadata(c, meta_dir: str | os.PathLike, *, listing=None, fetch=None) -> Path:

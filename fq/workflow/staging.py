@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fq.core import atomic, canonical
 from fq.errors import FqError
+from fq.model import shard_index
 from fq.workflow.common import copy_verified
 
 def log_event(staging_dir: Path, event: str, **fields) -> None:
@@ -34,12 +35,16 @@ def log_event(staging_dir: Path, event: str, **fields) -> None:
 
 
 def stage_shard(campaign_json: str, source_kind: str, source_dir: str, shard: str, window: int, out: str,
-                repo: str | None = None, revision: str | None = None, lock_dir: str | None = None) -> None:
+                repo: str | None = None, revision: str | None = None, lock_dir: str | None = None,
+                out_index: str | None = None) -> None:
+    """``out_index``: where the shard's range index goes (``fq.model.shard_index``: the sha256 of its header and of
+    each tensor, made in the pass that verifies the whole shard), so that chain jobs read only their tensors."""
     from fq.workflow import locks
 
     if lock_dir is not None:
         locks.hold_worker(lock_dir, f"stage-{shard}", f"stage {shard}")
-        for p in locks.remove_dead_temps(Path(out).parent, [shard, f"download-{shard}"]):
+        names = [shard, f"download-{shard}"] + ([Path(out_index).name] if out_index else [])
+        for p in locks.remove_dead_temps(Path(out).parent, names):
             print(f"removed {p}: leftover of an interrupted copy of this shard", file=sys.stderr)
     doc = canonical.load(campaign_json)
     expected = doc["source"]["shards"].get(shard)
@@ -49,10 +54,14 @@ def stage_shard(campaign_json: str, source_kind: str, source_dir: str, shard: st
     if source_kind == "hub":
         from fq.workflow.hub import download_shard
 
-        download_shard(repo, revision, shard, dst, expected["sha256"], expected["size"])
+        index = download_shard(repo, revision, shard, dst, expected["sha256"], expected["size"])
     else:
-        copy_verified(Path(source_dir) / shard, dst, expected["sha256"], expected["size"])
+        index = copy_verified(Path(source_dir) / shard, dst, expected["sha256"], expected["size"])
     check_header(dst)
+    if out_index is not None:
+        if index is None:  # the header parsed in check_header but not in the verifying pass: it changed
+            raise FqError(f"{dst}: changed while it was staged; stage it again")
+        shard_index.write(out_index, index)
     log_event(dst.parent, "stage", shard=shard, window=window)
 
 
@@ -81,6 +90,8 @@ def retire_window(staging_dir: str, window: int, retire: list[str], marker: str)
     leftovers = sorted(s for s in retire if (staging / s).exists())
     for s in leftovers:
         (staging / s).unlink(missing_ok=True)
+    for s in retire:  # a range index is temp as its shard is (the chain's jobs read it)
+        shard_index.index_path(staging / s).unlink(missing_ok=True)
         print(f"retire window {window}: removed {s}, left staged by an interrupted run", file=sys.stderr)
     atomic.write_text(marker, canonical.pretty({"window": window, "retired": sorted(retire),
                                                 "removed_leftovers": leftovers}))
