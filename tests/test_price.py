@@ -276,12 +276,16 @@ def test_every_chain_job_is_counted_from_the_shapes(tiny_glm5):
     assert moe.flops == linear(attention + shared) + core + routed + sums(attention_groups + [256, 128])
     assert (embed.flops, head.flops) == (0, 2 * t * 256 ** 2)
     hidden, (shard,) = t * 256 * 4, src.shards
-    size = src.shard_sizes[shard]
-    assert (embed.read_bytes, embed.written_bytes) == (size, hidden)
+    # a layer job reads its own tensors' ranges (checked against the staged shard's range index), not the shard:
+    # FP8 linears, a byte a weight and a float32 scale a 128 x 128 block; the embeddings (512 x 256) in bf16
+    stored = lambda shapes: sum(o * i + 4 * -(-o // 128) * -(-i // 128) for o, i in shapes)  # noqa: E731
+    experts = 4 * stored([(128, 256), (128, 256), (256, 128)])
+    assert (embed.read_bytes, embed.written_bytes) == (512 * 256 * 2, hidden)
     dense_hessians = 4 * sum(packed_len(n) for n in attention_groups + [256, 512])
     moe_hessians = 4 * sum(packed_len(n) for n in attention_groups + [256, 128]) + layer_bytes(256, 128, 4)
-    assert (dense.read_bytes, dense.written_bytes) == (hidden + size, hidden + dense_hessians)
-    assert (moe.read_bytes, moe.written_bytes) == (hidden + size, hidden + moe_hessians)
+    assert (dense.read_bytes, dense.written_bytes) == (hidden + stored(attention + dense_mlp), hidden + dense_hessians)
+    assert (moe.read_bytes, moe.written_bytes) == (hidden + stored(attention + shared) + experts, hidden + moe_hessians)
+    assert moe.read_bytes < hidden + src.shard_sizes[shard]
     # the head job verifies the committed skeleton shard holding the final norm, then reads it
     assert (head.read_bytes, head.written_bytes) == (hidden + 2 * src.shard_skeleton_bytes(shard), 4 * packed_len(256))
     for j in chain.jobs:

@@ -9,9 +9,11 @@ layer when a whole-model base quantizes the head; next-token-prediction layers a
 
     setup  +  bytes read / read rate  +  bytes written / write rate  +  FLOPs / TFLOP/s
 
-bytes read    the hidden-state file in (tokens · hidden · 4) and every source shard holding one of the job's tensors,
-              whole (each is hashed as it is read: fq.hessian.layer.read_tensors); the head job the committed skeleton
-              shard holding the final norm, twice (verified, then read)
+bytes read    the hidden-state file in (tokens · hidden · 4) and the job's own source tensors (its routed experts and
+              non-routed linears from the shapes, the embed job its embeddings; at most the shards holding them): each
+              is read as a byte range and checked against its staged shard's range index (fq.model.shard_index),
+              which the staging job made in the one pass that verifies the shard whole (priced with staging); the
+              head job the committed skeleton shard holding the final norm, twice (verified, then read)
 bytes written the hidden-state file out (tokens · hidden · 4), the layer's Hessian file (calibrated MoE layers) and
               its linears' Hessians (whole-model bases: packed float32 triangles)
 FLOPs         counted per layer (tokens t = rows · cols, 2 FLOPs a multiply-add):
@@ -68,7 +70,7 @@ if TYPE_CHECKING:  # the CLI reads this module's defaults for its help: without 
     from fq.model.source import SourceModel
 
 DEFAULT_TFLOPS = 25.0  # effective rate of a chain job's counted FLOPs (fitted, H100: module doc)
-DEFAULT_READ_MB_S = 300.0  # hidden-state file and source shards read, hashed as read (fitted, H100: module doc)
+DEFAULT_READ_MB_S = 300.0  # hidden-state file and source tensors read, hashed as read (fitted, H100: module doc)
 DEFAULT_WRITE_MB_S = 550.0  # hidden-state file and Hessians written, hashed as written (fitted, H100: module doc)
 DEFAULT_SETUP_S = 5.0  # per chain job: process start and imports (chosen, not separable in the fit: module doc)
 DEFAULT_LDLQ_FACTOR = 1.35
@@ -272,10 +274,39 @@ def routed_flops(tokens: int, experts: int, top_k: int, hidden: int, inter: int)
 
 
 def _shard_bytes(source: SourceModel, prefix: str) -> int:
-    """Bytes of every shard holding a tensor whose name starts with ``prefix`` (a job hashes each one it reads
-    whole)."""
+    """Bytes of every shard holding a tensor whose name starts with ``prefix`` (what a job without range indexes
+    hashes whole: an upper bound of what it reads)."""
     return sum(source.shard_sizes[s] for s in {shard for name, shard in source.weight_map.items()
                                                if name.startswith(prefix)})
+
+
+def _matrix_bytes(source: SourceModel, out: int, inp: int) -> int:
+    """A stored (out, in) matrix at the source's weight dtype, with its block scales (FP8: float32 a block)."""
+    block = source.source_format.block
+    scales = 4 * -(-out // block[0]) * -(-inp // block[1]) if block else 0
+    return int(out * inp * source.dtype_bytes) + scales
+
+
+def _layer_tensor_bytes(source: SourceModel, layer: int, linears: list[tuple[int, int]]) -> int:
+    """What a layer job reads of the source: its own tensors' ranges, each checked against its staged shard's range
+    index (fq.model.shard_index), not the shards whole. Counted from the shapes: the routed experts and the
+    non-routed linears (norms, routers and biases, well under 1%, are not); never more than its shards."""
+    from fq.model.source import PROJECTIONS
+
+    experts = source.n_experts * sum(map(source.expert_matrix_bytes, PROJECTIONS)) \
+        if layer in source.moe_layers else 0
+    own = experts + sum(_matrix_bytes(source, o, i) for o, i in linears)
+    return min(own, _shard_bytes(source, f"{source.family_entry.layout.layers}{layer}."))
+
+
+def _embed_tensor_bytes(source: SourceModel) -> int:
+    """The embed job's read: the embedding matrix's range (vocab x hidden at the checkpoint's dtype: never FP8),
+    never more than its shard."""
+    from fq.model.source import DTYPE_BYTES
+
+    shard_bytes = _shard_bytes(source, source.family_entry.layout.embed)
+    vocab = int(source.config.get("vocab_size") or 0)
+    return min(vocab * source.hidden_size * DTYPE_BYTES[source.dtype], shard_bytes) if vocab else shard_bytes
 
 
 def _final_norm_skeleton_bytes(source: SourceModel) -> int:
@@ -309,14 +340,14 @@ def price_chain(c: CalibrationPrice, source: SourceModel, recipe=None) -> ChainP
     hidden = c.hidden_bytes
     shapes = linear_shapes(source)
     by_layer = _linears_by_layer(source, shapes)
-    jobs = [_job(c, "embed", None, _shard_bytes(source, source.family_entry.layout.embed), hidden, 0.0)]
+    jobs = [_job(c, "embed", None, _embed_tensor_bytes(source), hidden, 0.0)]
     for layer in layers:
         names = captured.get(layer, ())
         inputs = _group_inputs(names, shapes) if names else []
         written = hidden + sum(HESSIAN_DTYPE_BYTES * packed_len(n) for n in inputs)
         if layer in c.layers:
             written += c.hessian_bytes_per_layer
-        read = hidden + _shard_bytes(source, f"{source.family_entry.layout.layers}{layer}.")
+        read = hidden + _layer_tensor_bytes(source, layer, by_layer.get(layer, []))
         flops = layer_flops(source, layer, t, c.rows, c.cols, by_layer.get(layer, []), inputs)
         jobs.append(_job(c, "moe" if layer in source.moe_layers else "dense", layer, read, written, flops))
     if None in captured:
