@@ -32,4 +32,5 @@ AFMOE = Family(
     # sigmoid router with the score bias (mlp.expert_bias, the block's own parameter) added for the choice only, a
     # shared expert (not captured); the sliding layers' mask and window from layer_types
     calibration=Calibration("transformers.models.afmoe.modeling_afmoe", "AfmoeDecoderLayer", "AfmoeRotaryEmbedding",
-                            router="router", mask_type=per_layer_types, embed_scale=_mup_scale))
+                            router="router", mask_type=per_layer_types, embed_scale=_mup_scale,
+                            router_score="sigmoid"))

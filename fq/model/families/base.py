@@ -263,6 +263,9 @@ def linear_or_sliding_if_window(hf_cfg, layer: int) -> str:
     return sliding_if_window(hf_cfg, layer)
 
 
+ROUTER_SCORES = ("sigmoid", "softmax")  # Calibration.router_score
+
+
 @dataclass(frozen=True)
 class Calibration:
     """How the calibration chain (``fq.hessian``) runs one of the family's decoder layers with transformers' own
@@ -297,6 +300,11 @@ class Calibration:
     intermediate: Callable | None = None  # (experts module) -> intermediate size; None: down_proj [E, hidden, I]
     moe_block: str = "mlp"  # the decoder layer's MoE block (its input is the input Hessian's x)
     router: str = "gate"  # the MoE block's router module, hooked for its top-k
+    # how the router turns its logits into each expert's score before the top-k: "sigmoid" or "softmax" (over the
+    # experts). The weights the block applies are those scores at the chosen experts, renormalized and scaled per
+    # token (fq.hessian.affinity checks it on every batch). None: neither (Phi-3.5-MoE's sparsemixer), and the
+    # router-affinity weighting (calibration.weighting) is refused for the family
+    router_score: str | None = None
     # (transformers config, layer) -> the layer's attention type as masking_utils names it (its mask function)
     mask_type: Callable[[object, int], str] = full_attention
     attn_implementation: str = "sdpa"  # what from_pretrained picks on the CPU for this model class
@@ -308,6 +316,11 @@ class Calibration:
     embed_scale: Callable[[object], float] | None = None
     # (the model's final norm beside its decoder layers, a decoder-layer norm of the same class): the head's input
     final_norm: tuple[str, str] = ("norm", "input_layernorm")
+
+    def __post_init__(self):
+        if self.router_score not in ROUTER_SCORES + (None,):
+            raise FqError(f"{self.layer_class}: router_score {self.router_score!r}: expected one of "
+                          f"{', '.join(ROUTER_SCORES)} or None")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ DEEPSEEK_V3 = Family(
     mtp_key="num_nextn_predict_layers", exl3="DeepseekV3ForCausalLM",
     # MLA attention, sigmoid router with e_score_correction_bias and group-limited top-k (n_group, topk_group)
     calibration=Calibration("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3DecoderLayer",
-                            "DeepseekV3RotaryEmbedding"),
+                            "DeepseekV3RotaryEmbedding", router_score="sigmoid"),
     # exllamav3 1.6.5 asserts n_group, topk_group in {None, 1} (no group-limited routing): Kimi-K2 (1/1) loads,
     # DeepSeek-V3/R1 (8/4, also transformers' defaults when absent) do not
     exl3_needs=Exl3Needs(
@@ -38,7 +38,7 @@ DEEPSEEK_V32 = Family(
     # MLA with a DSA indexer on every layer (no shared indexer), as GLM-5: the indexer reads the causal mask,
     # which the model always materializes; group-limited sigmoid routing, a shared expert (not captured)
     calibration=Calibration("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32DecoderLayer",
-                            "DeepseekV32RotaryEmbedding", materialized_mask=True))
+                            "DeepseekV32RotaryEmbedding", materialized_mask=True, router_score="sigmoid"))
 
 DEEPSEEK_V2 = Family(
     name="deepseek_v2", title="DeepSeek-V2 / V2.5", architectures=("DeepseekV2ForCausalLM",),
@@ -48,7 +48,7 @@ DEEPSEEK_V2 = Family(
     # MLA attention (complex rotary), softmax router, greedy or group-limited greedy top-k (topk_method), a shared
     # expert (not captured)
     calibration=Calibration("transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2DecoderLayer",
-                            "DeepseekV2RotaryEmbedding"))
+                            "DeepseekV2RotaryEmbedding", router_score="softmax"))
 
 _V4_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 

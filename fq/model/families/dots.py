@@ -10,4 +10,4 @@ DOTS1 = Family(
     exl3_needs=Exl3Needs(stated=("n_routed_experts", "first_k_dense_replace", "moe_intermediate_size",
                                  "intermediate_size", "routed_scaling_factor")),
     calibration=Calibration("transformers.models.dots1.modeling_dots1", "Dots1DecoderLayer", "Dots1RotaryEmbedding",
-                            mask_type=per_layer_types))
+                            mask_type=per_layer_types, router_score="sigmoid"))

@@ -19,4 +19,5 @@ ERNIE4_5_MOE = Family(
                          check=_end_index),  # moe_layer_interval 1: its class's assert_cfg
     # the router's score bias: mlp.moe_statics.e_score_correction_bias on disk, mlp.gate.moe_statics. in the module
     calibration=Calibration("transformers.models.ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeDecoderLayer",
-                            "Ernie4_5_MoeRotaryEmbedding", renames=(("mlp.moe_statics.", "mlp.gate.moe_statics."),)))
+                            "Ernie4_5_MoeRotaryEmbedding", renames=(("mlp.moe_statics.", "mlp.gate.moe_statics."),),
+                            router_score="softmax"))

@@ -23,7 +23,7 @@ GLM4_MOE = Family(
     moe_rule=DenseFirst(default=1), mtp_key="num_nextn_predict_layers", exl3="Glm4MoeForCausalLM",
     exl3_needs=Exl3Needs(stated=_STATED + ("first_k_dense_replace",), values=_ONE_GROUP),
     calibration=Calibration("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeDecoderLayer",
-                            "Glm4MoeRotaryEmbedding"))
+                            "Glm4MoeRotaryEmbedding", router_score="sigmoid"))
 
 GLM4_MOE_LITE = Family(
     name="glm4_moe_lite", title="GLM-4.7-Flash", architectures=("Glm4MoeLiteForCausalLM",),
@@ -32,7 +32,7 @@ GLM4_MOE_LITE = Family(
     moe_rule=LayerTypes(default_dense=1, reads_first_k=False), mtp_key="num_nextn_predict_layers",
     exl3="Glm4MoeLiteForCausalLM", exl3_needs=Exl3Needs(stated=_STATED + ("mlp_layer_types",), values=_ONE_GROUP),
     calibration=Calibration("transformers.models.glm4_moe_lite.modeling_glm4_moe_lite", "Glm4MoeLiteDecoderLayer",
-                            "Glm4MoeLiteRotaryEmbedding"))
+                            "Glm4MoeLiteRotaryEmbedding", router_score="sigmoid"))
 
 GLM_MOE_DSA = Family(
     name="glm_moe_dsa", title="GLM-5", architectures=("GlmMoeDsaForCausalLM",), model_types=("glm_moe_dsa",),
@@ -40,7 +40,8 @@ GLM_MOE_DSA = Family(
     moe_rule=LayerTypes(default_dense=3), mtp_key="num_nextn_predict_layers", exl3="GlmMoeDsaForCausalLM",
     exl3_needs=Exl3Needs(stated=_STATED, values=_ONE_GROUP),
     calibration=Calibration("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaDecoderLayer",
-                            "GlmMoeDsaRotaryEmbedding", materialized_mask=True, shared_indexer=_dsa_shared))
+                            "GlmMoeDsaRotaryEmbedding", materialized_mask=True, shared_indexer=_dsa_shared,
+                            router_score="sigmoid"))
 
 # exllamav3 1.6.5's Glm4vMoeForConditionalGeneration builds its vision tower's config even to run text
 # (read_glm4v_vision_config: these keys without a default, the model_type asserted; it opens preprocessor_config.json)
@@ -72,4 +73,4 @@ GLM4V_MOE = Family(
     # its partial multimodal rotary gets the text positions on all three axes, as the model's own forward makes them
     # for text-only input; one causal mask
     calibration=Calibration("transformers.models.glm4v_moe.modeling_glm4v_moe", "Glm4vMoeTextDecoderLayer",
-                            "Glm4vMoeTextRotaryEmbedding"))
+                            "Glm4vMoeTextRotaryEmbedding", router_score="sigmoid"))

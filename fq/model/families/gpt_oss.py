@@ -30,4 +30,4 @@ GPT_OSS = Family(
     calibration=Calibration("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssDecoderLayer",
                             "GptOssRotaryEmbedding", fused_experts=True, act_inputs=_act_inputs,
                             intermediate=_intermediate, router="router", mask_type=per_layer_types,
-                            attn_implementation="eager"))
+                            attn_implementation="eager", router_score="softmax"))

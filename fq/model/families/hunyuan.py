@@ -48,4 +48,4 @@ HY_V3 = Family(
     calibration=Calibration("transformers.models.hy_v3.modeling_hy_v3", "HYV3DecoderLayer", "HYV3RotaryEmbedding",
                             renames=(("mlp.router.gate.", "mlp.gate."),
                                      ("mlp.expert_bias", "mlp.e_score_correction_bias"),
-                                     ("mlp.shared_mlp.", "mlp.shared_experts."))))
+                                     ("mlp.shared_mlp.", "mlp.shared_experts.")), router_score="sigmoid"))

@@ -80,4 +80,4 @@ KIMI_LINEAR = Family(
                  ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
                  ("self_attn.A_log", "self_attn.forget_gate.A_log")),
         concats=(("self_attn.conv1d.weight", tuple(f"self_attn.{x}_conv1d.weight" for x in "qkv")),),
-        mask_type=per_layer_types))
+        mask_type=per_layer_types, router_score="sigmoid"))

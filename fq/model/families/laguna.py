@@ -70,4 +70,4 @@ LAGUNA = Family(
                                                                "mlp.gate.e_score_correction_bias"),
                                                               ("mlp.shared_expert.", "mlp.shared_experts.")),
                             mask_type=per_layer_types,
-                            rotary_kwargs=rope_per_layer_type))
+                            rotary_kwargs=rope_per_layer_type, router_score="sigmoid"))

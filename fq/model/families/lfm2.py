@@ -20,4 +20,4 @@ LFM2_MOE = Family(
     # w1 (gate) / w3 (up) / w2 (down) (conversion_mapping "lfm2_moe")
     calibration=Calibration("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeDecoderLayer",
                             "Lfm2MoeRotaryEmbedding", moe_block="feed_forward", mask_type=per_layer_types,
-                            final_norm=("embedding_norm", "operator_norm")))
+                            final_norm=("embedding_norm", "operator_norm"), router_score="sigmoid"))

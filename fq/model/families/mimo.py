@@ -27,4 +27,4 @@ MIMO_V2_FLASH = Family(
     calibration=Calibration("transformers.models.mimo_v2_flash.modeling_mimo_v2_flash", "MiMoV2FlashDecoderLayer",
                             "MiMoV2FlashRotaryEmbedding", mask_type=per_layer_types, attn_implementation="eager",
                             renames=(("self_attn.attention_sink_bias", "self_attn.sinks"),),
-                            rotary_kwargs=rope_per_layer_type))
+                            rotary_kwargs=rope_per_layer_type, router_score="sigmoid"))

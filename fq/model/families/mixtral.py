@@ -13,7 +13,8 @@ MIXTRAL = Family(
     exl3_needs=Exl3Needs(stated=("num_local_experts", "intermediate_size")),
     # transformers 5.x names the block mlp (block_sparse_moe. on disk) and fuses w1 (gate) / w3 (up) / w2 (down)
     calibration=Calibration("transformers.models.mixtral.modeling_mixtral", "MixtralDecoderLayer",
-                            "MixtralRotaryEmbedding", renames=_RENAMES, mask_type=sliding_if_window))
+                            "MixtralRotaryEmbedding", renames=_RENAMES, mask_type=sliding_if_window,
+                            router_score="softmax"))
 
 MINIMAX_M2 = Family(
     name="minimax_m2", title="MiniMax-M2", architectures=("MiniMaxM2ForCausalLM",), model_types=("minimax_m2",),
@@ -29,7 +30,7 @@ MINIMAX_M2 = Family(
                          "block_sparse_moe.gate.e_score_correction_bias"),)),
     # as Mixtral, plus block_sparse_moe.e_score_correction_bias (the block's buffer, passed to its sigmoid router)
     calibration=Calibration("transformers.models.minimax_m2.modeling_minimax_m2", "MiniMaxM2DecoderLayer",
-                            "MiniMaxM2RotaryEmbedding", renames=_RENAMES))
+                            "MiniMaxM2RotaryEmbedding", renames=_RENAMES, router_score="sigmoid"))
 
 MINIMAX = Family(
     name="minimax", title="MiniMax-Text-01", architectures=("MiniMaxForCausalLM",), model_types=("minimax",),
@@ -40,7 +41,8 @@ MINIMAX = Family(
     calibration=Calibration("transformers.models.minimax.modeling_minimax", "MiniMaxDecoderLayer",
                             "MiniMaxRotaryEmbedding", renames=_RENAMES, mask_type=linear_or_sliding_if_window,
                             derived_buffers=tuple(f"self_attn.{b}" for b in ("slope_rate", "query_decay", "key_decay",
-                                                                             "diagonal_decay"))))
+                                                                             "diagonal_decay")),
+                            router_score="softmax"))
 
 PHIMOE = Family(
     name="phimoe", title="Phi-3.5-MoE", architectures=("PhimoeForCausalLM",), model_types=("phimoe",),

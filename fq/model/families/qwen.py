@@ -38,7 +38,7 @@ QWEN3_MOE = Family(
     model_types=("qwen3_moe",), layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
     moe_rule=SparseStep(), exl3="Qwen3MoeForCausalLM", exl3_needs=Exl3Needs(**_NEEDS),
     calibration=Calibration("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeDecoderLayer",
-                            "Qwen3MoeRotaryEmbedding", mask_type=sliding_if_window))
+                            "Qwen3MoeRotaryEmbedding", mask_type=sliding_if_window, router_score="softmax"))
 
 QWEN3_NEXT = Family(
     name="qwen3_next", title="Qwen3-Next", architectures=("Qwen3NextForCausalLM",), model_types=("qwen3_next",),
@@ -47,14 +47,14 @@ QWEN3_NEXT = Family(
     # gated-delta-net (linear attention) and full-attention layers (layer_types); the shared expert and its gate
     # are not captured (fq encodes routed experts only)
     calibration=Calibration("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextDecoderLayer",
-                            "Qwen3NextRotaryEmbedding", mask_type=per_layer_types))
+                            "Qwen3NextRotaryEmbedding", mask_type=per_layer_types, router_score="softmax"))
 
 # as Qwen3-Next: gated-delta-net and full-attention layers (layer_types), a gated shared expert (not captured); its
 # text rotary (interleaved multimodal sections) gets the text positions on all three axes, as the model's own for text.
 # The vision-language checkpoint's language model runs the same layers (its text_config; the vision tower is not
 # calibrated: fq encodes the routed experts only)
 _QWEN3_5_CHAIN = Calibration("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeDecoderLayer",
-                             "Qwen3_5MoeTextRotaryEmbedding", mask_type=per_layer_types)
+                             "Qwen3_5MoeTextRotaryEmbedding", mask_type=per_layer_types, router_score="softmax")
 
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", title="Qwen3.5-MoE (text)", architectures=("Qwen3_5MoeForCausalLM",),
@@ -119,7 +119,7 @@ QWEN3_VL_MOE = Family(
     # the text model's decoder layers; its rotary (interleaved multimodal sections) gets the text positions on all
     # three axes, as the model's own forward makes them for text-only input; one causal mask (no sliding window)
     calibration=Calibration("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextDecoderLayer",
-                            "Qwen3VLMoeTextRotaryEmbedding", fused_transposed=True))
+                            "Qwen3VLMoeTextRotaryEmbedding", fused_transposed=True, router_score="softmax"))
 
 QWEN2_MOE = Family(
     name="qwen2_moe", title="Qwen1.5-MoE / Qwen2-MoE", architectures=("Qwen2MoeForCausalLM",),
@@ -128,4 +128,4 @@ QWEN2_MOE = Family(
     # softmax top-k router (norm_topk_prob), a sigmoid-gated shared expert (not captured: fq encodes routed experts
     # only), qkv biases; sliding attention on the layers config.layer_types names (use_sliding_window)
     calibration=Calibration("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeDecoderLayer",
-                            "Qwen2MoeRotaryEmbedding", mask_type=per_layer_types))
+                            "Qwen2MoeRotaryEmbedding", mask_type=per_layer_types, router_score="softmax"))

@@ -12,4 +12,4 @@ SOLAR_OPEN = Family(
     # sigmoid router with e_score_correction_bias and group-limited top-k (n_group, topk_group), a shared expert
     # (not captured); full attention on every layer
     calibration=Calibration("transformers.models.solar_open.modeling_solar_open", "SolarOpenDecoderLayer",
-                            "SolarOpenRotaryEmbedding"))
+                            "SolarOpenRotaryEmbedding", router_score="sigmoid"))
