@@ -9,13 +9,17 @@ layer the inputs of its routed experts are summed into Hessians:
   up projection (and by the shared expert's);
 - ``down.{e}``: the input of expert e's down projection, ``act(gate(x))·up(x)``, over every token (all-experts
   capture, as exllamav3 does for the GLM / Qwen3 / DeepSeek classes) or, with ``routed_only``, over the tokens the
-  router sends to e.
+  router sends to e;
+- with a router-affinity weighting (``affinity``), each token's term of ``down.{e}`` (and of a per-expert
+  ``input.{e}``) times the router's score of e.
 
 Modules (one job per layer is what the workflow runs; ``capture_all`` chains them for tests and the demo):
 
     calibration  calibration tokens [rows, cols] from a text file (sha256-checked) or a token file, and their digest
     layer        the architecture registry, a layer's tensors streamed from the shards, one decoder layer built
     capture      embed / advance (the chain), hidden-state files, capture_layer (one job), capture_all
+    affinity     the router-affinity weighting (calibration.weighting): each token's term of an expert's Hessians
+                 times the router's score of the expert, read from the family's own router
     store        the Hessian file (hessian-layer{L:03d}.safetensors): packed fp32 upper triangles, read back checked
     linear_store the non-expert linears' input Hessians (linears-layer{L:03d}.safetensors, linears-head): per input
                  group, the same packing (whole-model bases)

@@ -17,6 +17,10 @@ time, summing each MoE layer's routed-expert input Hessians on the way.
       down[e]  += aᵀa,  a = act(x·gate_eᵀ)·(x·up_eᵀ)    (e ascending; every token, or with ``routed_only`` the
                                                        tokens whose top-k includes e)
 
+  With ``weighting`` (config calibration.weighting, ``fq.hessian.affinity``) each token's term of ``down[e]`` is
+  multiplied by the router's score c_te of expert e (every token, all-experts), their sum kept per expert; with
+  ``affinity`` also ``input[e] += Σ c_te x_tᵀx_t`` per expert, beside the unweighted ``input``.
+
   a is computed from the layer's own fused ``gate_up_proj`` exactly as transformers' expert forward computes it
   (float32; ``layer.ExpertLayout.act_inputs``: gpt-oss adds its bias and applies its clamped swiglu to interleaved
   gate/up), then upcast. Dense layers (layer 0 of the demo) advance the hidden states and sum nothing.
@@ -47,7 +51,8 @@ the final norm): ``fq.hessian.linear_store``. Not captured: next-token-predictio
 
 Memory: one layer's tensors (float32) plus hidden [rows, cols, hidden] float32 in and out (GLM-5 at 250 × 2048:
 12.6 GB each), the sums (float64: hidden² + n_experts · intermediate², 8.9 GB for GLM-5) and one row batch's
-activations.
+activations; with ``weighting: affinity`` also n_experts · hidden² float64 of per-expert input sums (77 GB for GLM-5:
+fq price states it).
 
     embed(source, tokens, sha256=None) -> hidden0
     advance(layer, hidden, layer_tensors, config, *, routed_only=False, row_batch=4, device="cpu", threads=1)
@@ -86,7 +91,9 @@ def hidden_file(layer: int) -> str:
 
 @dataclass(eq=False)
 class LayerSums:
-    """One MoE layer's Hessian sums in float64 (not divided by the counts): what ``store.write_hessians`` packs."""
+    """One MoE layer's Hessian sums in float64 (not divided by the counts): what ``store.write_hessians`` packs.
+    Weighted (``fq.hessian.affinity``): ``down`` holds Σ c·aᵀa, ``down_mass`` the Σ c per expert; with ``affinity``
+    also ``inputs`` [n_experts, hidden, hidden] Σ c·xᵀx and ``input_mass``."""
 
     layer: int
     mode: str  # "all-experts" | "routed-only"
@@ -96,6 +103,10 @@ class LayerSums:
     down_counts: list[int]
     rows: int
     cols: int
+    weighting: str = "none"  # fq.hessian.affinity.WEIGHTINGS
+    down_mass: "torch.Tensor | None" = None  # [n_experts] float64
+    inputs: "torch.Tensor | None" = None  # [n_experts, hidden, hidden] float64 (affinity)
+    input_mass: "torch.Tensor | None" = None  # [n_experts] float64 (affinity)
 
     @property
     def hidden_size(self) -> int:
@@ -159,8 +170,11 @@ def _act_inputs(arch: layer_mod.Arch, experts, x: "torch.Tensor", e: int) -> "to
     return arch.experts.act_inputs(experts, x, e)
 
 
-def _hooks(module, arch: layer_mod.Arch):
-    """Forward hooks that record the MoE block's input and the router's top-k indices of the current batch."""
+def _hooks(module, arch: layer_mod.Arch, weighted: bool = False):
+    """Forward hooks that record the MoE block's input and the router's top-k indices of the current batch (with
+    ``weighted``, also its logits and the top-k weights it applies: ``fq.hessian.affinity``)."""
+    from fq.hessian import affinity
+
     seen: dict = {}
     moe = getattr(module, arch.moe_block)
 
@@ -169,6 +183,8 @@ def _hooks(module, arch: layer_mod.Arch):
 
     def router(_mod, _inp, out):
         seen["topk"] = arch.router_topk(out).detach()
+        if weighted:
+            seen["logits"], seen["weights"] = affinity.router_outputs(out)
 
     handles = [moe.register_forward_pre_hook(pre, with_kwargs=True),
                getattr(moe, arch.router).register_forward_hook(router)]
@@ -223,11 +239,12 @@ def check_built(arch: layer_mod.Arch, config: dict, layer: int, module) -> None:
 
 def advance(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "torch.Tensor"], config: dict, *,
             routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu", threads: int | None = 1,
-            capture: bool = True) -> tuple["torch.Tensor", LayerSums | None]:
+            capture: bool = True, weighting: str = "none") -> tuple["torch.Tensor", LayerSums | None]:
     """Run ``hidden`` [rows, cols, hidden] through decoder layer ``layer`` (its checkpoint tensors, float32):
     (the layer's output, float32 on the CPU; the layer's Hessian sums for an MoE layer with ``capture``, else None)."""
     out, sums, _ = advance_linears(layer, hidden, layer_tensors, config, routed_only=routed_only,
-                                   row_batch=row_batch, device=device, threads=threads, capture=capture)
+                                   row_batch=row_batch, device=device, threads=threads, capture=capture,
+                                   weighting=weighting)
     return out, sums
 
 
@@ -296,13 +313,20 @@ def _same(a, b) -> bool:
 
 def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[str, "torch.Tensor"], config: dict, *,
                     routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu",
-                    threads: int | None = 1, capture: bool = True, linears=()):
+                    threads: int | None = 1, capture: bool = True, linears=(), weighting: str = "none"):
     """``advance``, also summing the input Hessians of the layer's non-expert ``linears`` (checkpoint tensor
     prefixes): (output, LayerSums | None, linear_store.LinearSums | None). Per row, in row order, per group (the
-    linears reading one identical input, sorted by name): H += xᵀx in float64."""
+    linears reading one identical input, sorted by name): H += xᵀx in float64. ``weighting`` (fq.hessian.affinity):
+    each token's term of expert e's down (and, with ``affinity``, its own input) Hessian times the router's score c_te."""
     import torch
 
+    from fq.hessian import affinity
+
     arch = layer_mod.architecture(config)
+    affinity.check_weighting(arch.family, weighting, f"layer {layer}")
+    if weighting != "none" and routed_only:
+        raise FqError(f"layer {layer}: calibration.weighting {weighting} weights every token by its router score; it "
+                      "takes capture all-experts, not routed-only")
     if not isinstance(row_batch, int) or isinstance(row_batch, bool) or row_batch < 1:
         raise FqError(f"capture: row_batch must be a positive integer, got {row_batch!r}")
     if hidden.dim() != 3 or hidden.dtype != torch.float32:
@@ -333,7 +357,13 @@ def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[s
         h_in = torch.zeros(width, width, dtype=torch.float64, device=device)
         h_down = torch.zeros(n_exp, inter, inter, dtype=torch.float64, device=device)
         counts = [0] * n_exp
-        seen, handles = _hooks(module, arch)
+        weighted = weighting != "none"
+        if weighted:
+            down_mass = torch.zeros(n_exp, dtype=torch.float64, device=device)
+        if weighting == "affinity":  # one input Hessian per expert: n_exp · hidden² float64 while capturing
+            h_inputs = torch.zeros(n_exp, width, width, dtype=torch.float64, device=device)
+            input_mass = torch.zeros(n_exp, dtype=torch.float64, device=device)
+        seen, handles = _hooks(module, arch, weighted)
     linears = tuple(sorted(set(linears)))
     lin_seen, groups, lin_sums = None, None, None
     if linears:
@@ -360,24 +390,40 @@ def advance_linears(layer: int, hidden: "torch.Tensor", layer_tensors: Mapping[s
                 if not (moe and capture):
                     continue
                 x = seen.pop("x").reshape(h.shape[0], cols, width).float()
-                topk = seen.pop("topk").reshape(h.shape[0], cols, -1)
+                topk = seen.pop("topk")
+                if weighted:  # c [rows, cols, n_exp]: the router's score of each expert for each token
+                    c = affinity.scores(seen.pop("logits"), seen.pop("weights"), topk, arch.cal.router_score,
+                                        f"layer {layer} ({arch.name})").reshape(h.shape[0], cols, n_exp)
+                topk = topk.reshape(h.shape[0], cols, -1)
                 for r in range(h.shape[0]):
                     xr = x[r]
                     xd = xr.double()
                     h_in += xd.T @ xd
+                    if weighting == "affinity":
+                        for e in range(n_exp):
+                            h_inputs[e] += (xd * c[r, :, e, None]).T @ xd
+                            input_mass[e] += c[r, :, e].sum()
                     for e in range(n_exp):
                         a = _act_inputs(arch, experts, xr, e)
                         if routed_only:
                             a = a[(topk[r] == e).any(dim=-1)]
                         counts[e] += int(a.shape[0])
                         ad = a.double()
-                        h_down[e] += ad.T @ ad
+                        if weighted:
+                            h_down[e] += (ad * c[r, :, e, None]).T @ ad
+                            down_mass[e] += c[r, :, e].sum()
+                        else:
+                            h_down[e] += ad.T @ ad
     finally:
         for hd in handles:
             hd.remove()
     if moe and capture:
         sums = LayerSums(layer, "routed-only" if routed_only else "all-experts", h_in.cpu(), rows * cols, h_down.cpu(),
                          counts, rows, cols)
+        if weighted:
+            sums.weighting, sums.down_mass = weighting, down_mass.cpu()
+        if weighting == "affinity":
+            sums.inputs, sums.input_mass = h_inputs.cpu(), input_mass.cpu()
     lin = None
     if linears:
         from fq.hessian.linear_store import LinearSums
@@ -469,12 +515,14 @@ def capture_embed(source_dir, calibration, out_hidden: str | os.PathLike, *,
 def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidden: str | os.PathLike,
                   out_hessian: str | os.PathLike | None = None, *, sha256: Mapping[str, str] | None = None,
                   routed_only: bool = False, row_batch: int = ROW_BATCH, device: str | Callable[[], str] = "cpu",
-                  threads: int | None = 1, linears=(), out_linears: str | os.PathLike | None = None) -> CaptureResult:
+                  threads: int | None = 1, linears=(), out_linears: str | os.PathLike | None = None,
+                  weighting: str = "none") -> CaptureResult:
     """One job: ``hidden_in`` (made for ``layer``, from this source's config) through ``layer``; writes
     ``out_hidden`` and, for an MoE layer, ``out_hessian`` (required there; refused for a dense layer).
     ``linears`` (checkpoint tensor prefixes of the layer's non-expert linears a whole-model base quantizes): their
     input Hessians go to ``out_linears`` (``fq.hessian.linear_store``; both or neither).
-    ``sha256``: shard -> digest the campaign recorded (shards that differ are refused)."""
+    ``sha256``: shard -> digest the campaign recorded (shards that differ are refused). ``weighting``: the expert
+    Hessians' router-affinity weighting (fq.hessian.affinity; none: every token at weight 1)."""
     ckpt = _checkpoint(source_dir)
     arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
     n_layers = arch.n_layers(ckpt.config, f"{ckpt.dir}/config.json")
@@ -491,7 +539,8 @@ def capture_layer(source_dir, layer: int, hidden_in: str | os.PathLike, out_hidd
     tensors, shards = layer_mod.layer_tensors(ckpt, layer, sha256)
     device = _device(device)
     out, sums, lin = advance_linears(layer, hidden, tensors, ckpt.config, routed_only=routed_only,
-                                     row_batch=row_batch, device=device, threads=threads, linears=linears)
+                                     row_batch=row_batch, device=device, threads=threads, linears=linears,
+                                     weighting=weighting)
     del tensors, hidden
     result = CaptureResult(layer, moe, "", None, shards)
     if lin is not None:
@@ -569,7 +618,7 @@ def capture_head(source_dir, hidden_in: str | os.PathLike, out_linears: str | os
 
 def capture_all(source_dir, tokens, out_dir: str | os.PathLike, *, sha256: Mapping[str, str] | None = None,
                 routed_only: bool = False, row_batch: int = ROW_BATCH, device: str = "cpu",
-                threads: int | None = 1, keep_hidden: bool = True) -> dict:
+                threads: int | None = 1, keep_hidden: bool = True, weighting: str = "none") -> dict:
     """The whole chain into ``out_dir``: ``hidden-embed.safetensors``, ``hidden-layer{L:03d}.safetensors`` after each
     layer (all but the last removed unless ``keep_hidden``) and ``hessian-layer{L:03d}.safetensors`` per MoE layer.
     ``tokens``: a ``Calibration`` or an int64 [rows, cols] tensor (its digest computed here)."""
@@ -588,7 +637,7 @@ def capture_all(source_dir, tokens, out_dir: str | os.PathLike, *, sha256: Mappi
         nxt = out / hidden_file(L)
         hess = out / store.file_name(L) if arch.is_moe(ckpt.config, L) else None
         r = capture_layer(ckpt, L, prev, nxt, hess, sha256=sha256, routed_only=routed_only, row_batch=row_batch,
-                          device=device, threads=threads)
+                          device=device, threads=threads, weighting=weighting)
         digests[nxt.name] = r.hidden_sha256
         if hess is not None:
             hessians[L] = hess
