@@ -126,6 +126,10 @@ CALIB_LAYER_PARAMS = {
     "binding": lambda wc: (C.calib.hessian_binding(int(wc.layer)) if int(wc.layer) in C.calib.calibrated_layers
                            else None),
     "capture": (C.calib.settings or {}).get("capture"),
+    # the expert Hessians' router-affinity weighting: a param only when set, so that a campaign without it keeps the
+    # params Snakemake recorded for its calibration jobs (and reruns none of them)
+    **({"weighting": C.calib.settings["weighting"]}
+       if C.calib.settings and C.calib.settings["weighting"] != "none" else {}),
     "linears": lambda wc: list(C.calib.linear_capture.get(int(wc.layer), ())),
     "linear_binding": lambda wc: (C.calib.linear_hessian_binding(int(wc.layer))
                                   if int(wc.layer) in C.calib.linear_capture else None),
@@ -206,10 +210,14 @@ def encode_key(wc):
     """The encode rerun key (a Snakemake param, compared with the one recorded for each output): the node's recipe
     digest and its experts in the whole layer -- the same for a block job and a layer job, so a campaign can
     switch encode.per_job without re-encoding what is committed."""
+    calibrated = int(wc.layer) in C.calib.calibrated_layers
+    weighting = C.calib.settings["weighting"] if calibrated else "none"
     return {
         "node_digest": C.recipe.node_digest(wc.node),
         "experts": [e for f in C.layer_fragments(wc.node, int(wc.layer)) for e in f.experts],
-        "calibrated": int(wc.layer) in C.calib.calibrated_layers,
+        "calibrated": calibrated,
+        # only when set: an unweighted campaign's recorded keys stay as they were (no re-encode)
+        **({"weighting": weighting} if weighting != "none" else {}),
     }
 
 

@@ -10,7 +10,8 @@ One job per step, each a file target (rules/calibrate.smk):
   calibrated MoE layer, ``calibration/hessian-layerLLL.safetensors`` (``fq.hessian``).
 
 **The binding.** A Hessian is an input of every fragment of its layer, as the source bytes are. The first capture
-of a layer writes ``calibration/hessian-layerLLL.bound.json`` (its sha256, the token digest, the capture mode);
+of a layer writes ``calibration/hessian-layerLLL.bound.json`` (its sha256, the token digest, the capture mode,
+and the router-affinity weighting where the campaign sets one: ``calibration.weighting``, fq.hessian.affinity);
 a later capture of that layer (a resume that lost the file, another machine) must give the same bytes or it is
 refused, and nothing replaces the bound file. An encode job refuses a Hessian file whose sha256 is not the bound
 one, and names that sha256 in every fragment's attestation (``quant_args.hessian``); finalize refuses a fragment
@@ -108,10 +109,11 @@ def _capture_name(out: str | None) -> str | None:
 def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, hidden_in: str, out_hidden: str,
               out_record: str, out_hessian: str | None, binding: str | None, capture: str, device: str,
               devices_list: list[int], lock_dir: str, threads: int = 1, linears=(), out_linears: str | None = None,
-              linear_binding: str | None = None) -> dict:
+              linear_binding: str | None = None, weighting: str = "none") -> dict:
     """One decoder layer of the chain; a calibrated MoE layer's Hessian (and, for a whole-model base, the layer's
     linear Hessians: ``linears``) go to a temporary name first, and replace their outputs only when they are the
-    bound ones (or the first). ``capture``: the config's capture mode, all-experts or routed-only."""
+    bound ones (or the first). ``capture``: the config's capture mode, all-experts or routed-only; ``weighting``:
+    its calibration.weighting (the expert Hessians only; the linears' are never weighted)."""
     from fq.hessian import capture as capture_mod
 
     t0 = time.perf_counter()
@@ -121,7 +123,7 @@ def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, 
         result = capture_mod.capture_layer(_checkpoint(source_dir, staging), layer, hidden_in, out_hidden, tmp,
                                        sha256=recorded_shards(campaign_json),
                                        routed_only=capture == "routed-only", device=dev, threads=threads,
-                                       linears=tuple(linears), out_linears=tmp_lin)
+                                       linears=tuple(linears), out_linears=tmp_lin, weighting=weighting)
         record = {"step": "layer", "layer": layer, "hidden_sha256": result.hidden_sha256,
                   "hessian_sha256": result.hessian_sha256 or None, "source_shards": result.source_shards}
         if out_hessian is not None:
@@ -129,7 +131,8 @@ def layer_job(*, campaign_json: str, source_dir: str, staging: str, layer: int, 
 
             h = store.read_hessians(tmp, expect_sha256=result.hessian_sha256)
             _bind(tmp, out_hessian, binding, result.hessian_sha256, f"layer {layer}'s Hessian",
-                  {"layer": layer, "calibration": h.meta.get("calibration"), "capture": capture})
+                  {"layer": layer, "calibration": h.meta.get("calibration"), "capture": capture,
+                   **weighted(h.weighting)})
             tmp = None
         if out_linears is not None:
             record["linears_sha256"] = result.linears_sha256
@@ -210,7 +213,13 @@ def bound_linear_hessians(path: str, binding: str, layer: int | None):
     return linear_store.read_linear_hessians(path, expect_sha256=bound["sha256"]), bound
 
 
+def weighted(weighting: str) -> dict:
+    """``{"weighting": ...}`` for a weighted Hessian, {} for an unweighted one: a binding and an attestation name the
+    weighting only where there is one, so that theirs are the bytes they were before the option."""
+    return {} if weighting == "none" else {"weighting": weighting}
+
+
 def quant_hessian(bound: dict) -> dict:
     """What a fragment's attestation says of the Hessian it was encoded against (``quant_args.hessian``)."""
     return {"file": bound["file"], "sha256": bound["sha256"], "calibration": bound["calibration"],
-            "capture": bound["capture"]}
+            "capture": bound["capture"], **weighted(bound.get("weighting", "none"))}

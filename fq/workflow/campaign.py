@@ -32,7 +32,7 @@ from fq.planning.plan import Block, Fragment, CampaignPlan, make_plan
 from fq.planning.recipe import Recipe, load_recipe
 from fq.provenance.fragments import attestation_name, fragment_filename
 from fq.workflow.campaign_allocation import ALLOCATION_FILE, SENSITIVITY_FILE, AllocationTargets
-from fq.workflow.campaign_calibration import CALIB_COLUMNS, CALIB_ROWS, CalibrationTargets
+from fq.workflow.campaign_calibration import CALIB_COLUMNS, CALIB_ROWS, CalibrationTargets, check_weighting
 from fq.workflow.campaign_comparisons import Comparisons
 from fq.workflow.campaign_eval import EvalTargets
 from fq.workflow.campaign_linears import LinearTargets
@@ -487,7 +487,9 @@ def load_campaign(config: dict) -> Campaign:
     if config.get("usage"):
         usage = load_usage(config["usage"])
     if config.get("calibration"):  # refused when the config is read, not at the calib_embed job
-        families.check_calibration(source.family_entry, f"config calibration ({source.origin}/config.json)")
+        where = f"config calibration ({source.origin}/config.json)"
+        families.check_calibration(source.family_entry, where)
+        check_weighting(config["calibration"], source.family_entry, where)
     recipe = load_recipe(config["recipe"])
     recipe, allocation, pending = _budgets(config, recipe, source)
     plan = campaign_plan(config, recipe, source, usage, allocation)
@@ -547,7 +549,8 @@ def campaign_plan(config: dict, recipe, source, usage=None, allocation: dict | N
     if budget is not None and cal:
         from fq.planning.calibration_cost import price_calibration, windows_budget
 
-        need = price_calibration(source, int(cal.get("rows", CALIB_ROWS)), int(cal.get("columns", CALIB_COLUMNS)))
+        need = price_calibration(source, int(cal.get("rows", CALIB_ROWS)), int(cal.get("columns", CALIB_COLUMNS)),
+                                 weighting=cal.get("weighting", "none"))
         budget = windows_budget(budget, need, "config disk_budget")
     from fq.allocation import document
 

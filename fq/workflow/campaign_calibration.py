@@ -37,6 +37,7 @@ class CalibrationTargets:
                           "(fq.hessian.calibration.save_tokens) instead")
         return {"text": text, "tokens": tokens, "sha256": cfg.get("sha256"), "rows": int(cfg.get("rows", CALIB_ROWS)),
                 "columns": int(cfg.get("columns", CALIB_COLUMNS)), "capture": cfg.get("capture", "all-experts"),
+                "weighting": cfg.get("weighting", "none"),
                 "compare_weight_only": _twins(cfg.get("compare_weight_only", False))}
 
     @property
@@ -178,6 +179,19 @@ class CalibrationTargets:
                               f"windows_on_disk={W} apart; raise windows_on_disk or merge those windows")
             out[layer] = {self._retiring_window(s) for s in shards}
         return out
+
+
+def check_weighting(cfg: dict, family, where: str) -> str:
+    """calibration.weighting (default none), refused for a family whose router scores the chain cannot read
+    (fq.hessian.affinity) and beside a routed-only capture (a weighting reaches every token)."""
+    from fq.hessian.affinity import check_weighting as check_family
+
+    weighting = cfg.get("weighting", "none")
+    check_family(family, weighting, where)
+    if weighting != "none" and cfg.get("capture", "all-experts") != "all-experts":
+        raise FqError(f"{where}: calibration.weighting {weighting} weights every token by the router's score of each "
+                      f"expert; it takes capture: all-experts, not {cfg.get('capture')}")
+    return weighting
 
 
 def _twins(value) -> bool | tuple[str, ...]:

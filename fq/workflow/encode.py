@@ -243,7 +243,8 @@ def quant_args_for(K: kbits.FragmentK, codebook: str, seed: int, bound: dict | N
 
 
 class _Hessians:
-    """The bound Hessian of a job's layer, read once; H per projection (gate/up share the block input's)."""
+    """The bound Hessian of a job's layer, read once; H per projection (gate/up share the block input's, or with
+    calibration.weighting affinity each expert's gate/up its own: ``LayerHessians.input_for``)."""
 
     def __init__(self, spec: dict | None, layer: int):
         self.h, self.bound, self._input = None, None, None
@@ -255,6 +256,8 @@ class _Hessians:
             return None
         if proj == "down":
             return self.h.down(expert)
+        if self.h.weighting == "affinity":
+            return self.h.input_for(expert)
         if self._input is None:
             self._input = self.h.input()
         return self._input

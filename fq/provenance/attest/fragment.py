@@ -82,6 +82,7 @@ def _describe(path: str | os.PathLike) -> tuple[Path, ShardInfo]:
 
 
 HESSIAN_FIELDS = {"file", "sha256", "calibration", "capture"}
+HESSIAN_OPTIONAL = {"weighting"}  # a router-affinity weighted Hessian's (fq.hessian.affinity); absent when unweighted
 
 
 def check_quant_args(pred: dict, where: str) -> None:
@@ -111,16 +112,20 @@ def check_quant_args(pred: dict, where: str) -> None:
         return
     if objective != store.OBJECTIVE_LDLQ:
         raise FqError(f"{where}: quant_args names a Hessian, but its objective is {objective!r}, not LDLQ")
-    if not (isinstance(h, dict) and set(h) == HESSIAN_FIELDS and isinstance(h["sha256"], str)
-            and SHA256_HEX.fullmatch(h["sha256"])):
-        raise FqError(f"{where}: quant_args hessian must be {{{', '.join(sorted(HESSIAN_FIELDS))}}} with a sha256 "
-                      f"hex digest")
+    if not (isinstance(h, dict) and HESSIAN_FIELDS <= set(h) <= HESSIAN_FIELDS | HESSIAN_OPTIONAL
+            and isinstance(h["sha256"], str) and SHA256_HEX.fullmatch(h["sha256"])):
+        raise FqError(f"{where}: quant_args hessian must be {{{', '.join(sorted(HESSIAN_FIELDS))}}} (and, weighted, "
+                      f"weighting) with a sha256 hex digest")
     want = store.file_name(pred["layer"]) if pred["kind"] == "expert" else _linear_hessian_file(pred["layer"])
     if h["file"] != want:
         raise FqError(f"{where}: a fragment of layer {pred['layer']} names Hessian file {h['file']!r}, not its "
                       f"layer's {want!r} (bound to another layer's Hessian)")
     if h["capture"] not in store.MODES:
         raise FqError(f"{where}: quant_args hessian capture {h['capture']!r} is not one of {', '.join(store.MODES)}")
+    if "weighting" in h and (h["weighting"] not in store.WEIGHTED or h["capture"] != "all-experts"
+                             or pred["kind"] != "expert"):
+        raise FqError(f"{where}: quant_args hessian weighting {h['weighting']!r} (capture {h['capture']!r}) is not one "
+                      f"of {', '.join(store.WEIGHTED)} over an all-experts capture of an expert fragment's Hessian")
 
 
 def _described(path, info: ShardInfo | None, node_digest, digest_of: str) -> tuple[Path, ShardInfo]:
