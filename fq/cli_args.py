@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fq.core.targets import EXLLAMAV3
 from fq.core.units import is_decimal, parse_bytes
+from fq.hessian.affinity import WEIGHTINGS
 from fq.model.source import SourceModel, load_sizes, load_source
 from fq.planning.plan import DEFAULT_WINDOWS_ON_DISK
 
@@ -72,6 +73,10 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ldlq-factor", type=float, default=None,
                    help=f"LDLQ encode time over weight-only (default {DEFAULT_LDLQ_FACTOR:g}, measured on an H200 at "
                         f"K2-K4)")
+    p.add_argument("--weighting", default="none", choices=WEIGHTINGS,
+                   help="with --calibration: the expert Hessians' router-affinity weighting (config "
+                        "calibration.weighting): none (default), affinity-down, or affinity (one input Hessian per "
+                        "expert: more disk, memory and capture time; docs/calibration.md)")
 
 
 def positive_int(text: str) -> int:
@@ -90,9 +95,13 @@ def count(text: str) -> int:
 
 def calibration_from_args(args, source: SourceModel):
     """The CalibrationPrice of ``--calibration ROWSxCOLS`` and its rates (None without it)."""
-    if not args.calibration:
-        return None
     from fq.errors import FqError
+
+    if not args.calibration:
+        if args.weighting != "none":
+            raise FqError(f"--weighting {args.weighting}: it weights a calibrated campaign's Hessians; give "
+                          "--calibration ROWSxCOLS too")
+        return None
     from fq.planning.calibration_cost import price_calibration
 
     rows, _, cols = args.calibration.lower().partition("x")
@@ -100,7 +109,8 @@ def calibration_from_args(args, source: SourceModel):
         raise FqError(f"--calibration: expected ROWSxCOLS (e.g. 250x2048), got {args.calibration!r}")
     given = {"tflops": args.calib_tflops, "read_mb_s": args.calib_read_mb_s, "write_mb_s": args.calib_write_mb_s,
              "setup_s": args.calib_setup_s, "ldlq_factor": args.ldlq_factor}
-    return price_calibration(source, int(rows), int(cols), **{k: v for k, v in given.items() if v is not None})
+    return price_calibration(source, int(rows), int(cols), weighting=args.weighting,
+                             **{k: v for k, v in given.items() if v is not None})
 
 
 def default_state() -> Path:

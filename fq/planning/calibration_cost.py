@@ -26,7 +26,9 @@ FLOPs         counted per layer (tokens t = rows · cols, 2 FLOPs a multiply-add
                              (sliding-window and linear-attention layers are counted as full ones: an upper bound)
               routed experts the forward (top-k · t · 6 · hidden · inter) and the all-experts capture: every expert's
                              gate/up on every token (E · t · 4 · hidden · inter) and its down Hessian (E · 2 · t ·
-                             inter²), and the input Hessian (2 · t · hidden²)
+                             inter²), and the input Hessian (2 · t · hidden²); with the router-affinity weighting
+                             ``affinity`` (config calibration.weighting, fq.hessian.affinity) also every expert's own
+                             input Hessian (E · 2 · t · hidden²: 9.9 PFLOP a GLM-5 layer at 250 x 2048 tokens)
               linear Hessians 2 · t · in² of every captured input group (whole-model bases; MLA's o_proj input is
                              heads · v_head = 16384 wide at GLM-5: 2.7e14 FLOPs a layer at 250 x 2048 tokens)
               head           2 · t · hidden² (Σ xᵀx of the final norm's output)
@@ -54,6 +56,9 @@ run re-measures it), so reads lean long. ``tflops`` is the effective rate of the
 sums, the per-row loops and copies); the H200 capture benchmark (benchmarks/capture_cost.py, a GLM-4-shaped layer
 projected to 256 experts: 259, 196 and 155 s in three runs) did 32-53 TFLOP/s of this count: the H100 default does
 not promise the H200's speed.
+A layer job's capture holds its float64 sums on the GPU: hidden² + E · inter² (+ E · hidden² with ``affinity``) · 8
+bytes (GLM-5: 8.9 GB; 86.2 GB with ``affinity``), beside the layer's float32 weights and a row batch; the Hessian
+files' disk is ``fq.hessian.store.layer_bytes`` at the weighting (``affinity``: 21.6 GB a GLM-5 layer against 2.2).
 LDLQ's encode premium ``ldlq_factor`` (default 1.35) is measured: 0.478 s per 2048×6144 matrix at K2 batched ×32
 (a layer's gate/up matrices share one H) against 0.359 s weight-only in the same run, H200; 1.36× at K3 and K4
 (docs/benchmarks.md).
@@ -96,6 +101,8 @@ class CalibrationPrice:
     read_bytes_per_s: float = DEFAULT_READ_MB_S * 1e6
     write_bytes_per_s: float = DEFAULT_WRITE_MB_S * 1e6
     setup_s: float = DEFAULT_SETUP_S
+    weighting: str = "none"  # config calibration.weighting (fq.hessian.affinity)
+    sums_bytes: int = 0  # an MoE layer job's float64 capture sums, held while it runs
 
     @property
     def tokens(self) -> int:
@@ -155,13 +162,15 @@ def _check_rate(what: str, value, most: float) -> float:
 
 def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: float = DEFAULT_TFLOPS,
                       ldlq_factor: float = DEFAULT_LDLQ_FACTOR, read_mb_s: float = DEFAULT_READ_MB_S,
-                      write_mb_s: float = DEFAULT_WRITE_MB_S, setup_s: float = DEFAULT_SETUP_S) -> CalibrationPrice:
+                      write_mb_s: float = DEFAULT_WRITE_MB_S, setup_s: float = DEFAULT_SETUP_S,
+                      weighting: str = "none") -> CalibrationPrice:
     """The settings and rates, checked, and the Hessians' and hidden states' disk (no shapes beyond the config's:
     cheap enough for a campaign's disk budget). ``price_chain`` prices the jobs."""
+    from fq.hessian.affinity import check_weighting
     from fq.hessian.store import layer_bytes
-    from fq.model import families
 
-    families.check_calibration(source.family_entry, f"{source.origin}/config.json")  # before a price is quoted
+    # before a price is quoted: a family without a chain, or whose router scores the chain cannot read when weighted
+    check_weighting(source.family_entry, weighting, f"{source.origin}/config.json")
     for what, v, most in (("calibration rows", rows, MAX_ROWS), ("calibration columns", cols, MAX_COLUMNS)):
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
             raise FqError(f"{what}: expected an integer in 1..{most}, got {v!r}")
@@ -172,9 +181,15 @@ def price_calibration(source: SourceModel, rows: int, cols: int, *, tflops: floa
     if not isinstance(setup_s, (int, float)) or isinstance(setup_s, bool) or not 0 <= setup_s <= MAX_SETUP_S:
         raise FqError(f"calibration job setup seconds: expected a number from 0 to {MAX_SETUP_S:g}, got {setup_s!r}")
     h, i, E = source.hidden_size, source.moe_intermediate_size, source.n_experts
-    return CalibrationPrice(rows, cols, calibrated_layers(source), layer_bytes(h, i, E),
+    return CalibrationPrice(rows, cols, calibrated_layers(source), layer_bytes(h, i, E, weighting),
                             rows * cols * h * HIDDEN_DTYPE_BYTES, tflops, ldlq_factor, read_mb_s * 1e6,
-                            write_mb_s * 1e6, float(setup_s))
+                            write_mb_s * 1e6, float(setup_s), weighting, capture_sums_bytes(E, h, i, weighting))
+
+
+def capture_sums_bytes(experts: int, hidden: int, inter: int, weighting: str = "none") -> int:
+    """The float64 sums an MoE layer's capture holds (input, downs; with ``affinity`` an input per expert)."""
+    per_expert = inter * inter + (hidden * hidden if weighting == "affinity" else 0)
+    return 8 * (hidden * hidden + experts * per_expert)
 
 
 def calibrated_layers(source: SourceModel) -> tuple[int, ...]:
@@ -254,23 +269,25 @@ def _group_inputs(names, shapes: dict) -> list[int]:
 
 
 def layer_flops(source: SourceModel, layer: int, tokens: int, rows: int, cols: int, linears: list,
-                captured_inputs: list[int]) -> float:
+                captured_inputs: list[int], weighting: str = "none") -> float:
     """One layer job's counted FLOPs (module doc): its non-routed ``linears`` (out, in), the attention core, the
-    routed experts' forward and all-experts capture where the layer has them, and the captured groups' Hessians
-    (``captured_inputs``: their input widths)."""
+    routed experts' forward and all-experts capture where the layer has them (at ``weighting``), and the captured
+    groups' Hessians (``captured_inputs``: their input widths)."""
     flops = sum(2.0 * tokens * o * i for o, i in linears) + attention_core_flops(source, rows, cols)
     if layer in source.moe_layers:
         flops += routed_flops(tokens, source.n_experts, experts_per_token(source), source.hidden_size,
-                              source.moe_intermediate_size)
+                              source.moe_intermediate_size, weighting)
     return flops + sum(2.0 * tokens * n * n for n in captured_inputs)
 
 
-def routed_flops(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> float:
+def routed_flops(tokens: int, experts: int, top_k: int, hidden: int, inter: int, weighting: str = "none") -> float:
     """An MoE layer's routed experts in the chain: the forward (top-k of them a token) and the all-experts capture
-    (every expert's gate/up on every token, its down Hessian, the input Hessian)."""
+    (every expert's gate/up on every token, its down Hessian, the input Hessian; with ``affinity`` every expert's own
+    input Hessian)."""
     forward = top_k * tokens * 6.0 * hidden * inter
+    own_inputs = experts * 2.0 * tokens * hidden * hidden if weighting == "affinity" else 0.0
     return forward + experts * tokens * 4.0 * hidden * inter + experts * 2.0 * tokens * inter * inter \
-        + 2.0 * tokens * hidden * hidden
+        + 2.0 * tokens * hidden * hidden + own_inputs
 
 
 def _shard_bytes(source: SourceModel, prefix: str) -> int:
@@ -348,7 +365,7 @@ def price_chain(c: CalibrationPrice, source: SourceModel, recipe=None) -> ChainP
         if layer in c.layers:
             written += c.hessian_bytes_per_layer
         read = hidden + _layer_tensor_bytes(source, layer, by_layer.get(layer, []))
-        flops = layer_flops(source, layer, t, c.rows, c.cols, by_layer.get(layer, []), inputs)
+        flops = layer_flops(source, layer, t, c.rows, c.cols, by_layer.get(layer, []), inputs, c.weighting)
         jobs.append(_job(c, "moe" if layer in source.moe_layers else "dense", layer, read, written, flops))
     if None in captured:
         jobs.append(_job(c, "head", None, hidden + 2 * _final_norm_skeleton_bytes(source),
@@ -379,7 +396,8 @@ def calibration_lines(chain: ChainPrice) -> list[str]:
     from fq.core.units import fmt_bytes, fmt_hours
 
     c = chain.calibration
-    lines = [f"calibration (projected, all-experts capture): {c.rows} x {c.cols} tokens through {len(chain.jobs)} "
+    capture = "all-experts capture" + ("" if c.weighting == "none" else f", {c.weighting} weighting")
+    lines = [f"calibration (projected, {capture}): {c.rows} x {c.cols} tokens through {len(chain.jobs)} "
              f"chain jobs, one after the other (each reads the previous one's hidden states): "
              f"{fmt_hours(chain.seconds)} of wall, {chain.gpu_seconds / 3600:.2f} GPU-h held; at {c.tflops:g} TFLOP/s, "
              f"reads {c.read_bytes_per_s / 1e6:g} MB/s, writes {c.write_bytes_per_s / 1e6:g} MB/s, {c.setup_s:g} s "
@@ -391,6 +409,8 @@ def calibration_lines(chain: ChainPrice) -> list[str]:
     lines.append(f"  Hessians {fmt_bytes(c.hessian_bytes_per_layer)} per layer, {fmt_bytes(c.hessian_bytes)} in all; "
                  f"hidden states {fmt_bytes(c.hidden_bytes)} per file (two at a time); LDLQ encodes priced at "
                  f"{c.ldlq_factor:g}x the cost table's weight-only seconds")
+    lines.append(f"  capture memory: {fmt_bytes(c.sums_bytes)} of float64 sums per MoE layer job, beside the layer's "
+                 f"weights")
     return lines
 
 
