@@ -189,13 +189,25 @@ def head_job(*, campaign_json: str, key_path: str, source_dir: str, skeleton: li
             os.unlink(tmp)
 
 
-def bound_hessians(path: str, binding: str, layer: int):
-    """The layer's Hessian file, read only if its sha256 is the one the campaign bound (encode jobs)."""
+def check_weighting(bound: dict, weighting: str, binding: str, layer: int) -> None:
+    """The bound Hessian was captured with the campaign's calibration.weighting: a campaign whose setting changed
+    after its capture does not encode (or publish) against the other weighting's Hessian."""
+    had = bound.get("weighting", "none")
+    if had != weighting:
+        raise FqError(f"{binding}: layer {layer}'s Hessian was captured with calibration.weighting {had}, the campaign "
+                      f"now says {weighting}; to re-calibrate, delete the layer's fragments, its Hessian file and "
+                      f"{binding}")
+
+
+def bound_hessians(path: str, binding: str, layer: int, weighting: str = "none"):
+    """The layer's Hessian file, read only if its sha256 is the one the campaign bound (encode jobs) and it was
+    captured with ``weighting``."""
     from fq.hessian import store
 
     bound = read_binding(binding)
     if bound is None:
         raise FqError(f"{binding}: layer {layer} has no bound Hessian (its calibration job has not run)")
+    check_weighting(bound, weighting, binding, layer)
     h = store.read_hessians(path, expect_sha256=bound["sha256"])
     if h.layer != layer:
         raise FqError(f"{path}: a Hessian of layer {h.layer}, expected layer {layer}")

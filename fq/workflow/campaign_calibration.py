@@ -90,7 +90,8 @@ class CalibrationTargets:
         """Where an encode job of ``layer`` finds its Hessian and the campaign's binding of it (None: weight-only)."""
         if layer not in self.calibrated_layers:
             return None
-        return HessianRef(path=self.hessian(layer), binding=self.hessian_binding(layer))
+        return HessianRef(path=self.hessian(layer), binding=self.hessian_binding(layer),
+                          weighting=self.settings["weighting"])
 
     def linear_hessian_ref(self, layer: int | None) -> HessianRef | None:
         """Where a linear job of ``layer`` (None: the head) finds its linear Hessians (None: weight-only)."""

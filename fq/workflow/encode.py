@@ -249,7 +249,8 @@ class _Hessians:
     def __init__(self, spec: dict | None, layer: int):
         self.h, self.bound, self._input = None, None, None
         if spec is not None:
-            self.h, self.bound = calibration.bound_hessians(spec["path"], spec["binding"], layer)
+            self.h, self.bound = calibration.bound_hessians(spec["path"], spec["binding"], layer,
+                                                            spec.get("weighting", "none"))
 
     def for_matrix(self, expert: int, proj: str):
         if self.h is None:

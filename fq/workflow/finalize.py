@@ -57,7 +57,7 @@ from fq.provenance.manifest import MANIFEST_NAME, read_base_manifest, write_base
 from fq.provenance.publication import NAME as PUBLICATION_NAME, build_publication, write_publication
 from fq.provenance.summary import summary_view
 from fq.hessian.store import OBJECTIVE_WEIGHT
-from fq.workflow.calibration import quant_hessian, read_binding
+from fq.workflow.calibration import check_weighting, quant_hessian, read_binding
 from fq.workflow import locks
 from fq.workflow.campaign import Campaign
 from fq.workflow.common import INDEX, SIDE_FILES, SUMMARY, check_signer
@@ -163,6 +163,7 @@ def check_objective(c: Campaign, att, layer: int, where: str) -> None:
     if bound is None:
         raise FqError(f"{where}: layer {layer} is calibrated but has no bound Hessian "
                       f"({c.calib.hessian_binding(layer)} missing); run its calibration job")
+    check_weighting(bound, c.calib.settings["weighting"], c.calib.hessian_binding(layer), layer)
     if qa.get("hessian") != quant_hessian(bound):
         got = (qa.get("hessian") or {}).get("sha256") if isinstance(qa.get("hessian"), dict) else None
         raise FqError(f"{where}: encoded against Hessian {got or 'none'}, but the campaign bound layer {layer}'s "

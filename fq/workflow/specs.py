@@ -5,7 +5,7 @@ The campaign builds them (``Campaign.encode_spec``, ``native_spec``, ``weight_on
 params is what it was before these records existed, so no committed job reruns for them), and each script reads its
 record back with ``from_json``, which refuses a missing, extra or mistyped field by name.
 
-    HessianRef(path, binding)                           the Hessian file a job encodes against and its binding
+    HessianRef(path, binding, weighting)                the Hessian file a job encodes against, its binding, weighting
     AncestorRef(node, codebook, digest, path)           a committed (or twin) fragment a stage's job corrects
     BlockSpec(block, experts, sources, ancestors)       one block of an encode job
     EncodeSpec(node, role, K, codebook, node_digest, layer, blocks, layout, hessian)
@@ -104,6 +104,15 @@ KValue = typing.Union[int, float, dict]
 class HessianRef(_Record):
     path: str
     binding: str
+    # the campaign's calibration.weighting, which the bound Hessian must have been captured with; absent from the JSON
+    # when none, so that an unweighted campaign's job params are what they were
+    weighting: str = "none"
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        if self.weighting == "none":
+            del out["weighting"]
+        return out
 
 
 @dataclass(frozen=True)
