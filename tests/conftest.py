@@ -112,7 +112,7 @@ MODULE_SECONDS = {"test_workflow.py": 260, "test_calibration_workflow.py": 215, 
                   "test_workflow_budget.py": 100, "test_rehearsal.py": 80, "test_families.py": 65,
                   "test_family_campaigns.py": 40, "test_deepseek_v4.py": 30,
                   "test_encode_job.py": 30, "test_runtime.py": 30, "test_codec_cuda.py": 30,
-                  "test_allocation_streamed.py": 30, "test_allocation.py": 25}
+                  "test_allocation_streamed.py": 30, "test_allocation.py": 25, "test_calibration_affinity.py": 45}
 
 
 def pytest_collection_modifyitems(config, items):
