@@ -239,7 +239,7 @@ def _stage_jobs(base: list, out: Path, K) -> list:
 
 @pytest.mark.parametrize("calibrated", [False, True], ids=["weight-only", "ldlq"])
 def test_batched_encodes_write_the_bytes_of_one_matrix_at_a_time(synth, tmp_path, monkeypatch, calibrated):
-    """A base (2 blocks of one expert: one batch of 6 matrices across both blocks; per-projection K: two groups)
+    """A base (one block of two experts: one batch of 6 matrices; per-projection K: two groups)
     and a stage on it, batched (the default) and one matrix at a time (batch_bytes=0): the same fragments,
     attestations and metrics, byte for byte. LDLQ: gate/up share the layer's input H, each down its expert's."""
     monkeypatch.setattr(enc.calibration, "bound_hessians", lambda path, binding, layer: (
@@ -253,7 +253,7 @@ def test_batched_encodes_write_the_bytes_of_one_matrix_at_a_time(synth, tmp_path
     out = {}
     for mode, batch_bytes in (("single", 0), ("batched", None)):
         o = tmp_path / mode
-        base = bench.block_jobs(o, 2, 1, synth["shard"], synth["names"], K, "mul1")
+        base = bench.block_jobs(o, 1, 2, synth["shard"], synth["names"], K, "mul1")
         for b in base:
             b.hessian = {"path": "h", "binding": "b"} if calibrated else None
         for group in (base, _stage_jobs(base, o, 2)):
@@ -261,8 +261,8 @@ def test_batched_encodes_write_the_bytes_of_one_matrix_at_a_time(synth, tmp_path
                               devices_list=[], lock_dir=str(o / "locks"), seed=0, layout=STANDARD, threads=1,
                               batch_bytes=batch_bytes)
         out[mode] = digests(o)
-    assert len(out["single"]) == 12  # 2 nodes x 2 blocks x (fragment, attestation, metrics)
+    assert len(out["single"]) == 6  # 2 nodes x 1 block x (fragment, attestation, metrics)
     assert out["batched"] == out["single"]
-    # batched: the base's 4 gate/up matrices of both blocks (K2) in one call, its 2 downs (K3) in another; the
+    # batched: the base's 4 gate/up matrices of both experts (K2) in one call, its 2 downs (K3) in another; the
     # stage's 6 (all K2; LDLQ: the input H shared by 4, one per expert for the downs) in one
     assert calls == [4, 2, 6]

@@ -19,8 +19,8 @@ matrices: every encode (signed fragments, native comparisons, weight-only twins)
 parents are read back in the source's units (``load_sets``), and each encoded set is stored through
 ``ExpertLayout.stored`` (svh times 2^n); the metrics are the encoder's, in the source's units.
 
-The encoder is called per batch, not per matrix (``batch_bytes``, BATCH_BYTES): consecutive experts of the job (across
-its blocks) whose float32 source matrices add up to the budget; their matrices of one K, codebook and input width go to
+The encoder is called per batch, not per matrix (``batch_bytes``, BATCH_BYTES): consecutive experts of one block (never
+two: a layer job commits each block as it is encoded) whose float32 source matrices add up to the budget; their matrices of one K, codebook and input width go to
 one fq.codec.encode_ldlq_batch call (calibrated: gate and up share the layer's input H, each down its expert's H) or
 fq.codec.encode_batch (weight-only), bases and stages alike (a stage's matrices with their parent chains), which give
 each matrix the bytes it gets alone. A matrix the encoder would code by chunks (wider than a chunk of its memory
@@ -67,7 +67,7 @@ from fq.workflow.common import check_signer
 from fq.workflow.init import encoder_differences
 from fq.workflow.skeleton import source_statement
 
-# An encode job's batch: consecutive experts (across its blocks) whose float32 source matrices add up to at most this;
+# An encode job's batch: consecutive experts of one block whose float32 source matrices add up to at most this;
 # their matrices of one K, codebook and input width are encoded in one encode_ldlq_batch / encode_batch call (the
 # same bytes as one at a time). The reader holds a second batch (the next, read ahead). CUDA: 14 GLM-5 experts
 # (150 MB each), so a call codes 28 gate/up matrices sharing the layer's input H and one 14 down projections.
@@ -240,8 +240,10 @@ def _read_items(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout, hand
 
 
 def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout, batch_bytes: int = 0):
-    """Reader thread: the items of ``_read_items`` in batches, lists of consecutive items (across blocks) whose
-    float32 matrices add up to at most ``batch_bytes`` (one expert at least; 0: one expert a batch). A read that
+    """Reader thread: the items of ``_read_items`` in batches, lists of consecutive items of one block whose
+    float32 matrices add up to at most ``batch_bytes`` (one expert at least; 0: one expert a batch). A batch never
+    spans two blocks, so a layer job commits each block as soon as it is encoded (a job killed mid-layer keeps the
+    blocks before). A read that
     fails yields the batch read before it first, then raises: the blocks before it are still encoded and committed."""
     handles: dict = {}
     batch, held = [], 0
@@ -257,7 +259,7 @@ def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout, bat
             if item is None:
                 break
             size = sum(w.numel() * w.element_size() for w in item[2].values())
-            if batch and held + size > batch_bytes:
+            if batch and (held + size > batch_bytes or item[0] != batch[-1][0]):
                 yield batch
                 batch, held = [], 0
             batch.append(item)
