@@ -20,12 +20,12 @@ parents are read back in the source's units (``load_sets``), and each encoded se
 ``ExpertLayout.stored`` (svh times 2^n); the metrics are the encoder's, in the source's units.
 
 The encoder is called per batch, not per matrix (``batch_bytes``, BATCH_BYTES): consecutive experts of one block (never
-two: a layer job commits each block as it is encoded) whose float32 source matrices add up to the budget; their matrices of one K, codebook and input width go to
-one fq.codec.encode_ldlq_batch call (calibrated: gate and up share the layer's input H, each down its expert's H) or
-fq.codec.encode_batch (weight-only), bases and stages alike (a stage's matrices with their parent chains), which give
-each matrix the bytes it gets alone. A matrix the encoder would code by chunks (wider than a chunk of its memory
-budget, fq.codec.chunked) is encoded alone, as before. ``batch_bytes=0`` encodes one matrix at a time (the same bytes;
-tests/test_encode_job.py compares them).
+two: a layer job commits each block as it is encoded) whose float32 source matrices add up to the budget; their
+matrices of one K, codebook and input width go to one fq.codec.encode_ldlq_batch call (calibrated: gate and up share
+the layer's input H, each down its expert's H) or fq.codec.encode_batch (weight-only), bases and stages alike (a
+stage's matrices with their parent chains), which give each matrix the bytes it gets alone. A matrix the encoder
+would code by chunks (wider than a chunk of its memory budget, fq.codec.chunked) is encoded alone, as before.
+``batch_bytes=0`` encodes one matrix at a time (the same bytes; tests/test_encode_job.py compares them).
 
 I/O overlaps the encoder: one reader thread verifies the next block's ancestors and reads the next
 batch's source matrices (safetensors, bf16 -> float32) while the current batch encodes, and one writer
