@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import encode_job as bench  # noqa: E402
 from fq.errors import FqError  # noqa: E402
+from fq.hessian import store  # noqa: E402
 from fq.model.experts import STANDARD  # noqa: E402
 from fq.workflow import encode as enc  # noqa: E402
 
@@ -59,21 +60,25 @@ def test_a_layer_job_writes_the_bytes_of_its_block_jobs(synth, tmp_path):
     assert tl["blocks"][0]["committed_s"] <= tl["blocks"][1]["committed_s"]  # commits in block order
 
 
-def test_the_reader_overlaps_the_encoder_and_the_writer_the_next_block(synth, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch_bytes", [0, 3 * 128 * 128 * 4], ids=["single", "batched"])
+def test_the_reader_overlaps_the_encoder_and_the_writer_the_next_block(synth, tmp_path, monkeypatch, batch_bytes):
+    """One matrix at a time (batch_bytes=0: one encoder call a matrix) and batched (one expert a batch here: one
+    call for its three matrices): the next batch is read while this one encodes, a block committed while the next
+    encodes."""
     events, t0 = [], time.perf_counter()
 
     def log(what):
         events.append((time.perf_counter() - t0, what, threading.current_thread().name))
 
-    real_get, real_encode, real_commit = enc.read_matrix, enc.codec_encode, enc._commit
+    real_get, real_encode, real_commit = enc.read_matrix, enc.encode_group, enc._commit
 
     def get_source(handles, ref, where):
         log(f"read {ref.tensor}")
         return real_get(handles, ref, where)
 
-    def encode(w, K, cb, seed, dev):
+    def encode(mats, *args):
         log("encode start")
-        out = real_encode(w, K, cb, seed, dev)
+        out = real_encode(mats, *args)
         time.sleep(0.15)  # a slow encoder: reads and commits must happen meanwhile
         log("encode end")
         return out
@@ -85,17 +90,18 @@ def test_the_reader_overlaps_the_encoder_and_the_writer_the_next_block(synth, tm
         return out
 
     monkeypatch.setattr(enc, "read_matrix", get_source)
-    monkeypatch.setattr(enc, "codec_encode", encode)
+    monkeypatch.setattr(enc, "encode_group", encode)
     monkeypatch.setattr(enc, "_commit", commit)
-    run(synth, jobs(synth, tmp_path / "out"), tmp_path / "locks")
+    run(synth, jobs(synth, tmp_path / "out"), tmp_path / "locks", batch_bytes=batch_bytes)
     what = [e[1] for e in events]
     threads = {e[1].split(" ")[0]: e[2] for e in events}
     assert threads["read"] != threads["encode"] != threads["commit"] != threads["read"]
     reads = [i for i, w in enumerate(what) if w.startswith("read ")]
     ends = [i for i, w in enumerate(what) if w == "encode end"]
-    assert len(reads) == len(ends) == 6  # 2 blocks x 3 matrices
+    calls = 3 if batch_bytes == 0 else 1  # encoder calls a block (one expert)
+    assert len(reads) == 6 and len(ends) == 2 * calls  # 2 blocks x 3 matrices
     # block 1's source (the 4th read) is read while block 0 still encodes its last matrix
-    assert reads[3] < ends[2]
+    assert reads[3] < ends[calls - 1]
     # block 0 is committed while block 1 encodes, before block 1's last matrix is done
     assert what.index("commit end 0") < len(what) - 1 - what[::-1].index("encode end")
     assert what.index("commit start 1") > what.index("commit end 0")  # one writer, block order
@@ -192,3 +198,71 @@ def test_multi_gpu_campaign_checks_flag_what_the_issue_forbids():
     assert [d["gpu"] for d in c["two_on_one_gpu"]] == [0] and [d["gpu"] for d in c["on_unconfigured_gpu"]] == [2]
     idle = dict(good, samples=[good["samples"][1]], claims={"encode/a.log": ["cuda:0"]})
     assert not mg.check(idle)["every_configured_gpu_used"]  # GPU 1 configured but never used
+
+
+# ------------------------------------------------------------------------- batched encodes: the bytes of one at a time
+
+class _FakeHessians:
+    """A layer's Hessians as calibration.bound_hessians returns them: the block input's H (gate/up) and one per
+    expert (down), symmetric positive definite, fixed by a seed."""
+
+    def __init__(self, n_in: int, n_mid: int):
+        import torch
+
+        def spd(n, seed):
+            x = torch.randn(4 * n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            return x.t() @ x / (4 * n)
+
+        self._input, self._spd, self._mid = spd(n_in, 1), spd, n_mid
+
+    def input(self):
+        return self._input
+
+    def down(self, e):
+        return self._spd(self._mid, 100 + e)
+
+
+def _stage_jobs(base: list, out: Path, K) -> list:
+    """A stage (node s1) over ``base``'s committed fragments, block for block."""
+    from fq.provenance.fragments import fragment_filename
+
+    jobs_ = []
+    for b in base:
+        frag = out / "fragments" / "s1" / fragment_filename("s1", b.layer, b.block)
+        jobs_.append(enc.BlockJob(node="s1", role="stage", K=K, codebook="mul1", node_digest="4" * 64, layer=b.layer,
+                                  block=b.block, experts=b.experts, sources=b.sources, hessian=b.hessian,
+                                  ancestors=[{"node": b.node, "codebook": b.codebook, "digest": b.node_digest,
+                                              "path": b.out_fragment}], out_fragment=str(frag),
+                                  out_metrics=str(out / "metrics" / "s1" / f"{frag.stem}.json")))
+    return jobs_
+
+
+@pytest.mark.parametrize("calibrated", [False, True], ids=["weight-only", "ldlq"])
+def test_batched_encodes_write_the_bytes_of_one_matrix_at_a_time(synth, tmp_path, monkeypatch, calibrated):
+    """A base (one block of two experts: one batch of 6 matrices; per-projection K: two groups)
+    and a stage on it, batched (the default) and one matrix at a time (batch_bytes=0): the same fragments,
+    attestations and metrics, byte for byte. LDLQ: gate/up share the layer's input H, each down its expert's."""
+    monkeypatch.setattr(enc.calibration, "bound_hessians", lambda path, binding, layer: (
+        _FakeHessians(128, 128), {"file": store.file_name(layer), "sha256": "5" * 64, "calibration": "6" * 64,
+                                  "capture": store.MODES[0]}))
+    calls = []
+    real_ldlq, real_wo = enc.encode_ldlq_batch, enc.encode_batch
+    monkeypatch.setattr(enc, "encode_ldlq_batch", lambda Ws, *a, **k: calls.append(len(Ws)) or real_ldlq(Ws, *a, **k))
+    monkeypatch.setattr(enc, "encode_batch", lambda Ws, *a, **k: calls.append(len(Ws)) or real_wo(Ws, *a, **k))
+    K = {"gate": 2, "up": 2, "down": 3}
+    out = {}
+    for mode, batch_bytes in (("single", 0), ("batched", None)):
+        o = tmp_path / mode
+        base = bench.block_jobs(o, 1, 2, synth["shard"], synth["names"], K, "mul1")
+        for b in base:
+            b.hessian = {"path": "h", "binding": "b"} if calibrated else None
+        for group in (base, _stage_jobs(base, o, 2)):
+            enc.encode_blocks(group, campaign_json=str(synth["campaign"]), key_path=str(synth["key"]), device="cpu",
+                              devices_list=[], lock_dir=str(o / "locks"), seed=0, layout=STANDARD, threads=1,
+                              batch_bytes=batch_bytes)
+        out[mode] = digests(o)
+    assert len(out["single"]) == 6  # 2 nodes x 1 block x (fragment, attestation, metrics)
+    assert out["batched"] == out["single"]
+    # batched: the base's 4 gate/up matrices of both experts (K2) in one call, its 2 downs (K3) in another; the
+    # stage's 6 (all K2; LDLQ: the input H shared by 4, one per expert for the downs) in one
+    assert calls == [4, 2, 6]

@@ -19,11 +19,19 @@ matrices: every encode (signed fragments, native comparisons, weight-only twins)
 parents are read back in the source's units (``load_sets``), and each encoded set is stored through
 ``ExpertLayout.stored`` (svh times 2^n); the metrics are the encoder's, in the source's units.
 
+The encoder is called per batch, not per matrix (``batch_bytes``, BATCH_BYTES): consecutive experts of one block (never
+two: a layer job commits each block as it is encoded) whose float32 source matrices add up to the budget; their
+matrices of one K, codebook and input width go to one fq.codec.encode_ldlq_batch call (calibrated: gate and up share
+the layer's input H, each down its expert's H) or fq.codec.encode_batch (weight-only), bases and stages alike (a
+stage's matrices with their parent chains), which give each matrix the bytes it gets alone. A matrix the encoder
+would code by chunks (wider than a chunk of its memory budget, fq.codec.chunked) is encoded alone, as before.
+``batch_bytes=0`` encodes one matrix at a time (the same bytes; tests/test_encode_job.py compares them).
+
 I/O overlaps the encoder: one reader thread verifies the next block's ancestors and reads the next
-expert's source matrices (safetensors, bf16 -> float32) while the current expert encodes, and one writer
-thread commits a finished block (write, sha256 + Ed25519 attestation, metrics) while the next block
+batch's source matrices (safetensors, bf16 -> float32) while the current batch encodes, and one writer
+thread commits a finished block (write, sha256 + Ed25519 attestation, metrics) while the next batch
 encodes. Blocks are committed in order, one at a time, by that one writer; an exception in either thread
-fails the job with its original message.
+fails the job with its original message (a failed read after the blocks before it are encoded and committed).
 """
 from __future__ import annotations
 
@@ -39,8 +47,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from fq.codec import encode as codec_encode
-from fq.codec import encode_residual
-from fq.codec.ldlq import encode_ldlq
+from fq.codec import chunked, encode_batch, encode_residual
+from fq.codec.ldlq import encode_ldlq, encode_ldlq_batch
+from fq.codec.scale_search import pipeline_device
+from fq.codec.shape import padded_shape
 from fq.codec.exact import tree_sum
 from fq.core import atomic, canonical, kbits
 from fq.errors import FqError
@@ -56,6 +66,12 @@ from fq.workflow import calibration, devices, locks
 from fq.workflow.common import check_signer
 from fq.workflow.init import encoder_differences
 from fq.workflow.skeleton import source_statement
+
+# An encode job's batch: consecutive experts of one block whose float32 source matrices add up to at most this;
+# their matrices of one K, codebook and input width are encoded in one encode_ldlq_batch / encode_batch call (the
+# same bytes as one at a time). The reader holds a second batch (the next, read ahead). CUDA: 14 GLM-5 experts
+# (150 MB each), so a call codes 28 gate/up matrices sharing the layer's input H and one 14 down projections.
+BATCH_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
 
 SEED_RULE = "int(sha256('fq-seed/{seed}/{node}/{layer}/{expert}/{proj}')[:8], 16)"
 
@@ -206,24 +222,52 @@ class _Prefetch:
         self._items.close()  # the generator is idle now: run its finally (drops the open shards)
 
 
-def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout):
-    """Reader thread: per block, its ancestors verified and loaded (parent = {name, sha256} of the last),
-    then per expert (block index, expert, {proj: float32 W}, {proj: [ancestor tensor sets]}, parent)."""
+def _read_items(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout, handles: dict):
+    """Per block, its ancestors verified and loaded (parent = {name, sha256} of the last), then per expert
+    (block index, expert, {proj: float32 W}, {proj: [ancestor tensor sets]}, parent)."""
+    for i, b in enumerate(jobs):
+        anc_sets, parent = [], None
+        for anc in b.ancestors:
+            path = Path(anc["path"])
+            att = verify_shard(path.parent, path.name, pub, campaign=doc["identity"])
+            check_node_digest(att, anc["digest"], f"ancestor {anc['node']} of {b.node}")
+            anc_sets.append(load_sets(path, layout, b.layer, b.experts, anc["codebook"]))
+            parent = {"name": path.name, "sha256": att.sha256}
+        refs = expert_sources(b.sources)
+        for e in b.experts:
+            W = {p: read_matrix(handles, refs[e][p], f"layer {b.layer} expert {e} {p}") for p in PROJECTIONS}
+            yield i, e, W, {p: [sets[e][p] for sets in anc_sets] for p in PROJECTIONS}, parent
+
+
+def _read_blocks(jobs: list[BlockJob], pub, doc: dict, layout: ExpertLayout, batch_bytes: int = 0):
+    """Reader thread: the items of ``_read_items`` in batches, lists of consecutive items of one block whose
+    float32 matrices add up to at most ``batch_bytes`` (one expert at least; 0: one expert a batch). A batch never
+    spans two blocks, so a layer job commits each block as soon as it is encoded (a job killed mid-layer keeps the
+    blocks before). A read that
+    fails yields the batch read before it first, then raises: the blocks before it are still encoded and committed."""
     handles: dict = {}
+    batch, held = [], 0
+    items = _read_items(jobs, pub, doc, layout, handles)
     try:
-        for i, b in enumerate(jobs):
-            anc_sets, parent = [], None
-            for anc in b.ancestors:
-                path = Path(anc["path"])
-                att = verify_shard(path.parent, path.name, pub, campaign=doc["identity"])
-                check_node_digest(att, anc["digest"], f"ancestor {anc['node']} of {b.node}")
-                anc_sets.append(load_sets(path, layout, b.layer, b.experts, anc["codebook"]))
-                parent = {"name": path.name, "sha256": att.sha256}
-            refs = expert_sources(b.sources)
-            for e in b.experts:
-                W = {p: read_matrix(handles, refs[e][p], f"layer {b.layer} expert {e} {p}") for p in PROJECTIONS}
-                yield i, e, W, {p: [sets[e][p] for sets in anc_sets] for p in PROJECTIONS}, parent
+        while True:
+            try:
+                item = next(items, None)
+            except BaseException:
+                if batch:
+                    yield batch
+                raise
+            if item is None:
+                break
+            size = sum(w.numel() * w.element_size() for w in item[2].values())
+            if batch and (held + size > batch_bytes or item[0] != batch[-1][0]):
+                yield batch
+                batch, held = [], 0
+            batch.append(item)
+            held += size
+        if batch:
+            yield batch
     finally:
+        items.close()
         handles.clear()
 
 
@@ -272,11 +316,54 @@ def encode_matrix(w, chain: list, K: int, codebook: str, seed: int, dev, H, name
         enc = encode_residual(w, chain, K, codebook, seed, dev)
     else:
         return codec_encode(w, K, codebook, seed, dev), None
+    return enc, _own_sum_sq(w, chain)
+
+
+def _own_sum_sq(w, chain: list) -> float | None:
+    """A stage's sum of W² of the matrix itself (None for a base: the Encoded's own sum_sq_w is W's)."""
     if not chain:
-        return enc, None
+        return None
     # the residual's own error is the chain's: (parent + R_hat) - W = R_hat - R; only sum W^2 is new
     w64 = w.double()  # the encoder's pairwise sum: metrics and report do not depend on the CPU
-    return enc, float(tree_sum((w64 * w64).flatten()))
+    return float(tree_sum((w64 * w64).flatten()))
+
+
+def _whole(w, dev) -> bool:
+    """Whether the encoder codes ``w`` whole (a matrix wider than a chunk of the memory budget is coded by chunks,
+    fq.codec.chunked, and only when it is encoded alone): only those are batched."""
+    out_p, in_p = padded_shape(tuple(w.shape))
+    return chunked.chunk_columns(in_p, out_p, pipeline_device(dev)) >= out_p
+
+
+def encode_group(mats: list, K: int, codebook: str, dev) -> list:
+    """Encode matrices of one K, codebook and input width together; per matrix (Encoded, own sum W² or None) as
+    encode_matrix gives it alone, bit for bit (encode_ldlq_batch / encode_batch: each matrix of a batch gets what it
+    would get alone). ``mats``: [(w, chain, seed, H, name)], H None for all (weight-only) or for none (LDLQ)."""
+    if len(mats) == 1:
+        w, chain, seed, H, name = mats[0]
+        return [encode_matrix(w, chain, K, codebook, seed, dev, H, name)]
+    ws = [m[0] for m in mats]
+    parents = [m[1] or None for m in mats]
+    if not any(parents):
+        parents = None
+    seeds = [m[2] for m in mats]
+    if mats[0][3] is not None:
+        encs = encode_ldlq_batch(ws, [m[3] for m in mats], K, codebook, seeds, dev, parents=parents,
+                                 names=[m[4] for m in mats])
+    else:
+        encs = encode_batch(ws, K, codebook, seeds, dev, parents=parents)
+    return [(enc, _own_sum_sq(m[0], m[1])) for enc, m in zip(encs, mats)]
+
+
+def _groups(keys: list, batched: bool) -> list[list[int]]:
+    """Indices of a batch's matrices grouped by key (K, width, ...; None: encoded alone), in order of first
+    appearance; unbatched, one matrix a group."""
+    if not batched:
+        return [[j] for j in range(len(keys))]
+    out: dict = {}
+    for j, k in enumerate(keys):
+        out.setdefault(("alone", j) if k is None else k, []).append(j)
+    return list(out.values())
 
 
 def _commit(b: BlockJob, tensors: dict, metrics: dict, parent: dict | None, *, doc: dict, priv, seed: int,
@@ -316,13 +403,15 @@ def _gap(timeline: dict, block: dict, t: float) -> None:
 
 def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, device: str, devices_list: list[int],
                   lock_dir: str, seed: int, layout: ExpertLayout, threads: int = 0,
-                  timeline: dict | None = None) -> list[dict]:
+                  timeline: dict | None = None, batch_bytes: int | None = None) -> list[dict]:
     """Encode ``jobs`` (one block, or every block of one (node, layer)) in one process; returns their metrics
     summaries. ``timeline``: if a dict, filled with where the time went (benchmarks/encode_job.py,
     benchmarks/gpu_pipeline.py): per block the seconds inside the encoder calls (``encode_s``: GPU busy on
     CUDA), between them (``gap_s``, ``max_gap_s``), waiting for the reader and the writer, and when it was
     encoded and committed; for the job ``setup_s``, ``claim_wait_s``, ``wall_s``, and as time.perf_counter()
-    stamps (one clock for every process on Linux) ``start``, ``claimed``, ``first_call``, ``last_call_end``."""
+    stamps (one clock for every process on Linux) ``start``, ``claimed``, ``first_call``, ``last_call_end``; an encoder
+    call of a batch is charged to its blocks in proportion to their matrices in it. ``batch_bytes``: float32 source
+    bytes of one batch (None: BATCH_BYTES of the device; 0: one matrix at a time, the same bytes)."""
     t0 = time.perf_counter()
     if timeline is not None:
         timeline["start"] = t0
@@ -344,10 +433,13 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
     label = f"{jobs[0].node} L{jobs[0].layer}" + (f" B{jobs[0].block}" if len(jobs) == 1 else f" ({len(jobs)} blocks)")
     bar = tqdm(total=sum(3 * len(b.experts) for b in jobs), desc=label, unit="matrix", file=sys.stderr,
                mininterval=2)
-    reader = _Prefetch(_read_blocks(jobs, pub, doc, layout))  # reads the first expert while we wait for a GPU
+    if batch_bytes is None:
+        batch_bytes = BATCH_BYTES["cpu" if device == "cpu" else "cuda"]
+    # reads the first batch while we wait for a GPU, then each next batch while the current one encodes
+    reader = _Prefetch(_read_blocks(jobs, pub, doc, layout, batch_bytes))
     writer = ThreadPoolExecutor(1, thread_name_prefix="fq-write")
     pending, summaries = None, []
-    tensors: dict = {}
+    tensors: dict = {}  # per block index: {expert: {projection: stored tensor set}} until committed
     metrics: dict = {}
     left = {i: len(b.experts) for i, b in enumerate(jobs)}
     projections = dict(zip(PROJECTIONS, layout.projections))
@@ -364,50 +456,66 @@ def encode_blocks(jobs: list[BlockJob], *, campaign_json: str, key_path: str, de
             timeline.update(setup_s=time.perf_counter() - t0, claim_wait_s=t_claimed - t_claim, claimed=t_claimed,
                             device=dev, blocks=stats)
         waited = 0.0
-        for i, e, W, chains, parent in reader:
-            b = jobs[i]
+        for batch in reader:
             if stats is not None:
-                stats[i]["read_wait_s"] += reader.wait_s - waited
+                stats[batch[0][0]]["read_wait_s"] += reader.wait_s - waited
                 waited = reader.wait_s
-                stats[i].setdefault("start_s", time.perf_counter() - t0)
-            for p in PROJECTIONS:
-                s = matrix_seed(seed, b.node, b.layer, e, p)
-                w = W[p]
+                for it in batch:
+                    stats[it[0]].setdefault("start_s", time.perf_counter() - t0)
+            mats, group_keys, where = [], [], []  # per matrix of the batch, in item and projection order
+            for i, e, W, chains, parent in batch:
+                b = jobs[i]
+                for p in PROJECTIONS:
+                    w, K = W[p], kbits.proj(b.K, p)
+                    mats.append((w, chains[p], matrix_seed(seed, b.node, b.layer, e, p), hess.for_matrix(e, p),
+                                 f"{b.node} layer {b.layer} expert {e} {p}"))
+                    group_keys.append((K, b.codebook, w.shape[1]) if batch_bytes and _whole(w, dev) else None)
+                    where.append((i, e, p, K, b.codebook))
+            del w
+            done = [None] * len(mats)
+            for group in _groups(group_keys, bool(batch_bytes)):
+                i0, _, _, K, cb = where[group[0]]
                 t = time.perf_counter()
                 if stats is not None:
-                    _gap(timeline, stats[i], t)
-                enc, sum_sq_w = encode_matrix(w, chains[p], kbits.proj(b.K, p), b.codebook, s, dev,
-                                               hess.for_matrix(e, p), f"{b.node} layer {b.layer} expert {e} {p}")
-                sum_sq_w = enc.sum_sq_w if sum_sq_w is None else sum_sq_w
+                    _gap(timeline, stats[i0], t)
+                results = encode_group([mats[j] for j in group], K, cb, dev)
                 if stats is not None:
                     timeline["last_call_end"] = time.perf_counter()
-                    stats[i]["encode_s"] += timeline["last_call_end"] - t
-                tensors.setdefault(e, {})[projections[p]] = layout.stored(projections[p], enc.tensors)
-                metrics.setdefault(str(e), {})[p] = {"sum_sq_w": sum_sq_w, "sum_sq_err": enc.sum_sq_err,
-                                                     "g_scale": enc.g_scale}
-                if enc.proxy_err is not None:
-                    metrics[str(e)][p]["proxy_err"] = enc.proxy_err
-                del enc
-                bar.update(1)
+                    for j in group:  # a batch's call is charged to its blocks by their matrices in it
+                        stats[where[j][0]]["encode_s"] += (timeline["last_call_end"] - t) / len(group)
+                for j, (enc, sum_sq_w) in zip(group, results):
+                    m = {"sum_sq_w": enc.sum_sq_w if sum_sq_w is None else sum_sq_w, "sum_sq_err": enc.sum_sq_err,
+                         "g_scale": enc.g_scale}
+                    if enc.proxy_err is not None:
+                        m["proxy_err"] = enc.proxy_err
+                    p = where[j][2]
+                    done[j] = (layout.stored(projections[p], enc.tensors), m)
+                del results, enc
+                bar.update(len(group))
                 if pending is not None and pending.done():
                     pending.result()  # a failed commit fails the job now, with its own message
-            del w
-            reader.dispose(W)  # 150 MB of float32 freed in the reader thread, not between two GPU calls
-            del W, chains
-            left[i] -= 1
-            if left[i]:
-                continue
-            if stats is not None:
-                stats[i]["encoded_s"] = time.perf_counter() - t0
-            if pending is not None:  # one block in the writer at a time: commits stay in block order
-                t = time.perf_counter()
-                summaries.append(pending.result())
+            del mats
+            for (i, e, p, _, _), (stored, m) in zip(where, done):  # the fragment's order: item, then projection
+                tensors.setdefault(i, {}).setdefault(e, {})[projections[p]] = stored
+                metrics.setdefault(i, {}).setdefault(str(e), {})[p] = m
+            del done
+            for i, e, W, chains, parent in batch:
+                reader.dispose(W)  # 150 MB of float32 an expert freed in the reader thread, not between two GPU calls
+                left[i] -= 1
+                if left[i]:
+                    continue
+                b = jobs[i]
                 if stats is not None:
-                    stats[i]["write_wait_s"] += time.perf_counter() - t
-            pending = writer.submit(_commit, b, tensors, metrics, parent, doc=doc, priv=priv, seed=seed,
-                                    layout=layout, t0=t0, stats=stats[i] if stats is not None else None,
-                                    bound=hess.bound)
-            tensors, metrics = {}, {}
+                    stats[i]["encoded_s"] = time.perf_counter() - t0
+                if pending is not None:  # one block in the writer at a time: commits stay in block order
+                    t = time.perf_counter()
+                    summaries.append(pending.result())
+                    if stats is not None:
+                        stats[i]["write_wait_s"] += time.perf_counter() - t
+                pending = writer.submit(_commit, b, tensors.pop(i), metrics.pop(i), parent, doc=doc, priv=priv,
+                                        seed=seed, layout=layout, t0=t0, stats=stats[i] if stats is not None else None,
+                                        bound=hess.bound)
+            del batch, W, chains
         if pending is not None:
             t = time.perf_counter()
             summaries.append(pending.result())
