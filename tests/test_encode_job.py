@@ -204,7 +204,9 @@ def test_multi_gpu_campaign_checks_flag_what_the_issue_forbids():
 
 class _FakeHessians:
     """A layer's Hessians as calibration.bound_hessians returns them: the block input's H (gate/up) and one per
-    expert (down), symmetric positive definite, fixed by a seed."""
+    expert (down), symmetric positive definite, fixed by a seed; unweighted (calibration.weighting none)."""
+
+    weighting = "none"
 
     def __init__(self, n_in: int, n_mid: int):
         import torch
@@ -242,7 +244,7 @@ def test_batched_encodes_write_the_bytes_of_one_matrix_at_a_time(synth, tmp_path
     """A base (one block of two experts: one batch of 6 matrices; per-projection K: two groups)
     and a stage on it, batched (the default) and one matrix at a time (batch_bytes=0): the same fragments,
     attestations and metrics, byte for byte. LDLQ: gate/up share the layer's input H, each down its expert's."""
-    monkeypatch.setattr(enc.calibration, "bound_hessians", lambda path, binding, layer: (
+    monkeypatch.setattr(enc.calibration, "bound_hessians", lambda path, binding, layer, weighting="none": (
         _FakeHessians(128, 128), {"file": store.file_name(layer), "sha256": "5" * 64, "calibration": "6" * 64,
                                   "capture": store.MODES[0]}))
     calls = []
