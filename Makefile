@@ -10,7 +10,7 @@ STAMP := $(VENV)/.fq-installed
 install: $(STAMP)
 
 # The lock is installed by uv, pinned here and fetched from PyPI like every pin of the lock: its downloads run in
-# parallel and it resolves nothing but the lock's own pins (pip took 60-75 s here, uv half of that from an empty cache).
+# parallel (at a load near 2 here: pip 73-89 s, uv about 45 s from an empty cache; docs/testing.md: both under load).
 # No fallback to pip: uv comes from the same registry as the lock, and one installer keeps the install one thing.
 # --compile-bytecode: with PYTHONDONTWRITEBYTECODE set, as on the dev machine, Python never caches what it compiles
 # itself, and without these .pyc files every job recompiled torch on import (--no-compile made the suite 1.3x as long).
