@@ -9,13 +9,23 @@ STAMP := $(VENV)/.fq-installed
 
 install: $(STAMP)
 
-# pip byte-compiles what it installs (26 of its 63 s here): with PYTHONDONTWRITEBYTECODE set, as on the dev machine,
-# Python never caches what it compiles itself, and without pip's .pyc files every job recompiled torch on import
-# (--no-compile made the suite 1.3x as long).
+# The lock is installed by uv, pinned here and fetched from PyPI like every pin of the lock: its downloads run in
+# parallel (at a load near 2 here: pip 73-89 s, uv about 45 s from an empty cache; docs/testing.md: both under load).
+# No fallback to pip: uv comes from the same registry as the lock, and one installer keeps the install one thing.
+# --compile-bytecode: with PYTHONDONTWRITEBYTECODE set, as on the dev machine, Python never caches what it compiles
+# itself, and without these .pyc files every job recompiled torch on import (--no-compile made the suite 1.3x as long).
+# uv reads no pip.conf: it gets the find-links pip is configured with (PIP_FIND_LINKS or pip.conf), which is where
+# this machine kind keeps its CPU build of torch 2.13.0 (the lock's torch==2.13.0 matches 2.13.0+cpu, which both
+# installers prefer to PyPI's 2.13.0); without find-links both take PyPI's build.
+UV_VERSION := 0.13.8
+UV := $(VENV)/bin/uv
+# pip's own reading of its configuration: the find-links it would use
+PIP_LINKS := from pip._internal.commands import create_command as c; print(*("--find-links=" + u for u in c("install").parse_args([])[0].find_links))
 $(STAMP): requirements.lock pyproject.toml setup.py fq/codec/_trellis.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(UV) pip install -q --python $(PY) --compile-bytecode $$($(PY) -c '$(PIP_LINKS)') -r requirements.lock
+	$(UV) pip install -q --python $(PY) --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # Two workers (pytest-xdist), one test module each at a time: CI has 2 cores, and a module's campaign fixture is
