@@ -108,11 +108,11 @@ def pytest_configure(config):
 # The longest modules' seconds on the 2-core dev machine (the durations of a clean-clone `make test`, rounded): a
 # scheduling hint only. Longest first is what keeps two workers busy to the end (a 160 s campaign module that
 # starts last runs alone); modules not listed follow, those with the most slow tests first.
-MODULE_SECONDS = {"test_workflow.py": 260, "test_calibration_workflow.py": 215, "test_crash.py": 135,
-                  "test_workflow_budget.py": 100, "test_rehearsal.py": 80, "test_families.py": 65,
-                  "test_family_campaigns.py": 40, "test_deepseek_v4.py": 30,
+MODULE_SECONDS = {"test_workflow.py": 235, "test_calibration_workflow.py": 215, "test_crash.py": 135,
+                  "test_workflow_budget.py": 105, "test_rehearsal.py": 80, "test_families.py": 65,
+                  "test_family_campaigns.py": 50, "test_calibration_affinity.py": 45, "test_deepseek_v4.py": 30,
                   "test_encode_job.py": 30, "test_runtime.py": 30, "test_codec_cuda.py": 30,
-                  "test_allocation_streamed.py": 30, "test_allocation.py": 25, "test_calibration_affinity.py": 45}
+                  "test_allocation_streamed.py": 30, "test_allocation.py": 25}
 
 
 def pytest_collection_modifyitems(config, items):

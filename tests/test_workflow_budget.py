@@ -35,13 +35,16 @@ SMALL = {"rows": 4, "columns": 64, "samples": 1, "ks": [2, 2.5, 3, 3.5, 4]}
 # No hot stage reads the expert usage here (the budgeted stage buys its experts by measured gain per byte): the usage
 # recorded with the demo model (config usage:) instead of the usage job, which test_workflow.py runs and checks
 USAGE = str(REPO / "fq" / "data" / "demo" / "usage.json")
+# The eval job on the demo's own held-out split (the module campaigns of test_workflow.py and
+# test_calibration_workflow.py run on demokit's cut of the demo): 4 windows of 128
+EVAL = {"text": None, "tokens": 512, "seq_len": 128}
 
 
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     d = tmp_path_factory.mktemp("budget")
     # one block per layer: fewer jobs
-    write_config(d, RECIPE, allocation=SMALL, block_size=8, windows="1-2", usage=USAGE)
+    write_config(d, RECIPE, allocation=SMALL, block_size=8, windows="1-2", usage=USAGE, eval=EVAL)
     first = smk(d)
     out = d / "campaign"
     snapshot = {name: (out / "allocation" / name).read_bytes() for name in ("sensitivity.json", "allocation.json")}
@@ -123,3 +126,16 @@ def test_plan_and_price_show_the_allocation_before_a_gpu_is_rented(phases, capsy
     # a half-integer K is priced with its search on the host's cores, and says so (no CUDA kernel for it yet)
     assert ("half-integer K (1.5, 2.5, 3.5): the next integer K's cost plus their search on the host's" in price) == \
         any(isinstance(k, float) for k in ks)
+
+
+def test_eval_measures_the_budgeted_products_on_the_trained_demo(phases):
+    """The eval job after finalize, on the demo model itself and its held-out split: each product's KL to the source,
+    the stage closer than its base; quantizing the trained model costs perplexity (the source's is below the base's:
+    on a model cut from it, as test_workflow.py's campaign is, off its trained optimum, the base's noise can lower it
+    by a hair)."""
+    d, *_ = phases
+    doc = canonical.load(d / "campaign" / "eval" / "eval.json")
+    assert doc["text"]["file"] == "heldout.txt" and doc["text"]["positions"] == 4 * 127
+    kl = {p: r["kl"] for p, r in doc["products"].items()}
+    assert set(kl) == {"b", "b.up"} and kl["b"] > kl["b.up"] > 0
+    assert doc["source"]["ppl"] < doc["products"]["b"]["ppl"]
