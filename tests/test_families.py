@@ -237,6 +237,35 @@ def test_every_config_value_exllamav3_asserts_is_checked_at_plan_time(built, tmp
         make_plan(parse_recipe(RECIPE, "recipe"), load_source(src))
 
 
+def test_every_key_exllamav3_reads_with_no_default_is_checked_at_plan_time():
+    """exllamav3 1.6.5 refuses a config.json without a key its class reads with no default ("Missing any of the
+    following keys: ['indexer_types']": the GLM-5-size rehearsal's first load on the GPU). fq/data records those keys
+    per class (tools/exl3_config_asserts.py); a missing one is a plan-time problem unless the base states it:
+    GLM-5's indexer_types is derived as transformers' GlmMoeDsaConfig computes it, for each of its rules."""
+    from fq.model.families.base import exl3_config_required
+    from fq.provenance.exl3config import derive_config
+    from transformers import GlmMoeDsaConfig
+
+    required = exl3_config_required()
+    for f in families.REGISTRY.values():
+        assert f.exl3 is None or f.exl3 in required, f.name
+    assert ["indexer_types"] in required["GlmMoeDsaForCausalLM"]
+    glm5 = families.REGISTRY["glm_moe_dsa"]
+    base = {k: v for k, v in GlmMoeDsaConfig(num_hidden_layers=6).to_dict().items() if k != "indexer_types"}
+    base["architectures"] = ["GlmMoeDsaForCausalLM"]
+    for over in ({}, {"index_topk_freq": 2}, {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+                 {"index_topk_pattern": "FSSFSS"}):
+        cfg = {**base, **over}
+        want = GlmMoeDsaConfig(**cfg).indexer_types
+        assert glm5.exl3_needs.derived_keys(cfg) == {"indexer_types": want}, over
+        assert json.loads(derive_config(json.dumps(cfg).encode(), 2, "mul1"))["indexer_types"] == want
+        assert not [p for p in glm5.exl3_problems(cfg, [3, 4, 5], 6) if "indexer_types" in p]
+    assert glm5.exl3_needs.derived_keys({**base, "indexer_types": ["full"] * 6}) == {}  # stated: kept as stated
+    cfg = {k: v for k, v in base.items() if k != "index_n_heads"}
+    assert "index_n_heads is not stated (exllamav3's GlmMoeDsaForCausalLM reads it with no default)" in \
+        glm5.exl3_problems(cfg, [3, 4, 5], 6)
+
+
 def test_a_yarn_factor_exllamav3_would_read_otherwise_is_an_exllamav3_problem(built, tmp_path):
     """exllamav3 1.6.5 takes a YaRN factor of max_position_embeddings / original_max_position_embeddings where the
     latter is stated; transformers takes ``factor``. gpt-oss as transformers saves it (factor 32, 131072 / 4096) is

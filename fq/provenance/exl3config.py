@@ -17,7 +17,9 @@ sha256), and every consumer of the manifest recomputes them (``check_derived``).
     format fq reads: ``fq.model.formats``, FP8 with block scales), with ``quantization_config`` set to
     ``quantization_block(bits, codebook)`` and, where the family's exllamav3 class reads a key under another
     spelling than the source's (``fq.model.families``: ``Exl3Needs.aliases``, e.g. Qwen3-MoE's ``num_experts``
-    when transformers 5.x saved ``num_local_experts``), that key stated with the source's value; nothing else changes (``tie_word_embeddings`` keeps the source's
+    when transformers 5.x saved ``num_local_experts``), that key stated with the source's value, and where it reads
+    with no default a key that transformers' config class computes when absent (``Exl3Needs.computed``: GLM-5's
+    ``indexer_types``), that key stated as transformers computes it; nothing else changes (``tie_word_embeddings`` keeps the source's
     value: fq leaves lm_head and the embeddings as they are, where the converter writes a separate lm_head and
     unties them). Written as ``fq.core.canonical.pretty`` (sorted keys, indent 2, trailing newline).
 ``fq-exl3-quantization-config/1`` -> ``quantization_config.json`` from every ``*.safetensors`` of the base

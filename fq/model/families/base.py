@@ -127,6 +127,9 @@ class Exl3Needs:
     values: tuple[tuple[str, tuple, object], ...] = ()  # (key, values exllamav3 accepts, the value when absent)
     all_moe: bool = False  # exllamav3 makes every layer MoE (decoder_sparse_step / mlp_only_layers unread)
     aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (key exllamav3 reads, spellings fq derives it from)
+    # (key exllamav3 reads with no default, the value transformers' config class computes when the checkpoint does
+    # not state it, from the config's other keys; None: nothing to state)
+    computed: tuple[tuple[str, Callable[[dict], object]], ...] = ()
     always: str | None = None  # a problem every checkpoint of the family has
     check: Callable[[dict, int], list[str]] | None = None  # the family's own (config, num_hidden_layers) -> problems
     # (name the checkpoint stores, name exllamav3 reads), both relative to a decoder layer's prefix
@@ -144,6 +147,9 @@ class Exl3Needs:
                     if config.get(k) is not None:
                         out[key] = config[k]
                         break
+        for key, rule in self.computed:
+            if config.get(key) is None and (value := rule(config)) is not None:
+                out[key] = value
         return out
 
     def problems(self, config: dict, moe_layers, n_layers: int) -> list[str]:
@@ -165,19 +171,30 @@ class Exl3Needs:
 
 
 @functools.lru_cache(maxsize=1)
+def _exl3_config_facts() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("fq").joinpath("data/exl3_config_asserts.json").read_text())
+
+
 def exl3_config_asserts() -> dict:
     """{exllamav3 class: [{key, value, optional}, ...]}: what each class's ``assert_cfg`` requires of config.json
     (fq/data/exl3_config_asserts.json, extracted from the exllamav3 wheel by tools/exl3_config_asserts.py)."""
-    from importlib import resources
+    return _exl3_config_facts()["asserts"]
 
-    return json.loads(resources.files("fq").joinpath("data/exl3_config_asserts.json").read_text())["asserts"]
+
+def exl3_config_required() -> dict:
+    """{exllamav3 class: [[key, alternative, ...], ...]}: the keys each class reads with no default (``read_cfg(...,
+    no_default)``): exllamav3 refuses a config.json without one ("Missing any of the following keys: [...]")."""
+    return _exl3_config_facts()["required"]
 
 
 def exl3_assert_problems(exl3_class: str, config: dict) -> list[str]:
     """The keys of ``config`` (the language model's view) that exllamav3's class asserts otherwise: it refuses to
     load such a base ("Key ... expected to have value ..."). A key it asserts and may miss (``optional``) is fine
     absent; one it requires is a problem when absent."""
-    out = []
+    out = [f"{' or '.join(keys)} is not stated (exllamav3's {exl3_class} reads it with no default)"
+           for keys in exl3_config_required().get(exl3_class, ()) if all(config.get(k) is None for k in keys)]
     for a in exl3_config_asserts().get(exl3_class, ()):
         key, want = a["key"], a["value"]
         if config.get(key) is None:

@@ -12,6 +12,22 @@ _STATED = ("n_routed_experts", "moe_intermediate_size", "intermediate_size", "ro
 _ONE_GROUP = (("n_group", (None, 1), None), ("topk_group", (None, 1), None))
 
 
+def _indexer_types(config: dict) -> list[str] | None:
+    """GLM-5's per-layer DSA indexer schedule as transformers' GlmMoeDsaConfig computes it where config.json does not
+    state ``indexer_types`` (exllamav3 1.6.5's class reads it with no default): from ``index_topk_pattern`` ("F"
+    full, "S" shared, or a list), else every ``index_topk_freq``-th layer from ``index_skip_topk_offset`` on runs its
+    indexer (defaults 1 and 2: every layer)."""
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq = max(config.get("index_topk_freq", 1), 1)
+    offset = config.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
 def _dsa_shared(hf_cfg, layer: int) -> bool:
     types = getattr(hf_cfg, "indexer_types", None) or []
     return layer < len(types) and types[layer] != "full"
@@ -38,7 +54,7 @@ GLM_MOE_DSA = Family(
     name="glm_moe_dsa", title="GLM-5", architectures=("GlmMoeDsaForCausalLM",), model_types=("glm_moe_dsa",),
     layout=STANDARD, experts_keys=_EXPERTS, inter_keys=("moe_intermediate_size",),
     moe_rule=LayerTypes(default_dense=3), mtp_key="num_nextn_predict_layers", exl3="GlmMoeDsaForCausalLM",
-    exl3_needs=Exl3Needs(stated=_STATED, values=_ONE_GROUP),
+    exl3_needs=Exl3Needs(stated=_STATED, values=_ONE_GROUP, computed=(("indexer_types", _indexer_types),)),
     calibration=Calibration("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaDecoderLayer",
                             "GlmMoeDsaRotaryEmbedding", materialized_mask=True, shared_indexer=_dsa_shared,
                             router_score="sigmoid"))

@@ -41,8 +41,9 @@ def _exl3(f: Family) -> str:
                                             for a in asserts))
     if needs.all_moe:
         notes.append("every layer MoE")
-    if needs.aliases:
-        notes.append("base states " + ", ".join(f"`{k}`" for k, _ in needs.aliases))
+    if needs.aliases or needs.computed:
+        notes.append("base states " + ", ".join([f"`{k}`" for k, _ in needs.aliases]
+                                                + [f"`{k}` (as transformers computes it)" for k, _ in needs.computed]))
     if needs.tensor_aliases:
         notes.append("base derives " + ", ".join(f"`{dst}` from `{src}`" for src, dst in needs.tensor_aliases)
                      + " (`tensor_aliases.safetensors`)")
