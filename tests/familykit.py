@@ -815,7 +815,7 @@ def token_file(path: Path, rows: int = ROWS, cols: int = COLUMNS) -> tuple[Path,
     from fq.hessian import calibration as hc
 
     ids = torch.randint(0, VOCAB, (rows, cols), generator=torch.Generator().manual_seed(0))
-    hc.save_tokens(path, hc.Calibration(ids, hc.token_digest(ids), {"kind": "test", "seed": 0}))
+    hc.save_tokens(path, hc.CalibrationTokens(ids, hc.token_digest(ids), {"kind": "test", "seed": 0}))
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 

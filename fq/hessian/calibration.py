@@ -16,8 +16,8 @@ split (``fq.demo_model.text("calibration")``, separate from the held-out split `
 The digest (``token_digest``) is sha256 over ``b"fq-calibration-tokens/1 {rows}x{cols}\\n"`` followed by the ids
 as int64 little-endian, row-major: the same ids in another shape are another calibration.
 
-    from_text(path, sha256, tokenizer, rows, cols) -> Calibration
-    from_tokens(path, rows, cols, sha256=None) -> Calibration
+    from_text(path, sha256, tokenizer, rows, cols) -> CalibrationTokens
+    from_tokens(path, rows, cols, sha256=None) -> CalibrationTokens
     save_tokens(path, calibration)                       # atomic; from_tokens reads it back (same digest)
     token_digest(tokens) -> str
 """
@@ -41,7 +41,7 @@ TOKENS = "tokens"
 
 
 @dataclass(frozen=True, eq=False)
-class Calibration:
+class CalibrationTokens:
     tokens: "torch.Tensor"  # int64 [rows, cols]
     digest: str  # token_digest(tokens)
     source: dict = field(default_factory=dict)  # where the ids came from (kind, file, sha256, tokenizer_sha256)
@@ -74,14 +74,14 @@ def token_digest(tokens: "torch.Tensor") -> str:
     return canonical.sha256_hex(head + body)
 
 
-def _calibration(ids: "torch.Tensor", rows: int, cols: int, where: str, source: dict) -> Calibration:
+def _calibration(ids: "torch.Tensor", rows: int, cols: int, where: str, source: dict) -> CalibrationTokens:
     need = rows * cols
     if ids.numel() < need:
         raise FqError(f"{where}: {ids.numel()} tokens, fewer than the {need} that rows x cols = {rows} x {cols} needs")
     if ids.numel() and int(ids.min()) < 0:
         raise FqError(f"{where}: negative token id {int(ids.min())}")
     tokens = ids.reshape(-1)[:need].clone().reshape(rows, cols)
-    return Calibration(tokens, token_digest(tokens), dict(source, tokens_available=int(ids.numel())))
+    return CalibrationTokens(tokens, token_digest(tokens), dict(source, tokens_available=int(ids.numel())))
 
 
 def _tokenizer_file(tokenizer: str | os.PathLike) -> Path:
@@ -89,8 +89,8 @@ def _tokenizer_file(tokenizer: str | os.PathLike) -> Path:
     return p / "tokenizer.json" if p.is_dir() else p
 
 
-def from_text(path: str | os.PathLike, sha256: str, tokenizer: str | os.PathLike, rows: int, cols: int) -> Calibration:
-    """Calibration from a text file whose sha256 must be ``sha256``; ``tokenizer``: a tokenizer.json or the
+def from_text(path: str | os.PathLike, sha256: str, tokenizer: str | os.PathLike, rows: int, cols: int) -> CalibrationTokens:
+    """CalibrationTokens from a text file whose sha256 must be ``sha256``; ``tokenizer``: a tokenizer.json or the
     checkpoint directory holding one."""
     import torch
     from tokenizers import Tokenizer
@@ -125,8 +125,8 @@ def from_text(path: str | os.PathLike, sha256: str, tokenizer: str | os.PathLike
                                                      "tokenizer_sha256": canonical.sha256_hex(tok_raw)})
 
 
-def from_tokens(path: str | os.PathLike, rows: int, cols: int, sha256: str | None = None) -> Calibration:
-    """Calibration from a token file (safetensors, one tensor ``tokens``, I64 or I32, 1-D or 2-D): its first
+def from_tokens(path: str | os.PathLike, rows: int, cols: int, sha256: str | None = None) -> CalibrationTokens:
+    """CalibrationTokens from a token file (safetensors, one tensor ``tokens``, I64 or I32, 1-D or 2-D): its first
     rows × cols ids. ``sha256``: the file's expected digest (refused if different)."""
     from fq.model.shards import read_whole, tensors_in_range
 
@@ -146,7 +146,7 @@ def from_tokens(path: str | os.PathLike, rows: int, cols: int, sha256: str | Non
     return _calibration(ids, rows, cols, str(path), {"kind": "tokens", "file": path.name, "sha256": got})
 
 
-def save_tokens(path: str | os.PathLike, cal: Calibration) -> None:
+def save_tokens(path: str | os.PathLike, cal: CalibrationTokens) -> None:
     """The calibration's [rows, cols] int64 ids as a token file (atomic; deterministic bytes)."""
     from fq.model.shards import RawTensor, write_shard
 

@@ -22,7 +22,7 @@ time, summing each MoE layer's routed-expert input Hessians on the way.
   ``affinity`` also ``input[e] += Σ c_te x_tᵀx_t`` per expert, beside the unweighted ``input``.
 
   a is computed from the layer's own fused ``gate_up_proj`` exactly as transformers' expert forward computes it
-  (float32; ``layer.ExpertLayout.act_inputs``: gpt-oss adds its bias and applies its clamped swiglu to interleaved
+  (float32; ``layer.ExpertsModule.act_inputs``: gpt-oss adds its bias and applies its clamped swiglu to interleaved
   gate/up), then upcast. Dense layers (layer 0 of the demo) advance the hidden states and sum nothing.
 - ``save_hidden`` / ``load_hidden``: the hidden states between layers as safetensors (``hidden`` F32
   [rows, cols, hidden], metadata: format, next layer, calibration digest, source config digest), written
@@ -505,7 +505,7 @@ def _versions() -> dict:
 
 def capture_embed(source_dir, calibration, out_hidden: str | os.PathLike, *,
                   sha256: Mapping[str, str] | None = None) -> str:
-    """The chain's first file: the calibration tokens' embeddings (``calibration``: a ``Calibration``)."""
+    """The chain's first file: the calibration tokens' embeddings (``calibration``: a ``CalibrationTokens``)."""
     ckpt = _checkpoint(source_dir)
     hidden = embed(ckpt, calibration.tokens, sha256)
     return save_hidden(out_hidden, hidden, next_layer=0, calibration=calibration.digest,
@@ -621,12 +621,12 @@ def capture_all(source_dir, tokens, out_dir: str | os.PathLike, *, sha256: Mappi
                 threads: int | None = 1, keep_hidden: bool = True, weighting: str = "none") -> dict:
     """The whole chain into ``out_dir``: ``hidden-embed.safetensors``, ``hidden-layer{L:03d}.safetensors`` after each
     layer (all but the last removed unless ``keep_hidden``) and ``hessian-layer{L:03d}.safetensors`` per MoE layer.
-    ``tokens``: a ``Calibration`` or an int64 [rows, cols] tensor (its digest computed here)."""
+    ``tokens``: a ``CalibrationTokens`` or an int64 [rows, cols] tensor (its digest computed here)."""
     from fq.hessian import store
-    from fq.hessian.calibration import Calibration, token_digest
+    from fq.hessian.calibration import CalibrationTokens, token_digest
 
-    if not isinstance(tokens, Calibration):
-        tokens = Calibration(_check_tokens(tokens, None), token_digest(tokens), {"kind": "tensor"})
+    if not isinstance(tokens, CalibrationTokens):
+        tokens = CalibrationTokens(_check_tokens(tokens, None), token_digest(tokens), {"kind": "tensor"})
     ckpt = _checkpoint(source_dir)
     arch = layer_mod.architecture(ckpt.config, f"{ckpt.dir}/config.json")
     out = Path(out_dir)

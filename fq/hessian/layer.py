@@ -70,7 +70,7 @@ def _glu_intermediate(experts) -> int:
 
 
 @dataclass(frozen=True)
-class ExpertLayout:
+class ExpertsModule:
     """A family's routed experts: how the checkpoint lays them out, and what transformers' experts module feeds its
     down projection (the input whose Hessian is captured)."""
 
@@ -132,10 +132,10 @@ class Arch:
         return n
 
     @property
-    def experts(self) -> ExpertLayout:
+    def experts(self) -> ExpertsModule:
         c = self.cal
         per = None if c.fused_experts else tuple(self.family.layout.projections)
-        return ExpertLayout(per, c.act_inputs or _glu_act_inputs, c.intermediate or _glu_intermediate)
+        return ExpertsModule(per, c.act_inputs or _glu_act_inputs, c.intermediate or _glu_intermediate)
 
     def is_moe(self, config: dict, layer: int) -> bool:
         """Whether the family's decoder layer ``layer`` has routed experts (its config's own keys and defaults)."""
