@@ -11,7 +11,7 @@
 #                       CBC binaries left out (Snakemake then schedules greedily, as it says); about 6 MB
 #   .a41/text/docs.txt  with PARTS containing text or a41: the held-out `docs` text (fq's docs at 166b015; seconds)
 #   .a41/demo/          with PARTS containing a41: the demo's half-integer-K allocations (docs/benchmarks.md,
-#                       "Half-integer K on the demo"; about 12 min on 2 cores)
+#                       "fq allocation against exllamav3's converter", "The demo model"; about 12 min on 2 cores)
 #   .a41/q3/            with PARTS containing q3: the trained Qwen3-MoE, its splits and fq's allocations of it
 #                       (docs/benchmarks.md, "The trained Qwen3-MoE"; about 7 min on 2 cores)
 #   .famx/NAME.tar.xz   with PARTS containing famx: the published family campaigns of FAMILIES (benchmarks/
