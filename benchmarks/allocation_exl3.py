@@ -190,6 +190,14 @@ def build(a) -> int:
     cal_ids, tok_sha = tokenize(src, Path(a.cal_text).read_text())
     sens_w = token_windows(cal_ids, a.sens_cols, a.sens_rows * a.sens_cols).to(dev)
     hess_w = token_windows(cal_ids, a.hess_cols, a.hess_tokens).to(dev)
+    if a.random_rows:  # the last fraction of each set of windows replaced by seeded uniform token ids, as
+        # exllamav3's default calibration ends in random rows "to exercise the full vocabulary"
+        vocab = int(model.config.vocab_size)
+        gen = torch.Generator().manual_seed(a.seed)
+        for w, on in ((hess_w, True), (sens_w, a.random_sens)):
+            n = round(a.random_rows * w.shape[0])
+            if on and n:
+                w[-n:] = torch.randint(0, vocab, (n, w.shape[1]), generator=gen).to(w)
     clock["load"] = time.time() - t0
 
     t0 = time.time()
@@ -298,6 +306,7 @@ def build(a) -> int:
     doc = {"model": str(src), "model_config": json.loads((src / "config.json").read_text()),
            "tokenizer_sha256": tok_sha, "codebook": CODEBOOK, "ks": ks, "samples": a.samples, "seed": a.seed,
            "sensitivity_windows": list(sens_w.shape), "hessian_windows": list(hess_w.shape),
+           "random_rows": a.random_rows, "random_sens": a.random_sens,
            "allocated_weights": n_weights, "device": str(dev), "seconds": {k: round(v, 2) for k, v in clock.items()},
            "options": {u: {str(K): list(v) for K, v in o.items()} for u, o in options.items()},
            "injected": {u: {str(K): kl for K, kl in p.items()} for u, p in fit["injected"].items()},
@@ -628,6 +637,10 @@ def main(argv=None) -> int:
     b.add_argument("--hess-cols", type=int, default=512)
     b.add_argument("--hess-tokens", type=int, default=65536)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--random-rows", type=float, default=0.0,
+                   help="fraction of the Hessian windows replaced by seeded random token ids (exllamav3's default "
+                        "calibration: about 0.15)")
+    b.add_argument("--random-sens", action="store_true", help="--random-rows also in the sensitivity windows")
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--check-cpu", action="append", help="NAME=PATH of held-out text (repeatable): also measure the "
                    "built weights' KL in transformers there, per window")
