@@ -9,9 +9,14 @@ from pathlib import Path
 _STATE_ROOT = Path(tempfile.mkdtemp(prefix="fq-test-state-"))
 os.environ["XDG_STATE_HOME"] = str(_STATE_ROOT / "session")
 _STATE_DIRS = itertools.count()
-# fq's per-user cache (fq.core.cache: linear shapes, CUDA builds) in one place per test process, never the user's:
-# warm after its first campaign, as a user's is after their first parse
-os.environ["XDG_CACHE_HOME"] = str(_STATE_ROOT / "cache")
+# fq's per-user cache (fq.core.cache: linear shapes, CUDA builds) in one place per test run, never the user's: warm
+# after its first campaign, as a user's is after their first parse. Under xdist the workers of one run share it (one
+# directory per run id): a cold entry costs a process that has not imported torch (a Snakemake parse, a plan job)
+# about 3.5 s (torch, transformers and the family's decoder layer on the meta device), and each worker paid it again
+# for the same demo and demokit configs. Its entries are pure functions of their keys, written atomically.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ["XDG_CACHE_HOME"] = str(Path(tempfile.gettempdir()) / f"fq-test-cache-{_RUN}" if _RUN
+                                   else _STATE_ROOT / "cache")
 
 # Under `make test` two xdist workers share the machine's cores (CI: 2), and each Snakemake job they start is
 # another process: one intra-op thread each. Left at torch's default (a thread per core) every process spins
@@ -105,13 +110,13 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-# The longest modules' seconds on the 2-core dev machine (the durations of a clean-clone `make test`, rounded): a
-# scheduling hint only. Longest first is what keeps two workers busy to the end (a 160 s campaign module that
-# starts last runs alone); modules not listed follow, those with the most slow tests first.
-MODULE_SECONDS = {"test_workflow.py": 235, "test_calibration_workflow.py": 215, "test_crash.py": 135,
-                  "test_workflow_budget.py": 105, "test_rehearsal.py": 80, "test_families.py": 65,
-                  "test_family_campaigns.py": 50, "test_calibration_affinity.py": 45, "test_deepseek_v4.py": 30,
-                  "test_encode_job.py": 30, "test_runtime.py": 30, "test_codec_cuda.py": 30,
+# The longest modules' seconds on the 2-core dev machine (worker-seconds of a full `-n 2 --dist loadfile` run, summed
+# from --durations and rounded): a scheduling hint only. Longest first is what keeps two workers busy to the end (a
+# 160 s campaign module that starts last runs alone); modules not listed follow, those with the most slow tests first.
+MODULE_SECONDS = {"test_workflow.py": 275, "test_calibration_workflow.py": 245, "test_crash.py": 130,
+                  "test_workflow_budget.py": 120, "test_families.py": 95, "test_rehearsal.py": 85,
+                  "test_encode_job.py": 65, "test_family_campaigns.py": 50, "test_calibration_affinity.py": 45,
+                  "test_deepseek_v4.py": 30, "test_runtime.py": 30, "test_codec_cuda.py": 30,
                   "test_allocation_streamed.py": 30, "test_allocation.py": 25}
 
 

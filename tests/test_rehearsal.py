@@ -5,11 +5,15 @@ second or two and checked against the published layout -- the tensor names and d
 GlmMoeDsaForCausalLM as ``tests/familykit.py`` saves them in DeepSeek's FP8 layout (the indexer's weights_proj bf16,
 as GLM-5-FP8 keeps it), safetensors' data order, fq's source reader, transformers' strict load and a finite forward;
 byte-identical for a seed, resumed shard by shard; trained-like spectra; the full-width plan's sizes (nothing
-written); the rehearsal recipe's plan of the twin. Slow (about 35 s on 2 cores): the twin (a dense layer and one MoE
+written); the rehearsal recipe's plan of the twin. Slow: the twin (a dense layer and one MoE
 layer of 2 experts, one attention head) through the real Snakemake workflow with the rehearsal's recipe
 (``recipes/rehearsal-glm5.json``: a whole-model K2 base with attention/shared/dense K4 and head K6 and a K1 stage on
 it; its K3 experts-only base left out), calibrated on the source's tokenizer and text, through finalize and
-``fq verify``.
+``fq verify``. That campaign is about 83 CPU-seconds (the dev machine, idle): the five linear jobs 37 (each attention
+job about 9.5: GLM-5's head dims), the two expert encodes 16 (the K1 stage's 10.7), the calibration chain 16,
+Snakemake's own process 7 (4 of them the linear shapes of the twin's config, a cold cache entry: transformers' layer on
+the meta device). It takes about 55 s alone on the 2 idle cores and 75-80 s in the suite, where the other worker holds
+a core (this docstring said about 35 s; the commit that put the campaign in CI measured 51.5 s alone, 77 CPU-s).
 """
 from __future__ import annotations
 
