@@ -85,7 +85,9 @@ def glm5_like(mtp: bool = False) -> tuple[dict, dict, dict[str, int]]:
         vocab=154880, dense_inter=12288, shard_bytes=5_360_000_000, model_type="glm_moe_dsa",
         extra_config={"architectures": ["GlmMoeDsaForCausalLM"], "n_shared_experts": 1, "num_experts_per_tok": 8,
                       "num_attention_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
-                      "qk_rope_head_dim": 64, "v_head_dim": 256},
+                      "qk_rope_head_dim": 64, "v_head_dim": 256,
+                      # the DSA indexer as the published config states it (exllamav3 reads these with no default)
+                      "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048},
     )
 
 
@@ -153,16 +155,20 @@ def write_sparse_shards(out_dir: str | Path, config: dict, index: dict) -> dict[
 
 def _config(family, hidden, inter, n_experts, n_layers, first_dense, mtp_layers, vocab, dense_inter, dtype) -> dict:
     common = {"hidden_size": hidden, "num_hidden_layers": n_layers, "vocab_size": vocab, "torch_dtype": dtype}
+    # what every published config states and exllamav3 reads with no default; heads as _layer_tensors sizes them
+    gqa = {"num_attention_heads": max(hidden // 128, 1), "num_key_value_heads": max(hidden // 512, 1),
+           "head_dim": 128, "rms_norm_eps": 1e-6}
     if family == "deepseek":
         return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common, "moe_intermediate_size": inter, "intermediate_size": dense_inter,
                 "n_routed_experts": n_experts, "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
                 "num_nextn_predict_layers": mtp_layers, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
                 "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                "rms_norm_eps": 1e-6}
+                "rms_norm_eps": 1e-6, "num_attention_heads": 64}
     if family == "qwen3_moe":
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common, "moe_intermediate_size": inter, "num_experts": n_experts,
-                "decoder_sparse_step": 1, "mlp_only_layers": []}
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common, "intermediate_size": inter, "num_local_experts": n_experts}
+                "decoder_sparse_step": 1, "mlp_only_layers": [], **gqa, "num_experts_per_tok": min(8, n_experts)}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common, "intermediate_size": inter, "num_local_experts": n_experts,
+            **gqa, "num_experts_per_tok": min(2, n_experts)}
 
 
 def _layer_tensors(family, layer, hidden, inter, n_experts, dense_inter, dense, mtp) -> list[tuple[str, int]]:
