@@ -246,7 +246,7 @@ def test_fq_price_states_the_weighted_hessians_disk_memory_and_flops(tmp_path, c
         outs[w] = capsys.readouterr().out
     moe = {w: re.search(r"MoE layers +75 jobs +([0-9.]+) PFLOP", out).group(1) for w, out in outs.items()}
     # affinity-down sums what none sums; affinity adds E · 2 · tokens · hidden² a layer (9.9 PFLOP at GLM-5)
-    assert moe == {"none": "8.33", "affinity-down": "8.33", "affinity": "18.23"}
+    assert moe == {"none": "8.34", "affinity-down": "8.34", "affinity": "18.23"}
     assert "Hessians 2.2 GB per layer, 166.8 GB in all" in outs["none"]
     assert "capture memory: 8.9 GB of float64 sums per MoE layer job" in outs["none"]
     assert "all-experts capture, affinity-down weighting" in outs["affinity-down"]
