@@ -95,33 +95,32 @@ def _required_by_class(files: dict[str, ast.Module]) -> dict[str, list[list[str]
                 arch = next((ast.literal_eval(a.value) for a in n.body if isinstance(a, ast.Assign)
                              and any(isinstance(t, ast.Name) and t.id == "arch_string" for t in a.targets)), None)
                 classes[n.name] = (stem, [b.id for b in n.bases if isinstance(b, ast.Name)], _required(n), arch)
+    class_bases = {name: c[1] for name, c in classes.items()}
     out = {}
     for name, (stem, _, _, arch) in classes.items():
         if arch is None:
             continue
-        keys, seen, todo = [], set(), [name]
-        while todo:
-            c = todo.pop()
-            if c in seen or c not in classes:
-                continue
-            seen.add(c)
-            cstem, bases, own, _ = classes[c]
-            keys += own + module_level[cstem]
-            todo += bases
+        keys = [k for c in _reach(name, class_bases) for k in classes[c][2] + module_level[classes[c][0]]]
         out[arch] = sorted({tuple(k) for k in keys})
     return {a: [list(k) for k in v] for a, v in sorted(out.items())}
 
 
-def _closure(stem: str, own: dict, bases: dict) -> list:
-    """``own[s]`` of the file and of the files its config class derives from, each item once, in order."""
-    items, seen, todo = [], set(), [stem]
+def _reach(start: str, edges: dict[str, list[str]]) -> list[str]:
+    """``start`` and every name reachable from it through ``edges`` (depth first), each once; a name without
+    edges (not an architecture file or class) is skipped."""
+    out, todo = [], [start]
     while todo:
         s = todo.pop()
-        if s in seen or s not in own:
+        if s in out or s not in edges:
             continue
-        seen.add(s)
-        items += own[s]
-        todo += bases[s]
+        out.append(s)
+        todo += edges[s]
+    return out
+
+
+def _closure(stem: str, own: dict, bases: dict) -> list:
+    """``own[s]`` of the file and of the files its config class derives from, each item once, in order."""
+    items = [c for s in _reach(stem, bases) for c in own[s]]
     unique = []
     for c in items:
         if c not in unique:
