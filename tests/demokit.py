@@ -12,6 +12,8 @@ demo's.
         usage recorded with the demo in ``out/usage.json``, the kept experts' counts (so the same hottest ones)
     kept(experts) -> {layer: the demo's experts kept, in order}
     local_source(out) -> a campaign config's ``source:`` for it (named REPO)
+    full_demo(d) -> (d/model, d/calibration.txt): the demo checkpoint itself and its calibration split
+    calibration_tokens(model, text, rows, cols) -> fq.hessian.calibration.CalibrationTokens of that text
 
 Pure file work (fq's safetensors reader and writer, no torch): well under a second.
 """
@@ -113,3 +115,21 @@ def write(out: Path, experts: int = EXPERTS) -> Path:
 
 def local_source(out: Path) -> dict:
     return {"kind": "local", "path": str(Path(out) / "model"), "repo": REPO, "revision": "demo-1"}
+
+
+def full_demo(d: Path) -> tuple[Path, Path]:
+    """The demo checkpoint itself (not cut) in ``d/model``, and its calibration split in ``d/calibration.txt``."""
+    model = dm.write(Path(d) / "model")
+    text = Path(d) / "calibration.txt"
+    text.write_bytes(dm.text("calibration").encode("utf-8"))
+    return model, text
+
+
+def calibration_tokens(model: Path, text: Path, rows: int, cols: int):
+    """``rows`` x ``cols`` tokens of ``text`` by ``model``'s tokenizer, named by the text's sha256 as a campaign
+    names it."""
+    import hashlib
+
+    from fq.hessian import calibration
+
+    return calibration.from_text(text, hashlib.sha256(text.read_bytes()).hexdigest(), model, rows, cols)

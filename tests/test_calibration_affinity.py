@@ -7,7 +7,6 @@ option flows through a real Snakemake campaign into the Hessian file, its bindin
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -17,8 +16,9 @@ import torch
 
 from fq.core import canonical
 from fq.errors import FqError
-from fq.hessian import affinity, calibration, capture, layer as layer_mod, store
-from fq.model import demo_model, families
+import demokit
+from fq.hessian import affinity, capture, layer as layer_mod, store
+from fq.model import families
 
 ROWS, COLS = 2, 32
 PRE_OPTION_TENSORS = ["input", "input.count"] + [f"down.{e}" for e in range(8)] + ["down.count"]
@@ -28,10 +28,8 @@ PRE_OPTION_TENSORS = ["input", "input.count"] + [f"down.{e}" for e in range(8)] 
 def demo(tmp_path_factory):
     """The demo checkpoint, tokens of its calibration split, and its layer-1 Hessian captured at each weighting."""
     d = tmp_path_factory.mktemp("affinity")
-    model = demo_model.write(d / "model")
-    text = d / "calibration.txt"
-    text.write_bytes(demo_model.text("calibration").encode("utf-8"))
-    cal = calibration.from_text(text, hashlib.sha256(text.read_bytes()).hexdigest(), model, ROWS, COLS)
+    model, text = demokit.full_demo(d)
+    cal = demokit.calibration_tokens(model, text, ROWS, COLS)
     files = {}
     for w in affinity.WEIGHTINGS:
         out = d / w

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import demokit
 from fq.model import demo_model
 from fq.errors import FqError
 from fq.hessian import calibration, capture, layer as layer_mod, store
@@ -22,16 +23,12 @@ ROWS, COLS = 4, 64
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     d = tmp_path_factory.mktemp("hessian")
-    model = demo_model.write(d / "model")
-    text = d / "calibration.txt"
-    text.write_bytes(demo_model.text("calibration").encode("utf-8"))
-    return model, text
+    return demokit.full_demo(d)
 
 
 @pytest.fixture(scope="module")
 def cal(demo):
-    model, text = demo
-    return calibration.from_text(text, hashlib.sha256(text.read_bytes()).hexdigest(), model, ROWS, COLS)
+    return demokit.calibration_tokens(*demo, ROWS, COLS)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fq.errors import FqError
-from fq.hessian import calibration, capture, layer as layer_mod, linear_store
+import demokit
+from fq.hessian import capture, layer as layer_mod, linear_store
 from fq.model import demo_model
 
 ROWS, COLS = 3, 48
@@ -19,11 +20,8 @@ ROWS, COLS = 3, 48
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     d = tmp_path_factory.mktemp("linear-hessians")
-    model = demo_model.write(d / "model")
-    text = d / "calibration.txt"
-    text.write_bytes(demo_model.text("calibration").encode("utf-8"))
-    cal = calibration.from_text(text, hashlib.sha256(text.read_bytes()).hexdigest(), model, ROWS, COLS)
-    return model, cal
+    model, text = demokit.full_demo(d)
+    return model, demokit.calibration_tokens(model, text, ROWS, COLS)
 
 
 def _linears(ckpt, layer):
