@@ -214,9 +214,12 @@ load)
         for t in base chain; do
             [ -f "$WORK/load-$t.done" ] && { echo "load $t: done by an earlier call"; continue; }
             if [ "$(left_end)" -lt 60 ]; then echo "load $t: $(left_end) s left; run the same command again"; continue; fi
-            step "load $t: $( [ $t = base ] && echo "exllamav3 loads each published base at real width; its logits \
-against fq's reference forward" || echo "fq's exllamav3 chain runtime serves the stage product"), $(left_end) s left"
-            k=$( [ $t = base ] && echo "not chain" || echo "chain" )
+            case $t in
+            base) k="not chain"; what="exllamav3 loads each published base at real width; its logits against fq's \
+reference forward" ;;
+            chain) k="chain"; what="fq's exllamav3 chain runtime serves the stage product" ;;
+            esac
+            step "load $t: $what, $(left_end) s left"
             FQ_EXL3_CAMPAIGN=$WORK/exl3 FQ_EXL3_JSON=$WORK/exl3_agreement.json \
                 FQ_EXL3_CHAIN_JSON=$WORK/exl3_chain_agreement.json timeout "$(left_end)" \
                 python3 -m pytest -q -s -p no:cacheprovider tests/test_exl3_runtime.py -k "$k" >"$WORK/load-$t.log" 2>&1
