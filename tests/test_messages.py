@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.errors import FqError
 from fq.planning.cost_table import parse_ks

@@ -5,7 +5,7 @@ to multiples of 128 as exllamav3 1.6.5 pads them (issue 23; ``fq.codec.shape``).
   zero-padded); the padded rows and columns reconstruct to exactly zero; W_hat, rel_mse and proxy_err are W's own
   entries; ``reconstruct(..., shape=)`` trims and refuses a stored shape that is not the padded one; a dim that is not
   a multiple of 16 is refused.
-- A tiny gpt-oss (transformers' own classes, tests/familykit.py) of hidden 160 and intermediate 96 (stored 256 and
+- A tiny gpt-oss (transformers' own classes, tests/kits/familykit.py) of hidden 160 and intermediate 96 (stored 256 and
   128), in its published MXFP4 layout: read, one block (its one MoE layer, 2 experts) encoded by the encode job
   (``fq.workflow.encode.encode_blocks``), published as finalize lays a base out (skeleton, source config, derived
   files, manifest, plan, publication), ``fq verify``, and fq's CPU runtime against transformers. About 15 s on two
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import familykit as fk
+from tests.kits import familykit as fk
 from fq.codec import encode, encode_residual, reconstruct, reconstruct_chain
 from fq.codec.exact import tree_sum
 from fq.codec.ldlq import encode_ldlq
@@ -121,7 +121,7 @@ def _publish(src: Path, work: Path) -> dict:
     from fq.provenance.publication import build_publication, write_publication
     from fq.workflow.encode import BlockJob, encode_blocks
     from fq.workflow.skeleton import source_statement
-    from provkit import _read_signed_plan
+    from tests.kits.provkit import _read_signed_plan
 
     s = load_source(src)
     (shard,) = s.shards

@@ -1,6 +1,6 @@
 """The adversarial suite: every attack or operator mistake is refused, with a message naming it.
 
-Each case mutates a private copy of one valid campaign (tests/provkit.py) and is then run through the
+Each case mutates a private copy of one valid campaign (tests/kits/provkit.py) and is then run through the
 consumer paths it concerns: ``verify`` (``fq verify`` on the whole published tree) and/or ``combine``
 (``fq combine`` of product k2r1r2, all experts). A case may instead drive its own flow and return the
 messages. ``test_suite_size`` pins how many cases there are.
@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-import provkit
+from tests.kits import provkit
 from fq.core.canonical import dumps, loads, sha256_hex
 from fq.core.safepath import sha256_stream
 from fq.errors import FqError

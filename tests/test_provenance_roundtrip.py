@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.codec import quantize, quantize_residual, reconstruct, reconstruct_chain
 from fq.model.experts import STANDARD

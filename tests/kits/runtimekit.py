@@ -39,7 +39,7 @@ from fq.provenance.fragments import fragment_filename, write_fragment, write_ske
 from fq.provenance.manifest import write_base_manifest
 from fq.provenance.publication import build_publication, write_publication
 
-from provkit import EXPIRES, encoder
+from .provkit import EXPIRES, encoder
 
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
               first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
@@ -253,7 +253,7 @@ def build(tmp: Path, seed: int = 0, K: dict | None = None) -> Kit:
                               base_dir="base/k2", campaign=camp, recipe_sha256=RECIPE_SHA256, version=1,
                               expires=EXPIRES, public_key=pub)
         write_assembly(kit.root, plan, priv)
-    from provkit import _read_signed_plan
+    from .provkit import _read_signed_plan
 
     plans = [_read_signed_plan(kit.plan(p), kit) for p in PRODUCTS]
     subjects, pred = build_publication(kit.root, version=1, campaign=camp, recipe={"name": "rt", "sha256": RECIPE_SHA256},

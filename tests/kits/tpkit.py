@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import provkit
+from . import provkit
 from fq.codec import reconstruct_chain
 from fq.model.experts import STANDARD
 from fq.tp.export import tp_export

@@ -38,8 +38,8 @@ from fq.provenance.manifest import write_base_manifest
 from fq.provenance.publication import build_publication, write_publication
 from fq.workflow.common import SIDE_FILES
 
-from provkit import EXPIRES, _read_signed_plan, encoder
-from runtimekit import random_set
+from .provkit import EXPIRES, _read_signed_plan, encoder
+from .runtimekit import random_set
 
 NODE = {"node": "k2", "role": "base", "K": 2, "codebook": "mul1", "parent": None}
 DIGEST = sha256_hex(dumps({"format": "basekit-node/1", "chain": [NODE]}))
