@@ -484,7 +484,7 @@ def test_fragment_encoded_for_another_node_definition_is_refused(pristine, tmp_p
     c = provkit.private_copy(pristine, tmp_path / "c")
     p = shard(c)
     current = provkit.NODES["r1"]["digest"]
-    stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "quant_args": {"seed": 7}}})
+    stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "K": 2}})  # r1 was K2
     assert stale != current
     attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
                     quant_args={"seed": 7, "K": 1, "codebook": "mcg"}, node_digest=stale,

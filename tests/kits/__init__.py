@@ -1,5 +1,7 @@
 """The test kits: what the tests build their inputs with, imported as ``from tests.kits import provkit``.
 
+    tree          one signed, published tree (skeleton, fragments, manifest, plans, publication) whose node digests
+                  and recipe sha256 are fq's own (fq.planning.recipe): the one place the kits below sign and publish
     provkit       a small published campaign (k2, r1, r2; products k2r1, k2r1r2) for the provenance tests
     runtimekit    a tiny random-init GLM-4-MoE published as a campaign whose full chain is its source, for runtime tests
     basekit       a one-base tree of a familykit checkpoint, the family's layout and skeleton shards
