@@ -24,9 +24,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from exl3kit import MoeTap, forward_routing_forced, moe_modules  # noqa: E402
+from tests.kits.exl3kit import MoeTap, forward_routing_forced, moe_modules  # noqa: E402
 
 SEQ = 128
 

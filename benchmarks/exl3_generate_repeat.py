@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def main(argv=None) -> int:
@@ -26,7 +25,7 @@ def main(argv=None) -> int:
     from fq.provenance.attest import keys
     from fq.provenance.publication import read_publication
     from fq.runtime.exl3 import load_exl3_product
-    from test_exl3_runtime import NEW_TOKENS, _prompts
+    from tests.test_exl3_runtime import NEW_TOKENS, _prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("campaign", type=Path)

@@ -1,8 +1,8 @@
 """exllamav3 on a kit checkpoint as transformers saved it (unquantized), against transformers' own forward.
 
 Separates what exllamav3 does with a family at given dims from what fq publishes: the checkpoint is built on the GPU
-box by tests/familykit.py (seeded, so it is the source of the campaign of the same keys), loaded unquantized by both
-runtimes, and run on one row of random ids at each length. Every MLA block's submodules are hooked, so a non-finite
+box by tests/kits/familykit.py (seeded, so it is the source of the campaign of the same keys), loaded unquantized by
+both runtimes, and run on one row of random ids at each length. Every MLA block's submodules are hooked, so a non-finite
 result names the first module whose output was not finite. One case per process (a CUDA illegal memory access
 poisons the context); prints one ``RESULT {json}`` line. ``--layers`` also compares, at the longest length, every
 block's output and its attention's and MLP's outputs between the two runtimes (relative L2 difference, max abs
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: fq, tests.kits
 
 SUBMODULES = ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj",
               "idx_wq_b", "idx_wk", "idx_k_norm", "idx_weights")
@@ -144,8 +144,8 @@ def main(argv=None) -> int:
                    "transformers saved them, not per expert")
     args = p.parse_args(argv)
     import exllamav3 as ex
-    import familykit as fk
-    from exl3kit import logit_agreement
+    from tests.kits import familykit as fk
+    from tests.kits.exl3kit import logit_agreement
     from transformers import AutoModelForCausalLM
 
     src = fk.build(args.arch, args.work / args.name, keys=args.keys, extra_config=fk.PUBLISHED_KEYS.get(args.arch))

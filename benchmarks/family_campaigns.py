@@ -1,7 +1,7 @@
 """Published campaigns of every family exllamav3 1.6.5 loads, for tests/test_exl3_families.py on the GPU box.
 
-For each family of the registry whose tiny checkpoint (tests/familykit.py: built and saved by transformers) a base of
-exllamav3 would load, one Snakemake campaign on the CPU (``familykit.campaign_config``: one K3 mul1 base, one
+For each family of the registry whose tiny checkpoint (tests/kits/familykit.py: built and saved by transformers) a base
+of exllamav3 would load, one Snakemake campaign on the CPU (``familykit.campaign_config``: one K3 mul1 base, one
 window), weight-only; plus the published layouts
 (Kimi-K2: DeepSeek-V3's architecture in FP8 with 128x128 block scales, calibrated; Qwen3-MoE, GLM-4.5 and MiniMax-M2
 in FP8; Qwen3.5-MoE's vision-language checkpoint with its experts fused per layer, as Qwen publishes it; DeepSeek-V4
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the checkout: fq, tests.kits
 
-import familykit as fk  # noqa: E402
+from tests.kits import familykit as fk  # noqa: E402
 
 
 
@@ -74,7 +74,7 @@ def checkpoint(arch: str, fmt: str, work: Path) -> Path:
 
 
 def run(name: str, arch: str, fmt: str, calibrated: bool, out: Path, keep: bool) -> dict:
-    from test_workflow import smk
+    from tests.test_workflow import smk
     from fq.model.source import load_source
 
     work = out / "_work" / name

@@ -1,8 +1,8 @@
 """A published campaign of a second model family with chain products, packed for the GPU box like the demo's.
 
 The demo campaign (``.devpack/campaign.tar.xz``) is GLM-4-MoE. This script builds a tiny random checkpoint of another
-family with tests/familykit.py (default ``Qwen3MoeForCausalLM``: vocab 512, hidden 256, 3 MoE layers of 8 experts of
-intermediate 128, top-2, 4/4 attention heads of 64, untied head, 13 bf16 shards; seeded, byte-identical per seed),
+family with tests/kits/familykit.py (default ``Qwen3MoeForCausalLM``: vocab 512, hidden 256, 3 MoE layers of 8 experts
+of intermediate 128, top-2, 4/4 attention heads of 64, untied head, 13 bf16 shards; seeded, byte-identical per seed),
 gives it the demo's tokenizer (the kit's vocab is the demo's 512) and generation config (eos = pad = 0), and runs a
 real Snakemake campaign on it on the CPU, calibrated (LDLQ, the demo's calibration split, 16 x 128 tokens) with the
 demo's chain recipe minus the whole-model bases:
@@ -47,10 +47,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import familykit as fk  # noqa: E402
-from crashkit import TARGETS, env  # noqa: E402  the campaign's verified targets; PATH with the venv's bin first
+from tests.kits import familykit as fk  # noqa: E402
+# the campaign's verified targets; PATH with the venv's bin first
+from tests.kits.crashkit import TARGETS, env  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 PACKED = ("published", "signer.pub", "source")

@@ -6,7 +6,8 @@ exllamav3's LagunaForCausalLM builds every MoE layer's BlockSparseMLP with ``int
 reference at KL 0.084, top-1 0% (H100; docs/benchmarks.md). fq's Laguna bases now store each routed expert's up_proj
 as the encoding of W_up with svh times 2^-7 (``fq.model.experts``, "Stored scales"; the plan's layout says
 ``stored_scale_log2: {"up_proj": -7}``) and fq's reference multiplies it back. This probe (GPU, exllamav3) loads, against
-fq's verified reference of the published product (tests/exl3kit.base_agreement, the family test's 4 x 64 random ids):
+fq's verified reference of the published product (tests/kits/exl3kit.base_agreement, the family test's 4 x 64 random
+ids):
 
 - ``published``: the base as fq publishes it. The decisive row: expected at the fp16 floor (KL ~1e-8, top-1 ~100%,
   the bound tests/test_exl3_families.py applies is KL < 1e-3);
@@ -36,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: fq, tests.kits
 
 UP = "up_proj"
 BOUND = 1e-3  # tests/test_exl3_families.py's bound on KL(fq || exllamav3)
@@ -86,7 +87,7 @@ def divide_routing_scale(d: Path) -> float:
 
 def main() -> None:
     import exllamav3 as ex
-    from exl3kit import base_agreement
+    from tests.kits.exl3kit import base_agreement
     from fq.provenance.attest import keys
     from fq.provenance.publication import read_publication
 

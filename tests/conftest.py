@@ -61,8 +61,8 @@ def golden_matrices():
 
 @pytest.fixture(scope="session")
 def pristine_campaign(tmp_path_factory):
-    """One valid provkit campaign per test process (tests/provkit.py), never tampered with: see campaign_copy."""
-    import provkit
+    """One valid provkit campaign per test process (tests/kits/provkit.py), never tampered with: see campaign_copy."""
+    from tests.kits import provkit
 
     return provkit.build_campaign(tmp_path_factory.mktemp("pristine-campaign"))
 
@@ -71,7 +71,7 @@ def pristine_campaign(tmp_path_factory):
 def campaign_copy(pristine_campaign, tmp_path):
     """A private copy of the pristine campaign under tmp_path/c (same key, same tensors) for a test to tamper with:
     what provkit.build_campaign(tmp_path) builds, without building it again."""
-    import provkit
+    from tests.kits import provkit
 
     return provkit.private_copy(pristine_campaign, tmp_path / "c")
 

@@ -121,7 +121,7 @@ def test_other_families_stream_as_they_run_in_memory(case, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fq.allocation import measure
-    from test_hessian_families import VOCAB, _save_tiny
+    from tests.test_hessian_families import VOCAB, _save_tiny
 
     d = _save_tiny(case, tmp_path / "model")
     windows = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))

@@ -124,7 +124,7 @@ def test_keygen_modes_fingerprint_and_no_overwrite(tmp_path):
 
 # --- statements and schemas ---
 def test_integers_stay_integers_in_predicates(tmp_path, campaign_copy):
-    import provkit
+    from tests.kits import provkit
     c = campaign_copy
     line = (c.root / "base/k2/k2-layer001-block000.safetensors.intoto.jsonl").read_bytes()
     _, pred = parse_statement(dsse.open_envelope(line, c.pub, "x"), "x", FRAGMENT)
@@ -135,7 +135,7 @@ def test_integers_stay_integers_in_predicates(tmp_path, campaign_copy):
 
 
 def test_both_profiles_validate_every_line_a_campaign_emits(tmp_path, campaign_copy):
-    import provkit
+    from tests.kits import provkit
     c = campaign_copy
     kinds = set()
     for att in c.root.rglob("*.safetensors.intoto.jsonl"):
@@ -148,7 +148,7 @@ def test_both_profiles_validate_every_line_a_campaign_emits(tmp_path, campaign_c
 
 
 def test_stage_predicate_requires_parent(tmp_path, campaign_copy):
-    import provkit
+    from tests.kits import provkit
     c = campaign_copy
     line = (c.root / "stages/r1/r1-layer001-block000.safetensors.intoto.jsonl").read_bytes()
     _, pred = parse_statement(dsse.open_envelope(line, c.pub, "x"), "x", FRAGMENT)
@@ -233,7 +233,7 @@ def test_identity_refuses_an_absent_cuda_device():
 def test_an_insider_signed_experts_from_that_names_no_fragment_of_the_block_is_refused(campaign_copy, bad, message):
     """An attestation re-signed with the campaign key (a compromised pipeline) whose experts_from names the
     fragment's own node, or another block's fragment, is refused when read, before any byte is used."""
-    import provkit
+    from tests.kits import provkit
     from fq.provenance.attest.fragment import verify_shard
 
     c = campaign_copy
@@ -248,7 +248,7 @@ def test_an_insider_signed_experts_from_that_names_no_fragment_of_the_block_is_r
 
 
 def test_a_stage_fragment_naming_experts_from_is_refused(campaign_copy):
-    import provkit
+    from tests.kits import provkit
     from fq.provenance.attest.fragment import verify_shard
 
     c = campaign_copy

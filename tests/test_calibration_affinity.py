@@ -16,7 +16,7 @@ import torch
 
 from fq.core import canonical
 from fq.errors import FqError
-import demokit
+from tests.kits import demokit
 from fq.hessian import affinity, capture, layer as layer_mod, store
 from fq.model import families
 
@@ -142,12 +142,12 @@ def _families_with_a_chain() -> list[str]:
 def _moe_block(arch_name: str):
     """(the family's Arch, the MoE block of an MoE layer of its tiny config: random init, its router's parameters
     and score bias made to act)."""
-    import familykit
+    from tests.kits import familykit
 
     if arch_name in familykit.ARCHS:
         config = familykit.config_of(arch_name)
     else:  # DeepSeek-V3.2: the tiny config the chain's own family test uses
-        import test_hessian_families as thf
+        from tests import test_hessian_families as thf
         from transformers import AutoConfig
 
         model_type = {"DeepseekV32ForCausalLM": "deepseek_v32"}[arch_name]
@@ -271,7 +271,7 @@ def test_the_weighting_flows_through_a_campaign_into_its_hessian_binding_and_att
     weighting affinity: the Hessian, its binding and the fragment's quant_args say so. Set back to none, the campaign
     would rerun that encode (its rerun key changed), and the encode, as finalize, refuses the Hessian captured with
     the other weighting: the two settings never share a Hessian or a fragment."""
-    from test_workflow import smk, write_config
+    from tests.test_workflow import smk, write_config
 
     from fq.workflow import calibration as wcal
 

@@ -1,5 +1,5 @@
 """A calibrated campaign (config ``calibration:``), run for real by Snakemake on the demo model (cut to its 4 most used
-experts a layer: tests/demokit.py, the demo's trained weights, text and usage; half its routed-expert encodes and
+experts a layer: tests/kits/demokit.py, the demo's trained weights, text and usage; half its routed-expert encodes and
 twins): the calibration
 chain, Hessian artifacts bound per layer, LDLQ fragments whose attestations name the bound Hessian, and the
 refusals that keep a campaign from mixing Hessians (a re-capture that differs, a swapped Hessian file, a fragment
@@ -28,7 +28,7 @@ from fq.core import canonical
 from fq.errors import FqError
 from safetensors import safe_open
 
-from test_workflow import REPO, RECIPE, campaign, job_counts, smk, write_config
+from tests.test_workflow import REPO, RECIPE, campaign, job_counts, smk, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ BLOCK = 8  # every expert of a layer in one encode job (and one weight-only twin
 def small_campaign(src: Path) -> dict:
     """The module campaign's config (but its recipe) on demokit's checkpoint ``src``: its calibration and held-out
     text and its usage (the demo's, of the experts it keeps), one window, one block a layer."""
-    import demokit
+    from tests.kits import demokit
 
     text = {s: src / "text" / f"{s}.txt" for s in ("calibration", "heldout")}
     return dict(source=demokit.local_source(src), windows="1-2", usage=str(src / "usage.json"),
@@ -78,7 +78,7 @@ def statement(p: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def cal(tmp_path_factory):
-    import demokit
+    from tests.kits import demokit
 
     d = tmp_path_factory.mktemp("cal")
     # one window, and one block per layer: fewer jobs
@@ -712,7 +712,7 @@ def _drop(pub, priv):
 
 def _without(tensor):
     def attack(pub, priv):
-        import insiderkit
+        from tests.kits import insiderkit
 
         base = pub / "base" / "a"
         shard = base / json.loads((base / "model.safetensors.index.json").read_text())["weight_map"][tensor]
@@ -728,7 +728,7 @@ def _index_names_a_missing_file(pub, priv):
 
 
 def _bf16_beside(pub, priv):
-    import insiderkit
+    from tests.kits import insiderkit
 
     base = pub / "base" / "a"
     shard = base / json.loads((base / "model.safetensors.index.json").read_text())["weight_map"][
@@ -739,7 +739,7 @@ def _bf16_beside(pub, priv):
 
 def _reattest(name, edit, plan_edit=None):
     def attack(pub, priv):
-        import insiderkit
+        from tests.kits import insiderkit
 
         insiderkit.reattest(pub / "base" / "a" / name, priv, edit)
         return plan_edit
@@ -749,7 +749,7 @@ def _reattest(name, edit, plan_edit=None):
 def _swap_linears(paths, node, priv):
     """Two linear fragments of ``node`` (layers 1 and 2) written again by fq's writer, each with its own labels
     around the other's tensor sets, their attestations re-signed over the bytes."""
-    import insiderkit
+    from tests.kits import insiderkit
     from fq.provenance.fragments import write_linears
 
     sets = []
@@ -770,7 +770,7 @@ def _swap_linears(paths, node, priv):
 def _extra_linear(pub, priv):
     """Layer 1's attention fragment written again by fq's writer with one more linear in it (a copy of its q_proj
     under the name of a projection the model does not have), its attestation re-signed over the bytes."""
-    import insiderkit
+    from tests.kits import insiderkit
     from fq.provenance.fragments import write_linears
 
     path = pub / "base" / "a" / "attention-K4-mul1-layer001.safetensors"
@@ -825,7 +825,7 @@ def _DENSE_DIGEST() -> str:  # the dense MLP's linear node digest, as layer 0's 
 def _owner_withheld(pub, priv):
     shutil.rmtree(pub / "base" / "e")
     (pub / "assemblies" / "e.assembly.intoto.jsonl").unlink()
-    import insiderkit
+    from tests.kits import insiderkit
 
     st = insiderkit.statement_of(pub / "publication.intoto.jsonl")
     del st["predicate"]["bases"]["e"], st["predicate"]["products"]["e"]
@@ -904,7 +904,7 @@ def consumers(pub: Path, key, product: str = "a") -> dict[str, str]:
 
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_every_consumer_refuses_a_re_signed_incomplete_or_inconsistent_base(cal, tmp_path, attack):
-    import insiderkit
+    from tests.kits import insiderkit
     from fq.provenance.attest import keys
 
     global _ATT2
@@ -927,7 +927,7 @@ def test_every_consumer_refuses_a_re_signed_incomplete_or_inconsistent_base(cal,
 def test_the_re_signed_untouched_tree_passes_every_consumer(cal, tmp_path):
     """The insider's re-signing itself (no edit) leaves a tree every consumer accepts: the refusals above are the
     edits'."""
-    import insiderkit
+    from tests.kits import insiderkit
     from fq.provenance.attest import keys
 
     out = cal / "campaign"
@@ -942,7 +942,7 @@ def test_an_attestation_the_plan_does_not_name_is_named_with_both_digests(cal, t
     it left naming the old attestation: every consumer refuses it (the runtimes did not compare a linear fragment's
     attestation with the plan), saying it is the attestation file that differs, with the two digests, the file's
     and the plan's (not the shard's digest twice)."""
-    import insiderkit
+    from tests.kits import insiderkit
     from fq.provenance.attest import keys
 
     out = cal / "campaign"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import familykit as fk
+from tests.kits import familykit as fk
 from fq.errors import FqError
 from fq.hessian.layer import read_checkpoint
 from fq.model.checkpoint import read_meta

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cuda
+from tests.conftest import cuda
 from fq.codec import chunked, encode, encode_residual
 from fq.codec.ldlq import encode_ldlq
 from fq.codec.memtrack import LiveBytes

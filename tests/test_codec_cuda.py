@@ -1,6 +1,6 @@
 """The CUDA Viterbi kernel (fq/codec/_viterbi_cuda.cu) gives the CPU kernel's states, bit for bit.
 
-CPU-only parts: a numpy model of the kernel's thread/buffer layout (tests/cuda_viterbi_model.py) against the
+CPU-only parts: a numpy model of the kernel's thread/buffer layout (tests/kits/cuda_viterbi_model.py) against the
 C kernel, and (where nvcc exists) that the kernel compiles for sm_90. The GPU parts call the kernel directly
 (never the dispatcher, whose torch fallback would hide a broken kernel).
 """
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CODEBOOK_NAMES, cuda
-from cuda_viterbi_model import viterbi_model
+from tests.conftest import CODEBOOK_NAMES, cuda
+from tests.kits.cuda_viterbi_model import viterbi_model
 from fq.codec import quantize
 from fq.codec.codebook import values_f32
 from fq.codec.viterbi import viterbi

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import CODEBOOK_NAMES, cuda
+from tests.conftest import CODEBOOK_NAMES, cuda
 from fq.codec import encode, encode_residual, quantize, quantize_residual, reconstruct, reconstruct_chain
 from fq.codec.codebook import values_torch
 from fq.codec.packing import pack, unpack

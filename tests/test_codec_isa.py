@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CODEBOOK_NAMES
+from tests.conftest import CODEBOOK_NAMES
 from fq.codec import viterbi as viterbi_mod
 from fq.codec.codebook import values_f32
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cuda
+from tests.conftest import cuda
 from fq.codec import encode, reconstruct, reconstruct_chain, validate_tensors
 from fq.codec import ldlq as ldlq_mod
 from fq.codec.gridmm import budget, exact_mm, grid_mm, split
@@ -155,7 +155,7 @@ ISA_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from test_codec_ldlq import _digest, _golden_case
+from tests.test_codec_ldlq import _digest, _golden_case
 from fq.codec.ldlq import encode_ldlq
 from fq.codec import viterbi
 W, H = _golden_case()
@@ -171,8 +171,8 @@ def test_ldlq_bytes_independent_of_isa_and_threads():
         pytest.skip("this CPU cannot run the AVX2 kernels")
     env = dict(os.environ, FQ_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", ISA_SCRIPT, os.path.dirname(__file__)], env=env, capture_output=True,
-                       text=True, timeout=300)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: tests.test_codec_ldlq
+    r = subprocess.run([sys.executable, "-c", ISA_SCRIPT, root], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     isa, threads, digest = r.stdout.split()
     assert (isa, threads) == ("avx2", "1")

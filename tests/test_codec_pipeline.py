@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from conftest import cuda
+from tests.conftest import cuda
 from fq.codec import encode, encode_residual, quantize
 from fq.codec import encoder as enc_mod
 from fq.codec import scale_search

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-import provkit
+from tests.kits import provkit
 from fq.core.canonical import dumps, loads
 from fq.errors import FqError
 from fq.provenance.attest import dsse

@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.core import canonical
 from fq.errors import FqError
@@ -272,7 +272,7 @@ def test_promote_refuses_a_publication_version_not_above_the_destinations(tmp_pa
 @pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")  # huggingface_hub's LFS upload
 def test_promote_to_the_hub_refuses_a_version_not_above_mains(tmp_path, capsys, monkeypatch):
     import huggingface_hub.constants
-    from hubfake import FakeHub
+    from tests.kits.hubfake import FakeHub
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.cli_args import default_state
 from fq.errors import FqError
@@ -128,7 +128,7 @@ def test_combine_refuses_a_sparse_fragment_by_the_plans_size(tmp_path, campaign_
 
 
 def test_promote_refuses_a_sparse_terabyte_before_hashing_or_copying(tmp_path, capsys, campaign_copy):
-    from test_promote import write_summary
+    from tests.test_promote import write_summary
 
     c = campaign_copy
     out = tmp_path / "out"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-import crashkit as k
+from tests.kits import crashkit as k
 from fq.core import canonical
 from fq.errors import FqError
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import familykit as fk
+from tests.kits import familykit as fk
 from fq.errors import FqError
 from fq.model import families, formats
 from fq.model.source import PROJECTIONS, load_source
@@ -163,7 +163,7 @@ def test_one_block_is_encoded_and_attests_each_weight_beside_its_scales(kit, tmp
     """The encode job reads expert 0's FP4 matrices with their ue8m0 scales (the source reader's float32) and its
     signed attestation names both, per matrix: the int8 weight (out, in/2) and its F8_E8M0 scales (out, in/32), each
     with the byte range the shard's header gives it."""
-    from test_families import _encode_one_expert
+    from tests.test_families import _encode_one_expert
 
     from fq.codec import reconstruct
     from fq.model.shards import read_header
@@ -204,8 +204,8 @@ def test_a_published_base_keeps_the_fp8_linears_and_verifies(kit, tmp_path):
     the source's with EXL3's quantization_config (the other keys as exllamav3's converter keeps them: expert_dtype
     too); quantization_config.json lists the scales' dtype; fq verify's checks accept it, the head
     (``head.weight``) and every layer of each kind (attention type and routing) included."""
-    import basekit
-    import provkit
+    from tests.kits import basekit
+    from tests.kits import provkit
     from fq.provenance.verify import verify_path
 
     _, release = kit
@@ -333,8 +333,8 @@ def test_fq_runtime_builds_a_published_base_as_transformers_loads_the_release(ki
     handed to transformers as it saves them (``Family.transformers_name``), every tensor read back under them, and
     the model is transformers' own load of the release's names with the same expert weights (the base's
     reconstructions; the FP8 skeleton dequantized): equal parameters, equal logits."""
-    import basekit
-    import provkit
+    from tests.kits import basekit
+    from tests.kits import provkit
     from fq.runtime.load import load_product
 
     _, release = kit
@@ -379,8 +379,8 @@ def test_the_reference_forward_of_an_encoded_base_is_the_release_within_k2(tmp_p
     fq eval's reference): finite, and of K2's error, far below a base of random sets' (the kit's random-init model
     gives near-flat distributions, so top-1 agreement says little here). The kit at 4 experts a layer: half the
     matrices to encode."""
-    import basekit
-    import provkit
+    from tests.kits import basekit
+    from tests.kits import provkit
     from fq.runtime import quality
     from fq.runtime.load import load_checkpoint, load_product
 
@@ -398,7 +398,7 @@ def test_fq_usage_counts_every_layer_of_the_release_the_hash_layer_by_its_table(
     """``fq usage`` on the release: every decoder layer's router is found under transformers' module names
     (``model.layers.``, not the release's ``layers.``), the hash-routed layer 0 (``DeepseekV4HashRouter``) included,
     whose counts are its published ``tid2eid`` table read at the text's tokens."""
-    import runtimekit as rk
+    from tests.kits import runtimekit as rk
     from tokenizers import Tokenizer
 
     from fq.model.usage import measure_usage

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.core import canonical
 from fq.errors import FqError

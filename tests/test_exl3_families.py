@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cuda
-from exl3kit import base_agreement, exllamav3_or_skip
+from tests.conftest import cuda
+from tests.kits.exl3kit import base_agreement, exllamav3_or_skip
 
 ROWS, SEQ, VOCAB = 4, 64, 512
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cuda
-from exl3kit import MoeTap, base_agreement, exllamav3_or_skip, forward_routing_forced
+from tests.conftest import cuda
+from tests.kits.exl3kit import MoeTap, base_agreement, exllamav3_or_skip, forward_routing_forced
 
 TOKENS, SEQ = 512, 128
 

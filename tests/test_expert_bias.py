@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import provkit
+from tests.kits import provkit
 from fq.core import canonical
 from fq.errors import FqError
 from fq.provenance.attest.fragment import attest_skeleton

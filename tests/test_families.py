@@ -1,5 +1,5 @@
 """The model-family registry (fq.model.families) against checkpoints transformers itself built and saved
-(tests/familykit.py): every registered family is read as published -- its config keys, its MoE layers, its routed
+(tests/kits/familykit.py): every registered family is read as published -- its config keys, its MoE layers, its routed
 expert matrices equal to the saved tensors -- and FP8 block-scaled sources are read as transformers' own reference
 dequantization defines them, bit for bit; the CPU runtime builds each family from those tensors with transformers'
 logits; bad input is refused naming the file, the tensor and what was expected."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import familykit as fk
+from tests.kits import familykit as fk
 from fq.errors import FqError
 from fq.model import families, formats
 from fq.model.families.base import FusedExperts
@@ -158,9 +158,9 @@ def test_laguna_bases_store_the_routed_up_proj_as_exllamav3_reads_it(built, tmp_
     against its parent times 128 and is stored the same way; a re-encode is byte-identical. A base storing W_up (as
     fq's bases did: a layout without the scale) is what exllamav3 reads 128 times too large, the reference with every
     routed up projection times 128 (on the H100 such a base gave KL 0.084, top-1 0%): fq verify refuses it."""
-    import basekit
-    import provkit
-    from exl3kit import logit_agreement
+    from tests.kits import basekit
+    from tests.kits import provkit
+    from tests.kits.exl3kit import logit_agreement
     from fq.codec import encode, encode_residual, reconstruct
     from fq.model.checkpoint_model import build_model, checkpoint_state
     from fq.model.experts import STANDARD
@@ -519,7 +519,7 @@ def test_refused_when_the_config_is_read_not_mid_campaign(built, tmp_path):
     import subprocess
     import sys
 
-    import crashkit as k
+    from tests.kits import crashkit as k
 
     cal = built("Qwen3_5MoeForCausalLM")
     src = built("Qwen2MoeForCausalLM")  # no exllamav3 class
@@ -574,7 +574,7 @@ def test_usage_reads_a_kimi_k2_fp8_checkpoint(built, tmp_path):
     from_pretrained would need accelerate and Moonshot's remote code for) included."""
     import shutil
 
-    import runtimekit
+    from tests.kits import runtimekit
     from fq.model.usage import measure_usage
 
     d = tmp_path / "kimi"
@@ -647,12 +647,12 @@ def _encode_one_expert(src_dir: Path, layer: int, work: Path, *, node: str = "a"
 def test_each_family_is_encoded_published_verified_and_run(built, arch, tmp_path):
     """Per family, what a campaign does to it, without Snakemake: one block of its first MoE layer encoded by the
     encode job (expert 0, its three matrices named by the family's layout, each reconstructing the matrix the source
-    reader gives); a base laid out as finalize publishes it (tests/basekit.py: the source's skeleton shards verbatim,
-    source_config.json and the side files, the derived files, manifest, plan, publication); ``fq verify``'s checks
-    accept it; and fq's CPU runtime builds the published product with the logits of transformers' own model on the
-    same weights (the source with every routed expert the base's reconstruction)."""
-    import basekit
-    import provkit
+    reader gives); a base laid out as finalize publishes it (tests/kits/basekit.py: the source's skeleton shards
+    verbatim, source_config.json and the side files, the derived files, manifest, plan, publication); ``fq verify``'s
+    checks accept it; and fq's CPU runtime builds the published product with the logits of transformers' own model on
+    the same weights (the source with every routed expert the base's reconstruction)."""
+    from tests.kits import basekit
+    from tests.kits import provkit
     from fq.codec import reconstruct
     from fq.provenance.verify import verify_path
     from fq.runtime.load import as_transformers_loads, build_model, load_product

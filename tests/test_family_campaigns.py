@@ -1,4 +1,4 @@
-"""Whole Snakemake campaigns on the model families' tiny checkpoints (tests/familykit.py), end to end.
+"""Whole Snakemake campaigns on the model families' tiny checkpoints (tests/kits/familykit.py), end to end.
 
 - CI: a Kimi-K2-layout FP8 checkpoint (DeepSeek-V3 with 128x128 block scales, model_type kimi_k2) through a
   calibrated campaign: init, staging, the calibration chain, LDLQ encodes, skeleton, finalize and the verification
@@ -33,12 +33,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import familykit as fk
-from crashkit import TARGETS  # the published, verified campaign (no report)
+from tests.kits import familykit as fk
+from tests.kits.crashkit import TARGETS  # the published, verified campaign (no report)
 from fq.core import canonical
 from fq.model import families, formats
 from fq.model.shards import read_header
-from test_workflow import campaign, smk
+from tests.test_workflow import campaign, smk
 
 pytestmark = pytest.mark.slow
 
@@ -232,7 +232,7 @@ def test_finalize_lists_every_stored_tensor_as_the_converter_would(kimi):
     """quantization_config.json's tensor_storage is the base's shards as the safetensors library reads them: the EXL3
     experts with their bits, the FP8 attention weights beside their scales, every other module 16-bit; the derived
     files are in the signed publication."""
-    from test_exl3_config import QUANTIZATION_CONFIG, block, storage_read_by_safetensors
+    from tests.test_exl3_config import QUANTIZATION_CONFIG, block, storage_read_by_safetensors
 
     camp = kimi[0] / "campaign"
     base = camp / "published/base/a"
@@ -259,7 +259,7 @@ def test_finalize_lists_every_stored_tensor_as_the_converter_would(kimi):
 
 def test_finalize_twice_publishes_identical_bytes(kimi):
     """Last of the module: it re-publishes the campaign the tests above read."""
-    import crashkit as k
+    from tests.kits import crashkit as k
 
     d = kimi[0]
     camp = d / "campaign"

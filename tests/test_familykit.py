@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import familykit as fk
+from tests.kits import familykit as fk
 
 ARCHS = sorted(fk.ARCHS)
 IDS = torch.tensor([[1, 5, 9, 100, 300, 7, 42, 511]])

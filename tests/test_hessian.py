@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import demokit
+from tests.kits import demokit
 from fq.model import demo_model
 from fq.errors import FqError
 from fq.hessian import calibration, capture, layer as layer_mod, store

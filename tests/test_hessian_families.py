@@ -132,7 +132,8 @@ FAMILIES = {
         layer_types=["conv", "full_attention", "conv"]), [1, 2]),
     # KDA (layers 0, 2: one chunk of 64 with 32 columns) and MLA without positional encoding (layer 1), layer 0 dense
     # (first_k_dense_replace), group-limited sigmoid routing (4 groups of 2, the best 2) with a score bias, a shared
-    # expert; saved by transformers, so layer 0's dense MLP is block_sparse_moe.* (Moonshot's mlp.*: tests/familykit)
+    # expert; saved by transformers, so layer 0's dense MLP is block_sparse_moe.* (Moonshot's mlp.*:
+    # tests/kits/familykit)
     "kimi_linear": ("KimiLinearForCausalLM", dict(
         intermediate_size=512, moe_intermediate_size=INTER, num_experts=N_EXPERTS, num_shared_experts=1,
         num_expert_group=4, topk_group=2, first_k_dense_replace=1, **dict(MLA, q_lora_rank=None),

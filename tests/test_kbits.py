@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import provkit
+from tests.kits import provkit
 from fq.core import kbits
 from fq.errors import FqError
 from fq.model.experts import STANDARD
@@ -221,13 +221,13 @@ R1 = {"1": {"gate": 1, "up": 1, "down": 2}, "2": 2}
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    import runtimekit as rk
+    from tests.kits import runtimekit as rk
 
     return rk.build(tmp_path_factory.mktemp("rt-mixed"), K={"r1": R1})
 
 
 def test_a_product_with_K_per_layer_and_projection_verifies_loads_and_combines(kit, tmp_path):
-    import runtimekit as rk
+    from tests.kits import runtimekit as rk
     from fq.provenance.adapter import read_adapter
     from fq.provenance.combine import combine
     from fq.provenance.product import open_product
@@ -262,7 +262,7 @@ def test_a_product_with_K_per_layer_and_projection_verifies_loads_and_combines(k
 def test_a_chain_whose_K_is_not_its_fragments_is_refused(kit, tmp_path):
     """The plan builder re-derives each linear's K and compares it with its chain node's at that layer for its
     projection: a chain entry saying K2 everywhere for r1 is refused."""
-    import runtimekit as rk
+    from tests.kits import runtimekit as rk
     from fq.provenance.assembly import build_assembly
 
     chain = [rk.chain_entry("k2"), dict(rk.chain_entry("r1", {**rk.NODES, "r1": {**rk.NODES["r1"], "K": R1}}))]
@@ -282,7 +282,7 @@ def test_a_budgeted_base_with_K_per_layer_and_projection_is_published_verified_a
     """The base itself at K per layer and projection: its manifest declares the node spec as its derived params' bits
     (fq.provenance.exl3config checks every module's trellis against its layer's projection), fq verify accepts the
     tree, and the CPU runtime loads every chain's weights."""
-    import runtimekit as rk
+    from tests.kits import runtimekit as rk
     from fq.provenance.verify import verify_path
     from fq.runtime import load as rt
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fq.errors import FqError
-import demokit
+from tests.kits import demokit
 from fq.hessian import capture, layer as layer_mod, linear_store
 from fq.model import demo_model
 
@@ -184,7 +184,7 @@ def test_capture_layer_linear_refusals(demo, captured, tmp_path):
 
 def test_glm5_mla_linears_group_by_input(tmp_path):
     """GLM-5's MLA: q_a and kv_a read the post-norm input (one group); q_b, kv_b and o_proj each their own."""
-    from test_hessian import _glm5_tiny
+    from tests.test_hessian import _glm5_tiny
 
     d = _glm5_tiny(tmp_path / "glm5")
     ckpt = layer_mod.read_checkpoint(d)

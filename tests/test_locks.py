@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import crashkit as k
-from crashkit import holder, release
+from tests.kits import crashkit as k
+from tests.kits.crashkit import holder, release
 from fq.errors import FqError
 from fq.workflow import locks
 

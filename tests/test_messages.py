@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.errors import FqError
 from fq.planning.cost_table import parse_ks
@@ -128,7 +128,7 @@ def test_a_stale_fragment_is_named_once_with_the_current_definition(c):
     naming the stale fragment and the digest the plans' chains name as current."""
     p = c.root / c.frag("r1", 1, 0)
     current = provkit.NODES["r1"]["digest"]
-    stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "quant_args": {"seed": 7}}})
+    stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "K": 2}})  # r1 was K2
     attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
                     quant_args={"seed": 7, "K": 1, "codebook": "mcg"}, node_digest=stale,
                     parent=provkit._attested(p)["predicate"]["parent"])

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import yaml
 
-import provkit
+from tests.kits import provkit
 from fq.errors import FqError
 from fq.provenance.manifest import verify_base
 from fq.provenance.model_card import CARD_RULE, README, RULE, card_params, render, write_card
 from fq.provenance.verify import verify_path
-from test_exl3_config import NOW, insider_resign_base
+from tests.test_exl3_config import NOW, insider_resign_base
 
 
 def front_matter(card: bytes) -> tuple[dict, str]:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-import provkit
+from tests.kits import provkit
 from fq.core import canonical
 from fq.errors import FqError
 from fq.provenance import model_sig
 from fq.provenance.manifest import MANIFEST_NAME, read_base_manifest, verify_base
 from fq.provenance.verify import verify_path
-from test_exl3_config import NOW, insider_resign_base
+from tests.test_exl3_config import NOW, insider_resign_base
 
 
 def tool_verify(base: Path, pub: Path) -> tuple[bool, str]:

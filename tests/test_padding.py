@@ -5,7 +5,7 @@ to multiples of 128 as exllamav3 1.6.5 pads them (issue 23; ``fq.codec.shape``).
   zero-padded); the padded rows and columns reconstruct to exactly zero; W_hat, rel_mse and proxy_err are W's own
   entries; ``reconstruct(..., shape=)`` trims and refuses a stored shape that is not the padded one; a dim that is not
   a multiple of 16 is refused.
-- A tiny gpt-oss (transformers' own classes, tests/familykit.py) of hidden 160 and intermediate 96 (stored 256 and
+- A tiny gpt-oss (transformers' own classes, tests/kits/familykit.py) of hidden 160 and intermediate 96 (stored 256 and
   128), in its published MXFP4 layout: read, one block (its one MoE layer, 2 experts) encoded by the encode job
   (``fq.workflow.encode.encode_blocks``), published as finalize lays a base out (skeleton, source config, derived
   files, manifest, plan, publication), ``fq verify``, and fq's CPU runtime against transformers. About 15 s on two
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import familykit as fk
+from tests.kits import familykit as fk
 from fq.codec import encode, encode_residual, reconstruct, reconstruct_chain
 from fq.codec.exact import tree_sum
 from fq.codec.ldlq import encode_ldlq
@@ -112,16 +112,12 @@ def _publish(src: Path, work: Path) -> dict:
     from fq.core import canonical
     from fq.model.shards import RawTensor, read_header, read_range
     from fq.model.source import PROJECTIONS, load_source
-    from fq.provenance.assembly import build_assembly, write_assembly
     from fq.provenance.attest import keys
-    from fq.provenance.attest.fragment import attest_skeleton
     from fq.provenance.exl3config import SOURCE_CONFIG, write_derived
-    from fq.provenance.fragments import fragment_filename, write_skeleton
-    from fq.provenance.manifest import write_base_manifest
-    from fq.provenance.publication import build_publication, write_publication
+    from fq.provenance.fragments import fragment_filename
     from fq.workflow.encode import BlockJob, encode_blocks
     from fq.workflow.skeleton import source_statement
-    from provkit import _read_signed_plan
+    from tests.kits import tree
 
     s = load_source(src)
     (shard,) = s.shards
@@ -129,15 +125,17 @@ def _publish(src: Path, work: Path) -> dict:
     doc = canonical.load(doc_path)
     priv = keys.load_private(key_path)
     pub = priv.public_key()
-    root = work / "published"
+    recipe = tree.recipe("padded", {"a": {"role": "base", "K": K, "codebook": "mul1", "parent": None}}, {"a": ["a"]})
+    t = tree.Tree(work / "published", priv, pub, doc["identity"], source_statement(doc, [shard]), recipe,
+                  doc["encoder"])
+    root = t.root
     base = root / "base" / "a"
     base.mkdir(parents=True)
     frag = base / fragment_filename("a", 0, 0)
-    digest = "4" * 64
     sources = {e: {p: s.expert_source(0, e, p, lambda n: str(src / n)).to_json() for p in PROJECTIONS}
                for e in range(EXPERTS)}
-    job = BlockJob(node="a", role="base", K=K, codebook="mul1", node_digest=digest, layer=0, block=0,
-                   experts=list(range(EXPERTS)), sources=sources, ancestors=[], out_fragment=str(frag),
+    job = BlockJob(node="a", role="base", K=K, codebook="mul1", node_digest=recipe.node_digest("a"), layer=0,
+                   block=0, experts=list(range(EXPERTS)), sources=sources, ancestors=[], out_fragment=str(frag),
                    out_metrics=str(work / "metrics.json"))
     (summary,) = encode_blocks([job], campaign_json=str(doc_path), key_path=str(key_path), device="cpu",
                                devices_list=[], lock_dir=str(work / "locks"), seed=0, layout=s.family_entry.layout,
@@ -147,22 +145,12 @@ def _publish(src: Path, work: Path) -> dict:
         raws = [RawTensor(n, header.entry(n).dtype, tuple(header.entry(n).shape),
                           read_range(fh, header.entry(n).start, header.entry(n).length, shard))
                 for n in s.skeleton_tensors]
-    write_skeleton(base / shard, tensors=raws, source_shard=shard)
-    attest_skeleton(base / shard, key=priv, campaign=doc["identity"], source=source_statement(doc, [shard]),
-                    encoder=doc["encoder"])
+    t.skeleton("a", shard, raws)
     shutil.copyfile(src / "config.json", base / SOURCE_CONFIG)
     derived = write_derived(base, bits=K, codebook="mul1")
-    write_base_manifest(base, node="a", campaign=doc["identity"], key=priv, derived=derived)
-    chain = [{"node": "a", "role": "base", "K": K, "codebook": "mul1", "parent": None, "digest": digest}]
-    plan = build_assembly(root, product="a", chain=chain, fragments=[f"base/a/{frag.name}"], base_dir="base/a",
-                          campaign=doc["identity"], recipe_sha256="5" * 64, version=1,
-                          expires="2030-01-01T00:00:00Z", public_key=pub)
-    path = write_assembly(root, plan, priv)
-    signed = _read_signed_plan(path, type("Signer", (), {"pub": pub})())
-    subjects, pred = build_publication(root, version=1, campaign=doc["identity"],
-                                       recipe={"name": "padded", "sha256": "5" * 64}, plan_identity_sha256="0" * 64,
-                                       plans=[signed], public_key=pub)
-    write_publication(root, subjects, pred, priv)
+    t.manifest("a", derived)
+    path = t.plan("a", ["a"], [f"base/a/{frag.name}"], expires="2030-01-01T00:00:00Z")
+    t.publish()
     return {"src": src, "root": root, "base": base, "plan": path, "pub": pub, "priv": priv, "fragment": frag,
             "summary": summary, "source": s, "derived": [d["name"] for d in derived]}
 

@@ -1,4 +1,4 @@
-"""fq promote: a local publication directory for real, and a Hub repository against a fake Hub (tests/hubfake.py).
+"""fq promote: a local publication directory for real, and a Hub repository against a fake Hub (tests/kits/hubfake.py).
 
 The campaign is provkit's signed tree placed as OUT/published, with a summary bound to its publication statement and the
 operational files a real campaign directory holds (logs, locks, keys, metrics, staging, fragments) beside it.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main as fq_main
 from fq.core import canonical
 from fq.errors import FqError
@@ -25,7 +25,7 @@ from fq.promote import collect, is_publishable
 from fq.provenance.publication import NAME as PUBLICATION_NAME, read_publication
 from fq.provenance.summary import SUMMARY_NAME, summary_view
 from fq.provenance.verify import verify_path
-from hubfake import FakeHub
+from tests.kits.hubfake import FakeHub
 
 # huggingface_hub's own LFS upload passes bytes as data=, which httpx2 deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")

@@ -1,6 +1,6 @@
 """The adversarial suite: every attack or operator mistake is refused, with a message naming it.
 
-Each case mutates a private copy of one valid campaign (tests/provkit.py) and is then run through the
+Each case mutates a private copy of one valid campaign (tests/kits/provkit.py) and is then run through the
 consumer paths it concerns: ``verify`` (``fq verify`` on the whole published tree) and/or ``combine``
 (``fq combine`` of product k2r1r2, all experts). A case may instead drive its own flow and return the
 messages. ``test_suite_size`` pins how many cases there are.
@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-import provkit
+from tests.kits import provkit
 from fq.core.canonical import dumps, loads, sha256_hex
 from fq.core.safepath import sha256_stream
 from fq.errors import FqError
@@ -484,7 +484,7 @@ def test_fragment_encoded_for_another_node_definition_is_refused(pristine, tmp_p
     c = provkit.private_copy(pristine, tmp_path / "c")
     p = shard(c)
     current = provkit.NODES["r1"]["digest"]
-    stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "quant_args": {"seed": 7}}})
+    stale = provkit.node_digest("r1", {"r1": {**provkit.DEFINITIONS["r1"], "K": 2}})  # r1 was K2
     assert stale != current
     attest_fragment(p, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
                     quant_args={"seed": 7, "K": 1, "codebook": "mcg"}, node_digest=stale,

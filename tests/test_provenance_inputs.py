@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.core.safepath import check_name, open_regular
 from fq.errors import FqError

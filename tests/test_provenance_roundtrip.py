@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import provkit
+from tests.kits import provkit
 from fq.cli import main
 from fq.codec import quantize, quantize_residual, reconstruct, reconstruct_chain
 from fq.model.experts import STANDARD
@@ -204,7 +204,7 @@ def test_changing_one_stage_reencodes_only_that_node(tmp_path, campaign_copy):
     """The recipe changes r2 (K=2 -> K=3): r2's node digest changes, k2's and r1's do not, and the campaign
     identity does not name the recipe, so only r2 is re-encoded; every untouched fragment, the base
     manifest and the k2r1 plan stay valid next to a k2r1r2 plan of the new recipe."""
-    from fq.core.canonical import dumps, sha256_hex
+    from fq.core.canonical import sha256_hex
     from fq.provenance.assembly import build_assembly, write_assembly
     from fq.provenance.attest.fragment import attest_fragment
     from fq.provenance.fragments import write_fragment
@@ -230,7 +230,7 @@ def test_changing_one_stage_reencodes_only_that_node(tmp_path, campaign_copy):
             attest_fragment(path, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder(),
                             quant_args={"seed": 0, "K": 3, "codebook": "3inst"}, node_digest=digests["r2"],
                             parent={"name": parent.name, "sha256": sha256_hex(parent.read_bytes())})
-    recipe = sha256_hex(dumps({"format": "provkit-recipe/1", "nodes": {**provkit.DEFINITIONS, "r2": new_def}}))
+    recipe = provkit.recipe({"r2": new_def}).sha256
     chain = [{**provkit.NODES["k2"]}, {**provkit.NODES["r1"]}, {**new_def, "digest": digests["r2"]}]
     names = [n.relative_to(c.root).as_posix() for d in ("base/k2", "stages/r1", "stages/r2")
              for n in sorted((c.root / d).glob("*-layer*.safetensors"))]

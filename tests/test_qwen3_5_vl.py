@@ -16,9 +16,9 @@ import json
 import pytest
 import torch
 
-import basekit
-import familykit as fk
-import provkit
+from tests.kits import basekit
+from tests.kits import familykit as fk
+from tests.kits import provkit
 from fq.errors import FqError
 from fq.model import families
 from fq.model.experts import LANGUAGE_MODEL
@@ -123,7 +123,7 @@ def test_fq_reads_the_published_checkpoint_as_transformers_does(vl):
 def test_usage_counts_the_language_models_routers(vl, tmp_path):
     import shutil
 
-    import runtimekit
+    from tests.kits import runtimekit
     from fq.model.usage import measure_usage
 
     d = tmp_path / "vl"
@@ -191,7 +191,8 @@ def test_the_calibration_chain_runs_the_language_models_layers(vl, layout):
     import transformers
 
     from fq.hessian import capture, layer as layer_mod
-    from test_hessian_families import COLS, _check_hessians, _close, _same_position_embeddings, _tokens, hooked_forward
+    from tests.test_hessian_families import (COLS, _check_hessians, _close, _same_position_embeddings, _tokens,
+                                             hooked_forward)
 
     ckpt = layer_mod.read_checkpoint(vl[layout])
     arch = layer_mod.architecture(ckpt.config)

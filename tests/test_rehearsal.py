@@ -2,9 +2,9 @@
 
 Fast: the CPU twin (``--tiny``: hidden 256, GLM-5's head dims, latent and index head dim, 8 experts) is written in a
 second or two and checked against the published layout -- the tensor names and dtypes of transformers'
-GlmMoeDsaForCausalLM as ``tests/familykit.py`` saves them in DeepSeek's FP8 layout (the indexer's weights_proj bf16,
-as GLM-5-FP8 keeps it), safetensors' data order, fq's source reader, transformers' strict load and a finite forward;
-byte-identical for a seed, resumed shard by shard; trained-like spectra; the full-width plan's sizes (nothing
+GlmMoeDsaForCausalLM as ``tests/kits/familykit.py`` saves them in DeepSeek's FP8 layout (the indexer's weights_proj
+bf16, as GLM-5-FP8 keeps it), safetensors' data order, fq's source reader, transformers' strict load and a finite
+forward; byte-identical for a seed, resumed shard by shard; trained-like spectra; the full-width plan's sizes (nothing
 written); the rehearsal recipe's plan of the twin. Slow: the twin (a dense layer and one MoE
 layer of 2 experts, one attention head) through the real Snakemake workflow with the rehearsal's recipe
 (``recipes/rehearsal-glm5.json``: a whole-model K2 base with attention/shared/dense K4 and head K6 and a K1 stage on
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import familykit as fk
+from tests.kits import familykit as fk
 from fq.errors import FqError
 from fq.model import rehearsal
 from fq.model.shards import read_header
@@ -262,8 +262,8 @@ def test_the_twin_goes_through_the_rehearsal_campaign(tmp_path):
     """The real workflow through finalize and its verification, the whole-model base of an FP8 source included (fq
     verify refused it before: its linear fragments attest the block scales they read). The two attention jobs are
     the longest (about 10 s each on the 2-core dev machine)."""
-    from crashkit import TARGETS, smk
-    from test_workflow import campaign
+    from tests.kits.crashkit import TARGETS, smk
+    from tests.test_workflow import campaign
 
     src = tmp_path / "src"
     rehearsal.write_source(src, rehearsal.tiny(**CAMPAIGN_DIMS), seed=0, shard_bytes=1_000_000, progress=False)

@@ -1,6 +1,6 @@
 """fq.runtime: chain products loaded into a transformers Glm4MoeForCausalLM on the CPU, verified first.
 
-The kit (tests/runtimekit.py) publishes a tiny random-init GLM-4-MoE whose source experts are the full chain's
+The kit (tests/kits/runtimekit.py) publishes a tiny random-init GLM-4-MoE whose source experts are the full chain's
 sum, so ``k2.r1.h2`` is the source exactly."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-import runtimekit as rk
+from tests.kits import runtimekit as rk
 from fq.errors import FqError
 from fq.provenance.assembly import PlanState
 from fq.model.experts import STANDARD

@@ -11,7 +11,7 @@ from fq.errors import FqError
 from fq.model.experts import MIXTRAL, STANDARD, ExpertLayout, expert_keys
 from fq.model.shards import RawTensor, read_header, read_into_tensors, read_whole, tensors_in_range, write_shard
 from fq.provenance.fragments import describe, fragment_filename, skeleton_keys, write_fragment, write_skeleton
-from provkit import DIMS, random_set
+from tests.kits.provkit import DIMS, random_set
 
 P = "model.layers.7.mlp.experts"
 

@@ -1,6 +1,6 @@
 """profiles/slurm: what it asks of Snakemake (always), and a real SLURM run (opt-in: FQ_SLURM=1).
 
-The real run (tests/slurmkit.py: Debian's slurmctld, slurmd and munged on localhost, no accounting database,
+The real run (tests/kits/slurmkit.py: Debian's slurmctld, slurmd and munged on localhost, no accounting database,
 two stand-in GPUs) submits the demo campaign through the profile and requires the published campaign to be
 byte-identical to a local run's under the same signer key. It installs slurm-wlm/munge with apt when missing
 and takes minutes on two cores (docs/slurm.md has the numbers), too long for `make test`, so CI skips it:
@@ -20,8 +20,8 @@ import pytest
 
 from fq.provenance.attest import keys
 from fq.provenance.summary import SUMMARY_NAME
-from slurmkit import LocalSlurm, Unavailable, ensure_installed
-from test_workflow import LAYER_MODE, RECIPE, smk, tree_digest, write_config
+from tests.kits.slurmkit import LocalSlurm, Unavailable, ensure_installed
+from tests.test_workflow import LAYER_MODE, RECIPE, smk, tree_digest, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 

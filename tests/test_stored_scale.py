@@ -13,7 +13,7 @@ from fq.errors import FqError
 from fq.model.experts import STANDARD, ExpertLayout
 from fq.model.families.laguna import LAYOUT
 
-from runtimekit import random_set
+from tests.kits.runtimekit import random_set
 
 
 def _weights(std: float) -> torch.Tensor:

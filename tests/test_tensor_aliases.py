@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import basekit
-import familykit as fk
-import provkit
+from tests.kits import basekit
+from tests.kits import familykit as fk
+from tests.kits import provkit
 from fq.core import canonical
 from fq.errors import FqError
 from fq.provenance.exl3config import (QUANTIZATION_CONFIG, RULE_TENSOR_ALIASES, SOURCE_CONFIG, TENSOR_ALIASES,

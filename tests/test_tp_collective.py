@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import provkit
-import tpkit
+from tests.kits import provkit
+from tests.kits import tpkit
 from fq.tp.moe import moe_forward
 from fq.tp.store import InjectedFault, WeightStore
-from tpkit import one_thread  # noqa: F401  (autouse fixture)
+from tests.kits.tpkit import one_thread  # noqa: F401  (autouse fixture)
 
 LAYER, TOP_K, TOKENS = 3, 2, 24
 # NVLink multicast stays off wherever NCCL runs (a shared host's GPUs can be put out of service by it)

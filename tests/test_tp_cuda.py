@@ -7,9 +7,9 @@ import gc
 import pytest
 import torch
 
-import provkit
-import tpkit
-from conftest import cuda
+from tests.kits import provkit
+from tests.kits import tpkit
+from tests.conftest import cuda
 from fq.codec import reconstruct
 from fq.tp.moe import moe_forward
 from fq.tp.slicing import assemble

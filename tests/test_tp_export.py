@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import provkit
-import tpkit
+from tests.kits import provkit
+from tests.kits import tpkit
 from fq.cli import main
 from fq.core.canonical import loads, sha256_hex
 from fq.errors import FqError
@@ -18,7 +18,7 @@ from fq.tp import records
 from fq.tp.mesh import Slice
 from fq.tp.slicing import slice_exl3
 from fq.tp.sources import ExportSource
-from tpkit import one_thread  # noqa: F401  (autouse fixture)
+from tests.kits.tpkit import one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture(scope="module")

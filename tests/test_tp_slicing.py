@@ -7,12 +7,12 @@ and for an input (row of W^T) split where suh is cut and svh stays whole.
 import pytest
 import torch
 
-import provkit
+from tests.kits import provkit
 from fq.codec import quantize, reconstruct, reconstruct_chain
 from fq.errors import FqError
 from fq.tp.mesh import Slice
 from fq.tp.slicing import assemble, slice_dense, slice_exl3, sliced_shape
-from tpkit import one_thread  # noqa: F401  (autouse fixture)
+from tests.kits.tpkit import one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ every step, origin (mesh epoch) checks, unload, and parity of per-rank loads wit
 import pytest
 import torch
 
-import provkit
-import tpkit
+from tests.kits import provkit
+from tests.kits import tpkit
 from fq.codec import reconstruct_chain
 from fq.errors import FqError
 from fq.model.shards import torch_dtype
@@ -14,7 +14,7 @@ from fq.tp.mesh import DeviceMesh, plan
 from fq.tp.slicing import assemble
 from fq.tp.sources import ExportSource, TensorSource
 from fq.tp.store import InjectedFault, WeightStore, fulfill
-from tpkit import one_thread  # noqa: F401  (autouse fixture)
+from tests.kits.tpkit import one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-import provkit
-import tpkit
+from tests.kits import provkit
+from tests.kits import tpkit
 from fq.cli import main
 from fq.codec import reconstruct
 from fq.core.canonical import loads, sha256_hex
@@ -26,7 +26,7 @@ from fq.tp.moe import moe_manifest
 from fq.tp.slicing import assemble
 from fq.tp.sources import ExportSource
 from fq.tp.store import InjectedFault, WeightStore
-from tpkit import one_thread  # noqa: F401  (autouse fixture)
+from tests.kits.tpkit import one_thread  # noqa: F401  (autouse fixture)
 
 PREFIXES = [p for shapes in tpkit.LINEARS.values() for p in shapes]
 SPLIT_AT_TP2 = {**{f"model.layers.{L}.self_attn.{x}_proj": 0 for L in range(4) for x in "qkv"},

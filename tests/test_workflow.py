@@ -2,10 +2,10 @@
 
 One campaign is built once per module (K3 nodes: on the CPU the cheapest Viterbi per tile, about 25% under K1) and then poked: a second run,
 a deleted fragment, a recipe change (on a copy of the campaign), finalize twice, a stray shard, fq combine, the staging log.
-Its source is the demo model cut to 4 routed experts a layer (tests/demokit.py: the demo's trained weights, text and
-recorded usage, half its expert matrices to encode; blocks of 2, so still two blocks a layer). The demo source itself
-(``source: {kind: demo}``: the demo_model and usage jobs) is the ``demo`` campaign's: the same recipe, dry-run, then
-run up to its plan.
+Its source is the demo model cut to 4 routed experts a layer (tests/kits/demokit.py: the demo's trained weights, text
+and recorded usage, half its expert matrices to encode; blocks of 2, so still two blocks a layer). The demo source
+itself (``source: {kind: demo}``: the demo_model and usage jobs) is the ``demo`` campaign's: the same recipe, dry-run,
+then run up to its plan.
 """
 from __future__ import annotations
 
@@ -126,13 +126,13 @@ def demo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """The module campaign's source: the demo model with 4 routed experts a layer, its text and usage."""
-    import demokit
+    from tests.kits import demokit
 
     return demokit.write(tmp_path_factory.mktemp("demo4"))
 
 
 def small_config(d: Path, small: Path, recipe: dict, **over) -> Path:
-    import demokit
+    from tests.kits import demokit
 
     return write_config(d, recipe, **{"source": demokit.local_source(small), "block_size": BLOCK,
                                       "usage": str(small / "usage.json"), **over})
@@ -226,7 +226,7 @@ def test_each_published_base_carries_its_model_card(run):
     window, and the stored bytes quantization_config.json lists. (finalize twice, below, gives the same bytes.)"""
     import yaml
 
-    import demokit
+    from tests.kits import demokit
     from fq.provenance.attest import keys
     from fq.provenance.manifest import read_base_manifest
 
@@ -469,7 +469,7 @@ def layer_run(run, small, tmp_path_factory):
     first layer job has committed its first block and is encoding the second; the second run resumes it. The base
     alone keeps the encodes few (a node's fragments do not depend on the nodes beside it, so they must be the
     block-mode run's bytes)."""
-    import crashkit as k
+    from tests.kits import crashkit as k
 
     d0, _ = run
     over = dict(encode=LAYER_MODE, signer_key=str(d0 / "campaign" / "keys" / "signer.key"))

@@ -16,7 +16,7 @@ import pytest
 from fq.core import canonical, kbits
 from fq.provenance.fragments import describe
 
-from test_workflow import REPO, campaign, smk, write_config
+from tests.test_workflow import REPO, campaign, smk, write_config
 
 pytestmark = pytest.mark.slow
 

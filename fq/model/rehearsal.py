@@ -19,7 +19,7 @@ Where each number comes from (``GLM5``):
   and indexer_rope_interleave true; stated in config.json as the published config states them);
 - the tensor names: transformers' ``modeling_glm_moe_dsa`` modules as checkpoints name them (per-expert
   ``mlp.experts.{E}.{gate,up,down}_proj.weight``, the DSA indexer's ``self_attn.indexer.{wq_b,wk,k_norm,
-  weights_proj}``; ``tests/familykit.py``'s GLM-5 saves the same names);
+  weights_proj}``; ``tests/kits/familykit.py``'s GLM-5 saves the same names);
 - the FP8 layout: DeepSeek-V3's ``quantization_config`` (``quant_method fp8``, ``fmt e4m3``, ``weight_block_size
   [128, 128]``, dynamic activations) with a float32 ``weight_scale_inv`` beside every FP8 weight: every decoder-layer
   linear (routed and shared experts, the MLA projections, the dense MLP, the indexer's ``wq_b`` and ``wk``) in FP8;

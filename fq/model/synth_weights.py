@@ -11,8 +11,8 @@ input Hessian is close to a multiple of the identity and LDLQ (and calibration) 
   value sits that close to a rounding boundary. Rows are made in fixed chunks (``CHUNK_ROWS``), independent of the
   machine, so the generator's draws are the same everywhere.
 - ``norm_profile(n, gen)``: RMSNorm weights exp(U(-spread, spread)) with a few channels ``outlier_gain`` larger: the
-  unequal channel magnitudes of a trained model's residual stream (``tests/familykit.with_outlier_channels`` does the
-  same to a built checkpoint).
+  unequal channel magnitudes of a trained model's residual stream (``tests/kits/familykit.with_outlier_channels`` does
+  the same to a built checkpoint).
 - ``fp8_blocks(w, block)``: DeepSeek-V3's block quantizer (per block s = amax|w| / 448, zero blocks 1; q = w / s in
   e4m3), returning (q float8_e4m3fn, weight_scale_inv float32 (ceil(out/b0), ceil(in/b1))) -- what the published FP8
   checkpoints store, and what ``fq.model.formats.dequantize_fp8`` reads back (w ~ q * s).

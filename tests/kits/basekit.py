@@ -5,8 +5,9 @@ source's matrices) for every routed expert of the source (one block per MoE laye
 source's skeleton shards verbatim (the tensors outside the routed experts, shard by shard, as the workflow's skeleton
 jobs write them), ``source_config.json`` and the side files, and the derived files finalize writes
 (``write_derived``: config.json, the tensor files the family needs, quantization_config.json); a signed base
-manifest, the plan of the bare base and the publication statement. A second or so on two cores (random sets): what a
-family's base looks like to every consumer (verify, combine, the runtime) at the cost of no encode.
+manifest, the plan of the bare base and the publication statement (tests/kits/tree.py: fq's node digest and recipe
+sha256 of the one-base recipe). A second or so on two cores (random sets): what a family's base looks like to every
+consumer (verify, combine, the runtime) at the cost of no encode.
 
     publish(tmp, source_dir, layout=None, encode=False) -> Base(root, pub, plan, base_dir, derived, sets, layout, priv,
                                                                 campaign)
@@ -26,25 +27,15 @@ from pathlib import Path
 
 import torch
 
-from fq.core.canonical import dumps, sha256_hex
 from fq.model.source import PROJECTIONS, load_source
-from fq.provenance.assembly import build_assembly, write_assembly
-from fq.provenance.attest import keys
-from fq.provenance.attest.campaign import campaign_identity
-from fq.provenance.attest.fragment import attest_fragment, attest_skeleton
 from fq.provenance.exl3config import SOURCE_CONFIG, write_derived
-from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton
-from fq.provenance.manifest import write_base_manifest
-from fq.provenance.publication import build_publication, write_publication
 from fq.workflow.common import SIDE_FILES
 
-from provkit import EXPIRES, _read_signed_plan, encoder
-from runtimekit import random_set
+from . import tree
 
 NODE = {"node": "k2", "role": "base", "K": 2, "codebook": "mul1", "parent": None}
-DIGEST = sha256_hex(dumps({"format": "basekit-node/1", "chain": [NODE]}))
-RECIPE_SHA256 = sha256_hex(dumps({"format": "basekit-recipe/1", "nodes": [NODE]}))
-SCALE = 0.02  # the sets' sign-vector scale: reconstructed experts of about the source's magnitude
+RECIPE = tree.recipe("bk", {"k2": NODE}, {"k2": ["k2"]})
+SCALE = 0.02  # the sets' scale: reconstructed experts of about the source's magnitude (sign vectors +-sqrt)
 
 
 @dataclass
@@ -84,14 +75,10 @@ def publish(tmp: Path, source_dir: Path, seed: int = 0, layout=None, encode: boo
     tmp, source_dir = Path(tmp), Path(source_dir)
     src = load_source(source_dir)
     layout = layout or src.family_entry.layout
-    key_path, pub_path, fp = keys.generate(tmp / "signer")
-    priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
-    enc = encoder()
-    camp = campaign_identity(name="bk", source_repo="fq-test/kit", source_revision="0" * 40, block_size=src.n_experts,
-                             signer=fp, encoder=enc["digest"])
-    digests = {s: hashlib.sha256((source_dir / s).read_bytes()).hexdigest() for s in src.shards}
-    meta = {"repo": "fq-test/kit", "revision": "0" * 40, "shards": [{"name": s, "sha256": d} for s, d in digests.items()]}
-    root = tmp / "published"
+    s = tree.signer(tmp / "signer")
+    t = tree.Tree.create(tmp / "published", RECIPE, s, name="bk", repo="fq-test/kit", block_size=src.n_experts,
+                         shards={sh: hashlib.sha256((source_dir / sh).read_bytes()).hexdigest() for sh in src.shards})
+    root = t.root
     base = root / "base" / "k2"
     base.mkdir(parents=True)
     skeleton = set(src.skeleton_tensors)
@@ -99,13 +86,12 @@ def publish(tmp: Path, source_dir: Path, seed: int = 0, layout=None, encode: boo
         with safe_open(str(source_dir / shard), "pt") as f:
             tensors = [(n, f.get_tensor(n)) for n in sorted(f.keys()) if n in skeleton]
         if tensors:
-            write_skeleton(base / shard, tensors=tensors, source_shard=shard)
-            attest_skeleton(base / shard, key=priv, campaign=camp, source=meta, encoder=enc)
+            t.skeleton("k2", shard, tensors)
     for side in SIDE_FILES:
         if (source_dir / side).is_file():
             shutil.copyfile(source_dir / side, base / (SOURCE_CONFIG if side == "config.json" else side))
-    out = Base(root, pub, root / "assemblies" / "k2.assembly.intoto.jsonl", base, [], layout=layout, priv=priv,
-               campaign=camp)
+    out = Base(root, s.pub, root / "assemblies" / "k2.assembly.intoto.jsonl", base, [], layout=layout, priv=s.priv,
+               campaign=t.campaign)
     gen = torch.Generator().manual_seed(seed + 1)
     names = []
     for layer in src.moe_layers:
@@ -115,31 +101,14 @@ def publish(tmp: Path, source_dir: Path, seed: int = 0, layout=None, encode: boo
             experts[e] = {}
             for p, lp in zip(PROJECTIONS, layout.projections):
                 o, i = src.expert_shape(p)
-                tset = encoded[(e, lp)] if encode else random_set(o, i, 2, "mul1", SCALE, gen)
+                tset = encoded[(e, lp)] if encode else tree.random_set(o, i, 2, "mul1", gen, sign=SCALE ** 0.5)
                 experts[e][lp] = out.sets[(layer, e, p)] = tset
-        path = base / fragment_filename("k2", layer, 0)
-        write_fragment(path, layout=layout, node="k2", role="base", layer=layer, block=0, K=2, codebook="mul1",
-                       experts=experts)
-        attest_fragment(path, key=priv, campaign=camp, source=meta, encoder=enc,
-                        quant_args={"seed": 0, "K": 2, "codebook": "mul1",
-                                    **({"stored_scale_log2": layout.scales_json()} if layout.stored_scale_log2 else {})},
-                        node_digest=DIGEST, parent=None)
-        names.append(f"base/k2/{path.name}")
+        scales = {"stored_scale_log2": layout.scales_json()} if layout.stored_scale_log2 else {}
+        names.append(t.fragment("k2", layer, 0, experts, layout=layout, quant_args=scales))
     out.derived = write_derived(base, bits=2, codebook="mul1")
-    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=out.derived)
-    plan = build_assembly(root, product="k2", chain=[{**NODE, "digest": DIGEST}], fragments=names, base_dir="base/k2",
-                          campaign=camp, recipe_sha256=RECIPE_SHA256, version=1, expires=EXPIRES, public_key=pub)
-    write_assembly(root, plan, priv)
-
-    class _Signer:  # what provkit's plan reader needs of a campaign
-        pass
-
-    signer = _Signer()
-    signer.pub = pub
-    subjects, pred = build_publication(root, version=1, campaign=camp, recipe={"name": "bk", "sha256": RECIPE_SHA256},
-                                       plan_identity_sha256="0" * 64, plans=[_read_signed_plan(out.plan, signer)],
-                                       public_key=pub)
-    write_publication(root, subjects, pred, priv)
+    t.manifest("k2", out.derived)
+    t.plan("k2", ["k2"], names)
+    t.publish()
     return out
 
 

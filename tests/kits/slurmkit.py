@@ -11,7 +11,7 @@ GPU without a device file): SLURM then schedules ``--gpus=N`` requests for real 
 GPU, two jobs never get the same one, CUDA_VISIBLE_DEVICES is set) while the work runs on the CPU. That
 is what lets a GPU-less machine test the profile's GPU requests.
 
-    python tests/slurmkit.py DIR    # start a cluster in DIR, print its SLURM_CONF, stop on Ctrl-C
+    python -m tests.kits.slurmkit DIR    # start a cluster in DIR, print its SLURM_CONF, stop on Ctrl-C
 """
 from __future__ import annotations
 

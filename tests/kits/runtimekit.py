@@ -9,7 +9,8 @@ linears would cost a minute), and the SOURCE checkpoint's routed experts are set
 approximation of it whose error shrinks with each stage.
 
 ``build(tmp, K={node: node spec})`` gives nodes other K (``fq.core.kbits`` node specs as JSON: K per layer and
-projection, a budgeted base's or a stage's); the nodes' digests follow.
+projection, a budgeted base's or a stage's); the nodes' digests follow (fq's ``Recipe.node_digest`` of the kit's
+recipe with those K: tests/kits/tree.py).
 
     ROOT/base/k2/{model.safetensors (skeleton), config.json, k2-layer00L-block00B.safetensors, fq-manifest...}
     ROOT/stages/{r1,h2}/..., ROOT/assemblies/*.assembly.intoto.jsonl, ROOT/publication.intoto.jsonl
@@ -26,20 +27,13 @@ from pathlib import Path
 import torch
 
 from fq.codec import reconstruct_chain
-from fq.codec.codebook import marker_value
 from fq.core import kbits
-from fq.core.canonical import dumps, sha256_hex
 from fq.model.experts import STANDARD
-from fq.provenance.assembly import build_assembly, write_assembly
-from fq.provenance.attest import keys
-from fq.provenance.attest.campaign import campaign_identity
-from fq.provenance.attest.fragment import attest_fragment, attest_skeleton
+from fq.planning.recipe import Recipe
 from fq.provenance.exl3config import SOURCE_CONFIG, specs as derived_specs, write_derived
-from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton
-from fq.provenance.manifest import write_base_manifest
-from fq.provenance.publication import build_publication, write_publication
+from fq.provenance.fragments import fragment_filename, write_fragment
 
-from provkit import EXPIRES, encoder
+from . import tree
 
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
               first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
@@ -58,23 +52,26 @@ NODES = {
     "h2": {"node": "h2", "role": "stage", "K": 2, "codebook": "mcg", "parent": "r1", "scale": 0.015},
 }
 PRODUCTS = {"k2": ["k2"], "k2.r1": ["k2", "r1"], "k2.r1.h2": ["k2", "r1", "h2"]}
-RECIPE_SHA256 = sha256_hex(dumps({"format": "runtimekit-recipe/1", "nodes": NODES}))
 SKELETON = "model.safetensors"
 
 
+def recipe(nodes: dict | None = None) -> Recipe:
+    """The kit's recipe (fq's own: tests/kits/tree.py); a node of ``nodes`` whose K differs from NODES' has it set
+    after parsing, as a resolved budget's (the recipe's sha256 stays RECIPE_SHA256)."""
+    K = {n: d["K"] for n, d in (nodes or {}).items() if d["K"] != NODES[n]["K"]}
+    return tree.recipe("rt", NODES, PRODUCTS, experts={"h2": {layer: list(HOT) for layer in LAYERS}}, K=K)
+
+
+RECIPE_SHA256 = recipe().sha256
+
+
 def node_digest(node: str, nodes: dict | None = None) -> str:
-    nodes = nodes or NODES
-    chain = []
-    while node is not None:
-        chain.insert(0, {k: v for k, v in nodes[node].items() if k != "scale"})
-        node = nodes[node]["parent"]
-    return sha256_hex(dumps({"format": "runtimekit-node/1", "chain": chain}))
+    return recipe(nodes).node_digest(node)
 
 
 def chain_entry(node: str, nodes: dict | None = None) -> dict:
-    n = (nodes or NODES)[node]
-    return {"node": node, "role": n["role"], "K": n["K"], "codebook": n["codebook"], "parent": n["parent"],
-            "digest": node_digest(node, nodes)}
+    """A plan's chain entry for ``node`` (finalize's), under ``nodes`` (NODES with other K)."""
+    return tree.chain_entry(recipe(nodes), node)
 
 
 def k_at(K, layer: int, proj: str) -> int:
@@ -91,12 +88,8 @@ def node_dir(node: str) -> str:
 
 
 def random_set(out_f: int, in_f: int, K: int, codebook: str, scale: float, gen: torch.Generator) -> dict:
-    t = {"trellis": torch.randint(-32768, 32768, (in_f // 16, out_f // 16, 16 * K), dtype=torch.int16, generator=gen),
-         "suh": ((torch.rand(in_f, generator=gen) < 0.5).float() * 2 - 1).mul(scale ** 0.5).half(),
-         "svh": ((torch.rand(out_f, generator=gen) < 0.5).float() * 2 - 1).mul(scale ** 0.5).half()}
-    if marker_value(codebook) is not None:
-        t[codebook] = torch.tensor(marker_value(codebook), dtype=torch.int32)
-    return t
+    """tree.random_set whose reconstruction is of about ``scale`` times the codebook's (sign vectors +-sqrt)."""
+    return tree.random_set(out_f, in_f, K, codebook, gen, sign=scale ** 0.5)
 
 
 def model_config() -> dict:
@@ -177,14 +170,10 @@ def build(tmp: Path, seed: int = 0, K: dict | None = None) -> Kit:
 
     nodes = {n: {**d, "K": (K or {}).get(n, d["K"])} for n, d in NODES.items()}
     tmp = Path(tmp)
-    key_path, pub_path, fp = keys.generate(tmp / "signer")
-    priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
-    enc = encoder()
-    camp = campaign_identity(name="rt", source_repo="fq-test/tiny-glm4moe", source_revision="0" * 40,
-                             block_size=BLOCK, signer=fp, encoder=enc["digest"])
-    source_meta = {"repo": "fq-test/tiny-glm4moe", "revision": "0" * 40,
-                   "shards": [{"name": SKELETON, "sha256": "2" * 64}]}
-    kit = Kit(tmp / "campaign", tmp / "source", pub_path, priv, pub, camp)
+    s = tree.signer(tmp / "signer")
+    t = tree.Tree.create(tmp / "campaign", recipe(nodes), s, name="rt", repo="fq-test/tiny-glm4moe",
+                         block_size=BLOCK, shards={SKELETON: "2" * 64})
+    kit = Kit(t.root, tmp / "source", s.pub_path, s.priv, s.pub, t.campaign)
     gen = torch.Generator().manual_seed(seed + 1)
     for node in NODES:
         for layer in LAYERS:
@@ -224,39 +213,18 @@ def build(tmp: Path, seed: int = 0, K: dict | None = None) -> Kit:
                            experts=experts)
 
     base = kit.base_dir
-    skel = [(k, v) for k, v in sorted(tensors.items()) if not STANDARD.is_routed_weight(k)]
-    write_skeleton(base / SKELETON, tensors=skel, source_shard=SKELETON)
-    attest_skeleton(base / SKELETON, key=priv, campaign=camp, source=source_meta, encoder=enc)
+    t.skeleton("k2", SKELETON, [(k, v) for k, v in sorted(tensors.items()) if not STANDARD.is_routed_weight(k)])
     # config.json is derived from it (fq.provenance.exl3config)
     (base / SOURCE_CONFIG).write_text(json.dumps(config, indent=2))
-    for node, spec in nodes.items():
+    for node in nodes:
         for layer in LAYERS:
             for b in range(N_EXPERTS // BLOCK):
-                experts = {e: {proj: kit.sets[(node, layer, e, proj)] for proj in DIMS} for e in experts_of(node, b)}
-                path = kit.root / kit.frag(node, layer, b)
-                frag_K = kbits.node_at(spec["K"], layer)
-                write_fragment(path, layout=STANDARD, node=node, role=spec["role"], layer=layer, block=b,
-                               K=frag_K, codebook=spec["codebook"], experts=experts)
-                parent = None
-                if spec["parent"]:
-                    pp = kit.root / kit.frag(spec["parent"], layer, b)
-                    parent = {"name": pp.name, "sha256": sha256_hex(pp.read_bytes())}
-                attest_fragment(path, key=priv, campaign=camp, source=source_meta, encoder=enc,
-                                quant_args={"seed": 0, "K": kbits.to_json(frag_K), "codebook": spec["codebook"]},
-                                node_digest=node_digest(node, nodes), parent=parent)
+                t.fragment(node, layer, b, {e: {proj: kit.sets[(node, layer, e, proj)] for proj in DIMS}
+                                            for e in experts_of(node, b)})
     write_derived(base, bits=nodes["k2"]["K"], codebook="mul1")
-    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived_specs(nodes["k2"]["K"], "mul1"))
-    plans = []
+    t.manifest("k2", derived_specs(nodes["k2"]["K"], "mul1"))
     for product, chain in PRODUCTS.items():
-        names = [kit.frag(n, layer, b) for n in chain for layer in LAYERS for b in range(N_EXPERTS // BLOCK)]
-        plan = build_assembly(kit.root, product=product, chain=[chain_entry(n, nodes) for n in chain], fragments=names,
-                              base_dir="base/k2", campaign=camp, recipe_sha256=RECIPE_SHA256, version=1,
-                              expires=EXPIRES, public_key=pub)
-        write_assembly(kit.root, plan, priv)
-    from provkit import _read_signed_plan
-
-    plans = [_read_signed_plan(kit.plan(p), kit) for p in PRODUCTS]
-    subjects, pred = build_publication(kit.root, version=1, campaign=camp, recipe={"name": "rt", "sha256": RECIPE_SHA256},
-                                       plan_identity_sha256="0" * 64, plans=plans, public_key=pub)
-    write_publication(kit.root, subjects, pred, priv)
+        t.plan(product, chain, [kit.frag(n, layer, b) for n in chain for layer in LAYERS
+                                for b in range(N_EXPERTS // BLOCK)])
+    t.publish()
     return kit

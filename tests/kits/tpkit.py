@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import provkit
 from fq.codec import reconstruct_chain
 from fq.model.experts import STANDARD
 from fq.tp.export import tp_export
 from fq.tp.mesh import DeviceMesh, plan
 from fq.tp.moe import moe_manifest, router_name, weight_name
 from fq.tp.sources import ExportSource, ProductSource
+
+from . import provkit
 
 DIMS = {"gate_proj": (512, 128), "up_proj": (512, 128), "down_proj": (128, 512)}  # torch (out, in)
 PRODUCT = "k2r1r2"
@@ -98,54 +99,38 @@ LINEARS = {  # (linear node, class, layer) -> {prefix: torch (out, in)}: every l
 }
 
 
-def build_whole(tmp: Path) -> provkit.Campaign:
-    """``build``'s campaign with LINEARS quantized as a whole-model base; ``c.sets[prefix]`` is each linear's set."""
-    from fq.core.canonical import sha256_hex
-    from fq.provenance.assembly import build_assembly, write_assembly
-    from fq.provenance.attest.fragment import attest_linears
-    from fq.provenance.exl3config import write_derived
-    from fq.provenance.fragments import linear_filename, write_linears
-    from fq.provenance.manifest import write_base_manifest
+CLASSES = {"attention": 2, "dense": 2, "shared": 2, "head": 3}  # base k2's quantized classes: LINEARS' nodes
 
-    c = build(tmp)
-    base = c.root / "base/k2"
-    # the skeleton variant: provkit's skeleton without the head, which the base stores as EXL3
+
+def build_whole(tmp: Path) -> provkit.Campaign:
+    """``build``'s campaign with LINEARS quantized as a whole-model base (the recipe's k2 quantizes CLASSES: its
+    linear nodes and their digests are fq's); ``c.sets[prefix]`` is each linear's set."""
     from safetensors import safe_open
 
-    from fq.provenance.attest.fragment import attest_skeleton
-    from fq.provenance.fragments import write_skeleton
+    from fq.provenance.exl3config import write_derived
 
+    c = build(tmp)
+    c.recipe = provkit.recipe(skeleton={"k2": CLASSES})  # k2's node digest is the same: its experts are
+    t = c.tree()
+    base = c.root / "base/k2"
+    # the skeleton variant: provkit's skeleton without the head, which the base stores as EXL3
     skel = base / provkit.SOURCE_SHARD
     with safe_open(str(skel), "pt") as f:
         kept = [(n, f.get_tensor(n)) for n in sorted(f.keys()) if n != "lm_head.weight"]
     skel.unlink()
-    write_skeleton(skel, tensors=kept, source_shard=provkit.SOURCE_SHARD)
-    attest_skeleton(skel, key=c.priv, campaign=c.campaign, source=c.source, encoder=provkit.encoder())
+    t.skeleton("k2", provkit.SOURCE_SHARD, kept)
     gen = torch.Generator().manual_seed(7)
     (base / "source_config.json").write_text(json.dumps(
         dict(provkit.SOURCE_CONFIG, num_attention_heads=HEADS, num_key_value_heads=HEADS)))
     names = []
     for (node, cls, layer), shapes in LINEARS.items():
-        K, codebook = int(node.split("-")[1][1:]), node.split("-")[2]
-        sets = {p: provkit.random_set(o, i, K, codebook, gen) for p, (o, i) in shapes.items()}
+        ln = c.recipe.linear_node(node)
+        sets = {p: provkit.random_set(o, i, ln.K, ln.codebook, gen) for p, (o, i) in shapes.items()}
         c.sets.update(sets)
-        path = base / linear_filename(node, layer)
-        write_linears(path, node=node, cls=cls, layer=layer, K=K, codebook=codebook, linears=sets)
-        tensors = [{"tensor": f"{p}.weight", "shard": provkit.SOURCE_SHARD, "dtype": "BF16", "shape": list(s),
-                    "sha256": "3" * 64} for p, s in shapes.items()]
-        attest_linears(path, key=c.priv, campaign=c.campaign, source=dict(c.source, tensors=tensors),
-                       encoder=provkit.encoder(), quant_args={"seed": 0, "K": K, "codebook": codebook},
-                       node_digest=sha256_hex(node.encode()))
-        names.append({"name": f"base/k2/{path.name}", "digest": sha256_hex(node.encode())})
-    derived = write_derived(base, bits=2, codebook="mul1", linears={"attention": 2, "dense": 2, "shared": 2, "head": 3})
-    write_base_manifest(base, node="k2", campaign=c.campaign, key=c.priv, derived=derived)
-    for product, chain in provkit.PRODUCTS.items():
-        frags = [c.frag(n, layer, b) for n in chain for layer in provkit.LAYERS
-                 for b in range(provkit.N_EXPERTS // provkit.BLOCK) if provkit.experts_of(n, b)]
-        plan = build_assembly(c.root, product=product, chain=[provkit.NODES[n] for n in chain], fragments=frags,
-                              base_dir="base/k2", campaign=c.campaign, recipe_sha256=provkit.RECIPE_SHA256, version=1,
-                              expires=provkit.EXPIRES, public_key=c.pub, linears=names)
-        c.plans[product] = write_assembly(c.root, plan, c.priv)
+        names.append(t.linears("k2", node, layer, sets, provkit.SOURCE_SHARD))
+    t.manifest("k2", write_derived(base, bits=2, codebook="mul1", linears=CLASSES))
+    for product in provkit.PRODUCTS:
+        c.plans[product] = provkit._plan(c, product, 1, provkit.EXPIRES, c.priv, linears=names)
     provkit.publish(c)
     return c
 

@@ -98,7 +98,8 @@ def checkpoint_files(experts: int = EXPERTS) -> dict[str, bytes]:
 def usage(experts: int = EXPERTS) -> dict:
     """The demo's recorded expert usage, the kept experts' counts."""
     doc, keep = dm.usage(), kept(experts)
-    return dict(doc, description=f"{doc['description']}; its {experts} most used experts a layer (tests/demokit.py)",
+    return dict(doc, description=f"{doc['description']}; its {experts} most used experts a layer "
+                                 "(tests/kits/demokit.py)",
                 layers={layer: [counts[e] for e in keep[int(layer)]] for layer, counts in doc["layers"].items()})
 
 

@@ -2,8 +2,8 @@
 
 Layers 1 and 3, 8 experts each, blocks of 4. Nodes: base ``k2`` (K=2 mul1), stage ``r1`` on k2
 (K=1 mcg, every expert), stage ``r2`` on r1 (K=2 3inst, hot experts 1, 2, 5 only); each chain entry
-carries its node digest (``node_digest``: like ``Recipe.node_digest``, over the node and its ancestors),
-which every fragment of the node attests; plans record ``RECIPE_SHA256``. Products
+carries its node digest (``Recipe.node_digest`` of the kit's recipe, ``RECIPE``: tests/kits/tree.py), which every
+fragment of the node attests; plans record ``RECIPE_SHA256``, the recipe's sha256. Products
 ``k2r1`` and ``k2r1r2``. Tensor sets are random but valid EXL3 sets (the codec's quality is irrelevant
 to provenance); ``codec_sets`` substitutes real encoder output where a test needs it.
 
@@ -25,49 +25,50 @@ from pathlib import Path
 
 import torch
 
-from fq.codec.codebook import marker_value
 from fq.core.canonical import dumps, sha256_hex
 from fq.model.experts import STANDARD
-from fq.provenance.assembly import SignedPlan, build_assembly, write_assembly
-from fq.provenance.attest import keys
-from fq.provenance.attest.campaign import campaign_identity
-from fq.provenance.attest.fragment import attest_fragment, attest_skeleton
+from fq.planning.recipe import Recipe
 from fq.provenance.exl3config import specs as derived_specs, write_derived
-from fq.provenance.fragments import fragment_filename, write_fragment, write_skeleton
-from fq.provenance.identity import encoder_identity
-from fq.provenance.manifest import write_base_manifest
+from fq.provenance.fragments import fragment_filename
 from fq.provenance import model_sig
 from fq.provenance.model_card import card_params, write_card
-from fq.provenance.publication import build_publication, write_publication
+
+from . import tree
+from .tree import EXPIRES, encoder, random_set  # noqa: F401  (the tests' names for them)
 
 LAYERS = (1, 3)
 N_EXPERTS = 8
 BLOCK = 4
 DIMS = {"gate_proj": (128, 256), "up_proj": (128, 256), "down_proj": (256, 128)}  # torch (out, in)
-DEFINITIONS = {  # each node's definition in the test recipe
+DEFINITIONS = {  # each node's definition in the test recipe (a plan's chain entry without its digest)
     "k2": {"node": "k2", "role": "base", "K": 2, "codebook": "mul1", "parent": None},
     "r1": {"node": "r1", "role": "stage", "K": 1, "codebook": "mcg", "parent": "k2"},
     "r2": {"node": "r2", "role": "stage", "K": 2, "codebook": "3inst", "parent": "r1"},
 }
+HOT = {1, 2, 5}
+PRODUCTS = {"k2r1": ["k2", "r1"], "k2r1r2": ["k2", "r1", "r2"]}
+# add_base's second base: in the recipe (its digest and the recipe's sha256 are the tree's), not in NODES/PRODUCTS
+SECOND_BASE = {"node": "k3", "role": "base", "K": 3, "codebook": "mul1", "parent": None}
+
+
+def recipe(definitions: dict | None = None, skeleton: dict | None = None) -> Recipe:
+    """The kit's recipe (fq's own: tests/kits/tree.py); ``definitions`` overrides some nodes' definitions (a changed
+    recipe), ``skeleton`` gives bases quantized non-expert classes ({node: {class: K}}: tpkit's whole-model base)."""
+    return tree.recipe("provkit", {**DEFINITIONS, **(definitions or {}), "k3": SECOND_BASE},
+                       {"k2r1": ["k2", "r1"], "k2r1r2": ["k2", "r1", "r2"], "k3": ["k3"]},
+                       experts={"r2": {layer: sorted(HOT) for layer in LAYERS}}, skeleton=skeleton)
 
 
 def node_digest(node: str, definitions: dict | None = None) -> str:
-    """Digest of a node's definition and its ancestors' (the shape of ``Recipe.node_digest``);
-    ``definitions`` overrides some nodes' definitions (a changed recipe)."""
-    defs = {**DEFINITIONS, **(definitions or {})}
-    chain = []
-    while node is not None:
-        chain.insert(0, defs[node])
-        node = defs[node]["parent"]
-    return sha256_hex(dumps({"format": "provkit-node/1", "chain": chain}))
+    """fq's digest of a node's definition and its ancestors' (``Recipe.node_digest``) in the kit's recipe, or with
+    ``definitions`` overriding some nodes' (a changed recipe)."""
+    return recipe(definitions).node_digest(node)
 
 
-NODES = {n: {**d, "digest": node_digest(n)} for n, d in DEFINITIONS.items()}  # the plans' chain entries
-RECIPE_SHA256 = sha256_hex(dumps({"format": "provkit-recipe/1", "nodes": DEFINITIONS}))
-HOT = {1, 2, 5}
-PRODUCTS = {"k2r1": ["k2", "r1"], "k2r1r2": ["k2", "r1", "r2"]}
+RECIPE = recipe()
+NODES = {n: tree.chain_entry(RECIPE, n) for n in DEFINITIONS}  # the plans' chain entries
+RECIPE_SHA256 = RECIPE.sha256
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
-EXPIRES = dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc)  # CLI tests run on the real clock
 SOURCE_SHARD = "model-00001-of-00001.safetensors"
 DERIVED = derived_specs(2, "mul1")  # what base k2's manifest declares derived (config.json, quantization_config.json)
 # a model of 4 decoder layers, 1 and 3 MoE (0 and 2 dense: mlp_only_layers), that the skeleton below fills as far
@@ -76,25 +77,6 @@ DERIVED = derived_specs(2, "mul1")  # what base k2's manifest declares derived (
 N_LAYERS = 4
 SOURCE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": N_EXPERTS,
                  "num_hidden_layers": N_LAYERS, "mlp_only_layers": [0, 2], "hidden_size": 128, "vocab_size": 64}
-
-_ENCODER = None
-
-
-def encoder():
-    global _ENCODER
-    if _ENCODER is None:
-        _ENCODER = encoder_identity()
-    return _ENCODER
-
-
-def random_set(out_f: int, in_f: int, K: int, codebook: str, gen: torch.Generator) -> dict:
-    t = {"trellis": torch.randint(-32768, 32768, (in_f // 16, out_f // 16, 16 * K), dtype=torch.int16, generator=gen),
-         "suh": ((torch.rand(in_f, generator=gen) < 0.5).float() * 2 - 1).mul(0.05).half(),
-         "svh": ((torch.rand(out_f, generator=gen) < 0.5).float() * 2 - 1).mul(0.05).half()}
-    if marker_value(codebook) is not None:
-        t[codebook] = torch.tensor(marker_value(codebook), dtype=torch.int32)
-    return t
-
 
 def node_dir(node: str) -> str:
     return f"base/{node}" if NODES[node]["role"] == "base" else f"stages/{node}"
@@ -116,6 +98,11 @@ class Campaign:
     source: dict
     sets: dict = field(default_factory=dict)  # (node, layer, expert, proj) -> tensor set
     plans: dict = field(default_factory=dict)  # product -> plan path
+    recipe: Recipe = RECIPE  # whose digests and sha256 the plans and the publication carry
+
+    def tree(self, root: Path | None = None) -> tree.Tree:
+        """What signs this campaign's tree (or the copy of it at ``root``)."""
+        return tree.Tree(Path(root or self.root), self.priv, self.pub, self.campaign, self.source, self.recipe)
 
     def frag(self, node: str, layer: int, block: int) -> str:
         return f"{node_dir(node)}/{fragment_filename(node, layer, block)}"
@@ -134,9 +121,6 @@ class Campaign:
         return path
 
 
-PLAN_IDENTITY = "0" * 64
-
-
 def sign_plan(c: Campaign, plan: dict, product: str, publish_too: bool = True) -> Path:
     """Sign ``plan`` as given under the campaign key, bypassing every producer-side check (an insider, or a
     buggy pipeline), and by default the publication statement listing it, as that pipeline's finalize would."""
@@ -153,40 +137,17 @@ def sign_plan(c: Campaign, plan: dict, product: str, publish_too: bool = True) -
     return c.plans[product]
 
 
-def _read_signed_plan(path: Path, c: Campaign) -> SignedPlan:
-    """A plan as its signer knows it: signature and statement only (a producer lists expired plans, and an
-    insider what it signed, without the consumer's checks)."""
-    from fq.provenance.attest import dsse
-    from fq.provenance.attest.statement import ASSEMBLY, parse_statement
-
-    data = path.read_bytes()
-    payload = dsse.open_envelope(data, c.pub, str(path))
-    _, pred = parse_statement(payload, str(path), ASSEMBLY)
-    return SignedPlan(str(path), sha256_hex(data), pred, sha256_hex(payload))
-
-
-def publish(c: Campaign, version: int | None = None, key=None, recipe_name: str = "provkit",
+def publish(c: Campaign, version: int | None = None, key=None, recipe_name: str | None = None,
             root: Path | None = None) -> Path:
     """Sign ``ROOT/publication.intoto.jsonl`` over the tree as it is (every plan in assemblies/, read back under
-    the campaign key); ``version`` defaults to the highest plan version."""
-    root = Path(root or c.root)
-    plans = [_read_signed_plan(p, c) for p in sorted((root / "assemblies").glob("*.assembly.intoto.jsonl"))]
-    version = version or max(p.predicate["version"] for p in plans)
-    subjects, pred = build_publication(root, version=version, campaign=c.campaign,
-                                       recipe={"name": recipe_name, "sha256": RECIPE_SHA256},
-                                       plan_identity_sha256=PLAN_IDENTITY, plans=plans, public_key=c.pub)
-    path, _ = write_publication(root, subjects, pred, key or c.priv)
-    return path
+    the campaign key); ``version`` defaults to the highest plan version, ``recipe_name`` to the recipe's."""
+    return c.tree(root).publish(version, key, recipe_name)
 
 
-def _plan(c: Campaign, product: str, version: int, expires, key) -> Path:
-    chain = [NODES[n] for n in PRODUCTS[product]]
+def _plan(c: Campaign, product: str, version: int, expires, key, linears: list | None = None) -> Path:
     names = [c.frag(n, layer, b) for n in PRODUCTS[product] for layer in LAYERS
              for b in range(N_EXPERTS // BLOCK) if experts_of(n, b)]
-    plan = build_assembly(c.root, product=product, chain=chain, fragments=names, base_dir="base/k2",
-                          campaign=c.campaign, recipe_sha256=RECIPE_SHA256, version=version, expires=expires,
-                          public_key=c.pub)
-    return write_assembly(c.root, plan, key)
+    return c.tree().plan(product, PRODUCTS[product], names, version, expires, key, linears=linears)
 
 
 def private_copy(pristine: Campaign, dest: Path) -> Campaign:
@@ -197,7 +158,7 @@ def private_copy(pristine: Campaign, dest: Path) -> Campaign:
     root = dest / pristine.root.name
     return Campaign(root, pristine.key_path, pristine.pub_path, pristine.priv, pristine.pub, pristine.campaign,
                     pristine.source, dict(pristine.sets),
-                    {p: root / path.relative_to(pristine.root) for p, path in pristine.plans.items()})
+                    {p: root / path.relative_to(pristine.root) for p, path in pristine.plans.items()}, pristine.recipe)
 
 
 def card_params_of(camp: dict, **over) -> dict:
@@ -216,28 +177,13 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
     ``model_signing``: and its OpenSSF model signature model.sig, by a P-256 key ``TMP/model-signing.key``."""
     dims = dims or DIMS
     tmp = Path(tmp)
-    if signer is None:
-        key_path, pub_path, fp = keys.generate(tmp / "signer")
-    else:
-        key_path, pub_path, fp = signer.key_path, signer.pub_path, keys.fingerprint(signer.pub)
-    priv, pub = keys.load_private(key_path), keys.load_public(pub_path)
-    enc = encoder()
-    camp = campaign_identity(name=name, source_repo="fq-test/tiny-moe", source_revision="0" * 40,
-                             block_size=BLOCK, signer=fp, encoder=enc["digest"])
-    root = tmp / "campaign"
-    source = {"repo": "fq-test/tiny-moe", "revision": "0" * 40, "shards": [{"name": SOURCE_SHARD, "sha256": "2" * 64}]}
-    c = Campaign(root, key_path, pub_path, priv, pub, camp, source)
+    s = tree.signer(tmp / "signer") if signer is None else tree.signer_of(signer.key_path, signer.pub_path)
+    t = tree.Tree.create(tmp / "campaign", RECIPE, s, name=name, repo="fq-test/tiny-moe", block_size=BLOCK,
+                         shards={SOURCE_SHARD: "2" * 64})
+    c = Campaign(t.root, s.key_path, s.pub_path, s.priv, s.pub, t.campaign, t.source)
     gen = torch.Generator().manual_seed(seed)
-    base = root / "base/k2"
-    skel = [("model.embed_tokens.weight", torch.randn(64, 128, generator=gen).bfloat16()),
-            ("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
-    skel += [(f"model.layers.{layer}.mlp.gate.weight", torch.randn(N_EXPERTS, 128, generator=gen).bfloat16())
-             for layer in LAYERS]
-    skel += [(f"model.layers.{layer}.input_layernorm.weight", torch.ones(128, dtype=torch.bfloat16))
-             for layer in range(N_LAYERS)]
-    skel += [("lm_head.weight", torch.zeros(64, 128, dtype=torch.bfloat16))]  # no draw: the sets stay as they were
-    write_skeleton(base / SOURCE_SHARD, tensors=skel, source_shard=SOURCE_SHARD)
-    attest_skeleton(base / SOURCE_SHARD, key=priv, campaign=camp, source=source, encoder=enc)
+    base = t.root / "base/k2"
+    t.skeleton("k2", SOURCE_SHARD, _skeleton(gen))
     (base / "source_config.json").write_text(json.dumps(SOURCE_CONFIG))
     for node in ("k2", "r1", "r2"):
         spec = NODES[node]
@@ -248,37 +194,37 @@ def build_campaign(tmp: Path, seed: int = 0, codec_sets: dict | None = None, dim
                     experts[e] = {}
                     for proj, (o, i) in dims.items():
                         k = (node, layer, e, proj)
-                        s = (codec_sets or {}).get(k) or random_set(o, i, spec["K"], spec["codebook"], gen)
-                        c.sets[k] = experts[e][proj] = s
-                if not experts:
-                    continue
-                path = root / c.frag(node, layer, b)
-                write_fragment(path, layout=STANDARD, node=node, role=spec["role"], layer=layer, block=b,
-                               K=spec["K"], codebook=spec["codebook"], experts=experts)
-                parent = None
-                if spec["parent"]:
-                    pp = root / c.frag(spec["parent"], layer, b)
-                    parent = {"name": pp.name, "sha256": sha256_hex(pp.read_bytes())}
-                attest_fragment(path, key=priv, campaign=camp, source=source, encoder=enc,
-                                quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
-                                node_digest=spec["digest"], parent=parent)
+                        ts = (codec_sets or {}).get(k) or random_set(o, i, spec["K"], spec["codebook"], gen)
+                        c.sets[k] = experts[e][proj] = ts
+                if experts:
+                    t.fragment(node, layer, b, experts)
     write_derived(base, bits=2, codebook="mul1")
     oms = model_sig.load_private(model_sig.generate(tmp / "model-signing")[0]) if model_signing else None
     pem = model_sig.public_pem(oms) if oms else None
-    derived = DERIVED + ([write_card(base, card_params_of(camp, model_signing=pem and model_sig.hint(pem)))]
+    derived = DERIVED + ([write_card(base, card_params_of(t.campaign, model_signing=pem and model_sig.hint(pem)))]
                          if card else [])
-    write_base_manifest(base, node="k2", campaign=camp, key=priv, derived=derived, model_signing=pem)
+    t.manifest("k2", derived, model_signing=pem)
     if oms:
         from fq.provenance.manifest import read_base_manifest
 
-        model_sig.write_signature(base, read_base_manifest(base, pub).digests(), oms)
+        model_sig.write_signature(base, read_base_manifest(base, s.pub).digests(), oms)
     for product in PRODUCTS:
-        c.plans[product] = _plan(c, product, version, EXPIRES, priv)
+        c.plans[product] = _plan(c, product, version, EXPIRES, s.priv)
     publish(c)
     return c
 
 
-SECOND_BASE = {"node": "k3", "role": "base", "K": 3, "codebook": "mul1", "parent": None}
+def _skeleton(gen: torch.Generator) -> list:
+    """A base's skeleton shard: embeddings, final norm, the MoE layers' routers, every layer's input norm, the
+    head (fq's completeness check reads a model that far)."""
+    skel = [("model.embed_tokens.weight", torch.randn(64, 128, generator=gen).bfloat16()),
+            ("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
+    skel += [(f"model.layers.{layer}.mlp.gate.weight", torch.randn(N_EXPERTS, 128, generator=gen).bfloat16())
+             for layer in LAYERS]
+    skel += [(f"model.layers.{layer}.input_layernorm.weight", torch.ones(128, dtype=torch.bfloat16))
+             for layer in range(N_LAYERS)]
+    skel += [("lm_head.weight", torch.zeros(64, 128, dtype=torch.bfloat16))]  # no draw: the sets stay as they were
+    return skel
 
 
 def add_base(c: Campaign, seed: int = 1) -> Path:
@@ -287,19 +233,10 @@ def add_base(c: Campaign, seed: int = 1) -> Path:
     publication statement re-signed over both. Returns the plan's path. Not in NODES/PRODUCTS: other helpers
     (``replan``, ``insider_resign``) leave it alone."""
     gen = torch.Generator().manual_seed(seed)
-    spec = {**SECOND_BASE, "digest": sha256_hex(dumps({"format": "provkit-node/1", "chain": [SECOND_BASE]}))}
-    node, base = spec["node"], c.root / "base" / SECOND_BASE["node"]
-    enc = encoder()
-    skel = [("model.embed_tokens.weight", torch.randn(64, 128, generator=gen).bfloat16()),
-            ("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
-    skel += [(f"model.layers.{layer}.mlp.gate.weight", torch.randn(N_EXPERTS, 128, generator=gen).bfloat16())
-             for layer in LAYERS]
-    skel += [(f"model.layers.{layer}.input_layernorm.weight", torch.ones(128, dtype=torch.bfloat16))
-             for layer in range(N_LAYERS)]
-    skel += [("lm_head.weight", torch.zeros(64, 128, dtype=torch.bfloat16))]  # no draw: the sets stay as they were
-    write_skeleton(base / SOURCE_SHARD, tensors=skel, source_shard=SOURCE_SHARD)
-    attest_skeleton(base / SOURCE_SHARD, key=c.priv, campaign=c.campaign, source=c.source, encoder=enc)
-    (base / "source_config.json").write_text(json.dumps(SOURCE_CONFIG))
+    spec, t = SECOND_BASE, c.tree()
+    node = spec["node"]
+    t.skeleton(node, SOURCE_SHARD, _skeleton(gen))
+    (c.root / "base" / node / "source_config.json").write_text(json.dumps(SOURCE_CONFIG))
     names = []
     for layer in LAYERS:
         for b in range(N_EXPERTS // BLOCK):
@@ -307,23 +244,13 @@ def add_base(c: Campaign, seed: int = 1) -> Path:
             for e in range(b * BLOCK, (b + 1) * BLOCK):
                 experts[e] = {}
                 for proj, (o, i) in DIMS.items():
-                    s = random_set(o, i, spec["K"], spec["codebook"], gen)
-                    c.sets[(node, layer, e, proj)] = experts[e][proj] = s
-            name = f"base/{node}/{fragment_filename(node, layer, b)}"
-            write_fragment(c.root / name, layout=STANDARD, node=node, role="base", layer=layer, block=b,
-                           K=spec["K"], codebook=spec["codebook"], experts=experts)
-            attest_fragment(c.root / name, key=c.priv, campaign=c.campaign, source=c.source, encoder=enc,
-                            quant_args={"seed": 0, "K": spec["K"], "codebook": spec["codebook"]},
-                            node_digest=spec["digest"])
-            names.append(name)
-    write_derived(base, bits=spec["K"], codebook=spec["codebook"])
-    write_base_manifest(base, node=node, campaign=c.campaign, key=c.priv,
-                        derived=derived_specs(spec["K"], spec["codebook"]))
-    version = max(_read_signed_plan(p, c).predicate["version"] for p in c.plans.values())
-    plan = build_assembly(c.root, product=node, chain=[spec], fragments=names, base_dir=f"base/{node}",
-                          campaign=c.campaign, recipe_sha256=RECIPE_SHA256, version=version, expires=EXPIRES,
-                          public_key=c.pub)
-    c.plans[node] = write_assembly(c.root, plan, c.priv)
+                    ts = random_set(o, i, spec["K"], spec["codebook"], gen)
+                    c.sets[(node, layer, e, proj)] = experts[e][proj] = ts
+            names.append(t.fragment(node, layer, b, experts))
+    write_derived(c.root / "base" / node, bits=spec["K"], codebook=spec["codebook"])
+    t.manifest(node, derived_specs(spec["K"], spec["codebook"]))
+    version = max(tree.read_signed_plan(p, c.pub).predicate["version"] for p in c.plans.values())
+    c.plans[node] = t.plan(node, [node], names, version)
     publish(c)
     return c.plans[node]
 
@@ -394,8 +321,7 @@ def insider_resign(c: Campaign, rel: str, quant_args: dict | None = None) -> Non
         (c.root / (name + ".intoto.jsonl")).write_bytes(line)
     manifest_sha = None
     if rel.startswith("base/"):
-        _, manifest_sha = write_base_manifest(c.root / "base/k2", node="k2", campaign=c.campaign, key=c.priv,
-                                              derived=DERIVED)
+        manifest_sha = c.tree().manifest("k2", DERIVED)
     for product, plan_path in c.plans.items():
         plan = read_assembly(plan_path, c.pub, now=NOW).predicate
         for f in plan["fragments"]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HIDDEN = INTER = 128  # the smallest EXL3 geometry: one 128x128 matrix is 64 trellis tiles
 N_EXPERTS = 2
 LAYERS = 3  # layer 0 dense, layers 1-2 MoE
