@@ -5,6 +5,7 @@ benchmark MoE), ``measure`` on the GPU (exllamav3 loads every directory), ``repo
 
     python benchmarks/allocation_exl3.py build MODEL CAL_TEXT OUT [--bits 2,2.5,3,4,5] [--ks 1-8] [--device cpu]
         [--sens-rows 16 --sens-cols 128 --samples 8] [--hess-cols 512 --hess-tokens 65536] [--seed 0]
+        [--weighting none|affinity-down|affinity] [--from-build EARLIER/fq/build.json]
     python benchmarks/allocation_exl3.py measure MODEL OUT --fq OUT/fq --text NAME=PATH [--text ...]
         [--b 1.5,2,...] [--hq 1.5,2,...] [--parallel 4] [--tokens 32768] [--seq 256] [--skip-exl3]
     python benchmarks/allocation_exl3.py check MODEL OUT/fq CHECK.json --text NAME=PATH [--text ...] [--tokens 32768]
@@ -21,7 +22,9 @@ fq.allocation.measure.hessians), and written as an EXL3 model directory exllamav
 config.json, tokenizer, one ``model.safetensors`` with the source's other tensors as published and per quantized linear
 ``{name}.trellis`` int16, ``.suh``/``.svh`` fp16 and the ``.mul1`` marker). Unsigned benchmark material: keep it out of
 git. ``OUT/fq/build.json``: the units' options, each allocation (K per unit, bits, bytes, predicted KL, gap bound), the
-encodes' proxy errors, timings. With ``--check-cpu TEXT`` every directory's linears are read back from its
+encodes' proxy errors, timings. ``--weighting`` encodes against the routed experts' Hessians under the campaign's
+router-affinity weighting (``calibration.weighting``); ``--from-build`` takes an earlier build's allocations instead of
+measuring them again (the same K per unit and bytes: a paired comparison of Hessians). With ``--check-cpu TEXT`` every directory's linears are read back from its
 file, decoded by fq (fq.codec.tensors.reconstruct) and their KL against the source measured in transformers (float32,
 the build's device) on TEXT: a check of the files' content independent of exllamav3.
 
@@ -169,36 +172,12 @@ def shared_hessians(H: dict) -> dict:
             for n, h in H.items()}
 
 
-def build(a) -> int:
-    from transformers import AutoModelForCausalLM
-
-    from fq.allocation import solve, units
+def measure_and_solve(a, model, sens_w, ks, bits, clock):
+    """fq allocate's measurement and solver at each budget of ``bits``: (options, allocated weights, fit, allocations,
+    least K of each)."""
+    from fq.allocation import error_model, solve, units
     from fq.allocation.document import LEAST_K
-    from fq.allocation.measure import hessians, unit_options, weights
-    from fq.codec.ldlq import encode_ldlq_batch
-    from fq.commands.allocate import parse_ks
-
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    dev = torch.device(a.device)
-    src, out = Path(a.model), Path(a.out) / "fq"
-    out.mkdir(parents=True, exist_ok=True)
-    ks, bits = parse_ks(a.ks), _floats(a.bits)
-    clock = {}
-    t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(dev).eval()
-    cal_ids, tok_sha = tokenize(src, Path(a.cal_text).read_text())
-    sens_w = token_windows(cal_ids, a.sens_cols, a.sens_rows * a.sens_cols).to(dev)
-    hess_w = token_windows(cal_ids, a.hess_cols, a.hess_tokens).to(dev)
-    if a.random_rows:  # the last fraction of each set of windows replaced by seeded uniform token ids, as
-        # exllamav3's default calibration ends in random rows "to exercise the full vocabulary"
-        vocab = int(model.config.vocab_size)
-        gen = torch.Generator().manual_seed(a.seed)
-        for w, on in ((hess_w, True), (sens_w, a.random_sens)):
-            n = round(a.random_rows * w.shape[0])
-            if on and n:
-                w[-n:] = torch.randint(0, vocab, (n, w.shape[1]), generator=gen).to(w)
-    clock["load"] = time.time() - t0
+    from fq.allocation.measure import unit_options
 
     t0 = time.time()
     def progress(done, total):  # the Fisher pass's windows, then the injected points: where a slow build is
@@ -210,7 +189,6 @@ def build(a) -> int:
     clock["sensitivity"] = time.time() - t0
     print(f"sensitivity: {len(options)} units, {len(sens.linears)} linears, {sens.positions} positions, "
           f"{clock['sensitivity']:.1f} s", flush=True)
-    from fq.allocation import error_model
 
     def d(K):
         return error_model.distortion(K, CODEBOOK)
@@ -237,8 +215,132 @@ def build(a) -> int:
             print(f"{model_kind} {b:g} bits: {s.bits:.4f} bits, {s.bytes:,} B, predicted KL {s.predicted_kl:.5f}, "
                   f"least K {lk}; K " + " ".join(f"{u}:{k}" for u, k in s.ks.items()), flush=True)
 
+    return options, n_weights, fit, allocs, least_of
+
+
+def weighted_expert_hessians(model, windows, src: Path, weighting: str) -> dict[str, torch.Tensor]:
+    """The routed experts' Hessians under the campaign's router-affinity weighting (``calibration.weighting``;
+    fq.hessian.affinity): H_e = sum_t c_te x x^T / sum_t c_te with c_te the router's score of expert e for token t
+    (the family's declared sigmoid or softmax, checked against the weights the router applied). ``affinity-down``:
+    the down projections'; ``affinity``: also one input Hessian per expert for its gate and up. Names as
+    fq.allocation.measure.weights'; every other Hessian stays the all-experts capture's."""
+    from fq.hessian import affinity
+    from fq.model.families import for_config
+
+    config = json.loads((src / "config.json").read_text())
+    kind = affinity.check_weighting(for_config(config, str(src)), weighting, str(src)).router_score
+    sums: dict[str, list] = {}
+
+    def add(name, v, c):
+        acc = sums.setdefault(name, [torch.zeros(v.shape[1], v.shape[1], dtype=torch.float64), 0.0])
+        acc[0] += (v * c[:, None]).T @ v
+        acc[1] += float(c.sum())
+
+    routers, handles, origs = {}, [], []
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "gate_up_proj") and mod.gate_up_proj.dim() == 3):
+            continue
+        gate = model.get_submodule(name.rsplit(".", 1)[0]).gate
+        handles.append(gate.register_forward_hook(lambda m, i, o, name=name: routers.__setitem__(name, o)))
+
+        def fwd(hidden_states, top_k_index, top_k_weights, mod=mod, name=name, orig=mod.forward):
+            logits, applied = affinity.router_outputs(routers[name])
+            score = affinity.scores(logits, applied, routers[name][2], kind, name)
+            x = hidden_states.detach().double()
+            I = mod.gate_up_proj.shape[1] // 2
+            for e in range(mod.gate_up_proj.shape[0]):
+                c = score[:, e]
+                gu = torch.nn.functional.linear(hidden_states.detach(), mod.gate_up_proj[e].detach())
+                add(f"{name}.{e}.down_proj", (mod.act_fn(gu[..., :I]) * gu[..., I:]).double(), c)
+                if weighting == "affinity":
+                    add(f"{name}.{e}.gate_up", x, c)
+            return orig(hidden_states, top_k_index, top_k_weights)
+
+        origs.append((mod, mod.forward))
+        mod.forward = fwd
+    try:
+        with torch.no_grad():
+            for i in range(windows.shape[0]):
+                model(input_ids=windows[i: i + 1])
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, f in origs:
+            mod.forward = f
+    out = {}
+    for n, (acc, mass) in sums.items():
+        H = acc / mass
+        if n.endswith(".gate_up"):
+            out.update({f"{n[:-len('gate_up')]}{p}": H for p in ("gate_proj", "up_proj")})
+        else:
+            out[n] = H
+    return out
+
+
+def allocations_from(build_json: Path, src: Path):
+    """An earlier build's options, fit and allocations (its rows' K per unit), for encoding them again against other
+    Hessians (``--weighting``): the same allocation, so the bytes match and the comparison is paired."""
+    from types import SimpleNamespace
+
+    doc = json.loads(build_json.read_text())
+    if doc.get("model_config") != json.loads((src / "config.json").read_text()):
+        raise SystemExit(f"{build_json}: model_config is not {src}'s config.json: --from-build takes a build of this model")
+    options = {u: {_k(K): tuple(v) for K, v in o.items()} for u, o in doc["options"].items()}
+    fit = {"efficiency": {_k(K): c for K, c in doc["efficiency"].items()},
+           "injected": {u: {_k(K): v for K, v in p.items()} for u, p in doc["injected"].items()},
+           "parts": {u: {_k(K): tuple(v) for K, v in p.items()} for u, p in doc["parts"].items()}}
+    allocs, least_of = {}, {}
+    for r in doc["rows"]:
+        key = (r["error_model"], float(r["budget_bits"]))
+        allocs[key] = SimpleNamespace(ks=r["ks"], bits=r["bits"], bytes=r["linear_bytes"], predicted_kl=r["predicted_kl"],
+                                      gap_bound=r["gap_bound"])
+        least_of[key] = r["least_K"]
+    return options, doc["allocated_weights"], fit, allocs, least_of
+
+
+def _k(K: str):
+    return float(K) if "." in K else int(K)
+
+
+def build(a) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from fq.allocation import units
+    from fq.allocation.measure import hessians, weights
+    from fq.codec.ldlq import encode_ldlq_batch
+    from fq.commands.allocate import parse_ks
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    src, out = Path(a.model), Path(a.out) / "fq"
+    out.mkdir(parents=True, exist_ok=True)
+    ks, bits = parse_ks(a.ks), _floats(a.bits)
+    clock = {}
+    t0 = time.time()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(dev).eval()
+    cal_ids, tok_sha = tokenize(src, Path(a.cal_text).read_text())
+    sens_w = token_windows(cal_ids, a.sens_cols, a.sens_rows * a.sens_cols).to(dev)
+    hess_w = token_windows(cal_ids, a.hess_cols, a.hess_tokens).to(dev)
+    if a.random_rows:  # the last fraction of each set of windows replaced by seeded uniform token ids, as
+        # exllamav3's default calibration ends in random rows "to exercise the full vocabulary"
+        vocab = int(model.config.vocab_size)
+        gen = torch.Generator().manual_seed(a.seed)
+        for w, on in ((hess_w, True), (sens_w, a.random_sens)):
+            n = round(a.random_rows * w.shape[0])
+            if on and n:
+                w[-n:] = torch.randint(0, vocab, (n, w.shape[1]), generator=gen).to(w)
+    clock["load"] = time.time() - t0
+
+    if a.from_build:  # the allocations of an earlier build (same model, sensitivity windows and candidates)
+        options, n_weights, fit, allocs, least_of = allocations_from(Path(a.from_build), src)
+    else:
+        options, n_weights, fit, allocs, least_of = measure_and_solve(a, model, sens_w, ks, bits, clock)
+
     t0 = time.time()
     H = hessians(model, hess_w, dev)
+    if a.weighting != "none":
+        H.update(weighted_expert_hessians(model, hess_w, src, a.weighting))
     clock["hessians"] = time.time() - t0
     W = weights(model)
     names = sorted(W)
@@ -307,6 +409,7 @@ def build(a) -> int:
            "tokenizer_sha256": tok_sha, "codebook": CODEBOOK, "ks": ks, "samples": a.samples, "seed": a.seed,
            "sensitivity_windows": list(sens_w.shape), "hessian_windows": list(hess_w.shape),
            "random_rows": a.random_rows, "random_sens": a.random_sens,
+           "weighting": a.weighting, "from_build": a.from_build,
            "allocated_weights": n_weights, "device": str(dev), "seconds": {k: round(v, 2) for k, v in clock.items()},
            "options": {u: {str(K): list(v) for K, v in o.items()} for u, o in options.items()},
            "injected": {u: {str(K): kl for K, kl in p.items()} for u, p in fit["injected"].items()},
@@ -642,6 +745,9 @@ def main(argv=None) -> int:
                         "calibration: about 0.15)")
     b.add_argument("--random-sens", action="store_true", help="--random-rows also in the sensitivity windows")
     b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--weighting", default="none", choices=("none", "affinity-down", "affinity"),
+                   help="the routed experts' Hessians under the campaign's calibration.weighting (fq.hessian.affinity)")
+    b.add_argument("--from-build", help="an earlier build.json of this model: its allocations, not measured again")
     b.add_argument("--check-cpu", action="append", help="NAME=PATH of held-out text (repeatable): also measure the "
                    "built weights' KL in transformers there, per window")
     b.add_argument("--models", default="pooled",

@@ -66,3 +66,36 @@ def test_a_size_just_past_a_curves_end_takes_that_end(alloc, tmp_path):
     e = report(alloc, tmp_path, rows)["fq"]
     assert e["b"]["kl"] == pytest.approx(0.01) and e["b"]["from"] == {"b hi": 1.0}
     assert e["ratio_best"] == pytest.approx(0.5) and e["goal_met"] is True
+
+
+@pytest.mark.parametrize("weighting", ["affinity-down", "affinity"])
+def test_weighted_expert_hessians_with_a_flat_router_are_the_all_experts_capture(alloc, tmp_path, weighting):
+    """``build --weighting``: a router's scores move the experts' Hessians; with every router logit equal (the same score for every token) the weighted Hessians are
+    the all-experts capture's (fq.allocation.measure.hessians), name for name; ``affinity-down`` weights the down
+    projections only, ``affinity`` also gives each expert its own gate/up Hessian; the router's declared score is
+    checked against what it applied."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from fq.allocation.measure import hessians
+
+    torch.manual_seed(0)
+    cfg = Glm4MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+                        head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                        topk_group=1, max_position_embeddings=64)
+    model = Glm4MoeForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path)
+    windows = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    routed = alloc.weighted_expert_hessians(model, windows, tmp_path, weighting)  # a router with opinions
+    routed_plain = hessians(model, windows, "cpu")
+    n = "model.layers.1.mlp.experts.0.down_proj"
+    assert (routed[n] - routed_plain[n]).abs().max() > 1e-3 * routed_plain[n].abs().max()
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.zero_()
+    weighted = alloc.weighted_expert_hessians(model, windows, tmp_path, weighting)
+    plain = hessians(model, windows, "cpu")
+    want = {n for n in plain if ".experts." in n and (weighting == "affinity" or n.endswith("down_proj"))}
+    assert set(weighted) == want and len(want) == (12 if weighting == "affinity" else 4)
+    for n, H in weighted.items():
+        torch.testing.assert_close(H, plain[n], rtol=1e-10, atol=1e-12)
