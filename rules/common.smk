@@ -18,7 +18,7 @@ except FqError as e:  # a refused source, recipe or config: fq's one line, not a
 # The launcher lock (fq.workflow.launch), taken here, before Snakemake builds its DAG, by the process the user started
 # when it will run jobs; a second launcher on this campaign stops here, with fq's one line. Not in the jobs that
 # re-parse this file, and not for -n, --lint, --list and the other commands that run no job.
-LAUNCH_LOCK = on_parse(C, workflow.is_main_process, sys.argv[1:])
+LAUNCH_LOCK = on_parse(C, workflow.is_main_process)
 OUT = str(C.out)
 W = C.plan.windows_on_disk
 KEY = config.get("signer_key") or f"{OUT}/keys/signer.key"

@@ -16,7 +16,7 @@ command line that runs jobs with its hooks on (``runs_jobs``): ``snakemake -n``,
 ``--summary``, ``--report``, ``--dag`` and the other commands that start no job never take the lock and
 are never blocked by it, and leave nothing behind in the campaign directory. Jobs that Snakemake spawns
 (local sub-processes, cluster jobs) run in another mode or with ``--no-hooks`` and do not take it either.
-Where the command line is not one Snakemake's CLI reads (Snakemake driven through its Python API),
+Where Snakemake was not started from its CLI (driven through its Python API: no command line to read),
 ``onstart:`` takes it (``on_start``), before the first job, as before.
 
 Before the first job starts, the launcher also checks the campaign's bindings (``campaign.json``): the
@@ -25,8 +25,6 @@ one, so a wrong key or a rebuilt encoder is refused in seconds, before a window 
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
 from pathlib import Path
 
@@ -69,21 +67,21 @@ NO_JOB_COMMANDS = ("lint", "list_target_rules", "list_rules", "print_compilation
                    "delete_temp_output")
 
 
-def command_line(argv: list[str]):
-    """Snakemake's own reading of ``argv`` (its CLI's parser, with the profiles it applies), or None where ``argv`` is
-    not a command line that parser accepts (Snakemake driven through its Python API)."""
-    from snakemake.cli import parse_args
-
-    try:
-        # quiet: Snakemake has printed its "Using profile ..." line once already, and an argv it refuses is not ours
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            return parse_args(argv)[1]
-    except (Exception, SystemExit):
-        return None
+def command_line():
+    """The command line Snakemake's CLI is acting on, as it read it (with its profiles): the ``args`` of
+    ``snakemake.cli.args_to_api``, which is on the stack while it parses the Snakefile. None where Snakemake was not
+    started from its CLI (its Python API). Read where it is, not parsed again: a second parse costs a launch about
+    0.1-0.2 s of CPU, and a profile could make it read otherwise."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "args_to_api" and frame.f_globals.get("__name__") == "snakemake.cli":
+            return frame.f_locals.get("args")
+        frame = frame.f_back
+    return None
 
 
 def runs_jobs(args) -> bool:
-    """Whether Snakemake given the command line ``args`` (``command_line``) runs the workflow's jobs with its hooks
+    """Whether Snakemake given the command line ``args`` (``command_line()``) runs the workflow's jobs with its hooks
     on: the launches that run ``onstart:``. Not a dry run, not ``--no-hooks`` (how fq's cluster jobs and tests
     run a job without the launcher's duties), not a command that starts no job (NO_JOB_COMMANDS)."""
     if args is None or getattr(args, "dryrun", False) or getattr(args, "no_hooks", False):
@@ -105,12 +103,14 @@ def _hold(c) -> Path:
         sys.exit(1)
 
 
-def on_parse(c, main_process: bool, argv: list[str]) -> Path | None:
+def on_parse(c, main_process: bool, args=None) -> Path | None:
     """At parse time (rules/common.smk): in Snakemake's main process, for a command line that runs jobs, take the
-    campaign lock before Snakemake builds its DAG (refused: one line, exit 1). The path held, or None where this
-    process leaves the lock alone (a job's re-parse, a dry run, --lint, --list, ...) or does not know its command
-    line (then ``on_start`` takes it)."""
-    if not (main_process and runs_jobs(command_line(argv))):
+    campaign lock before Snakemake builds its DAG (refused: one line, exit 1). ``args``: the command line (default:
+    ``command_line()``). The path held, or None where this process leaves the lock alone (a job's re-parse, a dry
+    run, --lint, --list, ...) or does not know its command line (then ``on_start`` takes it)."""
+    if not main_process:
+        return None
+    if not runs_jobs(args if args is not None else command_line()):
         return None
     if locks.holds(locks.campaign_path(c.out)):  # the Snakefile parsed again in this process
         return locks.campaign_path(c.out)
