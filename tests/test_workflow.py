@@ -489,7 +489,7 @@ def layer_run(run, small, tmp_path_factory):
         killed = {f.name: f.stat().st_mtime_ns for f in (camp / "fragments" / "a").glob("*.safetensors")}
     finally:
         k.killpg(p)
-    smk(d)
+    smk(d, *k.TARGETS)  # up to the published tree: the report job is the module campaign's (test_full_run_...)
     return d, dry.stdout + dry.stderr, mid_layer, killed
 
 
@@ -522,7 +522,9 @@ def test_layer_mode_killed_mid_layer_resumes_to_the_block_mode_bytes(run, layer_
 
 def test_switching_per_job_on_a_finished_campaign_reencodes_nothing(layer_run):
     d, _, _, _ = layer_run
-    p = smk(d, "-n", "--config", "encode={per_job: block}")
+    from tests.kits import crashkit as k
+
+    p = smk(d, "-n", *k.TARGETS, "--config", "encode={per_job: block}")  # the published tree, as layer_run made it
     assert "Nothing to be done" in p.stdout + p.stderr
 
 
