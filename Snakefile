@@ -24,10 +24,10 @@ include: "rules/eval.smk"
 include: "rules/report.smk"
 
 
-# The launcher lock (fq.workflow.launch): one Snakemake per campaign directory, from any working directory,
-# plus the key/encoder bindings checked before the first job. Dry runs and --lint never get here.
+# The key/encoder bindings checked before the first job (fq.workflow.launch), and the launcher lock where the parse
+# did not take it (rules/common.smk: Snakemake driven through its API). Dry runs and --lint never get here.
 onstart:
-    on_start(C, KEY, config["encode"]["device"], pending_rules())
+    on_start(C, KEY, config["encode"]["device"], pending_rules(), held=LAUNCH_LOCK)
 
 
 onsuccess:

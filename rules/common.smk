@@ -9,12 +9,16 @@ from fq.provenance.publication import NAME as PUBLICATION_NAME
 from fq.errors import FqError
 from fq.workflow.campaign import load_campaign
 from fq.workflow.common import INDEX, SUMMARY
-from fq.workflow.launch import on_start
+from fq.workflow.launch import on_parse, on_start
 
 try:
     C = load_campaign(config)
 except FqError as e:  # a refused source, recipe or config: fq's one line, not a traceback through the Snakefile
     sys.exit(f"fq: {e}")
+# The launcher lock (fq.workflow.launch), taken here, before Snakemake builds its DAG, by the process the user started
+# when it will run jobs; a second launcher on this campaign stops here, with fq's one line. Not in the jobs that
+# re-parse this file, and not for -n, --lint, --list and the other commands that run no job.
+LAUNCH_LOCK = on_parse(C, workflow.is_main_process)
 OUT = str(C.out)
 W = C.plan.windows_on_disk
 KEY = config.get("signer_key") or f"{OUT}/keys/signer.key"

@@ -55,6 +55,26 @@ def built(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def encoded(built, tmp_path_factory):
+    """Expert 0 of each family's first MoE layer encoded once by the encode job as base "a" (``_encode_one_expert``:
+    K3 mul1, a block of one expert, in a campaign of its own): (the fragment's path, its tensors, the job's metrics).
+    The per-family test and Laguna's stored-scale test read the same encode (each paid it before)."""
+    from fq.provenance.fragments import fragment_filename
+
+    root = tmp_path_factory.mktemp("encoded")
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            d = built(arch)
+            layer = load_source(d).moe_layers[0]
+            tensors, summary = _encode_one_expert(d, layer, root / arch / "a")
+            cache[arch] = (root / arch / "a" / fragment_filename("a", layer, 0), tensors, summary)
+        return cache[arch]
+    return get
+
+
 def _saved(d: Path, name: str) -> torch.Tensor:
     shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
     with safe_open(str(d / shard), "pt") as f:
@@ -149,7 +169,7 @@ def test_kimi_linear_schedule_is_checked_as_exllamav3_reads_it(built):
         assert any(want in p for p in problems), (want, problems)
 
 
-def test_laguna_bases_store_the_routed_up_proj_as_exllamav3_reads_it(built, tmp_path):
+def test_laguna_bases_store_the_routed_up_proj_as_exllamav3_reads_it(built, encoded, tmp_path):
     """exllamav3 1.6.5's LagunaForCausalLM builds every MoE layer with interm_div 128: it reads each routed expert's
     EXL3 up_proj as W_up / 128 (its converter encodes the weight after Linear's weight_scale 1/128; load_exl3 applies
     no scale) and scales the routed weights by 128. Laguna's layout stores the routed up_proj times 2^-7: the encode
@@ -176,10 +196,11 @@ def test_laguna_bases_store_the_routed_up_proj_as_exllamav3_reads_it(built, tmp_
     layer = src.moe_layers[0]
     W = read_source({"0": {p: src.expert_source(layer, 0, p, lambda s: str(d / s)).to_json() for p in PROJECTIONS}})[0]
     name = fragment_filename("a", layer, 0)
-    base, metrics = _encode_one_expert(d, layer, tmp_path / "a")
+    first, base, metrics = encoded("LagunaForCausalLM")
     _encode_one_expert(d, layer, tmp_path / "again" / "a")  # another campaign key: the same fragment bytes
-    assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "again" / "a" / name).read_bytes()
-    stage, _ = _encode_one_expert(d, layer, tmp_path / "s", node="s", K=2, ancestors=(tmp_path / "a" / name,))
+    assert first.read_bytes() == (tmp_path / "again" / "a" / name).read_bytes()
+    # the stage in the base's campaign (its key): the directory beside the base's
+    stage, _ = _encode_one_expert(d, layer, first.parent.parent / "s", node="s", K=2, ancestors=(first,))
 
     def stored(tensors, lp):
         return {x: tensors[layout.key(layer, 0, lp, x)] for x in ("trellis", "suh", "svh", "mul1")}
@@ -644,7 +665,7 @@ def _encode_one_expert(src_dir: Path, layer: int, work: Path, *, node: str = "a"
 
 
 @pytest.mark.parametrize("arch", REGISTERED)
-def test_each_family_is_encoded_published_verified_and_run(built, arch, tmp_path):
+def test_each_family_is_encoded_published_verified_and_run(built, encoded, arch, tmp_path):
     """Per family, what a campaign does to it, without Snakemake: one block of its first MoE layer encoded by the
     encode job (expert 0, its three matrices named by the family's layout, each reconstructing the matrix the source
     reader gives); a base laid out as finalize publishes it (tests/kits/basekit.py: the source's skeleton shards
@@ -662,7 +683,7 @@ def test_each_family_is_encoded_published_verified_and_run(built, arch, tmp_path
     src = load_source(d)
     layout = src.family_entry.layout
     layer = src.moe_layers[0]
-    tensors, summary = _encode_one_expert(d, layer, tmp_path / "encode")
+    _, tensors, summary = encoded(arch)
     want = read_source({"0": {p: src.expert_source(layer, 0, p, lambda s: str(d / s)).to_json() for p in PROJECTIONS}})
     assert sorted(tensors) == sorted(layout.key(layer, 0, lp, x) for lp in layout.projections
                                      for x in ("trellis", "suh", "svh", "mul1"))

@@ -315,6 +315,15 @@ def test_second_run_does_nothing(run):
     assert "Nothing to be done" in p.stdout + p.stderr
 
 
+def test_snakemake_report_renders_html(run):
+    """On the finished campaign, before the tests below change it (they run Snakemake up to the published tree only:
+    eval and the report job are not run again)."""
+    d, _ = run
+    smk(d, "--report", str(d / "report.html"))
+    html = (d / "report.html").read_text(errors="replace")
+    assert len(html) > 10_000 and "quality.png" in html and "products.tsv" in html
+
+
 def test_staging_never_holds_more_than_one_window_with_w1(run):
     d, _ = run
     c = campaign(d)
@@ -341,7 +350,7 @@ def test_deleted_fragment_reruns_only_itself_and_its_descendants(run):
     before = fragment_mtimes(d)
     victim.unlink()
     # up to the published tree (the repair marker, a target, still asks for the missing fragment); eval and the
-    # report follow once, in the finalize-twice test's last run
+    # report job, downstream of it, are the module campaign's first run's to test (above)
     smk(d, "--until", "verify_published")
     after = fragment_mtimes(d)
     changed = {k for k in after if after[k] != before.get(k)}
@@ -371,7 +380,7 @@ def test_finalize_twice_same_bytes_and_stray_refused(run):
     d, _ = run
     root = d / "campaign" / "published"
     first = tree_digest(root)
-    # up to the published tree: eval and the report, downstream of it, run again once, after the stray run below
+    # up to the published tree: eval and the report job, downstream of it, are the first run's to test (above)
     smk(d, "campaign/published.verified", "--forcerun", "finalize")  # the target first: --forcerun takes a list
     assert tree_digest(root) == first
     stray = d / "campaign" / "fragments" / "a" / "a-layer009-block000.safetensors"
@@ -383,7 +392,7 @@ def test_finalize_twice_same_bytes_and_stray_refused(run):
         assert "stray shard" in log and "a-layer009-block000.safetensors" in log
     finally:
         stray.unlink()
-    smk(d)
+    smk(d, "campaign/campaign_summary.json", "campaign/published.verified")  # the failed finalize's outputs are gone
     assert tree_digest(root) == first
 
 
@@ -450,13 +459,6 @@ def test_cuda_without_named_devices_is_refused():
     assert claim("cpu", [], "/tmp") == "cpu"
 
 
-def test_snakemake_report_renders_html(run):
-    d, _ = run
-    smk(d, "--report", str(d / "report.html"))
-    html = (d / "report.html").read_text(errors="replace")
-    assert len(html) > 10_000 and "quality.png" in html and "products.tsv" in html
-
-
 # -- encode.per_job: layer -----------------------------------------------------------------------------------------
 LAYER_MODE = {"device": "cpu", "devices": [], "threads": 1, "seed": 0, "per_job": "layer"}
 
@@ -487,7 +489,7 @@ def layer_run(run, small, tmp_path_factory):
         killed = {f.name: f.stat().st_mtime_ns for f in (camp / "fragments" / "a").glob("*.safetensors")}
     finally:
         k.killpg(p)
-    smk(d)
+    smk(d, *k.TARGETS)  # up to the published tree: the report job is the module campaign's (test_full_run_...)
     return d, dry.stdout + dry.stderr, mid_layer, killed
 
 
@@ -520,7 +522,9 @@ def test_layer_mode_killed_mid_layer_resumes_to_the_block_mode_bytes(run, layer_
 
 def test_switching_per_job_on_a_finished_campaign_reencodes_nothing(layer_run):
     d, _, _, _ = layer_run
-    p = smk(d, "-n", "--config", "encode={per_job: block}")
+    from tests.kits import crashkit as k
+
+    p = smk(d, "-n", *k.TARGETS, "--config", "encode={per_job: block}")  # the published tree, as layer_run made it
     assert "Nothing to be done" in p.stdout + p.stderr
 
 

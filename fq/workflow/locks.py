@@ -3,8 +3,9 @@
 All lock files live in ``OUT/locks/``:
 
     campaign.lock          the launcher (one Snakemake run) holds it exclusively for its lifetime
-                           (taken in the Snakefile's ``onstart:``), so two launchers never drive one
-                           campaign, even from two working directories that point ``out`` at it
+                           (taken while Snakemake parses the Snakefile: fq.workflow.launch), so two
+                           launchers never drive one campaign, even from two working directories that
+                           point ``out`` at it
     workers.lock           every job that writes into the campaign (stage, skeleton, encode, native)
                            holds it *shared* for its lifetime; finalize takes it *exclusively*, so
                            publication can never overlap a worker -- including an orphan whose
@@ -130,9 +131,18 @@ def hold_finalize(locks: str | os.PathLike) -> Path:
                                         f"they exit (`fuser -v {workers}` names them), then run Snakemake again")
 
 
+def holds(path: str | os.PathLike) -> bool:
+    """Whether this process holds ``path`` (taken by one of the ``hold_*`` below)."""
+    return str(path) in _HELD
+
+
+def campaign_path(out: str | os.PathLike) -> Path:
+    return lock_dir(out) / CAMPAIGN
+
+
 def hold_campaign(out: str | os.PathLike) -> Path:
     """``campaign.lock`` exclusively for the life of this process (the launcher)."""
-    path = lock_dir(out) / CAMPAIGN
+    path = campaign_path(out)
     return _hold(path, True, lambda: f"campaign {Path(out)}: another launcher holds {path} (a Snakemake run on this "
                                      f"campaign, possibly from another working directory); refusing to start a second "
                                      f"one. `fuser -v {path}` names it; stop it with one SIGINT (Ctrl-C) and wait, or "
