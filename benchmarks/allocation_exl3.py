@@ -5,7 +5,7 @@ benchmark MoE), ``measure`` on the GPU (exllamav3 loads every directory), ``repo
 
     python benchmarks/allocation_exl3.py build MODEL CAL_TEXT OUT [--bits 2,2.5,3,4,5] [--ks 1-8] [--device cpu]
         [--sens-rows 16 --sens-cols 128 --samples 8] [--hess-cols 512 --hess-tokens 65536] [--seed 0]
-        [--weighting none|affinity-down|affinity] [--from-build EARLIER/fq/build.json]
+        [--weighting none|affinity-down|affinity] [--from-build EARLIER/fq/build.json [--resolve]]
     python benchmarks/allocation_exl3.py measure MODEL OUT --fq OUT/fq --text NAME=PATH [--text ...]
         [--b 1.5,2,...] [--hq 1.5,2,...] [--parallel 4] [--tokens 32768] [--seq 256] [--skip-exl3]
     python benchmarks/allocation_exl3.py check MODEL OUT/fq CHECK.json --text NAME=PATH [--text ...] [--tokens 32768]
@@ -24,7 +24,8 @@ config.json, tokenizer, one ``model.safetensors`` with the source's other tensor
 git. ``OUT/fq/build.json``: the units' options, each allocation (K per unit, bits, bytes, predicted KL, gap bound), the
 encodes' proxy errors, timings. ``--weighting`` encodes against the routed experts' Hessians under the campaign's
 router-affinity weighting (``calibration.weighting``); ``--from-build`` takes an earlier build's allocations instead of
-measuring them again (the same K per unit and bytes: a paired comparison of Hessians). With ``--check-cpu TEXT`` every directory's linears are read back from its
+measuring them again (the same K per unit and bytes: a paired comparison of Hessians), or with ``--resolve`` solves
+its measurement again at ``--bits`` with the candidates ``--ks`` and floor ``--least-k``. With ``--check-cpu TEXT`` every directory's linears are read back from its
 file, decoded by fq (fq.codec.tensors.reconstruct) and their KL against the source measured in transformers (float32,
 the build's device) on TEXT: a check of the files' content independent of exllamav3.
 
@@ -298,6 +299,23 @@ def allocations_from(build_json: Path, src: Path):
     return options, doc["allocated_weights"], fit, allocs, least_of
 
 
+def resolve(options, fit, n_weights, ks, bits, least_k):
+    """The pooled solver (fq's) on an earlier build's measurement, with the candidates restricted to ``ks``."""
+    from fq.allocation import solve
+    from fq.allocation.document import LEAST_K
+
+    least = LEAST_K if least_k is None else least_k
+    sizes = {u: {K: v[1] for K, v in o.items() if K in ks} for u, o in options.items()}
+    parts = {u: {K: p[K] for K in sizes[u]} for u, p in fit["parts"].items()}
+    allocs, least_of = {}, {}
+    for b in bits:
+        s, lk = solve.solve_pooled(parts, sizes, solve.budget_from_bits(b, n_weights), n_weights, least)
+        allocs[("pooled", b)], least_of[("pooled", b)] = s, lk
+        print(f"pooled {b:g} bits (re-solved): {s.bits:.4f} bits, {s.bytes:,} B, predicted KL {s.predicted_kl:.5f}, "
+              f"least K {lk}; K " + " ".join(f"{u}:{k}" for u, k in s.ks.items()), flush=True)
+    return allocs, least_of
+
+
 def _k(K: str):
     return float(K) if "." in K else int(K)
 
@@ -334,6 +352,8 @@ def build(a) -> int:
 
     if a.from_build:  # the allocations of an earlier build (same model, sensitivity windows and candidates)
         options, n_weights, fit, allocs, least_of = allocations_from(Path(a.from_build), src)
+        if a.resolve:  # its measurement solved again: other candidates (--ks), floor (--least-k) or budgets (--bits)
+            allocs, least_of = resolve(options, fit, n_weights, ks, bits, a.least_k)
     else:
         options, n_weights, fit, allocs, least_of = measure_and_solve(a, model, sens_w, ks, bits, clock)
 
@@ -409,7 +429,7 @@ def build(a) -> int:
            "tokenizer_sha256": tok_sha, "codebook": CODEBOOK, "ks": ks, "samples": a.samples, "seed": a.seed,
            "sensitivity_windows": list(sens_w.shape), "hessian_windows": list(hess_w.shape),
            "random_rows": a.random_rows, "random_sens": a.random_sens,
-           "weighting": a.weighting, "from_build": a.from_build,
+           "weighting": a.weighting, "from_build": a.from_build, "resolve": a.resolve,
            "allocated_weights": n_weights, "device": str(dev), "seconds": {k: round(v, 2) for k, v in clock.items()},
            "options": {u: {str(K): list(v) for K, v in o.items()} for u, o in options.items()},
            "injected": {u: {str(K): kl for K, kl in p.items()} for u, p in fit["injected"].items()},
@@ -748,6 +768,8 @@ def main(argv=None) -> int:
     b.add_argument("--weighting", default="none", choices=("none", "affinity-down", "affinity"),
                    help="the routed experts' Hessians under the campaign's calibration.weighting (fq.hessian.affinity)")
     b.add_argument("--from-build", help="an earlier build.json of this model: its allocations, not measured again")
+    b.add_argument("--resolve", action="store_true", help="with --from-build: solve its measurement again at --bits "
+                   "with the candidates --ks and floor --least-k")
     b.add_argument("--check-cpu", action="append", help="NAME=PATH of held-out text (repeatable): also measure the "
                    "built weights' KL in transformers there, per window")
     b.add_argument("--models", default="pooled",

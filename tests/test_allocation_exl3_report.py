@@ -99,3 +99,19 @@ def test_weighted_expert_hessians_with_a_flat_router_are_the_all_experts_capture
     assert set(weighted) == want and len(want) == (12 if weighting == "affinity" else 4)
     for n, H in weighted.items():
         torch.testing.assert_close(H, plain[n], rtol=1e-10, atol=1e-12)
+
+
+def test_resolve_solves_an_earlier_measurement_within_the_candidates_given(alloc):
+    """``build --from-build --resolve``: fq's pooled solver on the earlier build's options, K only from ``--ks``."""
+    n = 4096 * 2  # two units of 4096 weights; bytes = weights x K / 8
+    options = {u: {K: (0.0, int(4096 * K / 8)) for K in (1, 1.5, 2, 3, 4)} for u in ("a", "b")}
+    parts = {"a": {1: (0.5, 0.0), 1.5: (0.2, 0.0), 2: (0.1, 0.0), 3: (0.03, 0.0), 4: (0.01, 0.0)},
+             "b": {1: (0.05, 0.0), 1.5: (0.02, 0.0), 2: (0.01, 0.0), 3: (0.003, 0.0), 4: (0.001, 0.0)}}
+    free, _ = alloc.resolve(options, {"parts": parts}, n, [1, 1.5, 2, 3, 4], [2.5], 1)
+    assert free[("pooled", 2.5)].ks == {"a": 3, "b": 2}  # the sensitive unit gets the bits
+    tight, _ = alloc.resolve(options, {"parts": parts}, n, [1, 1.5, 2, 3, 4], [1.75], 1)
+    assert tight[("pooled", 1.75)].ks == {"a": 2, "b": 1.5}
+    from fq.errors import FqError
+
+    with pytest.raises(FqError, match="below the smallest allocation"):  # K2 is the least of these candidates
+        alloc.resolve(options, {"parts": parts}, n, [2, 3, 4], [1.75], 1)
