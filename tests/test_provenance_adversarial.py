@@ -18,15 +18,12 @@ import torch
 
 from tests.kits import provkit
 from fq.core.canonical import dumps, loads, sha256_hex
-from fq.core.safepath import sha256_stream
 from fq.errors import FqError
 from fq.model.experts import STANDARD
-from fq.model.shards import read_header
 from fq.provenance.assembly import PlanState, read_assembly
 from fq.provenance.attest import dsse
 from fq.provenance.attest.campaign import campaign_identity
 from fq.provenance.attest.fragment import attest_fragment
-from fq.provenance.attest.statement import FRAGMENT, statement
 from fq.provenance.combine import combine
 from fq.provenance.exl3config import write_derived
 from fq.provenance.fragments import fragment_filename, write_fragment
@@ -98,43 +95,11 @@ def header_edit(p, edit):
 
 def forge_signed(c, p, data: bytes):
     """Replace a fragment with ``data`` and sign everything about it with the campaign's own key, the way a
-    pipeline with a bug would: a matching attestation and re-signed plans. Only the consumer's own
-    structural checks remain between these bytes and an inference engine."""
+    pipeline with a bug would: a matching attestation, its children's parent edges, re-signed plans and publication
+    (provkit.insider_resign). Only the consumer's own structural checks remain between these bytes and an inference
+    engine."""
     p.write_bytes(data)
-    st = attested(c, p)
-    pred = st["predicate"]
-    with open(p, "rb") as fh:
-        header = read_header(fh, p.name)
-        groups = {}
-        for e in header.entries:
-            groups.setdefault(STANDARD.parse(e.name)[1], []).append(e.name)
-        spans = [header.span(groups[k], str(k)) for k in sorted(groups)]
-        whole, size, digests = sha256_stream(fh, spans)
-    pred["experts"] = [{"expert": k, "offset": o, "length": n, "sha256": d}
-                       for k, (o, n), d in zip(sorted(groups), spans, digests)]
-    pred["shard"] = {"size": size, "header_sha256": header.sha256}
-    line = dsse.envelope_line(dsse.sign(statement([(p.name, whole)], FRAGMENT, pred), c.priv))
-    att_path(p).write_bytes(line)
-    lines = {p.relative_to(c.root).as_posix(): line}
-    # keep every chain edge consistent: children re-attested with the new parent digest
-    for child in c.root.rglob("*.safetensors"):
-        st = attested(c, child)
-        if st["predicate"]["parent"] and st["predicate"]["parent"]["name"] == p.name:
-            st["predicate"]["parent"]["sha256"] = whole
-            cl = dsse.envelope_line(dsse.sign(dumps(st), c.priv))
-            att_path(child).write_bytes(cl)
-            lines[child.relative_to(c.root).as_posix()] = cl
-    rel = p.relative_to(c.root).as_posix()
-    for product in provkit.PRODUCTS:
-        plan = plan_of(c, product)
-        for f in plan["fragments"]:
-            if f["name"] == rel:
-                f.update(sha256=whole, size=size, header_sha256=header.sha256, experts=pred["experts"])
-            if f["parent"] and f["parent"]["name"] == p.name:
-                f["parent"]["sha256"] = whole
-            if f["name"] in lines:
-                f["attestation_sha256"] = sha256_hex(lines[f["name"]])
-        write_signed_plan(c, plan, product)
+    provkit.insider_resign(c, p.relative_to(c.root).as_posix())
 
 
 # --- the cases ---
